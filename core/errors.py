@@ -1,0 +1,45 @@
+"""Errors grouped by cause. Each message gives the thing, the value, the rule and the fix.
+
+Expected outcomes (a marker already present, a record skipped) are not errors: they are logged
+at INFO and counted. These classes are for what stops a record, a config, a batch or a run.
+"""
+
+from __future__ import annotations
+
+
+class HsxError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class BadRecord(HsxError):
+    """One dataset record cannot become a training sample; it is skipped and counted.
+
+    ``reason`` is a short stable code (``no_turns``, ``unknown_role``, ``no_supervised_tokens``...)
+    used as the key of the skip counters; ``detail`` is for humans.
+    """
+
+    def __init__(self, record_id: str, reason: str, detail: str = ""):
+        self.record_id = record_id
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"record {record_id}: {reason}" + (f" ({detail})" if detail else ""))
+
+
+class BadConfig(HsxError):
+    """A setting or option is invalid; raised before any model or GPU work starts."""
+
+
+class BadDataset(HsxError):
+    """The dataset as a whole cannot be read (missing path, unknown format, no usable record)."""
+
+
+class StoreError(HsxError):
+    """The store cannot be reached or refused an operation (credentials, bucket, disk)."""
+
+
+class RunConflict(HsxError):
+    """A run id already exists in the store with another config; nothing was written."""
+
+
+class FidelityError(HsxError):
+    """Data would be wrong if we went on (shard does not match its marker, ids do not echo the plan)."""

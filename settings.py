@@ -1,0 +1,98 @@
+"""One settings object for the producer, the workers and the CLI.
+
+Every value comes from an environment variable with the prefix ``HSX_`` (for example
+``HSX_BROKER_URL``) or from a ``.env`` file in the working directory; command-line options
+override them. No other module reads ``os.environ``: pass a :class:`Settings` around instead.
+Bad values are refused at load time, and the error names the field.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "hsx"
+
+
+class Settings(BaseSettings):
+    """Configuration shared by ``python -m producer``, ``python -m workers`` and the Celery app."""
+
+    model_config = SettingsConfigDict(env_prefix="HSX_", env_file=".env", extra="ignore")
+
+    # --- broker -------------------------------------------------------------------------
+    broker_url: str | None = None
+    """Celery broker URL (``redis://``, ``rediss://`` or ``redis+socket://``). Unset: ``producer run``
+    starts the embedded valkey-server on a unix socket under ``state_dir``; ``enqueue`` and
+    workers refuse to start without one."""
+    result_backend: str | None = None
+    """Celery result backend URL; unset means the broker URL."""
+    visibility_timeout_s: int = Field(default=6 * 3600, ge=60)
+    """Seconds a claimed, unacknowledged task stays invisible before Redis delivers it again.
+    Must be several times the longest task (FIELD-NOTES 5); the same value on every app."""
+    queue: str = "gpu"
+    """Celery queue that carries extraction tasks."""
+
+    # --- store --------------------------------------------------------------------------
+    store_url: str = "./out"
+    """Where runs are written: a local directory or ``s3://bucket/prefix``."""
+    s3_endpoint_url: str | None = None
+    """S3 endpoint (SeaweedFS, MinIO, moto...). Unset: boto3's default (AWS or ``AWS_ENDPOINT_URL``)."""
+    s3_region: str | None = None
+    """S3 region; unset: boto3's default chain."""
+    s3_access_key_id: str | None = None
+    """S3 access key; unset: boto3's default credential chain (``AWS_*`` variables, profiles)."""
+    s3_secret_access_key: str | None = None
+    """S3 secret key; never printed or stored."""
+    spool_dir: Path | None = None
+    """Local directory where a worker writes a shard before it is stored; unset: a temp dir."""
+
+    # --- planning -----------------------------------------------------------------------
+    max_length: int = Field(default=4096, ge=8)
+    """Tokens per sample; longer samples are truncated (mask truncated the same way)."""
+    batch_tokens: int = Field(default=32768, ge=8)
+    """Token budget of one batch, counted as rows x longest row (padding included)."""
+    max_batch_samples: int = Field(default=256, ge=1)
+    """Upper bound on samples (rows) in one batch."""
+
+    # --- workers ------------------------------------------------------------------------
+    model: str | None = None
+    """Target model a worker loads at start (hub id, local checkpoint or ``tiny-qwen3.5``).
+    Unset: the worker loads the model named by the first run it serves."""
+    worker_concurrency: int = Field(default=1, ge=1)
+    """Task threads per worker process (one GPU each). 1 keeps one batch on the GPU at a time."""
+    workers_per_node: int | None = Field(default=None, ge=1)
+    """Worker processes ``python -m workers`` starts; unset: one per visible GPU (one on CPU)."""
+    device: str | None = None
+    """Torch device of a worker; unset: ``cuda`` when available, else ``cpu``."""
+    trust_remote_code: bool = False
+    """Allow model code from the checkpoint (off: only code that ships with transformers runs)."""
+
+    # --- local state --------------------------------------------------------------------
+    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    """Built-in models are generated here on first use."""
+    state_dir: Path | None = None
+    """Embedded broker's socket and AOF; unset: ``cache_dir/broker``."""
+
+    @field_validator("broker_url", "result_backend")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v is None or v == "":
+            return None
+        if not v.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
+            raise ValueError(f"{v!r} is not a Redis URL: use redis://HOST:PORT/DB or redis+socket:///PATH")
+        return v
+
+    @property
+    def broker_state_dir(self) -> Path:
+        return self.state_dir or (self.cache_dir / "broker")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()
