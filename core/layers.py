@@ -1,0 +1,132 @@
+"""Layer ids: which hidden states a run captures, and how they map across conventions.
+
+Our convention (also SpecForge's and DFlash's ``target_layer_ids``): id ``i`` is the **output of
+decoder layer i**, 0-based, i.e. the residual stream after layer ``i``. The same state is
+HF ``output_hidden_states`` index ``i + 1`` (index 0 is the embeddings, index N is the final state
+*after* the norm) and vLLM / speculators id ``i + 1`` ("input to layer i+1"; id N is the final
+state *before* the norm). See FIELD-NOTES section 1 for the off-by-one bugs this avoids.
+
+Final states are separate from layer ids: ``postnorm`` is what ``lm_head`` consumes (computed with
+the model's own final norm module), ``prenorm`` is the raw output of the last layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.errors import BadConfig
+
+PRESETS = ("eagle3", "dflash")
+FINALS = ("none", "postnorm", "prenorm", "both")
+
+
+def eagle3_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3 auxiliary layers ``[1, N//2 - 1, N - 4]`` (SpecForge), output-of convention."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def dflash_layer_ids(num_layers: int, num_draft_layers: int = 5) -> list[int]:
+    """DFlash target layers: K ids spread evenly from 1 to N-3, rounded with Python's ``round``.
+
+    With one draft layer DFlash takes ``N // 2`` (FIELD-NOTES section 1).
+    """
+    if num_draft_layers == 1:
+        return [num_layers // 2]
+    start, end = 1, num_layers - 3
+    span = end - start
+    return [round(start + span * j / (num_draft_layers - 1)) for j in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """The captured layers of a run.
+
+    ``layer_ids`` are ascending, 0-based, output-of convention; ``final`` is one of
+    ``none | postnorm | prenorm | both``.
+    """
+
+    layer_ids: tuple[int, ...]
+    final: str
+    preset: str | None
+    num_layers: int
+
+    @property
+    def hf_indices(self) -> list[int]:
+        """The same states as indices into HF ``output_hidden_states`` (``i + 1``)."""
+        return [i + 1 for i in self.layer_ids]
+
+    @property
+    def vllm_ids(self) -> list[int]:
+        """The same states in the vLLM / speculators convention (``i + 1``)."""
+        return [i + 1 for i in self.layer_ids]
+
+    @property
+    def deepest_layer(self) -> int:
+        """Index of the last decoder layer the forward must run (N-1 if a final state is wanted)."""
+        if self.final != "none":
+            return self.num_layers - 1
+        return max(self.layer_ids)
+
+    def as_dict(self) -> dict:
+        return {
+            "layer_ids": list(self.layer_ids),
+            "convention": "output of decoder layer i, 0-based (HF hidden_states index i+1)",
+            "hf_hidden_states_indices": self.hf_indices,
+            "vllm_ids": self.vllm_ids,
+            "final": self.final,
+            "preset": self.preset,
+            "num_layers": self.num_layers,
+        }
+
+
+def parse_layer_ids(text: str) -> list[int]:
+    """Parse ``"1,16,31"``; raises :class:`BadConfig` on anything that is not a list of integers."""
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError:
+        raise BadConfig(f"--layers {text!r}: expected comma-separated integers such as 1,16,31") from None
+
+
+def select_layers(
+    num_layers: int,
+    *,
+    layer_ids: list[int] | None = None,
+    preset: str | None = None,
+    final: str | None = None,
+) -> LayerSelection:
+    """Validate a layer request against a model with ``num_layers`` decoder layers.
+
+    With neither ids nor preset, the EAGLE-3 preset is used. ``final`` defaults to ``postnorm``
+    for EAGLE-3 and ``none`` otherwise.
+
+    Raises:
+        BadConfig: ids out of ``[0, N-1]``, duplicated or unsorted; unknown preset or final;
+            both ids and a preset given.
+    """
+    if layer_ids is not None and preset is not None:
+        raise BadConfig("give either --layers or --preset, not both")
+    if layer_ids is None:
+        preset = preset or "eagle3"
+        if preset == "eagle3":
+            layer_ids = eagle3_layer_ids(num_layers)
+        elif preset == "dflash":
+            layer_ids = dflash_layer_ids(num_layers)
+        else:
+            raise BadConfig(f"--preset {preset!r}: unknown preset; choose one of {', '.join(PRESETS)}")
+    if final is None:
+        final = "postnorm" if preset == "eagle3" else "none"
+    if final not in FINALS:
+        raise BadConfig(f"--final {final!r}: choose one of {', '.join(FINALS)}")
+    if not layer_ids:
+        raise BadConfig("--layers is empty: give at least one layer id (0-based, output of layer i)")
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise BadConfig(
+            f"layer ids {bad} are out of range for a model with {num_layers} layers: "
+            f"ids are 0-based outputs of decoder layers, so they must be in [0, {num_layers - 1}]"
+        )
+    if len(set(layer_ids)) != len(layer_ids):
+        raise BadConfig(f"layer ids {layer_ids} contain duplicates: each layer may be captured once")
+    if list(layer_ids) != sorted(layer_ids):
+        raise BadConfig(f"layer ids {layer_ids} must be ascending (the shard stores them in id order): use {sorted(layer_ids)}")
+    return LayerSelection(tuple(layer_ids), final, preset, num_layers)

@@ -1,0 +1,48 @@
+"""Completion markers: ``<run>/markers/<batch>.json``, written last, with a conditional create.
+
+A batch is done if and only if its marker exists and its ``config_sha256`` equals the run's.
+The marker names the shard object it certifies (key, bytes, sha256): shard keys carry an attempt
+suffix (``shards/<batch>-<attempt>.safetensors``) so that two workers racing on the same batch
+never overwrite each other's shard; the loser of the marker race deletes its own shard.
+"""
+
+from __future__ import annotations
+
+import json
+
+from core.store import Store
+
+MARKERS_PREFIX = "markers/"
+
+
+def marker_key(batch: str) -> str:
+    return f"{MARKERS_PREFIX}{batch}.json"
+
+
+def shard_key(batch: str, attempt: str) -> str:
+    return f"shards/{batch}-{attempt}.safetensors"
+
+
+def write_marker(run_store: Store, batch: str, marker: dict) -> bool:
+    """Create the marker; True if we wrote it, False if another worker finished the batch first."""
+    return run_store.create(marker_key(batch), json.dumps(marker, indent=1, sort_keys=True).encode())
+
+
+def read_marker(run_store: Store, batch: str) -> dict | None:
+    """The marker of ``batch``, or None if the batch is not done."""
+    from core.store import MissingKey
+
+    try:
+        return json.loads(run_store.read(marker_key(batch)))
+    except MissingKey:
+        return None
+
+
+def done_batches(run_store: Store) -> set[str]:
+    """Names of batches that have a marker (one listing; does not read the markers)."""
+    out = set()
+    for key in run_store.list(MARKERS_PREFIX):
+        name = key.rsplit("/", 1)[-1]
+        if name.endswith(".json"):
+            out.add(name[: -len(".json")])
+    return out

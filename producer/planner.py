@@ -1,0 +1,235 @@
+"""Planning a run: dataset -> chat template -> token ids and loss masks -> batches -> the plan in the store.
+
+Everything that can be refused is refused here, before any model weights are loaded or any GPU
+work is queued: unknown model, layer ids out of range, a batch budget smaller than one sample,
+an unreachable store, a run id that exists with another config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from core.errors import BadConfig, BadDataset, BadRecord
+from core.layers import parse_layer_ids, select_layers
+from core.models import load_tokenizer, model_info
+from core.plan import BATCHES_JSON, SAMPLES_JSONL, BatchPlan, batch_id, batch_key, plan_complete, read_batch_list
+from core.runconfig import RunConfig, check_run_id, claim_run
+from core.store import Store, open_store
+from producer.batching import cut_batches, padding_waste
+from producer.datasets import SkipCounter, dataset_files, iter_conversations
+from producer.masks import ChatTokeniser
+from settings import Settings
+
+STATS_JSON = "plan/stats.json"
+STORE_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass
+class PlanOptions:
+    """What the user asked for on the command line (None: take the settings' default)."""
+
+    dataset: str
+    model: str
+    output: str | None = None
+    layers: str | None = None
+    preset: str | None = None
+    final: str | None = None
+    max_length: int | None = None
+    batch_tokens: int | None = None
+    max_batch_samples: int | None = None
+    limit: int | None = None
+    run_id: str | None = None
+    store_dtype: str = "bfloat16"
+
+
+@dataclass
+class PlannedRun:
+    """A planned run: where it is, its config, its batches and the planning stats."""
+
+    run_store: Store
+    root_store: Store
+    config: RunConfig
+    batches: list[dict]
+    stats: dict
+    reused: bool = False
+    run_url: str = ""
+    extras: dict = field(default_factory=dict)
+
+
+def dataset_fingerprint(source: str) -> str:
+    """sha256 over the dataset files' names, sizes and bytes (the run id changes if the data does)."""
+    h = hashlib.sha256()
+    for path in dataset_files(source):
+        h.update(f"{path.name}:{path.stat().st_size};".encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _dataset_name(source: str) -> str:
+    return source if source == "sharegpt" else Path(source).stem or "dataset"
+
+
+def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[RunConfig, object]:
+    """Validate the request and build the run config; returns it with the loaded tokenizer.
+
+    Raises:
+        BadConfig: any option is invalid (the message names it and says how to fix it).
+        BadDataset: the dataset cannot be found or read.
+    """
+    max_length = opts.max_length or settings.max_length
+    batch_tokens = opts.batch_tokens or settings.batch_tokens
+    max_batch_samples = opts.max_batch_samples or settings.max_batch_samples
+    if max_length < 8:
+        raise BadConfig(f"--max-length {max_length}: must be at least 8 tokens")
+    if batch_tokens < max_length:
+        raise BadConfig(
+            f"--batch-tokens {batch_tokens} is smaller than --max-length {max_length}: a batch must hold at least one "
+            f"full-length sample; raise --batch-tokens or lower --max-length"
+        )
+    if opts.store_dtype not in STORE_DTYPES:
+        raise BadConfig(f"--store-dtype {opts.store_dtype!r}: choose one of {', '.join(STORE_DTYPES)}")
+    if opts.limit is not None and opts.limit < 1:
+        raise BadConfig(f"--limit {opts.limit}: must be a positive number of records")
+    if opts.run_id is not None:
+        try:
+            check_run_id(opts.run_id)
+        except ValueError as exc:
+            raise BadConfig(f"--run-id: {exc}") from None
+    files = dataset_files(opts.dataset)  # BadDataset early, before loading a model config
+    info = model_info(opts.model, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
+    selection = select_layers(
+        info.num_layers,
+        layer_ids=parse_layer_ids(opts.layers) if opts.layers else None,
+        preset=opts.preset,
+        final=opts.final,
+    )
+    tokenizer = load_tokenizer(opts.model, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
+    chat = ChatTokeniser(tokenizer, max_length=max_length)
+    config = RunConfig(
+        model=info.as_dict(),
+        model_name=opts.model,
+        layers=selection.as_dict(),
+        max_length=max_length,
+        batch_tokens=batch_tokens,
+        max_batch_samples=max_batch_samples,
+        store_dtype=opts.store_dtype,
+        tokenizer={
+            "class": type(tokenizer).__name__,
+            "vocab_size": len(tokenizer),
+            "chat_template_sha256": chat.template_sha256,
+            "end_of_turn_ids": sorted(int(i) for i in chat.end_of_turn_ids),
+        },
+        dataset_fingerprint=dataset_fingerprint(opts.dataset),
+        dataset_source=opts.dataset if opts.dataset == "sharegpt" else str(Path(opts.dataset).resolve()),
+        limit=opts.limit,
+    )
+    config.run_id = opts.run_id or config.default_run_id(_dataset_name(opts.dataset))
+    config.created_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    del files
+    return config, chat
+
+
+def tokenise_dataset(opts: PlanOptions, chat: ChatTokeniser, skips: SkipCounter, progress=None):
+    """Stream the dataset through the chat template. Returns (record ids, input ids, loss masks, truncated flags)."""
+    record_ids, ids, masks, truncated = [], [], [], []
+    task = progress.add_task("tokenising", total=opts.limit) if progress else None
+    for conv in iter_conversations(opts.dataset, skips, limit=opts.limit):
+        try:
+            sample = chat.encode(conv)
+        except BadRecord as err:
+            skips.add(err)
+        else:
+            record_ids.append(sample.record_id)
+            ids.append(sample.input_ids)
+            masks.append(sample.loss_mask)
+            truncated.append(sample.truncated)
+        if progress:
+            progress.advance(task)
+    if progress:
+        progress.update(task, completed=progress.tasks[task].completed, total=progress.tasks[task].completed)
+    return record_ids, ids, masks, truncated
+
+
+def plan_run(opts: PlanOptions, settings: Settings, progress=None) -> PlannedRun:
+    """Plan (or find the existing plan of) a run and write it to the store.
+
+    The same dataset and config give the same run id; when that run's plan is already complete
+    in the store it is reused as is (no tokenisation).
+
+    Raises:
+        BadConfig, BadDataset: invalid request (nothing written).
+        core.errors.RunConflict: the run id exists with another config (nothing written).
+        core.errors.StoreError: the store is unreachable.
+    """
+    t0 = time.perf_counter()
+    root = open_store(opts.output or settings.store_url, settings)
+    config, chat = build_config(opts, settings, progress)
+    run_store = root.child(config.run_id)
+    claim_run(run_store, config)
+    run_url = run_store.url
+    if plan_complete(run_store):
+        batches = read_batch_list(run_store)
+        stats = json.loads(run_store.read(STATS_JSON)) if run_store.exists(STATS_JSON) else {}
+        return PlannedRun(run_store, root, config, batches, stats, reused=True, run_url=run_url)
+
+    skips = SkipCounter()
+    record_ids, ids, masks, truncated = tokenise_dataset(opts, chat, skips, progress)
+    if not ids:
+        raise BadDataset(f"{opts.dataset}: no usable record (skipped: {json.dumps(skips.as_dict())})")
+    lengths_N = np.array([len(x) for x in ids], dtype=np.int64)
+    groups = cut_batches(lengths_N, batch_tokens=config.batch_tokens, max_batch_samples=config.max_batch_samples)
+
+    batch_of = np.empty(len(ids), dtype=np.int64)
+    plans = []
+    for b, members in enumerate(groups):
+        batch_of[members] = b
+        cu = np.zeros(len(members) + 1, dtype=np.int64)
+        cu[1:] = np.cumsum(lengths_N[members])
+        plans.append(
+            BatchPlan(
+                batch_id(b),
+                np.concatenate([ids[i] for i in members]).astype(np.int32),
+                np.concatenate([masks[i] for i in members]).astype(np.uint8),
+                cu,
+                members.astype(np.int64),
+            )
+        )
+    task = progress.add_task("writing plan", total=len(plans)) if progress else None
+
+    def put(plan: BatchPlan) -> dict:
+        run_store.write(batch_key(plan.batch), plan.to_bytes())
+        if progress:
+            progress.advance(task)
+        return plan.summary()
+
+    with ThreadPoolExecutor(16) as pool:
+        batches = list(pool.map(put, plans))
+    lines = (
+        json.dumps({"sample_index": i, "record_id": record_ids[i], "num_tokens": int(lengths_N[i]),
+                    "supervised_tokens": int(masks[i].sum()), "truncated": bool(truncated[i]), "batch": batch_id(int(batch_of[i]))})
+        for i in range(len(ids))
+    )
+    run_store.write(SAMPLES_JSONL, ("\n".join(lines) + "\n").encode())
+    stats = {
+        "samples": len(ids),
+        "tokens": int(lengths_N.sum()),
+        "supervised_tokens": int(sum(int(m.sum()) for m in masks)),
+        "truncated_samples": int(sum(truncated)),
+        "batches": len(batches),
+        "padding_waste": round(padding_waste(lengths_N, groups), 4),
+        "skipped": skips.as_dict(),
+        "plan_seconds": round(time.perf_counter() - t0, 2),
+    }
+    run_store.write(STATS_JSON, json.dumps(stats, indent=1).encode())
+    run_store.write(BATCHES_JSON, json.dumps(batches).encode())  # last: the plan is complete
+    return PlannedRun(run_store, root, config, batches, stats, reused=False, run_url=run_url)

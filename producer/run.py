@@ -1,0 +1,153 @@
+"""``python -m producer run``: the whole job on one machine.
+
+Plan -> (embedded broker if no broker URL is set) -> local workers -> enqueue -> wait with a
+progress bar -> stop what we started -> summary. A second run of the same job finds every marker
+and starts nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from core.broker import EmbeddedBroker, check_broker
+from core.marker import MARKERS_PREFIX, done_batches
+from core.store import mask_url
+from producer.enqueue import enqueue_batches
+from producer.planner import PlanOptions, PlannedRun, plan_run
+from producer.status import read_failures
+from settings import Settings
+
+
+def settings_env(settings: Settings, **overrides) -> dict[str, str]:
+    """The environment for child processes: ours plus every set setting as ``HSX_*``."""
+    env = dict(os.environ)
+    values = settings.model_dump()
+    values.update(overrides)
+    for name, value in values.items():
+        if value is None:
+            continue
+        env[f"HSX_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env
+
+
+class LocalWorkers:
+    """``python -m workers`` as a child process, logging to a file; stopped with SIGTERM (warm shutdown)."""
+
+    def __init__(self, env: dict[str, str], log_path: Path, count: int | None = None):
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")
+        cmd = [sys.executable, "-m", "workers"] + (["--count", str(count)] if count else [])
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress=None, poll_s: float = 0.5) -> dict:
+    """Block until every batch has a marker, or every unfinished batch has failed, or the workers died.
+
+    Returns ``{"done": n, "failed": {batch: record}, "workers_died": bool}``.
+    """
+    run_store = planned.run_store
+    by_name = {b["batch"]: b for b in planned.batches}
+    seen: set[str] = set()
+    task = None
+    if progress:
+        task = progress.add_task("extracting", total=len(by_name), samples=0, tokens=0)
+    started = time.monotonic()
+    tokens = samples = 0
+    failed: dict = {}
+    last_fail_check = 0.0
+    while True:
+        done = done_batches(run_store) & set(by_name)
+        for b in done - seen:
+            tokens += by_name[b]["num_tokens"]
+            samples += by_name[b]["num_samples"]
+        new_done = len(done - seen)
+        seen |= done
+        if progress and new_done:
+            elapsed = max(time.monotonic() - started, 1e-6)
+            progress.update(task, advance=new_done, samples=samples, tok_s=tokens / elapsed)
+        remaining = set(by_name) - seen
+        if not remaining:
+            break
+        if time.monotonic() - last_fail_check > 2.0:
+            failed = read_failures(run_store, seen)
+            last_fail_check = time.monotonic()
+            if remaining <= set(failed):
+                break
+        if workers is not None and not workers.alive():
+            return {"done": len(seen), "failed": read_failures(run_store, seen), "workers_died": True}
+        time.sleep(poll_s)
+    return {"done": len(seen), "failed": read_failures(run_store, seen), "workers_died": False}
+
+
+def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:
+    """Plan, start what is missing, extract every batch, stop what we started. Returns (exit code, report)."""
+    t0 = time.perf_counter()
+    if settings.broker_url:
+        check_broker(settings.broker_url)  # a bad broker URL is refused before planning
+    with progress_factory() as progress:
+        planned = plan_run(opts, settings, progress)
+    done_before = done_batches(planned.run_store) & {b["batch"] for b in planned.batches}
+    report = {"run_id": planned.config.run_id, "address": planned.run_url, "plan": planned.stats,
+              "plan_reused": planned.reused, "batches_total": len(planned.batches),
+              "batches_already_done": len(done_before), "batches_enqueued": 0}
+    if len(done_before) == len(planned.batches):
+        report["seconds"] = round(time.perf_counter() - t0, 2)
+        return 0, report
+
+    broker = None
+    local = None
+    code = 0
+    try:
+        broker_url = settings.broker_url
+        if not broker_url:
+            broker = EmbeddedBroker(settings.broker_state_dir).start()
+            broker_url = broker.url
+            console.print(f"[dim]embedded broker: valkey-server on {broker.socket_path} (AOF in {settings.broker_state_dir})[/]")
+        log_path = settings.broker_state_dir.parent / "logs" / f"workers-{planned.config.run_id}.log"
+        env = settings_env(settings, broker_url=broker_url, model=opts.model)
+        local = LocalWorkers(env, log_path, count=workers)
+        console.print(f"[dim]workers: python -m workers (log: {log_path})[/]")
+        result = enqueue_batches(planned, settings, broker_url)
+        report["batches_enqueued"] = len(result.enqueued)
+        with progress_factory() as progress:
+            waited = wait_for_markers(planned, local, progress)
+        report["failed"] = waited["failed"]
+        if waited["workers_died"]:
+            report["workers_log_tail"] = local.log_tail()
+            code = 1
+        elif waited["failed"]:
+            code = 1
+    finally:
+        if local is not None:
+            local.stop()
+        if broker is not None:
+            broker.stop()
+    report["batches_done"] = len(done_batches(planned.run_store) & {b["batch"] for b in planned.batches})
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    return code, report

@@ -1,0 +1,35 @@
+"""The workers' Celery app: ``celery -A workers worker -Q gpu`` runs one worker on one device.
+
+The broker URL comes from ``HSX_BROKER_URL`` (see settings.py); when ``HSX_MODEL`` is set the
+model is loaded and warmed up as the worker starts, before it takes its first task.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery.signals import worker_ready
+
+from core.errors import BadConfig
+from core.queue import make_celery
+from settings import get_settings
+
+log = logging.getLogger(__name__)
+
+_settings = get_settings()
+if not _settings.broker_url:
+    raise BadConfig(
+        "HSX_BROKER_URL is not set: a worker needs the broker the producer enqueued into, "
+        "e.g. HSX_BROKER_URL=redis://:PASSWORD@HOST:6379/0 (or use 'python -m producer run' on one machine)"
+    )
+
+app = make_celery(_settings, _settings.broker_url, name="workers")
+app.conf.include = ["workers.tasks"]
+
+
+@worker_ready.connect
+def _preload(**_kwargs) -> None:
+    if _settings.model:
+        from workers.target import get_target
+
+        get_target(_settings.model, _settings)

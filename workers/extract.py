@@ -1,0 +1,169 @@
+"""One batch, end to end on a worker: marker check, plan, capture, shard, store, verify, marker.
+
+The marker is written last with a conditional create, so a batch is done if and only if its
+marker exists; a duplicate or retried task finds it and does nothing. Shard keys carry a random
+attempt id so that racing duplicates never overwrite each other's shard (see core/marker.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from core.errors import FidelityError
+from core.layers import LayerSelection
+from core.marker import read_marker, shard_key, write_marker
+from core.plan import read_batch
+from core.runconfig import load_run
+from core.shard import shard_metadata
+from core.store import open_store
+from settings import Settings
+from workers.capture import capture_batch, nonfinite_samples
+from workers.target import get_target
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+_stores: dict[str, object] = {}
+
+
+def _run_store(run_url: str, settings: Settings):
+    if run_url not in _stores:
+        _stores[run_url] = open_store(run_url, settings)
+    return _stores[run_url]
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def spool_dir(settings: Settings) -> Path:
+    d = settings.spool_dir or Path(tempfile.gettempdir()) / "hsx-spool"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
+    """Extract one planned batch of the run at ``run_url`` and certify it with its marker.
+
+    Returns a JSON-able summary: ``status`` is ``done`` (we wrote the marker), ``already_done``
+    (a marker existed, no work), or ``lost_race`` (another worker wrote the marker first).
+
+    Raises:
+        core.store.MissingKey: the run or the batch is not in the store.
+        FidelityError: the loaded model is not the run's model, or every sample was non-finite.
+        core.errors.StoreError: the store refused a write.
+    """
+    t0 = time.perf_counter()
+    run_store = _run_store(run_url, settings)
+    if read_marker(run_store, batch) is not None:
+        log.info("batch %s of %s already has its marker: nothing to do", batch, run_url)
+        return {"status": "already_done", "batch": batch}
+
+    config = load_run(run_store)
+    plan = read_batch(run_store, batch)
+    target = get_target(config.model_name, settings)
+    if target.info.as_dict() != config.model:
+        raise FidelityError(
+            f"batch {batch}: this worker loaded {target.info.as_dict()} but run {config.run_id} was planned for "
+            f"{config.model}; the checkpoint changed since planning. Re-plan the run or point the worker at the same checkpoint."
+        )
+    layers = config.layers
+    selection = LayerSelection(tuple(layers["layer_ids"]), layers["final"], layers.get("preset"), layers["num_layers"])
+
+    t_fwd = time.perf_counter()
+    cu_seqlens_N1 = torch.from_numpy(plan.cu_seqlens_N1)
+    states = capture_batch(
+        target.model,
+        torch.from_numpy(plan.input_ids_T),
+        cu_seqlens_N1,
+        selection,
+        store_dtype=_DTYPES[config.store_dtype],
+        pad_token_id=target.pad_token_id,
+    )
+    forward_s = time.perf_counter() - t_fwd
+    bad = nonfinite_samples(states, cu_seqlens_N1)
+    if bad:
+        # Quarantine per sample is issue 3's job; until then a non-finite batch fails loudly.
+        raise FidelityError(
+            f"batch {batch}: samples {[int(plan.sample_index_N[i]) for i in bad][:10]} have NaN/Inf hidden states; no shard written"
+        )
+
+    tensors = {
+        "input_ids": torch.from_numpy(plan.input_ids_T.astype("int32")),
+        "loss_mask": torch.from_numpy(plan.loss_mask_T.astype("uint8")),
+        "cu_seqlens": cu_seqlens_N1.to(torch.int64),
+        "sample_index": torch.from_numpy(plan.sample_index_N.astype("int64")),
+        **states,
+    }
+    metadata = shard_metadata(config.run_id, batch, layers, config.model, target.engine)
+    attempt = uuid.uuid4().hex[:12]
+    key = shard_key(batch, attempt)
+    spool_path = spool_dir(settings) / f"{config.run_id}-{batch}-{attempt}.safetensors"
+    try:
+        save_file(tensors, str(spool_path), metadata=metadata)
+        nbytes = spool_path.stat().st_size
+        sha256 = _sha256_file(spool_path)
+        run_store.write_file(key, spool_path)
+    finally:
+        spool_path.unlink(missing_ok=True)
+    run_store.verify(key, nbytes, sha256)
+
+    marker = {
+        "schema_version": 1,
+        "run_id": config.run_id,
+        "batch": batch,
+        "config_sha256": config.identity_sha256(),
+        "shard": {"key": key, "bytes": nbytes, "sha256": sha256},
+        "num_samples": plan.num_samples,
+        "num_tokens": plan.num_tokens,
+        "supervised_tokens": int(plan.loss_mask_T.sum()),
+        "quarantined": [],
+        "worker": {"host": socket.gethostname(), "pid": os.getpid(), "device": target.engine["device"]},
+        "forward_s": round(forward_s, 4),
+        "seconds": round(time.perf_counter() - t0, 4),
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    if not write_marker(run_store, batch, marker):
+        run_store.delete(key)  # another worker certified its own shard first
+        log.info("batch %s: another worker wrote the marker first; removed our shard %s", batch, key)
+        return {"status": "lost_race", "batch": batch}
+    seconds = marker["seconds"]
+    log.info(
+        "batch done %s",
+        json.dumps(
+            {"run": config.run_id, "batch": batch, "samples": plan.num_samples, "tokens": plan.num_tokens,
+             "seconds": seconds, "tok_s": round(plan.num_tokens / max(seconds, 1e-9)), "bytes": nbytes}
+        ),
+    )
+    return {"status": "done", "batch": batch, "num_tokens": plan.num_tokens, "seconds": seconds}
+
+
+def record_failure(run_url: str, batch: str, exc: BaseException, settings: Settings) -> None:
+    """Write ``failures/<batch>.json`` so that ``status`` and ``run`` can show why a batch failed."""
+    try:
+        run_store = _run_store(run_url, settings)
+        body = {
+            "batch": batch,
+            "error": f"{exc.__class__.__name__}: {exc}"[:2000],
+            "host": socket.gethostname(),
+            "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        run_store.write(f"failures/{batch}.json", json.dumps(body).encode())
+    except Exception:  # the store may be the thing that failed; the task's own error is raised anyway
+        log.exception("could not record the failure of batch %s", batch)

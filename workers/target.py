@@ -1,0 +1,138 @@
+"""The target model inside a worker process: loaded once, warmed up, reused by every task.
+
+Loading follows FIELD-NOTES section 2: ``AutoModelForCausalLM`` (a Qwen3.5 / 3.6 multimodal
+checkpoint loads as the text-only model), ``use_safetensors=True`` (no pickle checkpoints),
+``trust_remote_code`` only when the settings allow it, bf16 on CUDA and fp32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from core.models import model_info, resolve_model_path
+from settings import Settings
+from workers.capture import capture_batch, decoder_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Target:
+    """A loaded target model. ``info`` is :class:`core.models.ModelInfo`; ``engine`` is for shard metadata."""
+
+    name: str
+    model: torch.nn.Module
+    device: torch.device
+    compute_dtype: torch.dtype
+    info: object
+    engine: dict
+    pad_token_id: int
+    load_s: float
+    warmup_s: float
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def kernel_report(model: torch.nn.Module) -> dict:
+    """Which kernels this process runs: attention implementation, fla, causal-conv1d."""
+    fla = causal = False
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+
+        fla = True
+    except Exception:
+        pass
+    try:
+        import causal_conv1d  # noqa: F401
+
+        causal = True
+    except Exception:
+        pass
+    return {
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "fla": fla,
+        "causal_conv1d": causal,
+    }
+
+
+def pick_device(settings: Settings) -> torch.device:
+    if settings.device:
+        return torch.device(settings.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_target(name: str, settings: Settings) -> Target:
+    """Load ``name`` on this worker's device and run one warm-up forward.
+
+    Raises:
+        core.errors.BadConfig: the model or its config cannot be read.
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = pick_device(settings)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    info = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(name, settings.cache_dir),
+        dtype=dtype,
+        use_safetensors=True,
+        trust_remote_code=settings.trust_remote_code,
+    )
+    model.to(device).eval()
+    model.requires_grad_(False)
+    load_s = time.perf_counter() - t0
+    pad = model.config.get_text_config().pad_token_id
+    pad = int(pad) if isinstance(pad, int) else 0
+    engine = {
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "flash-linear-attention": _version("flash-linear-attention"),
+        "causal-conv1d": _version("causal-conv1d"),
+        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "compute_dtype": str(dtype).removeprefix("torch."),
+        **kernel_report(model),
+    }
+    t1 = time.perf_counter()
+    _warm_up(model, info, pad)
+    warmup_s = time.perf_counter() - t1
+    log.info("target %s loaded on %s in %.1f s, warm-up %.1f s, kernels %s", name, device, load_s, warmup_s, kernel_report(model))
+    return Target(name, model, device, dtype, info, engine, pad, load_s, warmup_s)
+
+
+def _warm_up(model: torch.nn.Module, info, pad: int) -> None:
+    # A small padded batch through every layer: JIT-compiles kernels before the first real task.
+    from core.layers import select_layers
+
+    n = info.num_layers
+    selection = select_layers(n, layer_ids=[n - 1], final="postnorm")
+    ids_T = torch.arange(1, 1 + 48, dtype=torch.long) % 1000
+    cu = torch.tensor([0, 32, 48], dtype=torch.long)
+    capture_batch(model, ids_T, cu, selection, store_dtype=torch.float32, pad_token_id=pad)
+    decoder_of(model)
+
+
+_lock = threading.Lock()
+_loaded: dict[str, Target] = {}
+
+
+def get_target(name: str, settings: Settings) -> Target:
+    """The loaded target for ``name``, loading it on first use (one model per process at a time)."""
+    with _lock:
+        if name not in _loaded:
+            _loaded.clear()  # free the previous model before loading another
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            _loaded[name] = load_target(name, settings)
+        return _loaded[name]
