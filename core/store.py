@@ -1,0 +1,712 @@
+"""Where runs live: a local directory or an S3 bucket, behind one small Protocol.
+
+Keys are ``str``, ``/``-separated and relative to the store root (``run.json``,
+``markers/00012.json``), never OS paths: the same key means the same object on both backends,
+and a run is just ``store.child(run_id)``. Keys cannot escape the root (no ``..``, no leading
+``/``, no empty segment).
+
+Both stores give the guarantees the marker protocol needs (DESIGN.md, "Store layout"):
+
+- ``write`` replaces an object atomically for readers: a reader sees the old bytes or the new
+  bytes, never a torn file (local: temp file + ``os.replace``; S3: a PUT is atomic).
+- ``create`` is create-if-absent across processes and machines: of N racing creators exactly one
+  gets ``True`` (local: ``os.link`` of a complete temp file; S3: ``If-None-Match: *``).
+
+:func:`open_store` turns a URL into a store and probes it once (:meth:`Store.check`), so a wrong
+endpoint, bucket or credential fails in seconds with :class:`~core.errors.StoreError` rather than
+after a model has loaded.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import shutil
+import stat
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+from core.errors import BadConfig, FidelityError, StoreError
+
+if TYPE_CHECKING:
+    from settings import Settings
+
+#: bytes read per step when hashing or copying a file (1 MiB).
+CHUNK_BYTES = 1 << 20
+#: objects at least this big are uploaded in parts, each this big (64 MiB).
+MULTIPART_BYTES = 64 << 20
+#: parallel part uploads of one big object.
+MULTIPART_CONCURRENCY = 8
+#: S3 connect / read timeouts of ordinary calls (seconds); retries are botocore's "adaptive" mode.
+S3_CONNECT_TIMEOUT_S = 10
+S3_READ_TIMEOUT_S = 120
+S3_MAX_ATTEMPTS = 8
+#: the probe at open: short timeouts and few attempts, so a bad endpoint fails in seconds.
+PROBE_CONNECT_TIMEOUT_S = 3
+PROBE_READ_TIMEOUT_S = 5
+PROBE_MAX_ATTEMPTS = 2
+#: a 409 ConditionalRequestConflict (AWS: another conditional write is in flight) is retried this
+#: many times, this far apart (seconds), so that the loser sees the winner's 412.
+CONFLICT_RETRIES = 5
+CONFLICT_BACKOFF_S = 0.2
+#: local temp files start with this; they are never listed and no key may start with it.
+TMP_PREFIX = ".hsx-tmp-"
+
+ACCEPTED_FORMS = "a local path, file:///ABS/PATH, s3://BUCKET or s3://BUCKET/PREFIX"
+
+
+class MissingKey(KeyError):
+    """The key does not exist in the store (``read`` of an absent object)."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else "missing key"
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A flat key -> bytes store with create-if-absent; keys are ``/``-separated ``str``.
+
+    ``str`` keys (not ``Path``) because the same key must address a file and an S3 object.
+    Every method raises :class:`~core.errors.BadConfig` for a key that would escape the root and
+    :class:`~core.errors.StoreError` when the backend refuses or cannot be reached (after retries).
+    """
+
+    url: str
+    """Display URL (credentials masked): safe to log."""
+
+    def read(self, key: str) -> bytes:
+        """The whole object. Raises :class:`MissingKey` (a ``KeyError``) if it is absent."""
+        ...
+
+    def write(self, key: str, data: bytes) -> None:
+        """Create or overwrite ``key``; readers see the old or the new bytes, never a mix."""
+        ...
+
+    def write_file(self, key: str, path: Path) -> None:
+        """Store the local file ``path`` under ``key`` (overwrite, atomic for readers)."""
+        ...
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if absent: True if this call created it, False if it existed."""
+        ...
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists."""
+        ...
+
+    def size(self, key: str) -> int | None:
+        """Size of ``key`` in bytes, or None if absent."""
+        ...
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key that starts with ``prefix`` (recursive, string prefix like S3), sorted."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; no error if it is absent."""
+        ...
+
+    def local_path(self, key: str) -> Path | None:
+        """A filesystem path of ``key`` that readers may mmap (local store), None on S3."""
+        ...
+
+    def verify(self, key: str, nbytes: int, sha256_hex: str) -> None:
+        """Raise :class:`~core.errors.FidelityError` unless ``key`` exists with this size and sha256."""
+        ...
+
+    def child(self, prefix: str) -> "Store":
+        """A store rooted at ``root/prefix`` (a run is ``store.child(run_id)``)."""
+        ...
+
+    def check(self) -> None:
+        """Probe the backend once; raise :class:`~core.errors.StoreError` with the fix if unusable."""
+        ...
+
+
+# --- keys and URLs ------------------------------------------------------------------------
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a valid relative key, else raise :class:`~core.errors.BadConfig`.
+
+    Rule: non-empty ``/``-separated segments, none ``.`` or ``..``, no leading ``/``, no
+    backslash or NUL, no segment starting with the temp-file prefix.
+    """
+    if not isinstance(key, str) or not key:
+        raise BadConfig(f"store key {key!r} is invalid: a key is a non-empty str like 'markers/00001.json'")
+    if key.startswith("/") or "\\" in key or "\x00" in key:
+        raise BadConfig(f"store key {key!r} is invalid: keys are relative, '/'-separated, no '\\' or NUL")
+    for seg in key.split("/"):
+        if seg in ("", ".", ".."):
+            raise BadConfig(
+                f"store key {key!r} is invalid: segment {seg!r} is not allowed "
+                "(no empty, '.' or '..' segments: keys must stay inside the store root)"
+            )
+        if seg.startswith(TMP_PREFIX):
+            raise BadConfig(f"store key {key!r} is invalid: segments may not start with {TMP_PREFIX!r}")
+    return key
+
+
+def _check_prefix(prefix: str) -> str:
+    """A list prefix: '' (everything), or a string prefix whose complete segments are valid."""
+    if prefix == "":
+        return prefix
+    head, _, last = prefix.rpartition("/")
+    if head:
+        check_key(head)
+    elif prefix.startswith("/"):
+        raise BadConfig(f"store prefix {prefix!r} is invalid: prefixes are relative")
+    if last in (".", ".."):
+        check_key(prefix)
+    return prefix
+
+
+_SECRET_QUERY_KEYS = {"password", "pass", "pwd", "secret", "token", "access_key", "secret_key", "key"}
+
+
+def mask_url(url: str) -> str:
+    """``url`` with any ``user:password@`` password (or bare ``token@``) and secret query values
+    replaced by ``***``, for printing. Non-URLs come back unchanged."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, sep, _password = userinfo.partition(":")
+        netloc = f"{user}:***@{hostport}" if sep else f"***@{hostport}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(k.lower() in _SECRET_QUERY_KEYS for k, _ in pairs):
+            query = urlencode([(k, "***" if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs], safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def open_store(url: str, settings: "Settings | None" = None) -> Store:
+    """Open the store at ``url`` and probe it once (:meth:`Store.check`).
+
+    ``url``: a local path (relative paths are made absolute; the directory is created),
+    ``file:///abs/path``, ``s3://bucket`` or ``s3://bucket/prefix``. S3 endpoint, region and
+    credentials come from ``settings`` (``HSX_S3_*``) when set, else from boto3's default chain
+    (``AWS_*`` variables, ``AWS_ENDPOINT_URL``, profiles).
+
+    Raises :class:`~core.errors.BadConfig` for a URL of another form, and
+    :class:`~core.errors.StoreError` (within ~10 s) when the endpoint is unreachable, the bucket
+    is missing, the credentials are refused, or the directory cannot be created.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise BadConfig(f"store URL {url!r} is empty: use {ACCEPTED_FORMS}")
+    url = url.strip()
+    m = _SCHEME.match(url)
+    scheme = m.group(1).lower() if m else ""
+    if scheme == "s3":
+        store: Store = S3Store.from_url(url, settings)
+    elif scheme == "file":
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+            raise BadConfig(f"store URL {mask_url(url)!r} is not a local file URL: use file:///ABS/PATH")
+        store = LocalStore(Path(unquote(parts.path)))
+    elif scheme:
+        raise BadConfig(f"store URL {mask_url(url)!r} has unsupported scheme {scheme!r}: use {ACCEPTED_FORMS}")
+    else:
+        store = LocalStore(Path(url).expanduser())
+    store.check()
+    return store
+
+
+# --- local directory ----------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or link in ``path`` durable (best effort: not every filesystem allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _sha256_file(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            h.update(chunk)
+            n += len(chunk)
+    return n, h.hexdigest()
+
+
+class LocalStore:
+    """A directory as a store: key ``a/b`` is the file ``root/a/b``.
+
+    Writes go to a temp file in the same directory, are fsynced, then renamed into place, so
+    readers never see a partial object. Temp files (``.hsx-tmp-*``) are never listed.
+    """
+
+    def __init__(self, root: Path):
+        self.root = Path(os.path.abspath(root))
+        self.url = self.root.as_uri()
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.url})"
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*check_key(key).split("/"))
+
+    @contextmanager
+    def _os_errors(self, op: str, key: str) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            raise StoreError(f"{op} {key!r} in {self.url} failed: {e}") from e
+
+    def _tmp_for(self, final: Path) -> Path:
+        return final.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}-{final.name}")
+
+    def check(self) -> None:
+        """Create the root directory if needed; raise StoreError if that fails or it is not writable."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"store {self.url}: cannot create directory {self.root}: {e}") from e
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise StoreError(f"store {self.url}: directory {self.root} is not writable; fix its permissions")
+
+    def read(self, key: str) -> bytes:
+        """The file's bytes; :class:`MissingKey` if absent."""
+        path = self._path(key)
+        with self._os_errors("read", key):
+            try:
+                return path.read_bytes()
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise MissingKey(f"{key!r} not found in {self.url}") from None
+
+    def _write_tmp(self, final: Path, fill) -> Path:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp_for(final)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                fill(f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def _replace_with(self, key: str, fill) -> None:
+        final = self._path(key)
+        with self._os_errors("write", key):
+            tmp = self._write_tmp(final, fill)
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            _fsync_dir(final.parent)
+
+    def write(self, key: str, data: bytes) -> None:
+        """Overwrite atomically: temp file in the same directory, fsync, ``os.replace``."""
+        self._replace_with(key, lambda f: f.write(data))
+
+    def write_file(self, key: str, path: Path) -> None:
+        """Copy ``path`` in via a temp file + ``os.replace`` (the source is left in place)."""
+        def fill(f):
+            with open(path, "rb") as src:
+                shutil.copyfileobj(src, f, CHUNK_BYTES)
+        self._replace_with(key, fill)
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Create-if-absent, safe across processes: a complete temp file is hard-linked to the
+        final name (``link`` fails if the name exists). Where hard links are unsupported it falls
+        back to ``O_CREAT|O_EXCL`` on the final name (still one winner, but a reader racing the
+        winner may briefly see a short file)."""
+        final = self._path(key)
+        with self._os_errors("create", key):
+            if final.exists():
+                return False
+            tmp = self._write_tmp(final, lambda f: f.write(data))
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                return False
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
+                    raise
+                return self._create_excl(final, data)
+            finally:
+                tmp.unlink(missing_ok=True)
+            _fsync_dir(final.parent)
+            return True
+
+    def _create_excl(self, final: Path, data: bytes) -> bool:
+        try:
+            fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(final.parent)
+        return True
+
+    def exists(self, key: str) -> bool:
+        """Whether the file exists (a directory is not a key)."""
+        return self._path(key).is_file()
+
+    def size(self, key: str) -> int | None:
+        """File size in bytes, None if absent."""
+        path = self._path(key)
+        with self._os_errors("size", key):
+            try:
+                st = path.stat()
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key starting with ``prefix`` (string prefix, recursive), sorted; temp files hidden."""
+        _check_prefix(prefix)
+        head = prefix.rpartition("/")[0]
+        base = self.root.joinpath(*head.split("/")) if head else self.root
+        out: list[str] = []
+        with self._os_errors("list", prefix):
+            for dirpath, _dirnames, filenames in os.walk(base):
+                rel = Path(dirpath).relative_to(self.root).as_posix()
+                for name in filenames:
+                    if name.startswith(TMP_PREFIX):
+                        continue
+                    key = name if rel == "." else f"{rel}/{name}"
+                    if key.startswith(prefix):
+                        out.append(key)
+        out.sort()
+        return out
+
+    def delete(self, key: str) -> None:
+        """Remove the file; absent is fine."""
+        path = self._path(key)
+        with self._os_errors("delete", key):
+            path.unlink(missing_ok=True)
+
+    def local_path(self, key: str) -> Path | None:
+        """The file's path (whether or not it exists yet)."""
+        return self._path(key)
+
+    def verify(self, key: str, nbytes: int, sha256_hex: str) -> None:
+        """Hash the file; FidelityError if absent or its size or sha256 differ."""
+        path = self._path(key)
+        size = self.size(key)
+        if size is None:
+            raise FidelityError(f"{key!r} in {self.url}: absent, expected {nbytes} bytes; rewrite it")
+        if size != nbytes:
+            raise FidelityError(f"{key!r} in {self.url}: {size} bytes, expected {nbytes}; rewrite it")
+        with self._os_errors("verify", key):
+            n, digest = _sha256_file(path)
+        if n != nbytes or digest != sha256_hex.lower():
+            raise FidelityError(
+                f"{key!r} in {self.url}: sha256 {digest} ({n} bytes), expected {sha256_hex} ({nbytes} bytes); rewrite it"
+            )
+
+    def child(self, prefix: str) -> "LocalStore":
+        """A store rooted at ``root/prefix`` (the directory is created on first write)."""
+        return LocalStore(self._path(prefix))
+
+
+# --- S3 ------------------------------------------------------------------------------------
+
+
+def _error_code(e: Exception) -> tuple[str, int]:
+    resp = getattr(e, "response", None) or {}
+    code = str(resp.get("Error", {}).get("Code", ""))
+    status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+def _is_not_found(e: Exception) -> bool:
+    code, status = _error_code(e)
+    return status == 404 or code in ("404", "NoSuchKey", "NotFound")
+
+
+class S3Store:
+    """An S3 bucket (optionally under a prefix) as a store: key ``a/b`` is ``s3://bucket/prefix/a/b``.
+
+    One boto3 client, shared by threads (boto3 clients are thread-safe), with botocore's adaptive
+    retries (``S3_MAX_ATTEMPTS``); errors left after retries become StoreError naming the object
+    and the endpoint.
+    """
+
+    multipart_bytes: int = MULTIPART_BYTES
+    """Files this big or bigger are uploaded in parts of this size (bytes; S3 minimum 5 MiB)."""
+
+    def __init__(self, client: Any, bucket: str, prefix: str = "", *, endpoint: str | None = None,
+                 probe_client: Any = None):
+        self.client = client
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        if self.prefix:
+            check_key(self.prefix)
+        self.endpoint = endpoint or getattr(getattr(client, "meta", None), "endpoint_url", None) or "AWS default"
+        self._probe_client = probe_client
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url} at {self.endpoint})"
+
+    @classmethod
+    def from_url(cls, url: str, settings: "Settings | None" = None) -> "S3Store":
+        """Build (without probing) the store for ``s3://bucket[/prefix]``; BadConfig on a bad URL."""
+        import boto3
+        from botocore.config import Config
+
+        parts = urlsplit(url)
+        if "@" in parts.netloc:
+            raise BadConfig(
+                f"store URL {mask_url(url)!r} carries credentials: put them in HSX_S3_ACCESS_KEY_ID / "
+                "HSX_S3_SECRET_ACCESS_KEY and use s3://BUCKET/PREFIX"
+            )
+        bucket = parts.netloc
+        if not bucket or parts.query or parts.fragment:
+            raise BadConfig(f"store URL {mask_url(url)!r} is not s3://BUCKET or s3://BUCKET/PREFIX")
+        prefix = parts.path.strip("/")
+        if prefix:
+            try:
+                check_key(prefix)
+            except BadConfig as e:
+                raise BadConfig(f"store URL {url!r}: bad prefix: {e}") from None
+
+        endpoint = settings.s3_endpoint_url if settings else None
+        kwargs: dict[str, Any] = {}
+        if endpoint:
+            kwargs["endpoint_url"] = endpoint
+        if settings and settings.s3_region:
+            kwargs["region_name"] = settings.s3_region
+        if settings and settings.s3_access_key_id:
+            kwargs["aws_access_key_id"] = settings.s3_access_key_id
+            kwargs["aws_secret_access_key"] = settings.s3_secret_access_key
+        session = boto3.session.Session()
+        # Custom endpoints (SeaweedFS, MinIO, moto) need path-style; AWS picks its own.
+        s3_cfg = {"addressing_style": "path"} if endpoint else {}
+        client = session.client("s3", config=Config(
+            retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "adaptive"},
+            connect_timeout=S3_CONNECT_TIMEOUT_S, read_timeout=S3_READ_TIMEOUT_S,
+            max_pool_connections=32, s3=s3_cfg,
+        ), **kwargs)
+        probe = session.client("s3", config=Config(
+            retries={"max_attempts": PROBE_MAX_ATTEMPTS, "mode": "standard"},
+            connect_timeout=PROBE_CONNECT_TIMEOUT_S, read_timeout=PROBE_READ_TIMEOUT_S, s3=s3_cfg,
+        ), **kwargs)
+        return cls(client, bucket, prefix, endpoint=client.meta.endpoint_url, probe_client=probe)
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    @contextmanager
+    def _errors(self, op: str, key: str) -> Iterator[None]:
+        from boto3.exceptions import Boto3Error
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            yield
+        except ClientError as e:
+            code, status = _error_code(e)
+            raise StoreError(
+                f"S3 {op} {self.url}/{key} at {self.endpoint} failed: HTTP {status} {code}: {e}"
+            ) from e
+        except (BotoCoreError, Boto3Error) as e:
+            raise StoreError(f"S3 {op} {self.url}/{key} at {self.endpoint} failed: {e}") from e
+
+    def check(self) -> None:
+        """One ``head_bucket`` with short timeouts (3 s connect, 2 attempts); StoreError naming the
+        URL, the endpoint, the error and the fix when the endpoint is unreachable, the bucket is
+        missing or the credentials are refused."""
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+        client = self._probe_client or self.client
+        where = f"store {self.url} at endpoint {self.endpoint}"
+        try:
+            client.head_bucket(Bucket=self.bucket)
+        except NoCredentialsError as e:
+            raise StoreError(
+                f"{where}: no S3 credentials found ({e}). Fix: set HSX_S3_ACCESS_KEY_ID and "
+                "HSX_S3_SECRET_ACCESS_KEY (or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+            ) from e
+        except ClientError as e:
+            code, status = _error_code(e)
+            server = e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("server")
+            if server:  # a 404 from something that is not an S3 server reads the same otherwise
+                where += f" (server: {server})"
+            if status == 404 or code in ("404", "NoSuchBucket", "NotFound"):
+                raise StoreError(
+                    f"{where}: bucket {self.bucket!r} does not exist (HTTP {status} {code}). Fix: create "
+                    f"it (aws s3 mb s3://{self.bucket} --endpoint-url {self.endpoint}) or correct "
+                    "the store URL / HSX_S3_ENDPOINT_URL"
+                ) from e
+            if status in (401, 403) or code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
+                raise StoreError(
+                    f"{where}: credentials refused (HTTP {status} {code}). Fix: check "
+                    "HSX_S3_ACCESS_KEY_ID / HSX_S3_SECRET_ACCESS_KEY and the bucket's permissions"
+                ) from e
+            raise StoreError(f"{where}: head_bucket failed (HTTP {status} {code}): {e}") from e
+        except BotoCoreError as e:
+            raise StoreError(
+                f"{where}: cannot reach the S3 endpoint ({type(e).__name__}: {e}). Fix: check "
+                "HSX_S3_ENDPOINT_URL (or AWS_ENDPOINT_URL) and that the server is running and reachable"
+            ) from e
+
+    def read(self, key: str) -> bytes:
+        """The object's bytes; :class:`MissingKey` if absent."""
+        from botocore.exceptions import ClientError
+
+        full = self._key(key)
+        with self._errors("read", key):
+            try:
+                return self.client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
+            except ClientError as e:
+                if _is_not_found(e):
+                    raise MissingKey(f"{key!r} not found in {self.url}") from None
+                raise
+
+    def write(self, key: str, data: bytes) -> None:
+        """PUT the bytes (overwrite; a PUT is atomic for readers)."""
+        full = self._key(key)
+        with self._errors("write", key):
+            self.client.put_object(Bucket=self.bucket, Key=full, Body=data)
+
+    def write_file(self, key: str, path: Path) -> None:
+        """Upload a local file; files of ``multipart_bytes`` or more go up in parallel parts."""
+        from boto3.s3.transfer import TransferConfig
+
+        full = self._key(key)
+        cfg = TransferConfig(multipart_threshold=self.multipart_bytes, multipart_chunksize=self.multipart_bytes,
+                             max_concurrency=MULTIPART_CONCURRENCY)
+        with self._errors("write_file", key):
+            self.client.upload_file(str(path), self.bucket, full, Config=cfg)
+
+    def create(self, key: str, data: bytes) -> bool:
+        """``put_object(IfNoneMatch="*")``: True if created, False on 412 PreconditionFailed.
+
+        A 409 ConditionalRequestConflict (AWS: a racing conditional write is in flight) is retried
+        ``CONFLICT_RETRIES`` times so the outcome settles (412 -> False, or 200 if the other writer
+        failed); if it never settles, False. If botocore had to retry our PUT and then got 412, the
+        first attempt may have landed: the object is read back and True returned when it holds our
+        bytes.
+        """
+        from botocore.exceptions import ClientError
+
+        full = self._key(key)
+        with self._errors("create", key):
+            for attempt in range(CONFLICT_RETRIES + 1):
+                try:
+                    self.client.put_object(Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*")
+                    return True
+                except ClientError as e:
+                    code, status = _error_code(e)
+                    if status == 412 or code == "PreconditionFailed":
+                        retried = e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
+                        if retried:
+                            try:
+                                return self.read(key) == data
+                            except MissingKey:
+                                return False
+                        return False
+                    if status == 409 or code == "ConditionalRequestConflict":
+                        if attempt < CONFLICT_RETRIES:
+                            time.sleep(CONFLICT_BACKOFF_S * (attempt + 1))
+                            continue
+                        return False
+                    raise
+        return False  # unreachable
+
+    def size(self, key: str) -> int | None:
+        """``ContentLength`` from a HEAD, None if absent."""
+        from botocore.exceptions import ClientError
+
+        full = self._key(key)
+        with self._errors("size", key):
+            try:
+                return int(self.client.head_object(Bucket=self.bucket, Key=full)["ContentLength"])
+            except ClientError as e:
+                if _is_not_found(e):
+                    return None
+                raise
+
+    def exists(self, key: str) -> bool:
+        """Whether the object exists (one HEAD)."""
+        return self.size(key) is not None
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key starting with ``prefix`` (recursive), sorted; paginated (1000 per page)."""
+        _check_prefix(prefix)
+        base = f"{self.prefix}/" if self.prefix else ""
+        out: list[str] = []
+        with self._errors("list", prefix):
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    k = obj["Key"]
+                    if k.startswith(base) and not k.endswith("/"):  # "dir/" placeholders are not keys
+                        out.append(k[len(base):])
+        out.sort()
+        return out
+
+    def delete(self, key: str) -> None:
+        """DELETE the object; absent is fine."""
+        full = self._key(key)
+        with self._errors("delete", key):
+            self.client.delete_object(Bucket=self.bucket, Key=full)
+
+    def local_path(self, key: str) -> Path | None:
+        """None: S3 objects have no local path."""
+        self._key(key)
+        return None
+
+    def verify(self, key: str, nbytes: int, sha256_hex: str) -> None:
+        """HEAD for the size, then stream the body to hash it; FidelityError if absent or different."""
+        from botocore.exceptions import ClientError
+
+        size = self.size(key)
+        if size is None:
+            raise FidelityError(f"{key!r} in {self.url}: absent, expected {nbytes} bytes; rewrite it")
+        if size != nbytes:
+            raise FidelityError(f"{key!r} in {self.url}: {size} bytes, expected {nbytes}; rewrite it")
+        h = hashlib.sha256()
+        n = 0
+        with self._errors("verify", key):
+            try:
+                body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+            except ClientError as e:
+                if _is_not_found(e):
+                    raise FidelityError(f"{key!r} in {self.url}: vanished during verify; rewrite it") from None
+                raise
+            for chunk in body.iter_chunks(CHUNK_BYTES):
+                h.update(chunk)
+                n += len(chunk)
+        digest = h.hexdigest()
+        if n != nbytes or digest != sha256_hex.lower():
+            raise FidelityError(
+                f"{key!r} in {self.url}: sha256 {digest} ({n} bytes), expected {sha256_hex} ({nbytes} bytes); rewrite it"
+            )
+
+    def child(self, prefix: str) -> "S3Store":
+        """A store rooted at ``prefix`` under this one, sharing the client."""
+        return S3Store(self.client, self.bucket, self._key(prefix), endpoint=self.endpoint,
+                       probe_client=self._probe_client)

@@ -1,0 +1,310 @@
+"""The store contract: local directory and S3 pass the same tests (fixture ``store``)."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import closed_port
+from core.errors import BadConfig, FidelityError, StoreError
+from core.store import LocalStore, MissingKey, S3Store, Store, mask_url, open_store
+from settings import Settings
+
+RACERS = 16
+
+
+def test_store_fixture_gives_a_store_protocol_instance(store):
+    """Both backends satisfy the Store Protocol and start empty."""
+    assert isinstance(store, Store)
+    assert store.list("") == []
+
+
+def test_write_then_read_round_trips_bytes_and_overwrites(store):
+    """read returns what write stored; a second write replaces it."""
+    store.write("a/b/c.bin", b"\x00\x01hello")
+    assert store.read("a/b/c.bin") == b"\x00\x01hello"
+    store.write("a/b/c.bin", b"new")
+    assert store.read("a/b/c.bin") == b"new"
+    store.write("empty", b"")
+    assert store.read("empty") == b"" and store.size("empty") == 0
+
+
+def test_write_file_stores_a_local_file(store, tmp_path):
+    """write_file uploads a file's exact bytes and leaves the source in place."""
+    src = tmp_path / "src.bin"
+    data = bytes(range(256)) * 4096  # 1 MiB
+    src.write_bytes(data)
+    store.write_file("shards/00000.safetensors", src)
+    assert store.read("shards/00000.safetensors") == data
+    assert store.size("shards/00000.safetensors") == len(data)
+    assert src.exists()
+
+
+def test_write_file_uploads_big_files_in_parts_on_s3(s3_bucket, tmp_path):
+    """A file over the multipart threshold (5 MiB parts here) is stored byte-exact and verifies."""
+    store = open_store(s3_bucket.url, s3_bucket.settings)
+    store.multipart_bytes = 5 << 20
+    data = hashlib.sha256(b"seed").digest() * (11 * (1 << 20) // 32 + 7)  # ~11 MiB, 3 parts
+    src = tmp_path / "big.bin"
+    src.write_bytes(data)
+    store.write_file("big.bin", src)
+    store.verify("big.bin", len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_read_of_an_absent_key_raises_missing_key_a_key_error(store):
+    """Reading an absent key raises MissingKey, which is a KeyError."""
+    with pytest.raises(MissingKey):
+        store.read("nope")
+    with pytest.raises(KeyError):
+        store.read("no/such/dir/key")
+
+
+def test_list_is_recursive_sorted_and_by_string_prefix(store):
+    """list returns every key under a prefix, recursively, sorted, relative to the store root."""
+    keys = ["run.json", "markers/00002.json", "markers/00001.json", "shards/00001.st", "markers/sub/x", "markersX"]
+    for k in keys:
+        store.write(k, k.encode())
+    assert store.list("") == sorted(keys)
+    assert store.list("markers/") == ["markers/00001.json", "markers/00002.json", "markers/sub/x"]
+    assert store.list("markers") == ["markers/00001.json", "markers/00002.json", "markers/sub/x", "markersX"]
+    assert store.list("markers/0000") == ["markers/00001.json", "markers/00002.json"]
+    assert store.list("nothing/") == []
+
+
+def test_list_paginates_past_1000_keys_on_s3(s3_bucket):
+    """An S3 listing of 1,100 keys returns all of them (more than one 1000-key page)."""
+    store = open_store(s3_bucket.url, s3_bucket.settings)
+    keys = [f"many/{i:05d}" for i in range(1100)]
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(lambda k: store.write(k, b"."), keys))
+    store.write("other/x", b".")
+    got = store.list("many/")
+    assert len(got) == 1100 and got == keys
+
+
+def test_create_twice_returns_true_then_false_and_keeps_the_first_bytes(store):
+    """create is create-if-absent: first call True, second False, the object keeps the first bytes."""
+    assert store.create("markers/00001.json", b"first") is True
+    assert store.create("markers/00001.json", b"second") is False
+    assert store.read("markers/00001.json") == b"first"
+
+
+def test_create_on_moto_returns_false_on_412(moto_bucket):
+    """moto also answers If-None-Match: * with 412, which create reports as False."""
+    store = open_store(moto_bucket.url, moto_bucket.settings)
+    assert store.create("m", b"one") is True
+    assert store.create("m", b"two") is False
+    assert store.read("m") == b"one"
+
+
+def _race_s3(store) -> list[bool]:
+    barrier = threading.Barrier(RACERS)
+
+    def go(i: int) -> bool:
+        barrier.wait()
+        return store.create("race/marker.json", f"writer-{i}".encode())
+
+    with ThreadPoolExecutor(RACERS) as pool:
+        return list(pool.map(go, range(RACERS)))
+
+
+@pytest.mark.parametrize("server", ["s3_bucket", "moto_bucket"])
+def test_sixteen_racing_s3_creators_give_exactly_one_winner(server, request):
+    """16 threads race create on one key: exactly one True, and the object holds the winner's bytes."""
+    bucket = request.getfixturevalue(server)
+    store = open_store(bucket.url, bucket.settings)
+    results = _race_s3(store)
+    assert results.count(True) == 1, results
+    assert store.read("race/marker.json") == f"writer-{results.index(True)}".encode()
+
+
+def _local_racer(root: str, i: int, barrier, out) -> None:
+    store = LocalStore(Path(root))
+    barrier.wait()
+    out.put((i, store.create("race/marker.json", f"writer-{i}".encode())))
+
+
+def test_sixteen_racing_local_processes_give_exactly_one_winner(tmp_path):
+    """16 processes race create on one local key: exactly one True, the file holds the winner's bytes."""
+    # fork: the racers need only LocalStore, already imported (spawn re-imports pytest's world, ~5 s)
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    barrier, out = ctx.Barrier(RACERS), ctx.Queue()
+    procs = [ctx.Process(target=_local_racer, args=(str(tmp_path), i, barrier, out)) for i in range(RACERS)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=30) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert len(results) == RACERS
+    winners = [i for i, won in results.items() if won]
+    assert len(winners) == 1, results
+    assert LocalStore(tmp_path).read("race/marker.json") == f"writer-{winners[0]}".encode()
+    assert LocalStore(tmp_path).list("") == ["race/marker.json"], "temp files must not be left behind"
+
+
+def test_s3_create_retries_a_409_conflict_until_it_settles():
+    """A 409 ConditionalRequestConflict is retried; the following 412 makes create return False."""
+    import boto3
+    from botocore.stub import Stubber
+
+    client = boto3.client("s3", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="y")
+    store = S3Store(client, "bkt")
+    with Stubber(client) as stub:
+        stub.add_client_error("put_object", "ConditionalRequestConflict", http_status_code=409)
+        stub.add_client_error("put_object", "PreconditionFailed", http_status_code=412)
+        assert store.create("k", b"x") is False
+        stub.assert_no_pending_responses()
+
+
+def test_delete_of_an_absent_key_is_fine_and_delete_removes(store):
+    """delete removes a key and is silent when the key is absent."""
+    store.delete("never/was")
+    store.write("k", b"v")
+    store.delete("k")
+    assert not store.exists("k") and store.list("") == []
+
+
+def test_size_is_none_for_absent_and_bytes_for_present(store):
+    """size reports bytes for an object and None when it is absent; exists agrees."""
+    assert store.size("absent") is None and store.exists("absent") is False
+    store.write("dir/present", b"12345")
+    assert store.size("dir/present") == 5 and store.exists("dir/present") is True
+    assert store.size("dir") is None and store.exists("dir") is False, "a directory is not a key"
+
+
+def test_verify_passes_and_catches_wrong_size_wrong_hash_and_absence(store):
+    """verify accepts the right size+sha256 and raises FidelityError otherwise."""
+    data = b"shard bytes" * 1000
+    digest = hashlib.sha256(data).hexdigest()
+    store.write("s", data)
+    store.verify("s", len(data), digest)
+    with pytest.raises(FidelityError, match="bytes, expected"):
+        store.verify("s", len(data) + 1, digest)
+    with pytest.raises(FidelityError, match="sha256"):
+        store.verify("s", len(data), hashlib.sha256(b"other").hexdigest())
+    with pytest.raises(FidelityError, match="absent"):
+        store.verify("missing", len(data), digest)
+
+
+def test_child_is_scoped_to_its_prefix(store):
+    """child(p) reads and lists only under p, and its keys are relative to p."""
+    run = store.child("run-1")
+    run.write("markers/0.json", b"m")
+    store.write("run-2/markers/0.json", b"other")
+    assert store.read("run-1/markers/0.json") == b"m"
+    assert run.list("") == ["markers/0.json"]
+    assert run.child("markers").list("") == ["0.json"]
+    assert run.url.endswith("run-1")
+    assert run.create("markers/0.json", b"x") is False
+    with pytest.raises(MissingKey):
+        run.read("run-2/markers/0.json")
+
+
+@pytest.mark.parametrize("key", ["../x", "a/../../x", "/etc/passwd", "a//b", "a/./b", "", "a/", "a\\..\\b"])
+def test_keys_that_could_escape_the_root_are_refused(store, key):
+    """Keys with '..', '.', empty segments, a leading '/' or backslashes raise BadConfig everywhere."""
+    for op in (lambda: store.write(key, b"x"), lambda: store.read(key), lambda: store.create(key, b"x"),
+               lambda: store.exists(key), lambda: store.delete(key), lambda: store.child(key)):
+        with pytest.raises(BadConfig):
+            op()
+    with pytest.raises(BadConfig):
+        store.list("../")
+
+
+def test_local_path_is_a_readable_file_locally_and_none_on_s3(store):
+    """local_path gives an mmap-able path on the local store and None on S3."""
+    store.write("x/y", b"abc")
+    path = store.local_path("x/y")
+    if isinstance(store, LocalStore):
+        assert path is not None and path.read_bytes() == b"abc"
+    else:
+        assert path is None
+
+
+def test_open_store_accepts_relative_paths_and_file_urls(tmp_path, monkeypatch):
+    """A relative path becomes absolute; file:///abs opens the same directory."""
+    monkeypatch.chdir(tmp_path)
+    s = open_store("out")
+    assert isinstance(s, LocalStore) and s.root == tmp_path / "out" and s.root.is_dir()
+    s.write("k", b"v")
+    assert open_store((tmp_path / "out").as_uri()).read("k") == b"v"
+
+
+def test_open_store_refuses_an_unknown_scheme_naming_the_accepted_forms():
+    """An unknown scheme raises BadConfig naming the URL and the accepted forms."""
+    with pytest.raises(BadConfig, match=r"gs://bucket.*s3://BUCKET"):
+        open_store("gs://bucket/x")
+
+
+def test_open_store_with_a_prefix_url_scopes_the_store(s3_bucket):
+    """s3://bucket/prefix keys live under prefix/ in the bucket."""
+    store = open_store(f"{s3_bucket.url}/runs/a", s3_bucket.settings)
+    store.write("k", b"v")
+    assert open_store(s3_bucket.url, s3_bucket.settings).list("") == ["runs/a/k"]
+    assert store.list("") == ["k"]
+
+
+def test_open_store_on_an_unreachable_endpoint_fails_fast_naming_it():
+    """A closed port fails in under 10 s with StoreError naming the endpoint and the fix."""
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    settings = Settings(_env_file=None, s3_endpoint_url=endpoint, s3_region="us-east-1",
+                        s3_access_key_id="a", s3_secret_access_key="b")
+    t0 = time.monotonic()
+    with pytest.raises(StoreError) as info:
+        open_store("s3://somebucket", settings)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10, f"took {elapsed:.1f} s"
+    assert endpoint in str(info.value) and "HSX_S3_ENDPOINT_URL" in str(info.value)
+
+
+def test_open_store_on_a_missing_bucket_names_the_bucket(s3_server):
+    """A bucket that does not exist raises StoreError naming it and how to create it."""
+    settings = Settings(_env_file=None, s3_endpoint_url=s3_server.endpoint_url, s3_region="us-east-1",
+                        s3_access_key_id=s3_server.access_key, s3_secret_access_key=s3_server.secret_key)
+    with pytest.raises(StoreError, match=r"'no-such-bucket-hsx' does not exist.*create"):
+        open_store("s3://no-such-bucket-hsx", settings)
+
+
+def test_mask_url_hides_passwords():
+    """mask_url hides user:password@ passwords, bare tokens and secret query values."""
+    assert "secret" not in mask_url("redis://:secret@h:6379/0")
+    assert mask_url("redis://:secret@h:6379/0") == "redis://:***@h:6379/0"
+    assert mask_url("redis://user:pw@host/1") == "redis://user:***@host/1"
+    assert "tok" not in mask_url("https://tok@host/x")
+    assert "hunter2" not in mask_url("redis+socket:///tmp/s.sock?password=hunter2&virtual_host=0")
+    assert mask_url("s3://bucket/prefix") == "s3://bucket/prefix"
+    assert mask_url("/plain/path") == "/plain/path"
+
+
+def test_s3_display_url_never_contains_the_secret_key(s3_bucket):
+    """The store's url and repr show bucket and endpoint but never the secret key."""
+    store = open_store(s3_bucket.url, s3_bucket.settings)
+    secret = s3_bucket.settings.s3_secret_access_key
+    assert store.url == s3_bucket.url
+    assert secret not in store.url and secret not in repr(store) and secret not in repr(store.child("r"))
+
+
+def test_s3_url_with_inline_credentials_is_refused_without_echoing_them():
+    """s3://key:secret@bucket is refused, and the message masks the secret."""
+    with pytest.raises(BadConfig) as info:
+        open_store("s3://AKIA:topsecret@bucket/x")
+    assert "topsecret" not in str(info.value)
+
+
+def test_s3_server_fixture_survives_stop_and_start_with_its_data(s3_server, s3_bucket):
+    """After s3_server.stop() the store errors; after start() the same endpoint serves the old objects."""
+    store = open_store(s3_bucket.url, s3_bucket.settings)
+    store.write("before", b"kept")
+    s3_server.stop()
+    try:
+        with pytest.raises(StoreError):
+            open_store(s3_bucket.url, s3_bucket.settings)
+    finally:
+        s3_server.start()
+    assert store.read("before") == b"kept"
