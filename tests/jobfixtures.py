@@ -1,0 +1,221 @@
+"""Fixtures and helpers for tests that run the real job: CLI subprocesses, worker processes,
+brokers, and the per-sample reference forward that shards are checked against.
+
+Every subprocess gets a clean environment: the machine's own ``HSX_*`` / ``AWS_*`` variables are
+removed, so a test never talks to a server it did not start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def clean_env(**hsx) -> dict[str, str]:
+    """os.environ without HSX_* / AWS_* / CUDA vars, plus ``HSX_<KEY>=value`` for each keyword."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSX_", "AWS_"))}
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    for key, value in hsx.items():
+        if value is not None:
+            env[f"HSX_{key.upper()}"] = str(value)
+    return env
+
+
+def run_cli(module: str, args: list[str], env: dict[str, str], timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """``python -m <module> args...`` in the repo root; returns the completed process (text output)."""
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def cli_json(proc: subprocess.CompletedProcess) -> dict:
+    """The JSON report a ``--json`` command printed on stdout (fails the test with stderr if none)."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout)
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class WorkerProcess:
+    """A real ``celery -A workers worker -Q gpu`` process (threads pool, one thread)."""
+
+    def __init__(self, env: dict[str, str], name: str, log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        cmd = [sys.executable, "-m", "celery", "-A", "workers", "worker", "-Q", "gpu", "-P", "threads", "-c", "1",
+               "-n", f"{name}@%h", "-l", "INFO", "--without-gossip", "--without-mingle"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 90) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if "ready." in self.log():
+                return
+            assert self.proc.poll() is None, f"worker exited early:\n{self.log()[-3000:]}"
+            time.sleep(0.2)
+        raise AssertionError(f"worker not ready after {timeout_s} s:\n{self.log()[-3000:]}")
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class TcpBroker:
+    """valkey-server on a loopback TCP port with a password: stands in for a cluster's Redis."""
+
+    def __init__(self, state_dir: Path, password: str = "test-broker-pw"):
+        from core.broker import valkey_binary
+
+        self.port = free_port()
+        self.password = password
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [valkey_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass", password,
+             "--dir", str(state_dir), "--appendonly", "yes", "--save", "", "--maxmemory-policy", "noeviction"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=password)
+        wait_until(lambda: _ping(client), 10, "valkey-server to answer PING")
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def _ping(client) -> bool:
+    try:
+        return bool(client.ping())
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    """A cache dir holding the generated ``tiny-qwen3.5`` checkpoint (built once per session)."""
+    from core.models import resolve_model_path
+
+    cache = tmp_path_factory.mktemp("hsx-cache")
+    resolve_model_path("tiny-qwen3.5", cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_cache):
+    """The tiny target model in fp32 on the CPU, loaded the way a worker loads it."""
+    from transformers import AutoModelForCausalLM
+
+    from core.models import resolve_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-qwen3.5", tiny_cache), dtype=torch.float32, use_safetensors=True)
+    return model.eval()
+
+
+def read_samples(run_store) -> dict[int, dict]:
+    """Every sample of every shard certified by a marker, keyed by sample_index.
+
+    Fails if a sample appears twice or a shard does not match its marker's sha256 / size.
+    """
+    from core.marker import done_batches, read_marker
+    from core.shard import read_shard
+
+    samples: dict[int, dict] = {}
+    for batch in sorted(done_batches(run_store)):
+        marker = read_marker(run_store, batch)
+        key = marker["shard"]["key"]
+        run_store.verify(key, marker["shard"]["bytes"], marker["shard"]["sha256"])
+        path = run_store.local_path(key)
+        if path is None:
+            path = Path(os.environ.get("TMPDIR", "/tmp")) / f"hsx-test-{os.getpid()}-{batch}.safetensors"
+            path.write_bytes(run_store.read(key))
+        tensors, meta = read_shard(path)
+        cu = tensors["cu_seqlens"].tolist()
+        for j, sample in enumerate(tensors["sample_index"].tolist()):
+            assert sample not in samples, f"sample {sample} appears twice (again in batch {batch})"
+            lo, hi = cu[j], cu[j + 1]
+            samples[sample] = {
+                "batch": batch,
+                "meta": meta,
+                **{name: t[lo:hi] for name, t in tensors.items() if name not in ("cu_seqlens", "sample_index")},
+            }
+    return samples
+
+
+def plan_samples(run_store) -> dict[int, dict]:
+    """Every planned sample's input ids and loss mask, keyed by sample_index (from the plan files)."""
+    from core.plan import read_batch, read_batch_list
+
+    out = {}
+    for b in read_batch_list(run_store):
+        plan = read_batch(run_store, b["batch"])
+        cu = plan.cu_seqlens_N1
+        for j, sample in enumerate(plan.sample_index_N.tolist()):
+            out[sample] = {"input_ids": plan.input_ids_T[cu[j]:cu[j + 1]], "loss_mask": plan.loss_mask_T[cu[j]:cu[j + 1]]}
+    return out
+
+
+def assert_matches_reference(model, samples: dict[int, dict], layer_ids: list[int], *, atol: float, rtol: float, final: str = "postnorm") -> int:
+    """Per-sample HF forward (``output_hidden_states``) vs the stored states; returns values compared."""
+    compared = 0
+    worst = 0.0
+    with torch.inference_mode():
+        for sample, s in samples.items():
+            ids = torch.as_tensor(np.asarray(s["input_ids"]), dtype=torch.long)[None]
+            ref = model.model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+            for k, layer in enumerate(layer_ids):
+                got = s["hidden_states"][:, k].float()
+                want = ref[layer + 1][0]
+                diff = (got - want).abs().max().item()
+                worst = max(worst, diff)
+                assert torch.allclose(got, want, atol=atol, rtol=rtol), (
+                    f"sample {sample} layer {layer}: max |diff| {diff:.3g} > atol {atol} (rtol {rtol})")
+                compared += got.numel()
+            if final in ("postnorm", "both"):
+                got = s["final_postnorm"].float()
+                want = ref[-1][0]
+                diff = (got - want).abs().max().item()
+                assert torch.allclose(got, want, atol=atol, rtol=rtol), f"sample {sample} final_postnorm: max |diff| {diff:.3g}"
+                compared += got.numel()
+    return compared
