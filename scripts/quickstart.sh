@@ -4,6 +4,6 @@
 # Extra arguments are passed to `python -m producer run`, e.g. scripts/quickstart.sh --limit 200
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install.sh dev
+scripts/install.sh sharegpt
 . .venv/bin/activate
 exec python -m producer run sharegpt --limit 1000 --model tiny-qwen3.5 --output ./out "$@"
