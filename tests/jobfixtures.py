@@ -219,3 +219,8 @@ def assert_matches_reference(model, samples: dict[int, dict], layer_ids: list[in
                 assert torch.allclose(got, want, atol=atol, rtol=rtol), f"sample {sample} final_postnorm: max |diff| {diff:.3g}"
                 compared += got.numel()
     return compared
+
+
+def closed_port_url() -> str:
+    """``http://127.0.0.1:<port>`` with nothing listening on the port."""
+    return f"http://127.0.0.1:{free_port()}"

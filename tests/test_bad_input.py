@@ -1,0 +1,104 @@
+"""Bad input loses nothing else: bad records are skipped and counted by reason while the job
+finishes; a bad config is refused with a clear error before any model or GPU work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobfixtures import clean_env, cli_json, closed_port_url, run_cli, tiny_cache  # noqa: F401
+
+from core.store import open_store
+
+GOOD = {"conversations": [{"from": "human", "value": "What is 2 + 2?"}, {"from": "gpt", "value": "2 + 2 is 4, a small even number."}]}
+
+
+def _good(i: int) -> dict:
+    return {"id": f"good-{i}", **GOOD}
+
+
+@pytest.fixture
+def env(tmp_path, tiny_cache):
+    return clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool")
+
+
+def test_a_file_of_pathological_records_finishes_with_each_skip_counted(tmp_path, env):
+    """Every FIELD-NOTES section 4 pathology is skipped under its own reason; all good records are extracted."""
+    lines = [json.dumps(_good(i)) for i in range(6)]
+    lines += [
+        '{"id": "broken", "conversations": [',                                              # malformed JSON
+        json.dumps([1, 2, 3]),                                                              # not an object
+        json.dumps({"id": "zero-turns", "conversations": []}),                              # no turns
+        json.dumps({"id": "empty", "conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "x y"}]}),
+        json.dumps({"id": "invisible", "conversations": [{"from": "human", "value": "\u200b\u200b"}, {"from": "gpt", "value": "a b"}]}),
+        json.dumps({"id": "alien", "conversations": [{"from": "martian", "value": "hi"}, {"from": "gpt", "value": "hello there"}]}),
+        json.dumps({"id": "only-user", "conversations": [{"from": "human", "value": "anyone?"}]}),
+        json.dumps({"id": "good-0", **GOOD}),                                               # duplicate id
+        json.dumps({"id": "lead", "conversations": [{"from": "gpt", "value": "Hi! Ask me."}, {"from": "human", "value": "2+2?"},
+                                                    {"from": "gpt", "value": "It is 4."}]}),  # leading assistant: repaired, kept
+        json.dumps({"id": "bing", "conversations": [{"from": "human", "value": "hey"}, {"from": "bing", "value": "Hello from bing."}]}),
+    ]
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(("\n".join(lines) + "\n").encode() + b'{"id": "latin1", "conversations": [{"from": "human", "value": "caf\xe9"}]}\n')
+    report = cli_json(run_cli("producer", ["run", str(data), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"),
+                                           "--max-length", "256", "--batch-tokens", "1024", "--json"], env))
+    counts = report["plan"]["skipped"]["counts"]
+    assert counts == {"malformed_json": 1, "not_an_object": 1, "no_turns": 1, "empty_turn": 2, "unknown_role": 1,
+                      "no_assistant_turn": 1, "duplicate_id": 1, "invalid_utf8": 1}, counts
+    assert report["plan"]["skipped"]["fixes"] == {"leading_assistant_dropped": 1}
+    assert report["plan"]["samples"] == 8  # 6 good + the repaired one + bing normalised to assistant
+    assert report["batches_done"] == report["batches_total"]
+    samples = [json.loads(line)["record_id"] for line in open_store(report["address"]).read("plan/samples.jsonl").decode().splitlines()]
+    assert sorted(samples) == sorted([f"good-{i}" for i in range(6)] + ["lead", "bing"])
+
+
+def _refused(proc, *needles: str) -> None:
+    assert proc.returncode == 2, f"expected a refusal, got exit {proc.returncode}\n{proc.stderr[-2000:]}"
+    for needle in needles:
+        assert needle in proc.stderr, f"{needle!r} not in:\n{proc.stderr[-2000:]}"
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_layer_id_out_of_range_is_refused_before_anything_is_written(tmp_path, env):
+    """Layer 8 on an 8-layer model: exit 2, the rule named, no run written, no worker started."""
+    out = tmp_path / "out"
+    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(out), "--layers", "1,8"], env)
+    _refused(proc, "[8]", "out of range", "8 layers")
+    assert not list(out.glob("*/run.json"))
+    assert not (tmp_path / "state").exists(), "no broker or worker may start for a refused config"
+
+
+def test_duplicate_layer_ids_are_refused(tmp_path, env):
+    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path), "--layers", "1,2,2"], env)
+    _refused(proc, "duplicates")
+
+
+def test_a_batch_budget_smaller_than_one_sample_is_refused(tmp_path, env):
+    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path),
+                                "--max-length", "512", "--batch-tokens", "256"], env)
+    _refused(proc, "--batch-tokens 256", "--max-length 512")
+
+
+def test_an_unreachable_s3_endpoint_is_refused_with_its_address(tmp_path, env):
+    """A closed port as S3 endpoint: exit 2 naming the endpoint, before any model work."""
+    url = closed_port_url()
+    env = dict(env, HSX_S3_ENDPOINT_URL=url, HSX_S3_ACCESS_KEY_ID="k", HSX_S3_SECRET_ACCESS_KEY="very-secret-key", HSX_S3_REGION="us-east-1")
+    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", "s3://bucket/x"], env, timeout_s=60)
+    _refused(proc, url)
+    assert "very-secret-key" not in proc.stderr + proc.stdout
+
+
+def test_an_unreachable_broker_is_refused_before_planning(tmp_path, env):
+    """enqueue against a broker URL nobody listens on: exit 2, URL shown with its password masked."""
+    url = closed_port_url().replace("http://", "redis://:broker-secret@") + "/0"
+    proc = run_cli("producer", ["enqueue", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path / "out")],
+                   dict(env, HSX_BROKER_URL=url), timeout_s=60)
+    _refused(proc, "does not answer")
+    assert "broker-secret" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*/run.json"))
+
+
+def test_enqueue_without_a_broker_url_says_how_to_set_one(tmp_path, env):
+    proc = run_cli("producer", ["enqueue", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path)], env)
+    _refused(proc, "HSX_BROKER_URL")
