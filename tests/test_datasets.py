@@ -1,0 +1,235 @@
+"""Specifications of producer.datasets: streaming, normalisation and skip accounting on real files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from core.errors import BadDataset
+from producer import datasets
+from producer.datasets import (
+    SKIP_REASONS,
+    Conversation,
+    SkipCounter,
+    dataset_files,
+    iter_conversations,
+    sharegpt_path,
+)
+
+SHAREGPT_COMPLETE_RECORDS = 17_671  # FIELD-NOTES 4
+
+
+def _write_lines(path: Path, lines: list[bytes | str | object]) -> Path:
+    """Write one JSON line per item: bytes as given, str as given, anything else json.dumps'd."""
+    with open(path, "wb") as f:
+        for item in lines:
+            if isinstance(item, bytes):
+                f.write(item)
+            elif isinstance(item, str):
+                f.write(item.encode("utf-8"))
+            else:
+                f.write(json.dumps(item).encode("utf-8"))
+            f.write(b"\n")
+    return path
+
+
+def _sg(rid, *turns):
+    """A ShareGPT record: turns are (from, value) pairs."""
+    return {"id": rid, "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+def test_sharegpt_streams_every_complete_record_and_reports_the_truncated_tail():
+    """All 17,671 complete ShareGPT V3 records are either yielded or counted; the cut tail is reported."""
+    skips = SkipCounter()
+    convs = list(iter_conversations("sharegpt", skips))
+
+    assert len(convs) + skips.total == SHAREGPT_COMPLETE_RECORDS, skips.as_dict()
+    assert skips.truncated_bytes[str(sharegpt_path())] > 0
+    assert set(skips.counts) <= set(SKIP_REASONS)
+    # The export's repeated ids are an empty record then a real one: the real one is kept.
+    assert "duplicate_id" not in skips.counts
+    assert len({c.record_id for c in convs}) == len(convs)
+    assert skips.fixes["leading_assistant_dropped"] > 6_000
+    for conv in convs:
+        roles = [m["role"] for m in conv.messages]
+        assert "assistant" in roles
+        assert set(roles) <= {"system", "user", "assistant", "tool"}
+        first_non_system = next(r for r in roles if r != "system")
+        assert first_non_system != "assistant", conv.record_id
+    json.dumps(skips.as_dict())  # JSON-able
+
+
+def test_every_pathology_is_counted_under_its_reason_and_every_good_record_is_yielded(tmp_path):
+    """Each broken line is skipped with its own reason code; good and repaired records all come out."""
+    good = _sg("good", ("human", "Hi"), ("gpt", "Hello!"))
+    lines = [
+        good,
+        b'{"id": "cut", "conversations": [{"from": "human"',  # malformed_json
+        b'{"id": "latin1", "conversations": [{"from": "human", "value": "caf\xe9"}, '
+        b'{"from": "gpt", "value": "ok"}]}',  # invalid_utf8
+        [1, 2, 3],  # not_an_object
+        {"id": "noturns", "conversations": []},  # no_turns
+        {"id": "nokey"},  # no_turns
+        _sg("empty", ("human", "Q"), ("gpt", "")),  # empty_turn
+        _sg("invisible", ("human", "\u200b\u200b \ufeff"), ("gpt", "A")),  # empty_turn
+        _sg("narrator", ("human", "Q"), ("narrator", "A")),  # unknown_role
+        _sg("roles", ("human", "q1"), ("bing", "a1"), ("user", "q2"), ("bard", "a2"),
+            ("human", "q3"), ("chatgpt", "a3")),
+        _sg("lead", ("system", "S"), ("gpt", "orphan reply"), ("human", "Q"), ("gpt", "A")),
+        _sg("good", ("human", "another"), ("gpt", "record")),  # duplicate_id
+        {"id": "turnstr", "conversations": ["just a string"]},  # bad_turn
+        {"id": "nullcontent", "messages": [{"role": "user", "content": None},
+                                           {"role": "assistant", "content": "A"}]},  # bad_turn
+        _sg("onlyhuman", ("human", "anyone?")),  # no_assistant_turn
+        {"id": 7, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Two."}]},
+            {"role": "assistant", "content": "Joined."},
+        ]},
+        _sg("escape", ("human", "lone \ud800 surrogate"), ("gpt", "A")),  # invalid_utf8 (JSON escape)
+    ]
+    path = _write_lines(tmp_path / "patho.jsonl", lines)
+    skips = SkipCounter()
+    convs = {c.record_id: c for c in iter_conversations(str(path), skips)}
+
+    assert skips.counts == {
+        "malformed_json": 1, "invalid_utf8": 2, "not_an_object": 1, "no_turns": 2, "empty_turn": 2,
+        "unknown_role": 1, "duplicate_id": 1, "bad_turn": 2, "no_assistant_turn": 1,
+    }
+    assert list(convs) == ["good", "roles", "lead", "7"]
+    assert skips.examples["unknown_role"] == ["narrator: turn 1 role 'narrator'"]
+    assert skips.examples["not_an_object"][0].startswith("patho.jsonl:3:")
+    assert [m["role"] for m in convs["roles"].messages] == ["user", "assistant"] * 3
+    assert convs["lead"].messages == (
+        {"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
+    )
+    assert skips.fixes == {"leading_assistant_dropped": 1}
+    assert convs["7"].messages[0] == {"role": "user", "content": "Part one. Two."}
+    assert convs["good"].messages[1] == {"role": "assistant", "content": "Hello!"}
+
+
+def test_openai_tool_turns_keep_tool_calls_and_allow_null_content(tmp_path):
+    """An assistant turn with tool_calls may have null content (becomes ""); tool_calls kept as given."""
+    call = [{"type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]
+    rec = {"id": "tools", "messages": [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": call},
+        {"role": "function", "content": "12:00"},
+        {"role": "assistant", "content": "It is noon.", "reasoning_content": "read the tool"},
+    ]}
+    skips = SkipCounter()
+    (conv,) = iter_conversations(str(_write_lines(tmp_path / "t.jsonl", [rec])), skips)
+    assert conv.messages[1] == {"role": "assistant", "content": "", "tool_calls": call}
+    assert conv.messages[2] == {"role": "tool", "content": "12:00"}
+    assert conv.messages[3]["reasoning_content"] == "read the tool"
+    assert skips.total == 0
+
+
+def test_a_json_array_file_and_a_directory_are_read_in_sorted_file_order(tmp_path):
+    """A .json array and a directory of files give the same records, files in name order, with file:index ids."""
+    data = tmp_path / "data"
+    data.mkdir()
+    array = [_sg(None, ("human", "a"), ("gpt", "b")), "not an object", _sg("named", ("human", "c"), ("gpt", "d"))]
+    (data / "b.json").write_text(json.dumps(array, indent=2))
+    _write_lines(data / "a.jsonl", [_sg(None, ("human", "e"), ("gpt", "f"))])
+    (data / "notes.txt").write_text("ignored")
+
+    skips = SkipCounter()
+    ids = [c.record_id for c in iter_conversations(str(data / "b.json"), skips)]
+    assert ids == ["b.json:0", "named"]
+    assert skips.counts == {"not_an_object": 1}
+    assert skips.truncated_bytes == {}
+
+    assert dataset_files(str(data)) == [data / "a.jsonl", data / "b.json"]
+    ids = [c.record_id for c in iter_conversations(str(data), SkipCounter())]
+    assert ids == ["a.jsonl:0", "b.json:0", "named"]
+
+
+def test_streamed_json_array_equals_json_load_for_any_chunk_size(tmp_path, monkeypatch):
+    """Chunk boundaries inside numbers, literals, escapes and multi-byte characters change nothing."""
+    records = [
+        {"id": i, "n": 12345.678e-3 * i, "flag": [True, False, None], "conversations": [
+            {"from": "human", "value": f"caf\u00e9 \u4e2d\u6587 \U0001F600 \"q\" \\ {i}"},
+            {"from": "gpt", "value": "\U0001F600 emoji, tab\t" * (i + 1)}]}
+        for i in range(6)
+    ]
+    path = tmp_path / "arr.json"
+    # The first half ASCII-escaped (the emoji becomes a surrogate-pair escape that a chunk may cut),
+    # the second half raw UTF-8 (multi-byte characters that a chunk may cut).
+    text = json.dumps(records[:3])[:-1] + ", " + json.dumps(records[3:], ensure_ascii=False)[1:]
+    path.write_text(text, encoding="utf-8")
+    assert json.loads(text) == records
+    expected = [c.record_id for c in iter_conversations(str(path), SkipCounter())]
+    assert expected == [str(i) for i in range(6)]
+    for chunk in (1, 2, 3, 7, 64):
+        monkeypatch.setattr(datasets, "READ_CHUNK_BYTES", chunk)
+        convs = list(iter_conversations(str(path), SkipCounter()))
+        assert [c.record_id for c in convs] == expected, chunk
+        for i in (0, 5):
+            assert convs[i].messages[0]["content"] == records[i]["conversations"][0]["value"]
+            assert convs[i].messages[1]["content"] == records[i]["conversations"][1]["value"]
+
+
+def test_a_json_array_cut_mid_record_yields_the_complete_records_and_counts_the_tail(tmp_path, monkeypatch):
+    """A truncated array keeps every complete record and reports exactly the ignored tail bytes."""
+    records = [_sg(f"r{i}", ("human", "q" * 50), ("gpt", "a\u00e9" * 50)) for i in range(5)]
+    text = json.dumps(records, indent=1).encode("utf-8")
+    cut = text.index(b'"r3"') + 20
+    path = tmp_path / "cut.json"
+    path.write_bytes(text[:cut])
+    tail = text[text.rindex(b"{", 0, text.index(b'"r3"')):cut]
+    monkeypatch.setattr(datasets, "READ_CHUNK_BYTES", 100)
+    skips = SkipCounter()
+    assert [c.record_id for c in iter_conversations(str(path), skips)] == ["r0", "r1", "r2"]
+    assert skips.truncated_bytes == {str(path): len(tail)}
+    assert skips.as_dict()["truncated_bytes"] == {str(path): len(tail)}
+
+
+def test_invalid_utf8_inside_a_json_array_skips_only_that_record(tmp_path):
+    """Bad bytes in one array element make that record invalid_utf8; its neighbours are kept."""
+    good = json.dumps(_sg("a", ("human", "x"), ("gpt", "y"))).encode()
+    bad = b'{"id": "b", "conversations": [{"from": "human", "value": "\xff\xfe"}, {"from": "gpt", "value": "y"}]}'
+    last = json.dumps(_sg("c", ("human", "x"), ("gpt", "y"))).encode()
+    path = tmp_path / "mixed.json"
+    path.write_bytes(b"[" + good + b",\n" + bad + b",\n" + last + b"]")
+    skips = SkipCounter()
+    assert [c.record_id for c in iter_conversations(str(path), skips)] == ["a", "c"]
+    assert skips.counts == {"invalid_utf8": 1}
+
+
+def test_limit_stops_after_that_many_conversations(tmp_path):
+    """limit counts yielded conversations, not records read."""
+    path = _write_lines(tmp_path / "l.jsonl", [{"id": "x"}] + [_sg(f"r{i}", ("human", "q"), ("gpt", "a"))
+                                                               for i in range(5)])
+    skips = SkipCounter()
+    assert [c.record_id for c in iter_conversations(str(path), skips, limit=2)] == ["r0", "r1"]
+    assert skips.counts == {"no_turns": 1}
+
+
+def test_unreadable_sources_raise_bad_dataset_naming_the_path_and_the_fix(tmp_path):
+    """Missing path, unknown extension, empty directory, parquet without pyarrow: BadDataset with a fix."""
+    with pytest.raises(BadDataset, match="does not exist"):
+        dataset_files(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(BadDataset, match=r"x\.csv.*\.csv.*convert"):
+        dataset_files(str(tmp_path / "x.csv"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadDataset, match="empty.*holds no"):
+        dataset_files(str(tmp_path / "empty"))
+    (tmp_path / "bad.json").write_text("hello")
+    with pytest.raises(BadDataset, match="bad.json"):
+        list(iter_conversations(str(tmp_path / "bad.json"), SkipCounter()))
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        (tmp_path / "d.parquet").write_bytes(b"PAR1")
+        with pytest.raises(BadDataset, match="pip install pyarrow"):
+            list(iter_conversations(str(tmp_path / "d.parquet"), SkipCounter()))
+
+
+def test_conversation_is_frozen():
+    """Conversations are immutable records (fields cannot be reassigned)."""
+    conv = Conversation("x", ({"role": "user", "content": "q"},))
+    with pytest.raises(AttributeError):
+        conv.record_id = "y"  # type: ignore[misc]
