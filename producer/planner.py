@@ -143,16 +143,14 @@ def tokenise_dataset(opts: PlanOptions, chat: ChatTokeniser, skips: SkipCounter,
     """Stream the dataset through the chat template. Returns (record ids, input ids, loss masks, truncated flags)."""
     record_ids, ids, masks, truncated = [], [], [], []
     task = progress.add_task("tokenising", total=opts.limit) if progress else None
-    for conv in iter_conversations(opts.dataset, skips, limit=opts.limit):
-        try:
-            sample = chat.encode(conv)
-        except BadRecord as err:
-            skips.add(err)
+    for item in chat.encode_many(iter_conversations(opts.dataset, skips, limit=opts.limit)):
+        if isinstance(item, BadRecord):
+            skips.add(item)
         else:
-            record_ids.append(sample.record_id)
-            ids.append(sample.input_ids)
-            masks.append(sample.loss_mask)
-            truncated.append(sample.truncated)
+            record_ids.append(item.record_id)
+            ids.append(item.input_ids)
+            masks.append(item.loss_mask)
+            truncated.append(item.truncated)
         if progress:
             progress.advance(task)
     if progress:
