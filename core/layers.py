@@ -29,7 +29,12 @@ def dflash_layer_ids(num_layers: int, num_draft_layers: int = 5) -> list[int]:
     """DFlash target layers: K ids spread evenly from 1 to N-3, rounded with Python's ``round``.
 
     With one draft layer DFlash takes ``N // 2`` (FIELD-NOTES section 1).
+
+    Raises:
+        BadConfig: K < 1.
     """
+    if num_draft_layers < 1:
+        raise BadConfig(f"--dflash-layers {num_draft_layers}: a DFlash draft model has at least one layer")
     if num_draft_layers == 1:
         return [num_layers // 2]
     start, end = 1, num_layers - 3
@@ -93,6 +98,7 @@ def select_layers(
     layer_ids: list[int] | None = None,
     preset: str | None = None,
     final: str | None = None,
+    dflash_layers: int = 5,
 ) -> LayerSelection:
     """Validate a layer request against a model with ``num_layers`` decoder layers.
 
@@ -110,7 +116,7 @@ def select_layers(
         if preset == "eagle3":
             layer_ids = eagle3_layer_ids(num_layers)
         elif preset == "dflash":
-            layer_ids = dflash_layer_ids(num_layers)
+            layer_ids = dflash_layer_ids(num_layers, dflash_layers)
         else:
             raise BadConfig(f"--preset {preset!r}: unknown preset; choose one of {', '.join(PRESETS)}")
     if final is None:
@@ -130,3 +136,43 @@ def select_layers(
     if list(layer_ids) != sorted(layer_ids):
         raise BadConfig(f"layer ids {layer_ids} must be ascending (the shard stores them in id order): use {sorted(layer_ids)}")
     return LayerSelection(tuple(layer_ids), final, preset, num_layers)
+
+
+DRAFT_CONFIG_KEYS = ("target_layer_ids", "eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids")
+
+
+def layer_ids_from_draft_config(path: str, *, convention: str = "output-of") -> tuple[list[int], str]:
+    """Read the target layer ids a draft model was (or will be) trained on from its config file.
+
+    Looks for ``target_layer_ids`` (DFlash) or ``eagle_aux_hidden_state_layer_ids`` (EAGLE-3) at
+    the top level or one level down (``dflash_config``, ``eagle_config``...). SpecForge and DFlash
+    write them in the output-of convention (our own); pass ``convention="vllm"`` for ids in the
+    vLLM / speculators input-to-layer convention (id - 1 here).
+
+    Returns:
+        (ids in our convention, "file: key" describing where they came from).
+
+    Raises:
+        BadConfig: unreadable file, no known key, or ids that are not integers.
+    """
+    import json
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise BadConfig(f"--draft-config {path}: cannot read it as JSON ({exc})") from None
+    candidates = [("", data)] + [(k + ".", v) for k, v in data.items() if isinstance(v, dict)] if isinstance(data, dict) else []
+    for prefix, section in candidates:
+        for key in DRAFT_CONFIG_KEYS:
+            ids = section.get(key)
+            if ids is None:
+                continue
+            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                raise BadConfig(f"--draft-config {path}: {prefix}{key} = {ids!r} is not a list of integers")
+            if convention == "vllm":
+                ids = [i - 1 for i in ids]
+            elif convention != "output-of":
+                raise BadConfig(f"--draft-layer-convention {convention!r}: choose output-of or vllm")
+            return list(ids), f"{path}: {prefix}{key} ({convention})"
+    raise BadConfig(f"--draft-config {path}: none of {', '.join(DRAFT_CONFIG_KEYS)} found (top level or one level down)")

@@ -64,6 +64,9 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", help="store: a local directory or s3://bucket/prefix (default: HSX_STORE_URL or ./out)")
     p.add_argument("--layers", help="layer ids to capture, 0-based outputs of decoder layers, ascending, e.g. 1,16,31")
     p.add_argument("--preset", choices=["eagle3", "dflash"], help="layer preset (default eagle3 when --layers is not given)")
+    p.add_argument("--dflash-layers", type=int, default=5, help="with --preset dflash: number of target layers K (default 5)")
+    p.add_argument("--draft-config", help="read the layer ids from a draft model's config.json (target_layer_ids / eagle_aux_hidden_state_layer_ids)")
+    p.add_argument("--draft-layer-convention", default="output-of", choices=["output-of", "vllm"], help="convention of the ids in --draft-config (SpecForge/DFlash: output-of; vLLM/speculators: vllm = id+1)")
     p.add_argument("--final", choices=["none", "postnorm", "prenorm", "both"], help="also store the last layer after/before the final norm (eagle3 default: postnorm)")
     p.add_argument("--max-length", type=int, help="tokens per sample; longer samples are truncated (default 4096)")
     p.add_argument("--batch-tokens", type=int, help="token budget per batch, rows x longest row (default 32768)")
@@ -77,7 +80,8 @@ def _options(args):
 
     return PlanOptions(
         dataset=args.dataset, model=args.model, output=args.output, layers=args.layers, preset=args.preset,
-        final=args.final, max_length=args.max_length, batch_tokens=args.batch_tokens, limit=args.limit,
+        final=args.final, dflash_layers=args.dflash_layers, draft_config=args.draft_config,
+        draft_layer_convention=args.draft_layer_convention, max_length=args.max_length, batch_tokens=args.batch_tokens, limit=args.limit,
         run_id=args.run_id, store_dtype=args.store_dtype,
     )
 

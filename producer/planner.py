@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import BadConfig, BadDataset, BadRecord
-from core.layers import parse_layer_ids, select_layers
+from core.layers import layer_ids_from_draft_config, parse_layer_ids, select_layers
 from core.models import load_tokenizer, model_info
 from core.plan import BATCHES_JSON, SAMPLES_JSONL, BatchPlan, batch_id, batch_key, plan_complete, read_batch_list
 from core.runconfig import RunConfig, check_run_id, claim_run
@@ -42,6 +42,9 @@ class PlanOptions:
     layers: str | None = None
     preset: str | None = None
     final: str | None = None
+    dflash_layers: int = 5
+    draft_config: str | None = None
+    draft_layer_convention: str = "output-of"
     max_length: int | None = None
     batch_tokens: int | None = None
     max_batch_samples: int | None = None
@@ -107,18 +110,28 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
             raise BadConfig(f"--run-id: {exc}") from None
     files = dataset_files(opts.dataset)  # BadDataset early, before loading a model config
     info = model_info(opts.model, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
+    layer_ids = parse_layer_ids(opts.layers) if opts.layers else None
+    layer_source = None
+    if opts.draft_config:
+        if layer_ids is not None or opts.preset:
+            raise BadConfig("--draft-config gives the layer ids: do not combine it with --layers or --preset")
+        layer_ids, layer_source = layer_ids_from_draft_config(opts.draft_config, convention=opts.draft_layer_convention)
     selection = select_layers(
         info.num_layers,
-        layer_ids=parse_layer_ids(opts.layers) if opts.layers else None,
+        layer_ids=layer_ids,
         preset=opts.preset,
         final=opts.final,
+        dflash_layers=opts.dflash_layers,
     )
+    layers = selection.as_dict()
+    if layer_source:
+        layers["source"] = layer_source
     tokenizer = load_tokenizer(opts.model, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     chat = ChatTokeniser(tokenizer, max_length=max_length)
     config = RunConfig(
         model=info.as_dict(),
         model_name=opts.model,
-        layers=selection.as_dict(),
+        layers=layers,
         max_length=max_length,
         batch_tokens=batch_tokens,
         max_batch_samples=max_batch_samples,

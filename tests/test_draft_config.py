@@ -1,0 +1,42 @@
+"""Layer ids read from a draft model's config, and DFlash with K draft layers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from core.errors import BadConfig
+from core.layers import dflash_layer_ids, layer_ids_from_draft_config, select_layers
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_dflash_target_layer_ids_are_read_from_a_nested_section(tmp_path):
+    """DFlash's `dflash_config.target_layer_ids` are taken as they are (output-of convention)."""
+    ids, source = layer_ids_from_draft_config(_write(tmp_path, {"dflash_config": {"target_layer_ids": [1, 16, 31, 46, 61]}}))
+    assert ids == [1, 16, 31, 46, 61]
+    assert "dflash_config.target_layer_ids" in source
+
+
+def test_eagle3_aux_ids_in_the_vllm_convention_are_shifted_down_by_one(tmp_path):
+    """vLLM's EAGLE-3 default [2, N//2, N-3] on 36 layers is SpecForge's [1, 17, 32]."""
+    ids, _ = layer_ids_from_draft_config(_write(tmp_path, {"eagle_aux_hidden_state_layer_ids": [2, 18, 33]}), convention="vllm")
+    assert ids == [1, 17, 32]
+
+
+def test_a_draft_config_without_layer_ids_is_refused_with_the_keys_looked_for(tmp_path):
+    with pytest.raises(BadConfig, match="target_layer_ids"):
+        layer_ids_from_draft_config(_write(tmp_path, {"hidden_size": 4096}))
+
+
+def test_dflash_with_k_draft_layers_spreads_k_ids_and_one_layer_takes_the_middle():
+    assert dflash_layer_ids(64, 3) == [1, 31, 61]
+    assert dflash_layer_ids(36, 1) == [18]
+    assert select_layers(36, preset="dflash", dflash_layers=2).layer_ids == (1, 33)
+    with pytest.raises(BadConfig):
+        dflash_layer_ids(36, 0)
