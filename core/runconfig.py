@@ -29,7 +29,11 @@ class RunConfig:
 
     ``model`` is :meth:`core.models.ModelInfo.as_dict`, ``layers`` is
     :meth:`core.layers.LayerSelection.as_dict`; ``store_dtype`` is the dtype of the stored hidden
-    states (``bfloat16`` or ``float32``).
+    states (``bfloat16`` or ``float32``). ``tokenizer`` holds the tokenizer class, vocab size, chat
+    template hash, end-of-turn ids and ``enable_thinking`` (None: the template's default).
+    ``sample_policy``: which records become samples and how: ``over_length`` (``truncate`` or
+    ``drop``), ``allow_text`` (plain-text records used) and ``min_consecutive_supervised``; empty
+    in run.json files written before it existed.
     """
 
     model: dict
@@ -43,6 +47,7 @@ class RunConfig:
     dataset_fingerprint: str
     dataset_source: str
     limit: int | None
+    sample_policy: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     run_id: str = ""
     created_at: str = ""

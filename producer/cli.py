@@ -68,7 +68,16 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-config", help="read the layer ids from a draft model's config.json (target_layer_ids / eagle_aux_hidden_state_layer_ids)")
     p.add_argument("--draft-layer-convention", default="output-of", choices=["output-of", "vllm"], help="convention of the ids in --draft-config (SpecForge/DFlash: output-of; vLLM/speculators: vllm = id+1)")
     p.add_argument("--final", choices=["none", "postnorm", "prenorm", "both"], help="also store the last layer after/before the final norm (eagle3 default: postnorm)")
-    p.add_argument("--max-length", type=int, help="tokens per sample; longer samples are truncated (default 4096)")
+    p.add_argument("--max-length", type=int, help="tokens per sample; longer samples are truncated (default 4096) or, with --drop-long, skipped")
+    long = p.add_mutually_exclusive_group()
+    long.add_argument("--truncate", dest="over_length", action="store_const", const="truncate", default="truncate",
+                      help="cut samples longer than --max-length, mask cut the same way (default)")
+    long.add_argument("--drop-long", dest="over_length", action="store_const", const="drop",
+                      help="skip samples longer than --max-length (counted as too_long)")
+    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="pass enable_thinking to the chat template (Qwen3); default: not passed (the template's default)")
+    p.add_argument("--allow-text", action="store_true",
+                   help="use plain-text records ({\"text\": ...}) with every token supervised (default: skip them as text_not_allowed)")
     p.add_argument("--batch-tokens", type=int, help="token budget per batch, rows x longest row (default 32768)")
     p.add_argument("--limit", type=int, help="read at most this many usable records")
     p.add_argument("--run-id", help="run id (default: derived from the dataset and the config, so reruns resume)")
@@ -83,6 +92,7 @@ def _options(args):
         final=args.final, dflash_layers=args.dflash_layers, draft_config=args.draft_config,
         draft_layer_convention=args.draft_layer_convention, max_length=args.max_length, batch_tokens=args.batch_tokens, limit=args.limit,
         run_id=args.run_id, store_dtype=args.store_dtype,
+        enable_thinking=args.enable_thinking, over_length=args.over_length, allow_text=args.allow_text,
     )
 
 

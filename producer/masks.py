@@ -30,6 +30,26 @@ the reply; with ``enable_thinking=False`` the generation prompt holds it, and it
 Content is tokenised with special tokens recognised (as serving stacks do): a literal
 ``<|im_end|>`` inside a reply would end its supervision early (ShareGPT V3 has none; two replies
 contain ``<|endoftext|>``, which is not an end-of-turn token for Qwen3).
+
+Tools and reasoning are the template's business: a record's ``tools`` go to it as ``tools=``,
+``tool_calls`` and ``reasoning_content`` stay on their messages, and what the template renders of
+an assistant turn (Qwen3: ``<think>`` block, text, ``<tool_call>`` blocks) is supervised like any
+reply; tool results are input turns and never supervised. Qwen3 renders the reasoning of a reply
+only after the last user turn (earlier replies lose theirs, in the row and in the mask), as it does
+when serving. With ``enable_thinking=False`` its generation prompt ends with an empty
+``<think>\n\n</think>\n\n``; a final reply that carries reasoning anyway is rendered with it, and
+supervision starts after the ``<think>`` token the prompt already holds.
+
+Other record forms (:mod:`producer.datasets`): a :class:`~producer.datasets.PretokenisedRecord`
+is used as is (ids must be in ``[0, len(tokenizer))``); a :class:`~producer.datasets.TextRecord`
+is tokenised with ``add_special_tokens=True`` (what ``tokenizer(text)`` does: a BOS for Llama-style
+tokenizers, nothing for Qwen) and every token of the text is supervised, the tokens the tokenizer
+adds (BOS) are not; no end-of-sequence token is appended.
+
+All forms then follow the same rules: a row longer than ``max_length`` is cut to ``max_length``
+(``over_length="truncate"``, the mask cut the same way) or skipped as ``too_long``
+(``over_length="drop"``), and a row without two consecutive supervised tokens is skipped as
+``no_supervised_tokens``.
 """
 
 from __future__ import annotations
@@ -43,11 +63,18 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from core.errors import BadConfig, BadRecord
-from producer.datasets import Conversation
+from producer.datasets import Conversation, PretokenisedRecord, Record, TextRecord
 
 #: A sample needs at least this many supervised tokens, consecutive: DFlash trains on blocks of
 #: consecutive targets and skips samples without two (FIELD-NOTES 8).
 MIN_CONSECUTIVE_SUPERVISED = 2
+
+#: What to do with a row longer than ``max_length`` tokens: cut it, or skip it (``too_long``).
+OVER_LENGTH_POLICIES = ("truncate", "drop")
+
+#: Reasons :class:`ChatTokeniser` skips a record for (keys of the same SkipCounter as
+#: :data:`producer.datasets.SKIP_REASONS`).
+ENCODE_SKIP_REASONS = ("template_error", "bad_pretokenised", "too_long", "no_supervised_tokens")
 
 _PROBE = [{"role": "user", "content": "PING"}, {"role": "assistant", "content": "PONG"}]
 
@@ -80,8 +107,10 @@ class ChatTokeniser:
 
     ``tokenizer``: a transformers tokenizer with a chat template (a fast one gives the offset
     mapping that avoids re-tokenising prefixes; a slow one works, slower). ``max_length``: tokens
-    per sample; longer renders are truncated. ``enable_thinking`` is passed to the template when
-    not None (Qwen3 templates read it); ``chat_template_kwargs`` are passed to every render.
+    per sample. ``over_length``: one of :data:`OVER_LENGTH_POLICIES`: longer rows are truncated
+    (default) or skipped as ``too_long``. ``enable_thinking`` is passed to the template when not
+    None (Qwen3 templates read it; None keeps the template's default); ``chat_template_kwargs`` are
+    passed to every render. ``vocab_size`` (= ``len(tokenizer)``) bounds pre-tokenised ids.
 
     Attributes: ``template_sha256`` (hex sha256 of the template text, for the run config);
     ``end_of_turn_ids`` (token ids that close an assistant reply: the special token the template
@@ -96,11 +125,17 @@ class ChatTokeniser:
         max_length: int,
         enable_thinking: bool | None = None,
         chat_template_kwargs: dict | None = None,
+        over_length: str = "truncate",
     ):
         if max_length < MIN_CONSECUTIVE_SUPERVISED:
             raise BadConfig(f"max_length={max_length} tokens: must be at least {MIN_CONSECUTIVE_SUPERVISED}")
+        if over_length not in OVER_LENGTH_POLICIES:
+            raise BadConfig(f"over_length={over_length!r}: choose one of {', '.join(OVER_LENGTH_POLICIES)}")
         self.tokenizer = tokenizer
         self.max_length = int(max_length)
+        self.over_length = over_length
+        self.enable_thinking = enable_thinking
+        self.vocab_size = len(tokenizer)
         try:
             template = tokenizer.get_chat_template()
         except ValueError as err:
@@ -119,70 +154,90 @@ class ChatTokeniser:
 
     # ----------------------------------------------------------------------------------------
 
-    def encode(self, conv: Conversation) -> TokenisedSample:
-        """Token ids and loss mask of one conversation (see the module docstring for the method).
+    def encode(self, record: Record) -> TokenisedSample:
+        """Token ids and loss mask of one record (see the module docstring for the method).
 
         Raises BadRecord with reason ``template_error`` (the template raised, or its renders of the
-        prefixes do not line up with the full render) or ``no_supervised_tokens`` (fewer than two
-        consecutive supervised tokens remain after truncation at ``max_length``).
+        prefixes do not line up with the full render), ``bad_pretokenised`` (an id outside the
+        vocabulary), ``too_long`` (longer than ``max_length`` with ``over_length="drop"``) or
+        ``no_supervised_tokens`` (fewer than two consecutive supervised tokens remain after
+        truncation at ``max_length``).
         """
-        messages = list(conv.messages)
-        full = self._render(conv.record_id, messages, add_generation_prompt=False)
+        if isinstance(record, PretokenisedRecord):
+            return self._encode_pretokenised(record)
+        if isinstance(record, TextRecord):
+            return self._encode_text(record, *self._tokenise_texts([record.text])[0])
+        messages = list(record.messages)
+        full = self._render(record, messages, add_generation_prompt=False)
         ids, ends = self._tokenise(full, with_offsets=True)
-        return self._encode_rendered(conv.record_id, messages, full, ids, ends)
+        return self._encode_rendered(record, messages, full, ids, ends)
 
-    def encode_many(self, convs: Iterable[Conversation], *, chunk_records: int = 256
+    def encode_many(self, records: Iterable[Record], *, chunk_records: int = 256
                     ) -> Iterator[TokenisedSample | BadRecord]:
-        """:meth:`encode` over a stream of conversations, tokenising on all cores; yields in order.
+        """:meth:`encode` over a stream of records, tokenising on all cores; yields in order.
 
-        Yields, for each conversation, its sample or the BadRecord that :meth:`encode` would have
-        raised. Tokenisation is most of the cost: each chunk of ``chunk_records`` full renders is
-        tokenised in one batch call (parallel in Rust, GIL released) on a helper thread while this
-        thread renders the next chunk and builds the masks of the previous one. Memory: two chunks
-        of token offsets at a time.
+        Yields, for each record, its sample or the BadRecord that :meth:`encode` would have
+        raised. Tokenisation is most of the cost: each chunk of ``chunk_records`` full renders (and
+        plain texts) is tokenised in one batch call (parallel in Rust, GIL released) on a helper
+        thread while this thread renders the next chunk and builds the masks of the previous one.
+        Pre-tokenised records only pass through. Memory: two chunks of token offsets at a time.
         """
         pending: tuple[list, Future | None] | None = None
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenise") as pool:
-            for chunk in _chunks(convs, chunk_records):
-                rendered: list[tuple[Conversation, list[dict], str] | BadRecord] = []
-                for conv in chunk:
-                    messages = list(conv.messages)
+            for chunk in _chunks(records, chunk_records):
+                # Per item: (conv, messages, full render) | BadRecord | TextRecord | PretokenisedRecord
+                rendered: list = []
+                for rec in chunk:
+                    if not isinstance(rec, Conversation):
+                        rendered.append(rec)
+                        continue
+                    messages = list(rec.messages)
                     try:
-                        rendered.append((conv, messages, self._render(conv.record_id, messages,
-                                                                      add_generation_prompt=False)))
+                        rendered.append((rec, messages, self._render(rec, messages, add_generation_prompt=False)))
                     except BadRecord as err:
                         rendered.append(err)
-                texts = [r[2] for r in rendered if not isinstance(r, BadRecord)]
-                future = pool.submit(self._tokenise_batch, texts)
+                chat_texts = [r[2] for r in rendered if isinstance(r, tuple)]
+                plain_texts = [r.text for r in rendered if isinstance(r, TextRecord)]
+                future = pool.submit(self._tokenise_batch, chat_texts, plain_texts)
                 if pending is not None:
                     yield from self._finish_chunk(*pending)
                 pending = (rendered, future)
             if pending is not None:
                 yield from self._finish_chunk(*pending)
 
-    def _tokenise_batch(self, texts: list[str]) -> list[tuple[list[int], np.ndarray | None]]:
+    def _tokenise_batch(self, chat_texts: list[str], plain_texts: list[str]) -> tuple[list, list]:
+        """(ids, end offsets) of each chat render, (ids, added-token flags) of each plain text."""
         if self._backend is not None:
-            return [(e.ids, _end_offsets(e)) for e in self._backend.encode_batch(texts, add_special_tokens=False)]
-        return [self._tokenise(t, with_offsets=True) for t in texts]
+            chat = [(e.ids, _end_offsets(e)) for e in self._backend.encode_batch(chat_texts, add_special_tokens=False)]
+        else:
+            chat = [self._tokenise(t, with_offsets=True) for t in chat_texts]
+        return chat, (self._tokenise_texts(plain_texts) if plain_texts else [])
 
     def _finish_chunk(self, rendered: list, future: Future) -> Iterator[TokenisedSample | BadRecord]:
-        tokenised = iter(future.result())
+        chat, plain = future.result()
+        chat_it, plain_it = iter(chat), iter(plain)
         for item in rendered:
             if isinstance(item, BadRecord):
                 yield item
                 continue
-            conv, messages, full = item
-            ids, ends = next(tokenised)
             try:
-                yield self._encode_rendered(conv.record_id, messages, full, ids, ends)
+                if isinstance(item, PretokenisedRecord):
+                    yield self._encode_pretokenised(item)
+                elif isinstance(item, TextRecord):
+                    yield self._encode_text(item, *next(plain_it))
+                else:
+                    conv, messages, full = item
+                    yield self._encode_rendered(conv, messages, full, *next(chat_it))
             except BadRecord as err:
                 yield err
 
     def _encode_rendered(
-        self, rid: str, messages: list[dict], full: str, ids: list[int], ends: np.ndarray | None
+        self, conv: Conversation, messages: list[dict], full: str, ids: list[int], ends: np.ndarray | None
     ) -> TokenisedSample:
         """The mask of a conversation whose full render ``full`` tokenised to ``ids`` (end offsets ``ends``)."""
+        rid = conv.record_id
         ids_S = np.asarray(ids, dtype=np.int32)
+        self._check_length(rid, ids_S.shape[0])  # before the prefix renders: a dropped row costs none
         eot_pos = np.flatnonzero(np.isin(ids_S, self._eot_array))
         loss_mask_S = np.zeros(ids_S.shape[0], dtype=np.uint8)
 
@@ -190,7 +245,7 @@ class ChatTokeniser:
         for i, msg in enumerate(messages):
             if msg["role"] != "assistant":
                 continue
-            prompt = self._render(rid, messages[:i], add_generation_prompt=True)
+            prompt = self._render(conv, messages[:i], add_generation_prompt=True)
             if ends is not None and full.startswith(prompt):
                 # First token that is not entirely inside the prompt text (ends are non-decreasing).
                 start = int(np.searchsorted(ends, len(prompt), side="right"))
@@ -210,7 +265,47 @@ class ChatTokeniser:
             prev_end = end
             if end >= self.max_length:
                 break  # later replies are cut off by truncation: spare their prompt renders
+        return self._sample(rid, ids_S, loss_mask_S)
 
+    def _encode_pretokenised(self, rec: PretokenisedRecord) -> TokenisedSample:
+        """A pre-tokenised record as given, after the vocabulary check; same length rules."""
+        out = np.flatnonzero(rec.input_ids >= self.vocab_size)
+        if out.shape[0]:
+            raise BadRecord(rec.record_id, "bad_pretokenised",
+                            f"input_ids[{int(out[0])}] = {int(rec.input_ids[out[0]])} is outside the tokenizer's "
+                            f"vocabulary [0, {self.vocab_size}) ({out.shape[0]} such ids): was it tokenised for another model?")
+        return self._sample(rec.record_id, rec.input_ids.astype(np.int32), rec.loss_mask.astype(np.uint8, copy=True))
+
+    def _encode_text(self, rec: TextRecord, ids: list[int], added_S: np.ndarray) -> TokenisedSample:
+        """A plain text: every token supervised except those the tokenizer added (BOS)."""
+        return self._sample(rec.record_id, np.asarray(ids, dtype=np.int32), (~added_S).astype(np.uint8))
+
+    def _tokenise_texts(self, texts: list[str]) -> list[tuple[list[int], np.ndarray]]:
+        """Ids of plain texts with the tokenizer's own special tokens (``add_special_tokens=True``),
+        and bool [S] flags of the tokens it added (not from the text)."""
+        if self._backend is not None:
+            return [(e.ids, np.fromiter((s is None for s in e.sequence_ids), dtype=bool, count=len(e.ids)))
+                    for e in self._backend.encode_batch(texts, add_special_tokens=True)]
+        out = []
+        for text in texts:  # slow tokenizer: find the text's own ids inside the ids with specials
+            ids = self.tokenizer.encode(text, add_special_tokens=True)
+            own = self.tokenizer.encode(text, add_special_tokens=False)
+            added = np.zeros(len(ids), dtype=bool)
+            at = next((k for k in range(len(ids) - len(own) + 1) if ids[k:k + len(own)] == own), None)
+            if at is not None:
+                added[:at] = True
+                added[at + len(own):] = True
+            out.append((ids, added))
+        return out
+
+    def _check_length(self, rid: str, num_tokens: int) -> None:
+        if self.over_length == "drop" and num_tokens > self.max_length:
+            raise BadRecord(rid, "too_long", f"{num_tokens} tokens > max_length={self.max_length} "
+                            "(dropped: over_length='drop'; the default truncates)")
+
+    def _sample(self, rid: str, ids_S: np.ndarray, loss_mask_S: np.ndarray) -> TokenisedSample:
+        """Truncate at ``max_length`` and check the supervised tokens: the rules shared by all forms."""
+        self._check_length(rid, ids_S.shape[0])
         truncated = ids_S.shape[0] > self.max_length
         if truncated:
             ids_S = ids_S[: self.max_length].copy()
@@ -224,12 +319,14 @@ class ChatTokeniser:
 
     # ----------------------------------------------------------------------------------------
 
-    def _render(self, rid: str, messages: list[dict], *, add_generation_prompt: bool) -> str:
+    def _render(self, conv: Conversation | None, messages: list[dict], *, add_generation_prompt: bool) -> str:
+        tools = list(conv.tools) if conv is not None and conv.tools else None
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self._kwargs
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **self._kwargs
             )
         except Exception as err:  # jinja raises anything (TemplateError, TypeError on None content...)
+            rid = conv.record_id if conv is not None else "<probe>"
             raise BadRecord(rid, "template_error", f"{type(err).__name__}: {err}") from None
 
     def _tokenise(self, text: str, *, with_offsets: bool) -> tuple[list[int], np.ndarray | None]:
@@ -271,7 +368,7 @@ class ChatTokeniser:
             found.add(eos)
         special = set(getattr(self.tokenizer, "all_special_ids", []))
         special.update(i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if t.special)
-        text = self._render("<probe>", _PROBE, add_generation_prompt=False)
+        text = self._render(None, _PROBE, add_generation_prompt=False)
         after = text.rfind("PONG") + len("PONG")
         if after >= len("PONG"):
             # Tokenise what follows the reply on its own: the first special token there closes it.

@@ -25,7 +25,7 @@ from core.runconfig import RunConfig, check_run_id, claim_run
 from core.store import Store, open_store
 from producer.batching import cut_batches, padding_waste
 from producer.datasets import SkipCounter, dataset_files, iter_conversations
-from producer.masks import ChatTokeniser
+from producer.masks import MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES, ChatTokeniser
 from settings import Settings
 
 STATS_JSON = "plan/stats.json"
@@ -51,6 +51,12 @@ class PlanOptions:
     limit: int | None = None
     run_id: str | None = None
     store_dtype: str = "bfloat16"
+    #: Passed to the chat template when not None (Qwen3 reads it); None keeps the template's default.
+    enable_thinking: bool | None = None
+    #: Rows longer than max_length: "truncate" (cut, counted as truncated_samples) or "drop" (skipped too_long).
+    over_length: str = "truncate"
+    #: Plain-text records ({"text": ...}) become samples with every token supervised; else skipped text_not_allowed.
+    allow_text: bool = False
 
 
 @dataclass
@@ -103,6 +109,9 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
         raise BadConfig(f"--store-dtype {opts.store_dtype!r}: choose one of {', '.join(STORE_DTYPES)}")
     if opts.limit is not None and opts.limit < 1:
         raise BadConfig(f"--limit {opts.limit}: must be a positive number of records")
+    if opts.over_length not in OVER_LENGTH_POLICIES:
+        raise BadConfig(f"over_length {opts.over_length!r}: choose one of {', '.join(OVER_LENGTH_POLICIES)} "
+                        "(--truncate or --drop-long)")
     if opts.run_id is not None:
         try:
             check_run_id(opts.run_id)
@@ -127,7 +136,8 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
     if layer_source:
         layers["source"] = layer_source
     tokenizer = load_tokenizer(opts.model, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
-    chat = ChatTokeniser(tokenizer, max_length=max_length)
+    chat = ChatTokeniser(tokenizer, max_length=max_length, enable_thinking=opts.enable_thinking,
+                         over_length=opts.over_length)
     config = RunConfig(
         model=info.as_dict(),
         model_name=opts.model,
@@ -141,7 +151,10 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
             "vocab_size": len(tokenizer),
             "chat_template_sha256": chat.template_sha256,
             "end_of_turn_ids": sorted(int(i) for i in chat.end_of_turn_ids),
+            "enable_thinking": opts.enable_thinking,
         },
+        sample_policy={"over_length": opts.over_length, "allow_text": opts.allow_text,
+                       "min_consecutive_supervised": MIN_CONSECUTIVE_SUPERVISED},
         dataset_fingerprint=dataset_fingerprint(opts.dataset),
         dataset_source=opts.dataset if opts.dataset == "sharegpt" else str(Path(opts.dataset).resolve()),
         limit=opts.limit,
@@ -156,7 +169,7 @@ def tokenise_dataset(opts: PlanOptions, chat: ChatTokeniser, skips: SkipCounter,
     """Stream the dataset through the chat template. Returns (record ids, input ids, loss masks, truncated flags)."""
     record_ids, ids, masks, truncated = [], [], [], []
     task = progress.add_task("tokenising", total=opts.limit) if progress else None
-    for item in chat.encode_many(iter_conversations(opts.dataset, skips, limit=opts.limit)):
+    for item in chat.encode_many(iter_conversations(opts.dataset, skips, limit=opts.limit, allow_text=opts.allow_text)):
         if isinstance(item, BadRecord):
             skips.add(item)
         else:

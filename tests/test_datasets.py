@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from core.errors import BadDataset
@@ -12,7 +13,9 @@ from producer import datasets
 from producer.datasets import (
     SKIP_REASONS,
     Conversation,
+    PretokenisedRecord,
     SkipCounter,
+    TextRecord,
     dataset_files,
     iter_conversations,
     sharegpt_path,
@@ -233,3 +236,80 @@ def test_conversation_is_frozen():
     conv = Conversation("x", ({"role": "user", "content": "q"},))
     with pytest.raises(AttributeError):
         conv.record_id = "y"  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------------------------
+# Record forms (issue 3): tools, reasoning aliases, pre-tokenised and plain-text records
+
+
+def test_record_level_tools_are_kept_as_given_or_parsed_from_a_json_string(tmp_path):
+    """``tools`` (a list, or a JSON string of one) becomes Conversation.tools; anything else is bad_tools."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "content": "r", "tool_call_id": "c1", "name": "f"},
+            {"role": "assistant", "content": "a", "reasoning": "thought about it", "tool_calls": []}]
+    lines = [
+        {"id": "list", "tools": [tool], "messages": msgs},
+        {"id": "string", "tools": json.dumps([tool]), "messages": msgs},
+        {"id": "none", "tools": [], "messages": msgs},
+        {"id": "not-json", "tools": "[{", "messages": msgs},
+        {"id": "not-list", "tools": {"a": 1}, "messages": msgs},
+        {"id": "bad-calls", "messages": [msgs[0], {"role": "assistant", "content": "x", "tool_calls": "f()"}]},
+    ]
+    skips = SkipCounter()
+    convs = {c.record_id: c for c in iter_conversations(str(_write_lines(tmp_path / "t.jsonl", lines)), skips)}
+    assert list(convs) == ["list", "string", "none"]
+    assert convs["list"].tools == convs["string"].tools == (tool,)
+    assert convs["none"].tools is None
+    assert skips.counts == {"bad_tools": 2, "bad_turn": 1}
+    assert convs["list"].messages[2] == {"role": "tool", "content": "r", "tool_call_id": "c1", "name": "f"}
+    # "reasoning" is read as reasoning_content; an empty tool_calls list (parquet's "none") is dropped.
+    assert convs["list"].messages[3] == {"role": "assistant", "content": "a", "reasoning_content": "thought about it"}
+
+
+def test_pretokenised_records_are_checked_for_shape_and_kept_as_arrays(tmp_path):
+    """input_ids + loss_mask of equal length, integers, ids >= 0, mask 0/1; each violation is bad_pretokenised
+    with the detail (the lengths for a length mismatch)."""
+    lines = [
+        {"id": "good", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]},
+        {"input_ids": [5, 6], "loss_mask": [True, True]},  # no id: file:index; bool mask accepted
+        {"id": "lengths", "input_ids": [1, 2, 3], "loss_mask": [1, 1]},
+        {"id": "floats", "input_ids": [1.5, 2], "loss_mask": [1, 1]},
+        {"id": "strings", "input_ids": ["a", "b"], "loss_mask": [1, 1]},
+        {"id": "negative", "input_ids": [1, -2], "loss_mask": [1, 1]},
+        {"id": "mask2", "input_ids": [1, 2], "loss_mask": [1, 2]},
+        {"id": "only-ids", "input_ids": [1, 2]},
+        {"id": "empty", "input_ids": [], "loss_mask": []},
+        {"id": "nested", "input_ids": [[1, 2]], "loss_mask": [[1, 1]]},
+        {"id": "good", "input_ids": [1, 2], "loss_mask": [1, 1]},  # duplicate id
+    ]
+    skips = SkipCounter()
+    recs = list(iter_conversations(str(_write_lines(tmp_path / "p.jsonl", lines)), skips))
+    assert [type(r) for r in recs] == [PretokenisedRecord, PretokenisedRecord]
+    assert [r.record_id for r in recs] == ["good", "p.jsonl:1"]
+    assert recs[0].input_ids.dtype == np.int64 and recs[0].input_ids.tolist() == [1, 2, 3, 4]
+    assert recs[0].loss_mask.dtype == np.uint8 and recs[0].loss_mask.tolist() == [0, 1, 1, 1]
+    assert recs[1].loss_mask.tolist() == [1, 1]
+    assert skips.counts == {"bad_pretokenised": 8, "duplicate_id": 1}
+    examples = skips.examples["bad_pretokenised"]
+    assert examples[0] == "lengths: input_ids has 3 tokens, loss_mask 2 values: they must have equal length"
+    assert examples[1].startswith("floats: 'input_ids' must be a flat list of integers")
+    assert examples[3] == "negative: input_ids[1] = -2: token ids must be >= 0"
+    assert examples[4] == "mask2: loss_mask[1] = 2: must be 0 or 1"
+
+
+def test_text_records_are_used_only_when_allowed(tmp_path):
+    """Without allow_text a {"text": ...} record is skipped text_not_allowed; with it, a TextRecord."""
+    lines = [{"id": "t", "text": "Hello world."}, {"id": "blank", "text": " \u200b "}, {"id": "num", "text": 3},
+             _sg("chat", ("human", "q"), ("gpt", "a"))]
+    path = str(_write_lines(tmp_path / "x.jsonl", lines))
+    skips = SkipCounter()
+    assert [r.record_id for r in iter_conversations(path, skips)] == ["chat"]
+    assert skips.counts == {"text_not_allowed": 3}
+    assert skips.examples["text_not_allowed"][0] == ("t: a plain-text record: pass --allow-text to train on "
+                                                     "every token of such records")
+    skips = SkipCounter()
+    recs = list(iter_conversations(path, skips, allow_text=True))
+    assert recs[0] == TextRecord("t", "Hello world.") and isinstance(recs[1], Conversation)
+    assert skips.counts == {"empty_turn": 1, "bad_turn": 1}
