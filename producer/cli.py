@@ -196,6 +196,115 @@ def cmd_status(args, settings: Settings) -> int:
     return 0
 
 
+def cmd_verify(args, settings: Settings) -> int:
+    from producer.verify import problem_batches, verify_run
+
+    run_store = open_store(args.run_address, settings)
+    try:
+        with progress_factory() as progress:
+            report = verify_run(run_store, recompute=args.recompute, seed=args.seed, rtol=args.rtol, settings=settings,
+                                progress=progress)
+    except MissingKey:
+        console.print(f"error: no run at {mask_url(args.run_address)} (no run.json); give <output>/<run_id>")
+        return 2
+    code = 0 if report["ok"] else 1
+    if args.json:
+        out.print_json(json.dumps(report))
+        return code
+    t = Table(title=f"verify {report['run_id']}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("address", report["address"])
+    t.add_row("batches", f"{report['batches_done']:,} / {report['batches_planned']:,} done ({report['markers']:,} markers)")
+    t.add_row("samples", f"{report['samples_stored']:,} stored / {report['samples_planned']:,} planned, "
+                         f"{report['samples_quarantined']:,} quarantined")
+    t.add_row("hashed", f"{report['bytes_hashed'] / 1e6:,.1f} MB in {report['seconds']:.1f} s")
+    rec = report.get("recompute")
+    if rec:
+        t.add_row("recompute", f"{len(rec['samples'])} samples (seed {rec['seed']}), worst {rec['worst_ratio']:.2f}x "
+                               f"the tolerance (rtol {rec['rtol']})")
+    t.add_row("orphans", f"{len(report['orphans'])} shards no marker names (not an error)")
+    out.print(t)
+    for key in report["orphans"][:10]:
+        out.print(f"[yellow]orphan[/] {key}", highlight=False)
+    problems = report["problems"]
+    for p in problems[:50]:
+        out.print(f"[red]bad[/] {p['batch']} {p['kind']}: {p['detail']}", highlight=False)
+    if len(problems) > 50:
+        out.print(f"... and {len(problems) - 50} more problems (--json lists them all)")
+    if problems:
+        batches = problem_batches(report)
+        out.print(f"[red]verify FAILED[/]: {len(problems)} problems in {len(batches)} batches: "
+                  + ", ".join(batches[:20]) + (" ..." if len(batches) > 20 else ""), highlight=False)
+    else:
+        out.print("[green]verify passed[/]: every marker matches its shard and every planned sample is stored once")
+    return code
+
+
+def cmd_export(args, settings: Settings) -> int:
+    import shutil
+    from pathlib import Path
+
+    from producer.export import export_run
+
+    run_store = open_store(args.run_address, settings)
+    target = Path(args.out)
+    created = not target.exists()
+    try:
+        with progress_factory() as progress:
+            report = export_run(run_store, args.format, target, group_size=args.group_size, partial=args.partial,
+                                settings=settings, progress=progress)
+    except MissingKey:
+        console.print(f"error: no run at {mask_url(args.run_address)} (no run.json); give <output>/<run_id>")
+        return 2
+    except BaseException:
+        if created:
+            shutil.rmtree(target, ignore_errors=True)
+        raise
+    if args.json:
+        out.print_json(json.dumps(report))
+        return 0
+    t = Table(title=f"export {report['run_id']} as {report['format']}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("out", report["out"])
+    t.add_row("samples", f"{report['samples']:,} ({report['supervised_tokens']:,} supervised tokens)")
+    t.add_row("written", f"{report['bytes'] / 1e6:,.1f} MB in {report['seconds']:.1f} s")
+    t.add_row("layers", f"{report['layer_ids']} (output-of); vLLM ids {report['vllm_layer_ids']}")
+    t.add_row("final", report["final"])
+    out.print(t)
+    for w in report["warnings"]:
+        out.print(f"[yellow]warning[/] {w}", highlight=False)
+    return 0
+
+
+def cmd_vocab_counts(args, settings: Settings) -> int:
+    from pathlib import Path
+
+    from producer.export import VOCAB_COUNTS, supervised_token_counts, vocab_counts_bytes
+
+    run_store = open_store(args.run_address, settings)
+    try:
+        with progress_factory() as progress:
+            counts, info = supervised_token_counts(run_store, partial=args.partial, progress=progress)
+    except MissingKey:
+        console.print(f"error: no run at {mask_url(args.run_address)} (no run.json); give <output>/<run_id>")
+        return 2
+    data = vocab_counts_bytes(counts, info)
+    if args.output:
+        Path(args.output).write_bytes(data)
+        info["written_to"] = str(Path(args.output).resolve())
+    else:
+        run_store.write(VOCAB_COUNTS, data)
+        info["written_to"] = f"{run_store.url}/{VOCAB_COUNTS}"
+    if args.json:
+        out.print_json(json.dumps(info))
+    else:
+        out.print(f"{info['supervised_tokens']:,} supervised tokens of {info['samples']:,} samples, "
+                  f"{info['distinct_tokens']:,} distinct ids of {info['vocab_size']:,} -> {info['written_to']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m producer", description="Extract a target model's hidden states for draft-model training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -209,10 +318,29 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("status", help="a run's progress from its markers")
     p.add_argument("run_address", help="<output>/<run_id>, e.g. ./out/sharegpt-3fa9c1d2e4b5 or s3://bucket/prefix/<run_id>")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("verify", help="check every marker against its shard and the plan; exit 1 naming each bad batch")
+    p.add_argument("run_address", help="<output>/<run_id>, a local directory or s3://bucket/prefix/<run_id>")
+    p.add_argument("--recompute", type=int, default=0, metavar="N", help="also recompute N random samples per sample on the CPU reference path (fp32)")
+    p.add_argument("--seed", type=int, help="seed of the --recompute sample choice (default: random, reported)")
+    p.add_argument("--rtol", type=float, help="--recompute tolerance (default by stored dtype: bf16 1e-2, fp32 1e-4)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p = sub.add_parser("export", help="write a run in the files a trainer reads (SpecForge EAGLE-3 / DFlash, speculators)")
+    p.add_argument("run_address", help="<output>/<run_id>, a local directory or s3://bucket/prefix/<run_id>")
+    p.add_argument("out", help="a new (or empty) local directory")
+    p.add_argument("--format", required=True, choices=["specforge-eagle3", "specforge-dflash", "speculators"])
+    p.add_argument("--group-size", type=int, default=2000, help="SpecForge: samples per rows_<a>-<b> folder (default 2000)")
+    p.add_argument("--partial", action="store_true", help="export the batches that are done even if the run is not complete")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p = sub.add_parser("vocab-counts", help="count supervised target token ids over a run (vocab_counts.safetensors, for draft vocabularies)")
+    p.add_argument("run_address", help="<output>/<run_id>, a local directory or s3://bucket/prefix/<run_id>")
+    p.add_argument("--output", help="write here instead of <run>/vocab_counts.safetensors")
+    p.add_argument("--partial", action="store_true", help="count the batches that are done even if the run is not complete")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
     try:
         settings = get_settings()
-        return {"enqueue": cmd_enqueue, "run": cmd_run, "status": cmd_status}[args.command](args, settings)
+        return {"enqueue": cmd_enqueue, "run": cmd_run, "status": cmd_status, "verify": cmd_verify, "export": cmd_export,
+                "vocab-counts": cmd_vocab_counts}[args.command](args, settings)
     except HsxError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False)
         return 2

@@ -1,0 +1,427 @@
+"""Reading a run back for training: one sample's tensors at a time, straight from the shards.
+
+Legend (shape suffixes): S = tokens of one sample, T = tokens of a shard, N = samples of a shard,
+K = captured layers, H = hidden size.
+
+Two datasets, both ``torch.utils.data`` datasets that yield one dict per sample:
+
+- :class:`HiddenStatesDataset` (map-style) over a **local** run. ``ds[i]`` is the i-th stored
+  sample in ``sample_index`` order. Its index is built once from the markers and each shard's
+  small ``sample_index`` / ``cu_seqlens`` tensors; ``__getitem__`` reads only that sample's rows
+  with safetensors ``safe_open(...).get_slice(...)[start:end]`` on a memory-mapped file, so a
+  10 GB shard costs one sample's bytes per item.
+- :class:`IterableHiddenStatesDataset` streams shard by shard from any store. On S3 each shard
+  is downloaded to a temp file (one at a time per worker), checked against its marker's sha256,
+  read sample by sample and deleted. DataLoader workers (and ``rank`` / ``world_size``) split
+  the shards between them.
+
+Each sample is::
+
+    sample_index     int                    the sample's line in plan/samples.jsonl
+    input_ids        int64  [S]             token ids as fed to the target
+    loss_mask        int64  [S]             1 on supervised (assistant) tokens
+    hidden_states    bf16/fp32 [S, K*H]     the K layers concatenated in ascending layer id
+                                            (layer k occupies columns k*H:(k+1)*H)
+    final_postnorm   bf16/fp32 [S, H]       when the run stored it (and it was asked for)
+    final_prenorm    bf16/fp32 [S, H]       when the run stored it (and it was asked for)
+
+Only batches whose marker exists and carries the run's ``config_sha256`` are read (a batch is done
+if and only if that holds, core/marker.py). Samples a marker lists as ``quarantined`` are never
+returned, whether or not their rows are in the shard. A sample certified by two markers is a
+corrupt run: the map-style dataset refuses it (run ``python -m producer verify``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import tempfile
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from core.errors import BadConfig, FidelityError, StoreError
+from core.marker import MARKERS_PREFIX
+from core.runconfig import RunConfig, load_run
+from core.store import CHUNK_BYTES, S3Store, Store, open_store
+
+log = logging.getLogger(__name__)
+
+FINAL_TENSORS = ("final_postnorm", "final_prenorm")
+#: open safe_open handles a map-style dataset keeps (per process); each is one mmap.
+MAX_OPEN_SHARDS = 16
+#: threads that read markers.
+MARKER_READ_THREADS = 16
+
+try:  # torch is a hard dependency of the project, but keep the index helpers importable without it
+    from torch.utils.data import Dataset as _Dataset
+    from torch.utils.data import IterableDataset as _IterableDataset
+except ImportError:  # pragma: no cover
+    _Dataset = object  # type: ignore[assignment,misc]
+    _IterableDataset = object  # type: ignore[assignment,misc]
+
+
+# --- markers and shards ---------------------------------------------------------------------
+
+
+def quarantined_ids(marker: dict) -> set[int]:
+    """Sample indices a marker lists as quarantined.
+
+    Entries may be plain ints or dicts with ``sample_index`` (or ``sample``) and a reason; both
+    forms are accepted so that the reader does not depend on how the worker spells them.
+    """
+    out: set[int] = set()
+    for entry in marker.get("quarantined") or ():
+        if isinstance(entry, dict):
+            value = entry.get("sample_index", entry.get("sample"))
+        else:
+            value = entry
+        if value is not None:
+            out.add(int(value))
+    return out
+
+
+def read_markers(run_store: Store) -> dict[str, dict | Exception]:
+    """Every marker of the run, keyed by the batch named by its file (``markers/<batch>.json``).
+
+    Values are the parsed marker, or the exception that reading / parsing it raised (so that
+    ``verify`` can report an unreadable marker instead of stopping).
+    """
+    keys = [k for k in run_store.list(MARKERS_PREFIX) if k.endswith(".json")]
+
+    def load(key: str) -> dict | Exception:
+        try:
+            value = json.loads(run_store.read(key))
+            if not isinstance(value, dict):
+                raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+            return value
+        except Exception as exc:  # reported per marker by the caller
+            return exc
+
+    with ThreadPoolExecutor(MARKER_READ_THREADS) as pool:
+        values = list(pool.map(load, keys))
+    return {k.rsplit("/", 1)[-1].removesuffix(".json"): v for k, v in zip(keys, values)}
+
+
+def certified_markers(run_store: Store, config: RunConfig) -> dict[str, dict]:
+    """Markers that certify a batch of this run: readable, naming their own batch, with the run's
+    ``config_sha256``. Others are logged and left out (``verify`` reports them)."""
+    want = config.identity_sha256()
+    out = {}
+    for batch, marker in sorted(read_markers(run_store).items()):
+        if isinstance(marker, Exception):
+            log.warning("marker of %s is unreadable (%s): skipped; run `python -m producer verify`", batch, marker)
+            continue
+        if marker.get("batch") != batch or marker.get("config_sha256") != want:
+            log.warning("marker of %s does not certify this run's batch %s (batch %r, config %s): skipped",
+                        batch, batch, marker.get("batch"), str(marker.get("config_sha256"))[:12])
+            continue
+        out[batch] = marker
+    return out
+
+
+def sha256_file(path: Path) -> tuple[int, str]:
+    """(bytes, sha256 hex) of a file, read in ``CHUNK_BYTES`` steps (never whole in memory)."""
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            h.update(chunk)
+            n += len(chunk)
+    return n, h.hexdigest()
+
+
+def s3_object_key(run_store: S3Store, key: str) -> str:
+    """The bucket key of store key ``key`` (the store's prefix joined in front)."""
+    return f"{run_store.prefix}/{key}" if run_store.prefix else key
+
+
+def _download(run_store: Store, key: str, path: Path) -> None:
+    """Copy object ``key`` to the local file ``path`` without holding it in memory on S3."""
+    if isinstance(run_store, S3Store):
+        full = s3_object_key(run_store, key)
+        try:
+            # boto3's managed transfer: ranged GETs in parallel threads, straight to the file.
+            run_store.client.download_file(run_store.bucket, full, str(path))
+        except Exception as exc:
+            raise StoreError(f"download of {run_store.url}/{key} failed: {exc}") from exc
+        return
+    path.write_bytes(run_store.read(key))
+
+
+@contextmanager
+def local_shard(run_store: Store, key: str, *, expect: dict | None = None, tmp_dir: Path | None = None) -> Iterator[Path]:
+    """A local path of shard ``key`` for the duration of the block.
+
+    Local store: the file itself (memory-mappable, no copy). Other stores: a temp file
+    downloaded into ``tmp_dir`` (default: the system temp dir) and deleted afterwards.
+    ``expect`` (the marker's ``shard`` dict: ``bytes``, ``sha256``) makes it hash the file first
+    and raise :class:`~core.errors.FidelityError` when it does not match.
+    """
+    path = run_store.local_path(key)
+    tmp: Path | None = None
+    if path is None:
+        fd, name = tempfile.mkstemp(prefix="hsx-shard-", suffix=".safetensors", dir=tmp_dir)
+        os.close(fd)
+        tmp = path = Path(name)
+    try:
+        if tmp is not None:
+            _download(run_store, key, tmp)
+        if expect is not None:
+            n, digest = sha256_file(path)
+            if n != int(expect["bytes"]) or digest != str(expect["sha256"]).lower():
+                raise FidelityError(
+                    f"shard {key} in {run_store.url}: sha256 {digest} ({n} bytes), its marker says "
+                    f"{expect['sha256']} ({expect['bytes']} bytes); run `python -m producer verify`"
+                )
+        yield path
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+
+
+def shard_index(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """``(sample_index_N, cu_seqlens_N1)`` of a shard, read without touching its hidden states."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return f.get_tensor("sample_index").astype(np.int64), f.get_tensor("cu_seqlens").astype(np.int64)
+
+
+def _final_names(config: RunConfig, finals: str) -> tuple[str, ...]:
+    """Which final tensors to return: ``present`` (whatever the run stored), ``none``,
+    ``postnorm``, ``prenorm`` or ``both``. Raises BadConfig when the run lacks what is asked."""
+    stored = {"none": (), "postnorm": ("final_postnorm",), "prenorm": ("final_prenorm",),
+              "both": FINAL_TENSORS}[config.layers["final"]]
+    if finals == "present":
+        return stored
+    if finals not in ("none", "postnorm", "prenorm", "both"):
+        raise BadConfig(f"finals={finals!r}: use present, none, postnorm, prenorm or both")
+    asked = {"none": (), "postnorm": ("final_postnorm",), "prenorm": ("final_prenorm",), "both": FINAL_TENSORS}[finals]
+    missing = [n for n in asked if n not in stored]
+    if missing:
+        raise BadConfig(
+            f"run {config.run_id} stored final={config.layers['final']!r}, so {missing} cannot be read; "
+            "re-run the extraction with --final postnorm|prenorm|both"
+        )
+    return asked
+
+
+def read_sample(f, start: int, end: int, finals: tuple[str, ...]) -> dict:
+    """One sample's tensors from an open ``safe_open(..., framework="pt")`` handle.
+
+    Rows ``[start, end)`` only: ``get_slice`` reads those bytes of the memory-mapped file.
+    Returns ``input_ids`` / ``loss_mask`` int64 [S], ``hidden_states`` [S, K*H] and the asked
+    ``finals`` [S, H] in the stored dtype.
+    """
+    import torch
+
+    hidden_SKH = f.get_slice("hidden_states")[start:end]
+    S, K, H = hidden_SKH.shape
+    out = {
+        "input_ids": f.get_slice("input_ids")[start:end].to(torch.int64),
+        "loss_mask": f.get_slice("loss_mask")[start:end].to(torch.int64),
+        # Row-major [S, K, H] -> [S, K*H] is a view: layer k is columns k*H:(k+1)*H.
+        "hidden_states": hidden_SKH.reshape(S, K * H),
+    }
+    for name in finals:
+        out[name] = f.get_slice(name)[start:end]
+    return out
+
+
+def _open_run(run: str | Path | Store, settings) -> Store:
+    if isinstance(run, (str, Path)):
+        return open_store(str(run), settings)
+    return run
+
+
+# --- map-style ------------------------------------------------------------------------------
+
+
+class HiddenStatesDataset(_Dataset):
+    """Map-style dataset over a local run: ``ds[i]`` is the i-th stored sample by ``sample_index``.
+
+    Args:
+        run: the run's address (``<output>/<run_id>``, a path or ``file://`` URL) or its Store.
+        finals: which final states to return: ``present`` (default: what the run stored),
+            ``none``, ``postnorm``, ``prenorm`` or ``both``.
+        settings: :class:`settings.Settings` for opening ``run`` (only needed for URLs).
+
+    Raises:
+        BadConfig: the run is not on a local filesystem (use :class:`IterableHiddenStatesDataset`),
+            or asked finals were not stored.
+        FidelityError: a sample is certified by two batches (a corrupt run: run ``verify``).
+        core.store.MissingKey: no ``run.json`` at ``run``.
+    """
+
+    def __init__(self, run: str | Path | Store, *, finals: str = "present", settings=None):
+        store = _open_run(run, settings)
+        self.config = load_run(store)
+        probe = store.local_path("run.json")
+        if probe is None:
+            raise BadConfig(
+                f"{store.url} is not a local directory: the map-style HiddenStatesDataset memory-maps shards; "
+                "use IterableHiddenStatesDataset to stream from S3, or copy the run locally"
+            )
+        self.run_url = store.url
+        self.layer_ids: list[int] = list(self.config.layers["layer_ids"])
+        self.hidden_size = int(self.config.model["hidden_size"])
+        self.finals = _final_names(self.config, finals)
+
+        paths: list[str] = []
+        rows: list[tuple[int, int, int, int]] = []  # (sample_index, shard id, start, end)
+        owner: dict[int, str] = {}
+        for batch, marker in certified_markers(store, self.config).items():
+            path = store.local_path(marker["shard"]["key"])
+            if path is None or not path.is_file():
+                raise FidelityError(f"batch {batch}: shard {marker['shard']['key']} is missing; run `python -m producer verify`")
+            skip = quarantined_ids(marker)
+            sample_index_N, cu_N1 = shard_index(path)
+            shard_id = len(paths)
+            paths.append(str(path))
+            for j, sample in enumerate(sample_index_N.tolist()):
+                if sample in skip:
+                    continue
+                if sample in owner:
+                    raise FidelityError(
+                        f"sample {sample} is certified twice, by batches {owner[sample]} and {batch}; "
+                        "run `python -m producer verify` on " + store.url
+                    )
+                owner[sample] = batch
+                rows.append((sample, shard_id, int(cu_N1[j]), int(cu_N1[j + 1])))
+        rows.sort()
+        table = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+        self._sample_index_N = table[:, 0].copy()
+        self._shard_N = table[:, 1].copy()
+        self._start_N = table[:, 2].copy()
+        self._end_N = table[:, 3].copy()
+        self._paths = paths
+        self._handles: OrderedDict[int, object] = OrderedDict()
+
+    def __len__(self) -> int:
+        return int(self._sample_index_N.shape[0])
+
+    @property
+    def sample_indices(self) -> np.ndarray:
+        """int64 [len]: the ``sample_index`` of each position, ascending."""
+        return self._sample_index_N
+
+    def position_of(self, sample_index: int) -> int:
+        """Position ``i`` with ``ds[i]["sample_index"] == sample_index``; KeyError if not stored."""
+        i = int(np.searchsorted(self._sample_index_N, sample_index))
+        if i >= len(self) or self._sample_index_N[i] != sample_index:
+            raise KeyError(f"sample {sample_index} is not stored in {self.run_url}")
+        return i
+
+    def _handle(self, shard_id: int):
+        from safetensors import safe_open
+
+        f = self._handles.get(shard_id)
+        if f is None:
+            f = safe_open(self._paths[shard_id], framework="pt")
+            self._handles[shard_id] = f
+            if len(self._handles) > MAX_OPEN_SHARDS:
+                self._handles.popitem(last=False)
+        else:
+            self._handles.move_to_end(shard_id)
+        return f
+
+    def __getitem__(self, i: int) -> dict:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {i} out of range for {n} samples")
+        f = self._handle(int(self._shard_N[i]))
+        sample = read_sample(f, int(self._start_N[i]), int(self._end_N[i]), self.finals)
+        return {"sample_index": int(self._sample_index_N[i]), **sample}
+
+    def __getstate__(self) -> dict:
+        # DataLoader workers get a copy without open handles: each process opens its own mmaps.
+        state = dict(self.__dict__)
+        state["_handles"] = OrderedDict()
+        return state
+
+
+# --- iterable -------------------------------------------------------------------------------
+
+
+class IterableHiddenStatesDataset(_IterableDataset):
+    """Streams a run shard by shard from any store (local directory or S3).
+
+    Args:
+        run: the run's address (``<output>/<run_id>``, ``s3://bucket/prefix/<run_id>``) or its Store.
+        finals: as for :class:`HiddenStatesDataset`.
+        settings: :class:`settings.Settings` for S3 endpoint and credentials.
+        shuffle_shards: visit shards in a random order (``seed``; samples stay in shard order).
+        rank, world_size: split shards between training processes (shard i goes to rank
+            ``i % world_size``); DataLoader workers split each rank's shards again.
+        verify: hash each shard against its marker before reading it (default: only downloaded
+            copies, which costs no extra read; ``True``: local files too; ``False``: never).
+        tmp_dir: where downloaded shards live while they are read (default: system temp dir).
+    """
+
+    def __init__(self, run: str | Path | Store, *, finals: str = "present", settings=None, shuffle_shards: bool = False,
+                 seed: int = 0, rank: int = 0, world_size: int = 1, verify: bool | None = None,
+                 tmp_dir: Path | None = None):
+        if not 0 <= rank < world_size:
+            raise BadConfig(f"rank {rank} / world_size {world_size}: need 0 <= rank < world_size")
+        self.store = _open_run(run, settings)
+        self.config = load_run(self.store)
+        self.layer_ids: list[int] = list(self.config.layers["layer_ids"])
+        self.hidden_size = int(self.config.model["hidden_size"])
+        self.finals = _final_names(self.config, finals)
+        self.markers = certified_markers(self.store, self.config)
+        self.shuffle_shards = shuffle_shards
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.verify = verify
+        self.tmp_dir = tmp_dir
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Change the shard order of the next pass when ``shuffle_shards`` is on."""
+        self.epoch = epoch
+
+    def batches(self) -> list[str]:
+        """The batches this process (and DataLoader worker) reads, in visiting order."""
+        import torch.utils.data
+
+        names = sorted(self.markers)
+        if self.shuffle_shards:
+            random.Random(self.seed + self.epoch).shuffle(names)
+        names = names[self.rank::self.world_size]
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            names = names[info.id::info.num_workers]
+        return names
+
+    def iter_batch(self, batch: str) -> Iterator[dict]:
+        """The samples of one certified batch, in shard row order (quarantined ones left out)."""
+        from safetensors import safe_open
+
+        marker = self.markers[batch]
+        key = marker["shard"]["key"]
+        local = self.store.local_path(key) is not None
+        check = self.verify if self.verify is not None else not local
+        skip = quarantined_ids(marker)
+        with local_shard(self.store, key, expect=marker["shard"] if check else None, tmp_dir=self.tmp_dir) as path:
+            with safe_open(str(path), framework="pt") as f:
+                sample_index_N = f.get_tensor("sample_index").tolist()
+                cu_N1 = f.get_tensor("cu_seqlens").tolist()
+                for j, sample in enumerate(sample_index_N):
+                    if sample in skip:
+                        continue
+                    yield {"sample_index": int(sample), **read_sample(f, cu_N1[j], cu_N1[j + 1], self.finals)}
+
+    def __iter__(self) -> Iterator[dict]:
+        for batch in self.batches():
+            yield from self.iter_batch(batch)

@@ -1,0 +1,384 @@
+"""``python -m producer export RUN_ADDRESS --format F OUT``: write a run as the files trainers read.
+
+Legend: S = tokens of one sample, K = captured layers, H = hidden size, V = vocabulary size.
+
+Samples are numbered ``i = 0, 1, ...`` in export order: batches by name, then rows within each
+shard (quarantined samples left out). ``OUT/export.json`` maps every ``i`` to its ``sample_index``
+(its line in the run's ``plan/samples.jsonl``) and records the layer ids in both conventions.
+Every shard is hashed against its marker before it is read. The run must be complete (every
+planned batch has its marker) unless ``partial=True``. Hidden states are written in bf16, what
+every format below is produced in upstream.
+
+Formats, and what each was matched against (upstream code read through the code index on
+2026-11-30; the commit ids are those of the stored versions read):
+
+``specforge-eagle3`` (SpecForge ``scripts/prepare_hidden_states.py``, versions 0168a59 and
+f1424fb; read back by ``OfflineEagle3Dataset`` in ``specforge/data/preprocessing.py``, 280fab9)
+    ``OUT/rows_{g}-{g+G}/data_{i}.ckpt`` with ``g = i // G * G`` (``G`` = ``--group-size``,
+    upstream ``--file-group-size`` default 2000; older versions used 5000), each a
+    ``torch.save`` of ``{"input_ids": int64 [S], "loss_mask": int64 [S], "hidden_state": bf16
+    [1, S, H], "aux_hidden_state": bf16 [1, S, 3H]}`` (upstream saves ``asdict(DataPoint)``).
+    ``hidden_state`` is the final state AFTER the norm (sglang's logits-processor input);
+    ``aux_hidden_state`` is the 3 EAGLE layers concatenated in id order (upstream default ids
+    ``[1, N//2 - 1, N - 4]`` in the output-of convention). The reader slices ``[:max_len]`` and
+    sets ``loss_mask[-1] = 0`` itself. Refused unless the run has exactly 3 layers and the
+    post-norm final state.
+``specforge-dflash`` (FIELD-NOTES section 8; NOT confirmed upstream, see below)
+    The same folders and file names, each ``{"input_ids": int64 [S], "loss_mask": int64 [S],
+    "hidden_states": bf16 [1, S, K*H]}`` with the K layers in ascending id (``target_layer_ids``)
+    order. Upstream ``scripts/train_dflash.py`` (b486c75) trains online only. An offline DFlash
+    cache found in the index (commit 243edb3: ``scripts/prepare_dflash_hidden_states.py``,
+    ``scripts/train_dflash_offline.py``) uses another layout: ``group_{:06d}/sample_{:012d}.ckpt``
+    with ``selected_hidden_states`` [S, K, H] and a ``manifest.json``; whether that is upstream's
+    current format could not be confirmed, so it is not what this writes.
+``speculators`` (vllm-project/speculators: ``data_generation/offline.py``, the synthetic Arrow
+fixture of its training tests, ``data_generation/vocab_mapping.py``, ``scripts/build_vocab_mapping.py``)
+    ``OUT/`` is a Hugging Face ``datasets`` ``save_to_disk`` directory (``data-00000-of-00001.arrow``
+    in Arrow stream format, ``dataset_info.json``, ``state.json``; written with pyarrow) with
+    columns ``input_ids`` list<int64>, ``loss_mask`` list<int64>, ``seq_len`` int64, row ``i`` =
+    sample ``i``; ``OUT/hidden_states/hs_{i}.safetensors`` holds ``hidden_states`` bf16
+    [S, K+1, H] (the K layers in ascending id, i.e. vLLM ids ``id + 1``, then the final state
+    BEFORE the norm, vLLM id ``N``) and ``token_ids`` int64 [S]; ``OUT/token_freq.pt`` is a
+    ``torch.save`` of ``{token_id: count}`` (what ``build_vocab_mapping.py`` loads). Refused
+    without the pre-norm final state. Unconfirmed: upstream's fixture writes ``loss_mask`` as
+    bool lists and older docs as int64; int64 is written here (both compare ``== 1`` the same).
+
+Every format also gets ``OUT/vocab_counts.safetensors`` (:func:`supervised_token_counts`).
+``torch.save`` files are pickles: written only here, in this explicit export step; the project
+itself never loads one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from core.errors import BadConfig, FidelityError
+from core.layers import eagle3_layer_ids
+from core.plan import read_batch, read_batch_list
+from core.reader import IterableHiddenStatesDataset, certified_markers, quarantined_ids
+from core.runconfig import RunConfig, load_run
+from core.store import Store
+
+FORMATS = ("specforge-eagle3", "specforge-dflash", "speculators")
+#: samples per ``rows_{g}-{g+G}`` folder (SpecForge ``--file-group-size`` default).
+GROUP_SIZE = 2000
+#: parallel file writes, and how many may be queued before the reader waits.
+IO_THREADS = 4
+IO_QUEUE = 16
+VOCAB_COUNTS = "vocab_counts.safetensors"
+VOCAB_COUNTS_DEFINITION = (
+    "counts[v] = number of positions with loss_mask == 1 whose input id is v, over every stored sample "
+    "(quarantined samples excluded); the same tokens SpecForge generate_vocab_mapping_file and speculators "
+    "save_token_frequency_distribution count (input_ids[loss_mask == 1])"
+)
+ARROW_FILE = "data-00000-of-00001.arrow"
+
+
+# --- supervised-token counts ----------------------------------------------------------------
+
+
+def supervised_token_counts(run_store: Store, config: RunConfig | None = None, *, partial: bool = True,
+                            progress=None) -> tuple[np.ndarray, dict]:
+    """Counts of supervised target token ids over the run: int64 [V] and a summary.
+
+    ``counts[v]`` is the number of tokens with ``loss_mask == 1`` whose id is ``v``, over the
+    samples of every certified batch minus its quarantined samples (the samples the reader and
+    the exports return). They are counted from the plan's batches, which hold exactly the ids
+    and masks of the shards (``verify`` checks that echo), so no hidden states are downloaded.
+    ``V`` is the tokenizer's vocabulary size from run.json, or more if an id is larger.
+    Counting the input ids at supervised positions is what SpecForge and speculators count for
+    their draft vocabularies (d2t / t2d).
+
+    Raises:
+        BadConfig: ``partial`` is False and some planned batch has no certified marker.
+    """
+    config = config or load_run(run_store)
+    markers = certified_markers(run_store, config)
+    planned = [b["batch"] for b in read_batch_list(run_store)]
+    missing = [b for b in planned if b not in markers]
+    if missing and not partial:
+        raise BadConfig(f"run {config.run_id}: {len(missing)} of {len(planned)} batches have no marker (first {missing[0]}); "
+                        "finish the run, or pass --partial to use the batches that are done")
+    V = int(config.tokenizer.get("vocab_size") or 0)
+    counts = np.zeros(max(V, 1), dtype=np.int64)
+    samples = supervised = 0
+    task = progress.add_task("counting", total=len(markers)) if progress is not None else None
+    for batch in sorted(markers):
+        plan = read_batch(run_store, batch)
+        skip = quarantined_ids(markers[batch])
+        keep_T = plan.loss_mask_T.astype(bool)
+        if skip:
+            keep_N = np.array([s not in skip for s in plan.sample_index_N.tolist()], dtype=bool)
+            keep_T &= np.repeat(keep_N, np.diff(plan.cu_seqlens_N1))
+        ids = plan.input_ids_T[keep_T].astype(np.int64)
+        if ids.size and ids.max() >= counts.shape[0]:
+            counts = np.concatenate([counts, np.zeros(int(ids.max()) + 1 - counts.shape[0], dtype=np.int64)])
+        counts += np.bincount(ids, minlength=counts.shape[0])
+        samples += plan.num_samples - len(skip & set(plan.sample_index_N.tolist()))
+        supervised += int(ids.size)
+        if task is not None:
+            progress.update(task, advance=1)
+    info = {"run_id": config.run_id, "vocab_size": int(counts.shape[0]), "samples": samples,
+            "supervised_tokens": supervised, "distinct_tokens": int(np.count_nonzero(counts)),
+            "batches": len(markers), "batches_missing": len(missing), "definition": VOCAB_COUNTS_DEFINITION}
+    return counts, info
+
+
+def vocab_counts_bytes(counts: np.ndarray, info: dict) -> bytes:
+    """``vocab_counts.safetensors``: tensor ``counts`` int64 [V]; metadata: the summary (strings)."""
+    from safetensors.numpy import save
+
+    return save({"counts": counts.astype(np.int64)}, metadata={k: str(v) for k, v in info.items()})
+
+
+# --- format checks --------------------------------------------------------------------------
+
+
+def check_exportable(config: RunConfig, fmt: str) -> list[str]:
+    """Refuse (BadConfig) a run that lacks what ``fmt`` needs; return warnings for the rest."""
+    if fmt not in FORMATS:
+        raise BadConfig(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    layers = config.layers
+    ids, final, N = list(layers["layer_ids"]), layers["final"], int(layers["num_layers"])
+    warnings = []
+    if fmt == "specforge-eagle3":
+        if len(ids) != 3:
+            raise BadConfig(
+                f"run {config.run_id} captured {len(ids)} layers {ids}; SpecForge EAGLE-3 needs exactly the 3 EAGLE layers "
+                f"(aux_hidden_state [1, S, 3H]). Extract with --preset eagle3 (ids {eagle3_layer_ids(N)} for {N} layers)"
+            )
+        if final not in ("postnorm", "both"):
+            raise BadConfig(
+                f"run {config.run_id} stored final={final!r}; SpecForge EAGLE-3 needs the final state AFTER the norm "
+                "(hidden_state [1, S, H]). Extract with --final postnorm (or both)"
+            )
+        if ids != eagle3_layer_ids(N):
+            warnings.append(f"layer ids {ids} are not SpecForge's EAGLE-3 default {eagle3_layer_ids(N)}: "
+                            "configure the draft's aux layers to match")
+    if fmt == "speculators" and final not in ("prenorm", "both"):
+        raise BadConfig(
+            f"run {config.run_id} stored final={final!r}; speculators needs the final state BEFORE the norm as the last "
+            "layer of hidden_states (it applies the norm itself). Extract with --final prenorm (or both)"
+        )
+    return warnings
+
+
+# --- writers --------------------------------------------------------------------------------
+
+
+def _atomic(path: Path, write) -> int:
+    """Write ``path`` through a temp name + rename (never a partial file at ``path``); returns bytes."""
+    tmp = path.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{path.name}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.stat().st_size
+
+
+class _SpecForgeWriter:
+    """``rows_{g}-{g+G}/data_{i}.ckpt`` per sample (see the module docstring)."""
+
+    def __init__(self, out: Path, fmt: str, group_size: int):
+        self.out, self.fmt, self.group_size = out, fmt, group_size
+
+    def path(self, i: int) -> Path:
+        g = i // self.group_size * self.group_size
+        folder = self.out / f"rows_{g}-{g + self.group_size}"
+        folder.mkdir(exist_ok=True)
+        return folder / f"data_{i}.ckpt"
+
+    def record(self, sample: dict) -> dict:
+        import torch
+
+        S = sample["input_ids"].shape[0]
+        rec = {"input_ids": sample["input_ids"].to(torch.int64).contiguous(),
+               "loss_mask": sample["loss_mask"].to(torch.int64).contiguous()}
+        hidden_1SX = sample["hidden_states"].to(torch.bfloat16).reshape(1, S, -1).contiguous()
+        if self.fmt == "specforge-eagle3":
+            rec["hidden_state"] = sample["final_postnorm"].to(torch.bfloat16).reshape(1, S, -1).contiguous()
+            rec["aux_hidden_state"] = hidden_1SX
+        else:
+            rec["hidden_states"] = hidden_1SX
+        return rec
+
+    def write(self, i: int, sample: dict) -> int:
+        import torch
+
+        rec = self.record(sample)
+        return _atomic(self.path(i), lambda p: torch.save(rec, p))
+
+    def close(self, counts: np.ndarray) -> None:
+        pass
+
+
+class _SpeculatorsWriter:
+    """Arrow table (``datasets`` save_to_disk layout) + ``hidden_states/hs_{i}.safetensors`` + ``token_freq.pt``."""
+
+    def __init__(self, out: Path, run_id: str):
+        import pyarrow as pa
+
+        self.out = out
+        (out / "hidden_states").mkdir()
+        self.schema = pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
+                                 ("seq_len", pa.int64())])
+        self.sink = pa.OSFile(str(out / ARROW_FILE), "wb")
+        self.stream = pa.ipc.new_stream(self.sink, self.schema)
+        self.rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+        self.run_id = run_id
+        self.num_rows = 0
+
+    def write(self, i: int, sample: dict) -> int:
+        import torch
+        from safetensors.torch import save_file
+
+        hidden_SKH = sample["hidden_states"].view(sample["input_ids"].shape[0], -1, sample["final_prenorm"].shape[-1])
+        # Aux layers in ascending id (vLLM ids id + 1), then the pre-norm final state (vLLM id N).
+        hs_SLH = torch.cat([hidden_SKH, sample["final_prenorm"][:, None]], dim=1).to(torch.bfloat16).contiguous()
+        tensors = {"hidden_states": hs_SLH, "token_ids": sample["input_ids"].to(torch.int64).contiguous()}
+        return _atomic(self.out / "hidden_states" / f"hs_{i}.safetensors", lambda p: save_file(tensors, str(p)))
+
+    def add_row(self, sample: dict) -> None:
+        """Append sample's row to the table (called in export order, from one thread)."""
+        self.rows["input_ids"].append(sample["input_ids"].tolist())
+        self.rows["loss_mask"].append(sample["loss_mask"].tolist())
+        self.rows["seq_len"].append(int(sample["input_ids"].shape[0]))
+        if len(self.rows["seq_len"]) >= 1024:
+            self.flush()
+
+    def flush(self) -> None:
+        import pyarrow as pa
+
+        if not self.rows["seq_len"]:
+            return
+        self.stream.write_batch(pa.record_batch([pa.array(self.rows[n], type=self.schema.field(n).type) for n in self.rows],
+                                                schema=self.schema))
+        self.num_rows += len(self.rows["seq_len"])
+        self.rows = {n: [] for n in self.rows}
+
+    def close(self, counts: np.ndarray) -> None:
+        import torch
+
+        self.flush()
+        self.stream.close()
+        self.sink.close()
+        # What datasets.Dataset.save_to_disk writes next to the Arrow file; features are left to be
+        # inferred from the Arrow schema (list<int64> -> List(Value("int64"))).
+        (self.out / "dataset_info.json").write_text(json.dumps(
+            {"citation": "", "description": f"hsx export of run {self.run_id}", "homepage": "", "license": ""}, indent=2))
+        (self.out / "state.json").write_text(json.dumps({
+            "_data_files": [{"filename": ARROW_FILE}],
+            "_fingerprint": uuid.uuid4().hex[:16],
+            "_format_columns": None,
+            "_format_kwargs": {},
+            "_format_type": None,
+            "_output_all_columns": False,
+            "_split": None,
+        }, indent=2))
+        nonzero = np.flatnonzero(counts)
+        freq = {int(v): int(counts[v]) for v in nonzero}
+        _atomic(self.out / "token_freq.pt", lambda p: torch.save(freq, p))
+
+
+# --- export ---------------------------------------------------------------------------------
+
+
+def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP_SIZE, partial: bool = False,
+               settings=None, progress=None, io_threads: int = IO_THREADS) -> dict:
+    """Write the run at ``run_store`` to the local directory ``out`` in format ``fmt``.
+
+    Returns the report (also written as ``out/export.json``, without the sample list).
+
+    Raises:
+        BadConfig: unknown format, a run that lacks the layers or final state the format needs,
+            ``out`` exists and is not empty, or the run is incomplete and ``partial`` is False.
+        core.errors.FidelityError: a shard does not match its marker's sha256.
+    """
+    t0 = time.perf_counter()
+    config = load_run(run_store)
+    warnings = check_exportable(config, fmt)
+    if group_size < 1:
+        raise BadConfig(f"--group-size {group_size}: must be at least 1")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BadConfig(f"{out} exists and is not an empty directory: export into a new directory")
+    finals = {"specforge-eagle3": "postnorm", "specforge-dflash": "none", "speculators": "prenorm"}[fmt]
+    ds = IterableHiddenStatesDataset(run_store, finals=finals, settings=settings, verify=True)
+    counts, count_info = supervised_token_counts(run_store, config, partial=partial)
+    if count_info["batches_missing"]:
+        warnings.append(f"partial export: {count_info['batches_missing']} planned batches have no marker")
+    out.mkdir(parents=True, exist_ok=True)
+    writer = _SpeculatorsWriter(out, config.run_id) if fmt == "speculators" else _SpecForgeWriter(out, fmt, group_size)
+    total = count_info["samples"]
+    task = progress.add_task("exporting", total=total) if progress is not None else None
+    sample_index: list[int] = []
+    written_bytes = 0
+    pending: list[Future] = []
+    supervised = 0
+    try:
+        with ThreadPoolExecutor(io_threads) as pool:
+            for batch in sorted(ds.markers):
+                for sample in ds.iter_batch(batch):
+                    i = len(sample_index)
+                    sample_index.append(sample["sample_index"])
+                    supervised += int(sample["loss_mask"].sum())
+                    if isinstance(writer, _SpeculatorsWriter):
+                        writer.add_row(sample)
+                    pending.append(pool.submit(writer.write, i, sample))
+                    while len(pending) >= IO_QUEUE:
+                        written_bytes += pending.pop(0).result()
+                        if task is not None:
+                            elapsed = max(time.perf_counter() - t0, 1e-9)
+                            progress.update(task, advance=1, info=f"{written_bytes / 1e6:,.0f} MB  {written_bytes / 1e6 / elapsed:,.0f} MB/s")
+            for fut in pending:
+                written_bytes += fut.result()
+                if task is not None:
+                    progress.update(task, advance=1)
+            pending.clear()
+        writer.close(counts)
+    except BaseException:
+        if isinstance(writer, _SpeculatorsWriter):
+            try:
+                writer.stream.close()
+                writer.sink.close()
+            except Exception:
+                pass
+        raise
+    if supervised != count_info["supervised_tokens"]:
+        raise FidelityError(
+            f"the shards hold {supervised} supervised tokens but the plan's batches {count_info['supervised_tokens']}: "
+            f"the run is inconsistent; run `python -m producer verify {run_store.url}`"
+        )
+    (out / VOCAB_COUNTS).write_bytes(vocab_counts_bytes(counts, count_info))
+    layers = config.layers
+    report = {
+        "format": fmt,
+        "out": str(out),
+        "run_id": config.run_id,
+        "run_address": run_store.url,
+        "model": config.model,
+        "samples": len(sample_index),
+        "supervised_tokens": supervised,
+        "bytes": written_bytes,
+        "layer_ids": list(layers["layer_ids"]),
+        "layer_id_convention": layers["convention"],
+        "vllm_layer_ids": [i + 1 for i in layers["layer_ids"]] + ([int(layers["num_layers"])] if fmt == "speculators" else []),
+        "final": {"specforge-eagle3": "postnorm (hidden_state)", "specforge-dflash": "none",
+                  "speculators": "prenorm (last of hidden_states' L axis)"}[fmt],
+        "group_size": group_size if fmt != "speculators" else None,
+        "hidden_dtype": "bfloat16",
+        "warnings": warnings,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    (out / "export.json").write_text(json.dumps({**report, "sample_index": sample_index}, indent=1))
+    return report

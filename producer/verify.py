@@ -1,0 +1,567 @@
+"""``python -m producer verify RUN_ADDRESS``: check a run's output against its markers and its plan.
+
+What is checked, batch by batch (a thread pool; shards are hashed as a stream, never loaded whole):
+
+- the marker: readable JSON, names its own batch, carries the ``config_sha256`` of ``run.json``'s
+  identity, and belongs to a planned batch;
+- its shard: present, with the marker's byte count and sha256;
+- the shard's schema, from its safetensors header alone: the tensors and dtypes of
+  ``core/shard.py`` (``input_ids`` int32 [T], ``loss_mask`` uint8 [T], ``cu_seqlens`` int64 [N+1],
+  ``sample_index`` int64 [N], ``hidden_states`` [T, K, H] and the run's final states in the run's
+  ``store_dtype``), contiguous data offsets that end at the end of the file, and the header
+  metadata (run id, batch, layer ids, final);
+- counts: the marker's ``num_samples`` / ``num_tokens`` / ``supervised_tokens`` equal the shard's,
+  and its ``planned_*`` (when present) equal the plan's batch;
+- token-id echo: every stored sample's ``input_ids`` and ``loss_mask`` equal the plan's, and the
+  shard holds exactly the batch's planned samples minus the marker's ``quarantined`` ones.
+
+Across the run: every planned sample is present exactly once (a quarantined sample counts as
+accounted for, not missing); a planned batch without a marker is reported as not done; a sample
+in two certified shards is reported with both batches. Shards that no marker names are orphans
+(the loser of a race, an interrupted upload, a worker still writing): listed, not an error.
+
+``recompute=N`` then picks N stored samples at random and runs the run's model on the CPU in
+fp32, one sample at a time, through the plain transformers path (``output_hidden_states``: layer
+id ``i`` is ``hidden_states[i + 1]``, the post-norm state is ``hidden_states[-1]``; the pre-norm
+state and layer ``N - 1`` come from a hook on the last decoder layer, because transformers puts
+the post-norm state in the last slot). Each stored tensor must satisfy
+``|stored - ref| <= rtol * (|ref| + rms(ref))`` elementwise, with ``rtol`` by stored dtype
+(:data:`RTOL_BY_DTYPE`): bf16 rounding alone is 2**-9 relative.
+
+The report names each bad batch and why; :func:`verify_run` never raises for a problem in the
+data, only for a run that cannot be read at all (no ``run.json``, store unreachable).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from core.errors import HsxError
+from core.plan import BatchPlan, read_batch, read_batch_list
+from core.reader import quarantined_ids, read_markers, read_sample, s3_object_key, sha256_file
+from core.runconfig import RunConfig, load_run
+from core.store import CHUNK_BYTES, MissingKey, S3Store, Store
+
+#: relative tolerance of ``--recompute`` by stored dtype (bf16 keeps 8 bits of mantissa).
+RTOL_BY_DTYPE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-4}
+#: safetensors dtype codes of the shard schema (core/shard.py).
+INDEX_DTYPES = {"input_ids": "I32", "loss_mask": "U8", "cu_seqlens": "I64", "sample_index": "I64"}
+STATE_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+_NP_DTYPES = {"I32": np.int32, "U8": np.uint8, "I64": np.int64}
+#: threads that check batches at once (S3: network-bound; local: hashing releases the GIL).
+S3_THREADS = 16
+LOCAL_THREADS = 8
+#: largest safetensors header we accept (bytes); real shard headers are a few KB.
+MAX_HEADER_BYTES = 100 << 20
+
+
+@dataclass
+class Problem:
+    """One thing wrong with the run. ``batch`` names the batch (or batches, comma-separated)."""
+
+    batch: str
+    kind: str
+    detail: str
+
+
+@dataclass
+class _BatchResult:
+    batch: str
+    problems: list[Problem] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    """Sample indices the batch's shard holds, in row order (or, if unreadable, the plan's)."""
+    rows: list[tuple[int, int]] = field(default_factory=list)
+    """(start, end) token rows of ``samples`` in the shard; empty when the shard is unreadable."""
+    quarantined: set[int] = field(default_factory=set)
+    shard_key: str | None = None
+    bytes_hashed: int = 0
+    certified: bool = False
+    """The marker certifies this run's batch (readable, same batch, same config): counts for coverage."""
+
+
+# --- reading a shard's header and small tensors, local or S3 --------------------------------
+
+
+class _ObjectReader:
+    """Byte ranges of one stored object: a local file or ranged GETs on S3."""
+
+    def __init__(self, run_store: Store, key: str):
+        self.store = run_store
+        self.key = key
+        self.path = run_store.local_path(key)
+
+    def read(self, offset: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        if self.path is not None:
+            with open(self.path, "rb") as f:
+                f.seek(offset)
+                return f.read(length)
+        assert isinstance(self.store, S3Store)
+        resp = self.store.client.get_object(Bucket=self.store.bucket, Key=s3_object_key(self.store, self.key),
+                                            Range=f"bytes={offset}-{offset + length - 1}")
+        return resp["Body"].read()
+
+    def sha256(self) -> tuple[int, str]:
+        """(bytes, sha256) of the whole object, streamed in ``CHUNK_BYTES`` pieces."""
+        if self.path is not None:
+            return sha256_file(self.path)
+        import hashlib
+
+        h = hashlib.sha256()
+        n = 0
+        body = self.store.client.get_object(Bucket=self.store.bucket, Key=s3_object_key(self.store, self.key))["Body"]
+        for chunk in body.iter_chunks(CHUNK_BYTES):
+            h.update(chunk)
+            n += len(chunk)
+        return n, h.hexdigest()
+
+
+def _read_header(reader: _ObjectReader, size: int) -> tuple[dict, int]:
+    """The safetensors header (JSON) and the offset where tensor data starts; ValueError if malformed."""
+    if size < 8:
+        raise ValueError(f"{size} bytes: too short for a safetensors file")
+    (n,) = struct.unpack("<Q", reader.read(0, 8))
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise ValueError(f"header length {n} does not fit a {size}-byte file")
+    header = json.loads(reader.read(8, n))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header, 8 + n
+
+
+def _small_tensor(reader: _ObjectReader, header: dict, data_start: int, name: str) -> np.ndarray:
+    entry = header[name]
+    begin, end = entry["data_offsets"]
+    raw = reader.read(data_start + begin, end - begin)
+    return np.frombuffer(raw, dtype=_NP_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+# --- one batch ------------------------------------------------------------------------------
+
+
+def _schema_problems(batch: str, header: dict, data_size: int, config: RunConfig) -> list[str]:
+    """What in a shard header breaks the schema of core/shard.py (empty list: none)."""
+    out: list[str] = []
+    meta = header.get("__metadata__") or {}
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    finals = {"none": (), "postnorm": ("final_postnorm",), "prenorm": ("final_prenorm",),
+              "both": ("final_postnorm", "final_prenorm")}[config.layers["final"]]
+    expected = list(INDEX_DTYPES) + ["hidden_states", *finals]
+    missing = [n for n in expected if n not in tensors]
+    extra = sorted(set(tensors) - set(expected))
+    if missing:
+        out.append(f"missing tensors {missing}")
+    if extra:
+        out.append(f"unexpected tensors {extra}")
+    if missing:
+        return out
+    state_dtype = STATE_DTYPES.get(config.store_dtype, config.store_dtype)
+    for name in expected:
+        want = INDEX_DTYPES.get(name, state_dtype)
+        if tensors[name].get("dtype") != want:
+            out.append(f"{name} has dtype {tensors[name].get('dtype')}, expected {want}")
+    T = tensors["input_ids"]["shape"][0] if len(tensors["input_ids"]["shape"]) == 1 else -1
+    N = tensors["sample_index"]["shape"][0] if len(tensors["sample_index"]["shape"]) == 1 else -1
+    K, H = len(config.layers["layer_ids"]), int(config.model["hidden_size"])
+    shapes = {"input_ids": [T], "loss_mask": [T], "cu_seqlens": [N + 1], "sample_index": [N],
+              "hidden_states": [T, K, H], "final_postnorm": [T, H], "final_prenorm": [T, H]}
+    for name in expected:
+        if list(tensors[name].get("shape", [])) != shapes[name]:
+            out.append(f"{name} has shape {tensors[name].get('shape')}, expected {shapes[name]} (T={T}, N={N}, K={K}, H={H})")
+    spans = sorted(tuple(v["data_offsets"]) for v in tensors.values())
+    pos = 0
+    for begin, end in spans:
+        if begin != pos or end < begin:
+            out.append(f"tensor data offsets are not contiguous at byte {pos} (next tensor at {begin}-{end})")
+            break
+        pos = end
+    else:
+        if pos != data_size:
+            out.append(f"tensor data ends at byte {pos} of {data_size}: the file is truncated or has trailing bytes")
+    want_meta = {"run_id": config.run_id, "batch": batch, "final": config.layers["final"]}
+    for key, value in want_meta.items():
+        if meta.get(key) != value:
+            out.append(f"metadata {key}={meta.get(key)!r}, expected {value!r}")
+    try:
+        if json.loads(meta.get("layer_ids", "null")) != list(config.layers["layer_ids"]):
+            out.append(f"metadata layer_ids={meta.get('layer_ids')}, expected {config.layers['layer_ids']}")
+    except ValueError:
+        out.append(f"metadata layer_ids={meta.get('layer_ids')!r} is not JSON")
+    return out
+
+
+def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
+    if a.shape != b.shape:
+        return f"{a.shape[0]} tokens stored, {b.shape[0]} planned"
+    bad = np.flatnonzero(a != b)
+    return f"{bad.size} of {a.size} tokens differ, first at token {bad[0]}: stored {a[bad[0]]}, planned {b[bad[0]]}"
+
+
+def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: str, marker: dict | Exception,
+                 planned: set[str]) -> _BatchResult:
+    """Every per-batch check of the module docstring, for the marker file ``markers/<batch>.json``."""
+    res = _BatchResult(batch)
+
+    def problem(kind: str, detail: str) -> None:
+        res.problems.append(Problem(batch, kind, detail))
+
+    if isinstance(marker, Exception):
+        problem("marker_unreadable", f"markers/{batch}.json cannot be read: {marker}")
+        return res
+    res.quarantined = quarantined_ids(marker)
+    named = marker.get("batch")
+    own_batch = named == batch
+    if not own_batch:
+        problem("marker_mismatch", f"markers/{batch}.json certifies batch {named!r}, not {batch}")
+    if marker.get("config_sha256") != config_sha:
+        problem("config_mismatch", f"marker config_sha256 {str(marker.get('config_sha256'))[:16]}... differs from "
+                                   f"run.json's identity {config_sha[:16]}...: written for another config")
+    res.certified = own_batch and marker.get("config_sha256") == config_sha
+
+    plan: BatchPlan | None = None
+    if batch not in planned:
+        problem("not_planned", f"{batch} is not a batch of the plan (plan/batches.json)")
+    else:
+        try:
+            plan = read_batch(run_store, batch)
+        except MissingKey:
+            problem("plan_missing", f"plan/batches/{batch}.safetensors is missing")
+    plan_samples = [] if plan is None else plan.sample_index_N.tolist()
+
+    shard = marker.get("shard") or {}
+    key = shard.get("key")
+    res.shard_key = key
+    if not key:
+        problem("marker_unreadable", "marker has no shard key")
+        res.samples = [s for s in plan_samples if s not in res.quarantined]
+        return res
+    size = run_store.size(key)
+    if size is None:
+        problem("shard_missing", f"shard {key} named by the marker is missing")
+        res.samples = [s for s in plan_samples if s not in res.quarantined]
+        return res
+
+    reader = _ObjectReader(run_store, key)
+    try:
+        n, digest = reader.sha256()
+    except Exception as exc:  # a read error on one object is that batch's problem, not the run's
+        problem("shard_unreadable", f"shard {key}: cannot be read: {type(exc).__name__}: {exc}")
+        res.samples = [s for s in plan_samples if s not in res.quarantined]
+        return res
+    res.bytes_hashed = n
+    altered = n != int(shard.get("bytes", -1)) or digest != str(shard.get("sha256", "")).lower()
+    if altered:
+        problem("shard_altered", f"shard {key}: sha256 {digest[:16]}... ({n:,} bytes), the marker says "
+                                 f"{str(shard.get('sha256'))[:16]}... ({shard.get('bytes')} bytes)")
+    try:
+        header, data_start = _read_header(reader, n)
+        schema = _schema_problems(batch if own_batch else str(named), header, n - data_start, config)
+        if schema:
+            if not altered:
+                problem("schema", f"shard {key}: " + "; ".join(schema))
+            raise ValueError("schema")
+        sample_index_N = _small_tensor(reader, header, data_start, "sample_index").astype(np.int64)
+        cu_N1 = _small_tensor(reader, header, data_start, "cu_seqlens").astype(np.int64)
+        input_ids_T = _small_tensor(reader, header, data_start, "input_ids")
+        loss_mask_T = _small_tensor(reader, header, data_start, "loss_mask")
+    except Exception as exc:
+        if not altered and str(exc) != "schema":
+            problem("shard_unreadable", f"shard {key}: {type(exc).__name__}: {exc}")
+        res.samples = [s for s in plan_samples if s not in res.quarantined]
+        return res
+
+    T = int(input_ids_T.shape[0])
+    if cu_N1[0] != 0 or cu_N1[-1] != T or np.any(np.diff(cu_N1) <= 0):
+        problem("schema", f"shard {key}: cu_seqlens {cu_N1[:4].tolist()}... is not increasing from 0 to T={T}")
+        res.samples = [s for s in plan_samples if s not in res.quarantined]
+        return res
+    res.samples = sample_index_N.tolist()
+    res.rows = list(zip(cu_N1[:-1].tolist(), cu_N1[1:].tolist()))
+    if altered:
+        return res  # the bytes are wrong; the rest would only restate it
+
+    counts = {"num_samples": len(res.samples), "num_tokens": T, "supervised_tokens": int(loss_mask_T.sum())}
+    wrong = [f"{k} {marker.get(k)} (shard: {v})" for k, v in counts.items() if marker.get(k) != v]
+    if plan is not None:
+        for k, v in (("planned_samples", plan.num_samples), ("planned_tokens", plan.num_tokens)):
+            if k in marker and marker[k] != v:
+                wrong.append(f"{k} {marker[k]} (plan: {v})")
+        if "num_quarantined" in marker and marker["num_quarantined"] != len(res.quarantined):
+            wrong.append(f"num_quarantined {marker['num_quarantined']} (quarantined list: {len(res.quarantined)})")
+    if wrong:
+        problem("counts", "marker counts differ: " + ", ".join(wrong))
+
+    if plan is None:
+        return res
+    plan_rows = {s: (int(plan.cu_seqlens_N1[j]), int(plan.cu_seqlens_N1[j + 1])) for j, s in enumerate(plan_samples)}
+    unplanned = [s for s in res.samples if s not in plan_rows]
+    if unplanned:
+        problem("unplanned_sample", f"shard holds samples {unplanned[:10]} that the plan puts in other batches or nowhere")
+    stored = set(res.samples)
+    absent = [s for s in plan_samples if s not in stored and s not in res.quarantined]
+    if absent:
+        problem("missing_samples", f"planned samples {absent[:10]}{'...' if len(absent) > 10 else ''} ({len(absent)}) "
+                                   "are neither in the shard nor quarantined")
+    both = sorted(stored & res.quarantined)
+    if both:
+        problem("counts", f"samples {both[:10]} are both stored and listed as quarantined")
+    if res.samples == plan_samples and np.array_equal(input_ids_T, plan.input_ids_T.astype(np.int32)) \
+            and np.array_equal(loss_mask_T, plan.loss_mask_T.astype(np.uint8)):
+        return res  # fast path: the whole batch echoes the plan
+    for s, (lo, hi) in zip(res.samples, res.rows):
+        if s not in plan_rows:
+            continue
+        plo, phi = plan_rows[s]
+        ids, pids = input_ids_T[lo:hi], plan.input_ids_T[plo:phi].astype(np.int32)
+        if not np.array_equal(ids, pids):
+            problem("token_echo", f"sample {s}: stored input_ids differ from the plan: {_first_diff(ids, pids)}")
+            continue
+        mask, pmask = loss_mask_T[lo:hi], plan.loss_mask_T[plo:phi].astype(np.uint8)
+        if not np.array_equal(mask, pmask):
+            problem("loss_mask_echo", f"sample {s}: stored loss_mask differs from the plan: {_first_diff(mask, pmask)}")
+    return res
+
+
+# --- recompute ------------------------------------------------------------------------------
+
+
+def _decoder_parts(model):
+    """(decoder module, its layer list) of a ``*ForCausalLM`` (or a multimodal one's language model)."""
+    import torch
+
+    for path in ("model", "model.language_model", "language_model", ""):
+        base = model
+        for name in filter(None, path.split(".")):
+            base = getattr(base, name, None)
+        layers = getattr(base, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return base, layers
+    raise HsxError(f"{type(model).__name__}: no decoder with a .layers ModuleList; cannot recompute")
+
+
+def _compare(got, want, rtol: float) -> tuple[bool, float, float]:
+    """(ok, worst ratio of |diff| to its bound, max |diff|) for ``|got-want| <= rtol*(|want| + rms(want))``."""
+    got = got.float()
+    diff = (got - want).abs()
+    bound = rtol * (want.abs() + want.pow(2).mean().sqrt().clamp_min(1e-12))
+    ratio = float((diff / bound).max()) if diff.numel() else 0.0
+    return ratio <= 1.0, ratio, float(diff.max()) if diff.numel() else 0.0
+
+
+def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str, dict, int, int, int]], settings, *,
+                      rtol: float | None = None, progress=None) -> tuple[dict, list[Problem]]:
+    """Recompute ``picks`` (batch, marker, sample, start, end) per sample on the reference path.
+
+    Returns (summary, problems). Loads the run's model in fp32 on the CPU (refuses when the
+    checkpoint's identity differs from run.json's ``model``).
+    """
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from core.models import model_info, resolve_model_path
+    from core.reader import local_shard
+
+    rtol = rtol if rtol is not None else RTOL_BY_DTYPE.get(config.store_dtype, 1e-2)
+    summary: dict = {"samples": [], "rtol": rtol, "values_compared": 0, "worst_ratio": 0.0}
+    problems: list[Problem] = []
+    info = model_info(config.model_name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
+    if info.as_dict() != config.model:
+        problems.append(Problem("-", "recompute_error", f"model {config.model_name!r} now resolves to {info.as_dict()}, "
+                                                        f"but the run was extracted from {config.model}: cannot recompute"))
+        return summary, problems
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(config.model_name, settings.cache_dir), dtype=torch.float32,
+                                                 use_safetensors=True, trust_remote_code=settings.trust_remote_code)
+    model.eval().requires_grad_(False)
+    decoder, layers = _decoder_parts(model)
+    summary["load_s"] = round(time.perf_counter() - t0, 2)
+    N = int(config.layers["num_layers"])
+    layer_ids = list(config.layers["layer_ids"])
+    finals = {"none": (), "postnorm": ("final_postnorm",), "prenorm": ("final_prenorm",),
+              "both": ("final_postnorm", "final_prenorm")}[config.layers["final"]]
+    task = progress.add_task("recompute", total=len(picks)) if progress is not None else None
+    by_batch: dict[str, list] = defaultdict(list)
+    for batch, marker, sample, start, end in picks:
+        by_batch[batch].append((marker, sample, start, end))
+    last_out = {}
+
+    def keep_last(_module, _args, output):
+        last_out["pre"] = output[0] if isinstance(output, tuple) else output
+
+    handle = layers[N - 1].register_forward_hook(keep_last)
+    try:
+        for batch, items in sorted(by_batch.items()):
+            marker = items[0][0]
+            with local_shard(run_store, marker["shard"]["key"]) as path, safe_open(str(path), framework="pt") as f:
+                for _, sample, start, end in items:
+                    stored = read_sample(f, start, end, finals)
+                    S = stored["input_ids"].shape[0]
+                    hidden_SKH = stored["hidden_states"].view(S, len(layer_ids), -1)
+                    with torch.inference_mode():
+                        out = decoder(input_ids=stored["input_ids"][None], use_cache=False, output_hidden_states=True)
+                    hs = out.hidden_states
+                    refs = {f"layer {i}": (last_out["pre"][0] if i == N - 1 else hs[i + 1][0]) for i in layer_ids}
+                    got = {f"layer {i}": hidden_SKH[:, k] for k, i in enumerate(layer_ids)}
+                    if "final_postnorm" in finals:
+                        refs["final_postnorm"], got["final_postnorm"] = hs[-1][0], stored["final_postnorm"]
+                    if "final_prenorm" in finals:
+                        refs["final_prenorm"], got["final_prenorm"] = last_out["pre"][0], stored["final_prenorm"]
+                    worst = (0.0, "", 0.0)
+                    bad = []
+                    for name, want in refs.items():
+                        ok, ratio, max_diff = _compare(got[name], want.float(), rtol)
+                        summary["values_compared"] += want.numel()
+                        if ratio > worst[0]:
+                            worst = (ratio, name, max_diff)
+                        if not ok:
+                            bad.append(f"{name}: max |diff| {max_diff:.3g}, {ratio:.2f}x the tolerance")
+                    summary["samples"].append({"sample_index": sample, "batch": batch, "tokens": S, "worst_ratio": round(worst[0], 4),
+                                               "worst_tensor": worst[1], "max_abs_diff": worst[2]})
+                    summary["worst_ratio"] = max(summary["worst_ratio"], worst[0])
+                    if bad:
+                        problems.append(Problem(batch, "recompute_mismatch",
+                                                f"sample {sample} differs from a per-sample fp32 forward (rtol {rtol}): " + "; ".join(bad)))
+                    if task is not None:
+                        progress.update(task, advance=1)
+    finally:
+        handle.remove()
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    return summary, problems
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None, rtol: float | None = None,
+               settings=None, progress=None, threads: int | None = None) -> dict:
+    """Check the run at ``run_store`` (see the module docstring) and return the report.
+
+    Report keys: ``ok`` (no problem), ``problems`` (list of ``{batch, kind, detail}``), ``orphans``
+    (shard keys no marker names), counts (``batches_planned``, ``batches_done``,
+    ``samples_planned``, ``samples_stored``, ``samples_quarantined``, ``bytes_hashed``) and
+    ``recompute`` (when asked).
+
+    Raises:
+        core.store.MissingKey: no run.json at ``run_store``.
+    """
+    t0 = time.perf_counter()
+    config = load_run(run_store)
+    config_sha = config.identity_sha256()
+    problems: list[Problem] = []
+    try:
+        plan_list = read_batch_list(run_store)
+    except MissingKey:
+        plan_list = []
+        problems.append(Problem("-", "plan_missing", "plan/batches.json is missing: the plan is not complete"))
+    planned = {b["batch"]: b for b in plan_list}
+    markers = read_markers(run_store)
+    names = sorted(markers)
+    if threads is None:
+        threads = S3_THREADS if run_store.local_path("run.json") is None else LOCAL_THREADS
+    task = progress.add_task("verifying", total=len(names)) if progress is not None else None
+    results: list[_BatchResult] = []
+    hashed = 0
+    with ThreadPoolExecutor(threads) as pool:
+        futures = [pool.submit(_check_batch, run_store, config, config_sha, b, markers[b], set(planned)) for b in names]
+        for fut in futures:
+            res = fut.result()
+            results.append(res)
+            hashed += res.bytes_hashed
+            if task is not None:
+                elapsed = max(time.perf_counter() - t0, 1e-9)
+                progress.update(task, advance=1, info=f"{hashed / 1e6:,.0f} MB hashed  {hashed / 1e6 / elapsed:,.0f} MB/s")
+
+    for res in results:
+        problems.extend(res.problems)
+    done = {r.batch for r in results if r.certified}
+    for batch in sorted(set(planned) - done):
+        if batch in markers:
+            continue  # its marker exists but is bad: already reported
+        problems.append(Problem(batch, "not_done", f"no marker: the batch ({planned[batch]['num_samples']} samples) "
+                                                   "is not extracted yet; run the same `producer run` / `enqueue` again"))
+
+    # Every planned sample exactly once, across shards; quarantined ones are accounted for.
+    owners: dict[int, list[str]] = defaultdict(list)
+    quarantined: set[int] = set()
+    for res in results:
+        if isinstance(markers.get(res.batch), Exception):
+            continue
+        for s in res.samples:
+            owners[s].append(res.batch)
+        quarantined |= res.quarantined
+    dup_groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for s, batches in owners.items():
+        if len(batches) > 1:
+            dup_groups[tuple(sorted(batches))].append(s)
+    for batches, samples in sorted(dup_groups.items()):
+        samples.sort()
+        problems.append(Problem(", ".join(batches), "duplicate",
+                                f"samples {samples[:10]}{'...' if len(samples) > 10 else ''} ({len(samples)}) are stored "
+                                f"in {len(batches)} batches: {', '.join(batches)}"))
+    samples_planned = sum(b["num_samples"] for b in plan_list)
+    stored = set(owners)
+
+    orphans = []
+    named_keys = {r.shard_key for r in results if r.shard_key}
+    for key in run_store.list("shards/"):
+        if key not in named_keys:
+            orphans.append(key)
+
+    report = {
+        "run_id": config.run_id,
+        "address": run_store.url,
+        "batches_planned": len(planned),
+        "batches_done": len(done & set(planned)),
+        "markers": len(markers),
+        "samples_planned": samples_planned,
+        "samples_stored": len(stored),
+        "samples_quarantined": len(quarantined - stored),
+        "bytes_hashed": hashed,
+        "orphans": orphans,
+        "recompute": None,
+    }
+
+    if recompute > 0:
+        bad_batches = {p.batch for p in problems}
+        pool_ = [(r.batch, markers[r.batch], s, lo, hi) for r in results
+                 if r.certified and r.batch not in bad_batches and r.rows
+                 for s, (lo, hi) in zip(r.samples, r.rows) if s not in r.quarantined]
+        if seed is None:
+            seed = random.SystemRandom().randrange(2**31)
+        picks = random.Random(seed).sample(pool_, min(recompute, len(pool_)))
+        if settings is None:
+            from settings import get_settings
+
+            settings = get_settings()
+        summary, rproblems = recompute_samples(run_store, config, picks, settings, rtol=rtol, progress=progress)
+        summary["seed"] = seed
+        summary["asked"] = recompute
+        report["recompute"] = summary
+        problems.extend(rproblems)
+
+    report["problems"] = [asdict(p) for p in problems]
+    report["ok"] = not problems
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    return report
+
+
+def problem_batches(report: dict) -> list[str]:
+    """The batches a report names as bad (comma-separated groups split), sorted."""
+    out = set()
+    for p in report["problems"]:
+        out.update(b.strip() for b in p["batch"].split(","))
+    out.discard("-")
+    return sorted(out)
+
+
+__all__ = ["verify_run", "recompute_samples", "problem_batches", "Problem", "RTOL_BY_DTYPE"]

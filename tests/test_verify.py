@@ -1,0 +1,175 @@
+"""``python -m producer verify``: a run as the job wrote it passes (and so does recomputing samples
+on the reference path); every kind of damage fails with exit 1 and a report that names the batch.
+
+Damaged runs are copies of one real run (tests/smallrun.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from jobfixtures import run_cli
+from smallrun import copy_run, quarantine_first_sample, small_run, upload_run  # noqa: F401
+
+from core.marker import marker_key
+from core.plan import batch_key, read_batch
+from core.runconfig import load_run
+from core.store import open_store
+from producer.verify import problem_batches, recompute_samples, verify_run
+
+
+def _kinds(report: dict) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for p in report["problems"]:
+        out.setdefault(p["kind"], []).append(p["batch"])
+    return out
+
+
+def _marker(run_dir, batch: str) -> dict:
+    return json.loads((run_dir / marker_key(batch)).read_text())
+
+
+def test_verify_passes_on_the_jobs_output_and_recomputed_samples_match(small_run):
+    """The CLI exits 0 on an untouched run: every marker, shard, count and token echoes; 3 random
+    samples recomputed per sample in fp32 are within the bf16 tolerance."""
+    proc = run_cli("producer", ["verify", small_run["address"], "--recompute", "3", "--json"], small_run["env"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["problems"] == []
+    plan = small_run["report"]["plan"]
+    assert report["batches_done"] == report["batches_planned"] == plan["batches"]
+    assert report["samples_stored"] == report["samples_planned"] == plan["samples"]
+    assert report["bytes_hashed"] > 0 and report["orphans"] == []
+    rec = report["recompute"]
+    assert len(rec["samples"]) == 3 and rec["rtol"] == 1e-2
+    assert rec["values_compared"] > 3 * 64 * 5 * 50, "the recompute must have compared real values"
+    assert 0 < rec["worst_ratio"] <= 1.0, rec
+
+
+def test_recompute_catches_an_off_by_one_layer_id(small_run):
+    """Guard against a vacuous recompute: reading the stored layers as ids + 1 must fail on every sample."""
+    run_store = open_store(small_run["address"])
+    config = load_run(run_store)
+    shifted = dataclasses.replace(config, layers={**config.layers, "layer_ids": [i + 1 for i in config.layers["layer_ids"]]})
+    from settings import Settings
+
+    marker = json.loads(run_store.read(marker_key("b000000")))
+    plan = read_batch(run_store, "b000000")
+    picks = [("b000000", marker, int(plan.sample_index_N[0]), int(plan.cu_seqlens_N1[0]), int(plan.cu_seqlens_N1[1]))]
+    summary, problems = recompute_samples(run_store, shifted, picks, Settings(_env_file=None, cache_dir=small_run["cache"]))
+    assert [p.kind for p in problems] == ["recompute_mismatch"] and problems[0].batch == "b000000"
+    assert summary["worst_ratio"] > 10, summary
+
+
+def test_an_altered_shard_fails_with_exit_1_naming_its_batch(small_run, tmp_path):
+    """One flipped byte inside a shard's tensor data: exit 1, the report names that batch and the sha256."""
+    run_dir = copy_run(small_run, tmp_path)
+    victim = "b000001"
+    shard = run_dir / _marker(run_dir, victim)["shard"]["key"]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    proc = run_cli("producer", ["verify", str(run_dir)], small_run["env"])
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "verify FAILED" in proc.stdout and victim in proc.stdout and "shard_altered" in proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_removed_shard_is_named(small_run, tmp_path):
+    """Delete one shard: the batch is reported as shard_missing; its samples are not double-reported missing."""
+    run_dir = copy_run(small_run, tmp_path)
+    victim = "b000002"
+    (run_dir / _marker(run_dir, victim)["shard"]["key"]).unlink()
+    report = verify_run(open_store(str(run_dir)))
+    assert not report["ok"]
+    assert _kinds(report) == {"shard_missing": [victim]}, report["problems"]
+
+
+def test_a_duplicated_sample_is_named_with_both_batches(small_run, tmp_path):
+    """A second marker (under another batch name) certifying the same shard: the samples are
+    reported stored twice, naming both batches, and the stray marker is reported as such."""
+    run_dir = copy_run(small_run, tmp_path)
+    (run_dir / marker_key("b000099")).write_text((run_dir / marker_key("b000001")).read_text())
+    report = verify_run(open_store(str(run_dir)))
+    kinds = _kinds(report)
+    assert kinds["duplicate"] == ["b000001, b000099"], report["problems"]
+    assert kinds["marker_mismatch"] == ["b000099"] and kinds["not_planned"] == ["b000099"]
+    assert problem_batches(report) == ["b000001", "b000099"]
+
+
+def test_a_second_shard_claiming_another_batchs_samples_is_caught(small_run, tmp_path):
+    """Batch b000002's marker re-pointed at a (hash-valid) copy of b000001's shard: metadata,
+    unplanned samples, missing samples and duplicates are all reported against b000002."""
+    run_dir = copy_run(small_run, tmp_path)
+    src = _marker(run_dir, "b000001")
+    marker = _marker(run_dir, "b000002")
+    copy_key = "shards/b000002-copyofb1.safetensors"
+    (run_dir / copy_key).write_bytes((run_dir / src["shard"]["key"]).read_bytes())
+    (run_dir / marker["shard"]["key"]).unlink()
+    marker["shard"] = {**src["shard"], "key": copy_key}
+    (run_dir / marker_key("b000002")).write_text(json.dumps(marker))
+    report = verify_run(open_store(str(run_dir)))
+    kinds = _kinds(report)
+    assert kinds.get("schema") == ["b000002"], report["problems"]  # header says batch b000001
+    assert "b000002" in problem_batches(report)
+
+
+def test_changed_plan_input_ids_fail_the_token_echo(small_run, tmp_path):
+    """One token id changed in the plan: token_echo names the batch and the sample."""
+    run_dir = copy_run(small_run, tmp_path)
+    run_store = open_store(str(run_dir))
+    plan = read_batch(run_store, "b000000")
+    plan.input_ids_T[7] += 1
+    run_store.write(batch_key("b000000"), plan.to_bytes())
+    report = verify_run(run_store)
+    assert _kinds(report) == {"token_echo": ["b000000"]}, report["problems"]
+    assert f"sample {int(plan.sample_index_N[0])}" in report["problems"][0]["detail"]
+
+
+def test_a_marker_of_another_config_and_a_missing_marker_fail(small_run, tmp_path):
+    """A marker whose config_sha256 is not run.json's identity is reported; so is a planned batch with no marker."""
+    run_dir = copy_run(small_run, tmp_path)
+    marker = _marker(run_dir, "b000000")
+    marker["config_sha256"] = "0" * 64
+    (run_dir / marker_key("b000000")).write_text(json.dumps(marker))
+    (run_dir / marker_key("b000002")).unlink()
+    report = verify_run(open_store(str(run_dir)))
+    kinds = _kinds(report)
+    assert kinds == {"config_mismatch": ["b000000"], "not_done": ["b000002"]}, report["problems"]
+    assert report["batches_done"] == report["batches_planned"] - 2
+
+
+def test_quarantined_samples_count_as_accounted_for_and_orphans_are_not_errors(small_run, tmp_path):
+    """A shard without a quarantined sample (listed in its marker) passes; a stray shard is listed as an orphan only."""
+    run_dir = copy_run(small_run, tmp_path)
+    sample = quarantine_first_sample(run_dir, "b000001")
+    (run_dir / "shards" / "b000001-orphan.safetensors").write_bytes(b"left by an interrupted upload")
+    report = verify_run(open_store(str(run_dir)))
+    assert report["ok"], report["problems"]
+    assert report["samples_quarantined"] == 1 and report["samples_stored"] == report["samples_planned"] - 1
+    assert report["orphans"] == ["shards/b000001-orphan.safetensors"]
+    assert sample >= 0
+
+
+def test_verify_on_s3_passes_and_fails_like_local(small_run, s3_bucket, tmp_path):
+    """The same checks over S3 (ranged header reads, streamed hashes, a thread pool): clean passes,
+    an altered object fails naming its batch."""
+    store = open_store(s3_bucket.url, s3_bucket.settings).child(small_run["report"]["run_id"])
+    upload_run(small_run["dir"], store)
+    assert verify_run(store)["ok"]
+    key = json.loads(store.read(marker_key("b000000")))["shard"]["key"]
+    data = bytearray(store.read(key))
+    data[-10] ^= 1
+    store.write(key, bytes(data))
+    report = verify_run(store)
+    assert _kinds(report) == {"shard_altered": ["b000000"]}, report["problems"]
+
+
+def test_a_truncated_shard_fails(small_run, tmp_path):
+    """A shard cut short (an interrupted copy) fails on its size and hash."""
+    run_dir = copy_run(small_run, tmp_path)
+    shard = run_dir / _marker(run_dir, "b000000")["shard"]["key"]
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    report = verify_run(open_store(str(run_dir)))
+    assert _kinds(report) == {"shard_altered": ["b000000"]}, report["problems"]
