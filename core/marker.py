@@ -4,6 +4,21 @@ A batch is done if and only if its marker exists and its ``config_sha256`` equal
 The marker names the shard object it certifies (key, bytes, sha256): shard keys carry an attempt
 suffix (``shards/<batch>-<attempt>.safetensors``) so that two workers racing on the same batch
 never overwrite each other's shard; the loser of the marker race deletes its own shard.
+
+Marker fields (JSON, written by ``workers/extract.py``):
+
+| field | meaning |
+|---|---|
+| ``schema_version``, ``run_id``, ``batch``, ``config_sha256`` | what the marker certifies, for which run config |
+| ``shard`` | ``{key, bytes, sha256}`` of the one shard that counts |
+| ``num_samples``, ``num_tokens``, ``supervised_tokens`` | what the shard holds (quarantined samples excluded) |
+| ``planned_samples``, ``planned_tokens`` | what the plan's batch held |
+| ``quarantined`` | ``[{"sample_index": i, "reason": "nonfinite hidden states (layers 3, 4, final_postnorm)"}]``: planned samples left out of the shard, with the captured parts that held NaN/Inf |
+| ``num_quarantined`` | ``len(quarantined)`` |
+| ``worker``, ``forward_s``, ``seconds``, ``finished_at`` | who, how long (seconds), when (UTC) |
+
+A batch whose every sample is quarantined gets no shard and no marker: its task fails
+(:class:`core.errors.FidelityError`) and ``failures/<batch>.json`` says why.
 """
 
 from __future__ import annotations

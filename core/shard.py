@@ -12,6 +12,11 @@ Legend: T = valid tokens in the batch, N = samples, K = captured layers, H = hid
 | final_postnorm | bf16 / fp32           | [T,H]   | optional: last layer after the model's final norm            |
 | final_prenorm  | bf16 / fp32           | [T,H]   | optional: last layer before the final norm                   |
 
+A shard holds the batch's planned samples minus the quarantined ones: a sample whose captured
+states hold NaN or Inf is left out (its tokens, ids, mask and states; ``cu_seqlens`` and
+``sample_index`` are recomputed without it) and listed in the marker's ``quarantined`` with its
+reason (see ``core/marker.py``). ``sample_index`` says which planned samples a shard holds.
+
 String metadata (safetensors header): ``schema_version``, ``run_id``, ``batch``, ``layer_ids``
 (JSON list), ``layer_id_convention``, ``hf_hidden_states_indices``, ``vllm_ids``, ``final``,
 ``model``, ``engine`` (JSON: torch / transformers / fla / causal-conv1d versions, device, dtypes).
@@ -43,6 +48,25 @@ def shard_metadata(run_id: str, batch: str, layers: dict, model: dict, engine: d
         "model": json.dumps(model, sort_keys=True),
         "engine": json.dumps(engine, sort_keys=True),
     }
+
+
+def select_samples(tensors: dict, keep_N) -> dict:
+    """The shard's tensors with only the samples where ``keep_N`` (bool [N]) is True.
+
+    Token tensors (first dim T: ``input_ids``, ``loss_mask``, ``hidden_states``, ``final_*``) lose
+    the rows of the dropped samples; ``sample_index`` keeps the kept entries; ``cu_seqlens`` is
+    rebuilt from the kept lengths. Works on torch tensors; returns new tensors.
+    """
+    import torch
+
+    cu_N1 = tensors["cu_seqlens"].to(torch.int64)
+    keep_N = torch.as_tensor(keep_N, dtype=torch.bool)
+    lengths_N = cu_N1[1:] - cu_N1[:-1]
+    keep_T = torch.repeat_interleave(keep_N, lengths_N)
+    out = {name: t[keep_T] for name, t in tensors.items() if name not in ("cu_seqlens", "sample_index")}
+    out["cu_seqlens"] = torch.cat([cu_N1.new_zeros(1), torch.cumsum(lengths_N[keep_N], 0)])
+    out["sample_index"] = tensors["sample_index"][keep_N]
+    return out
 
 
 def check_shard(tensors: dict, *, num_layers_captured: int, hidden_size: int, final: str, where: str) -> None:

@@ -327,11 +327,31 @@ class LocalStore:
         self._replace_with(key, lambda f: f.write(data))
 
     def write_file(self, key: str, path: Path) -> None:
-        """Copy ``path`` in via a temp file + ``os.replace`` (the source is left in place)."""
-        def fill(f):
-            with open(path, "rb") as src:
-                shutil.copyfileobj(src, f, CHUNK_BYTES)
-        self._replace_with(key, fill)
+        """Store ``path`` via a temp file + ``os.replace`` (the source is left in place).
+
+        On the same filesystem the temp file is a hard link to ``path`` (no bytes copied; the
+        caller must not modify ``path`` afterwards, only unlink it); otherwise the kernel copies
+        it (``shutil.copyfile``: sendfile / copy_file_range, no Python-level buffers).
+        """
+        final = self._path(key)
+        with self._os_errors("write", key):
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._tmp_for(final)
+            try:
+                try:
+                    os.link(path, tmp)
+                except OSError:
+                    shutil.copyfile(path, tmp)
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, final)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            _fsync_dir(final.parent)
 
     def create(self, key: str, data: bytes) -> bool:
         """Create-if-absent, safe across processes: a complete temp file is hard-linked to the

@@ -1,8 +1,12 @@
-"""One batch, end to end on a worker: marker check, plan, capture, shard, store, verify, marker.
+"""One batch, end to end on a worker: marker check, plan, capture, quarantine, shard, store, verify, marker.
 
 The marker is written last with a conditional create, so a batch is done if and only if its
 marker exists; a duplicate or retried task finds it and does nothing. Shard keys carry a random
 attempt id so that racing duplicates never overwrite each other's shard (see core/marker.py).
+
+A sample whose captured states hold NaN or Inf is quarantined: left out of the shard and listed
+in the marker with its reason; the rest of the batch is written. A batch with no sample left
+fails loudly (:class:`FidelityError`, no shard, no marker) rather than certify an empty shard.
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ from core.layers import LayerSelection
 from core.marker import read_marker, shard_key, write_marker
 from core.plan import read_batch
 from core.runconfig import load_run
-from core.shard import shard_metadata
+from core.shard import select_samples, shard_metadata
 from core.store import open_store
 from settings import Settings
-from workers.capture import capture_batch, nonfinite_samples
+from workers.capture import capture_batch
 from workers.target import get_target
 
 log = logging.getLogger(__name__)
@@ -66,7 +70,8 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
 
     Raises:
         core.store.MissingKey: the run or the batch is not in the store.
-        FidelityError: the loaded model is not the run's model, or every sample was non-finite.
+        FidelityError: the loaded model is not the run's model, or every sample of the batch
+            had NaN/Inf states (nothing to write; no shard, no marker).
         core.errors.StoreError: the store refused a write.
     """
     t0 = time.perf_counter()
@@ -88,7 +93,7 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
 
     t_fwd = time.perf_counter()
     cu_seqlens_N1 = torch.from_numpy(plan.cu_seqlens_N1)
-    states = capture_batch(
+    captured = capture_batch(
         target.model,
         torch.from_numpy(plan.input_ids_T),
         cu_seqlens_N1,
@@ -97,20 +102,31 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
         pad_token_id=target.pad_token_id,
     )
     forward_s = time.perf_counter() - t_fwd
-    bad = nonfinite_samples(states, cu_seqlens_N1)
-    if bad:
-        # Quarantine per sample is issue 3's job; until then a non-finite batch fails loudly.
-        raise FidelityError(
-            f"batch {batch}: samples {[int(plan.sample_index_N[i]) for i in bad][:10]} have NaN/Inf hidden states; no shard written"
-        )
 
     tensors = {
         "input_ids": torch.from_numpy(plan.input_ids_T.astype("int32")),
         "loss_mask": torch.from_numpy(plan.loss_mask_T.astype("uint8")),
         "cu_seqlens": cu_seqlens_N1.to(torch.int64),
         "sample_index": torch.from_numpy(plan.sample_index_N.astype("int64")),
-        **states,
+        **captured.states,
     }
+    quarantined = [
+        {"sample_index": int(plan.sample_index_N[j]), "reason": f"nonfinite hidden states (layers {', '.join(parts)})"}
+        for j, parts in sorted(captured.nonfinite.items())
+    ]
+    if quarantined:
+        if len(quarantined) == plan.num_samples:
+            raise FidelityError(
+                f"batch {batch} of run {config.run_id}: all {plan.num_samples} samples have NaN/Inf hidden states "
+                f"(first: {quarantined[0]}); nothing to write, so no shard and no marker. Every sample failing points at "
+                f"the model or the kernels ({target.engine.get('compute_dtype')} on {target.engine.get('device')}), "
+                "not the data: check the checkpoint and the worker's log."
+            )
+        keep_N = torch.ones(plan.num_samples, dtype=torch.bool)
+        keep_N[list(captured.nonfinite)] = False
+        tensors = select_samples(tensors, keep_N)
+        log.warning("batch %s: quarantined %d of %d samples: %s", batch, len(quarantined), plan.num_samples, json.dumps(quarantined))
+    num_samples, num_tokens = int(tensors["sample_index"].shape[0]), int(tensors["input_ids"].shape[0])
     metadata = shard_metadata(config.run_id, batch, layers, config.model, target.engine)
     attempt = uuid.uuid4().hex[:12]
     key = shard_key(batch, attempt)
@@ -130,10 +146,13 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
         "batch": batch,
         "config_sha256": config.identity_sha256(),
         "shard": {"key": key, "bytes": nbytes, "sha256": sha256},
-        "num_samples": plan.num_samples,
-        "num_tokens": plan.num_tokens,
-        "supervised_tokens": int(plan.loss_mask_T.sum()),
-        "quarantined": [],
+        "num_samples": num_samples,
+        "num_tokens": num_tokens,
+        "supervised_tokens": int(tensors["loss_mask"].sum()),
+        "planned_samples": plan.num_samples,
+        "planned_tokens": plan.num_tokens,
+        "quarantined": quarantined,
+        "num_quarantined": len(quarantined),
         "worker": {"host": socket.gethostname(), "pid": os.getpid(), "device": target.engine["device"]},
         "forward_s": round(forward_s, 4),
         "seconds": round(time.perf_counter() - t0, 4),
@@ -147,11 +166,12 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
     log.info(
         "batch done %s",
         json.dumps(
-            {"run": config.run_id, "batch": batch, "samples": plan.num_samples, "tokens": plan.num_tokens,
-             "seconds": seconds, "tok_s": round(plan.num_tokens / max(seconds, 1e-9)), "bytes": nbytes}
+            {"run": config.run_id, "batch": batch, "samples": num_samples, "tokens": num_tokens,
+             "quarantined": len(quarantined), "seconds": seconds,
+             "tok_s": round(plan.num_tokens / max(seconds, 1e-9)), "bytes": nbytes}
         ),
     )
-    return {"status": "done", "batch": batch, "num_tokens": plan.num_tokens, "seconds": seconds}
+    return {"status": "done", "batch": batch, "num_tokens": num_tokens, "num_quarantined": len(quarantined), "seconds": seconds}
 
 
 def record_failure(run_url: str, batch: str, exc: BaseException, settings: Settings) -> None:

@@ -1,0 +1,125 @@
+"""The worker's batch job (workers/extract.py) in-process on a planned run: quarantine of samples
+whose hidden states hold NaN/Inf, and a loud failure when no sample of a batch is left.
+
+The run is planned with the real planner (real ShareGPT records, the Qwen3 tokenizer, the built-in
+tiny-qwen3.5 target: 8 layers, EAGLE-3 ids [1, 3, 4] + the post-norm final state). NaN is injected
+with a forward hook on decoder layer 2 of the worker's loaded target, on the rows of chosen samples.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from jobfixtures import assert_matches_reference, plan_samples, read_samples, tiny_cache  # noqa: F401
+
+from core.errors import FidelityError
+from core.marker import read_marker
+from core.plan import read_batch
+from settings import Settings
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory, tiny_cache):
+    """A run planned in-process: 16 ShareGPT records, several batches of 2+ samples, float32 states."""
+    from producer.planner import PlanOptions, plan_run
+
+    tmp = tmp_path_factory.mktemp("extract")
+    settings = Settings(_env_file=None, cache_dir=tiny_cache, spool_dir=tmp / "spool", device="cpu")
+    opts = PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp / "out"), limit=16, max_length=256,
+                       batch_tokens=1024, store_dtype="float32")
+    run = plan_run(opts, settings)
+    batches = [b["batch"] for b in run.batches if b["num_samples"] >= 3]
+    assert len(batches) >= 2, f"need two batches of 3+ samples, planned {run.batches}"
+    return {"run": run, "settings": settings, "batches": batches, "spool": tmp / "spool"}
+
+
+def inject_nan(target, batch_plan, rows: list[int], layer: int = 2):
+    """A forward hook on decoder layer ``layer`` that writes NaN on the valid tokens of batch rows ``rows``.
+
+    Acts only on the batch's own forward (same padded shape); returns the hook handle.
+    """
+    lengths = batch_plan.lengths_N.tolist()
+    shape = (len(lengths), max(lengths))
+
+    def hook(_module, _args, output):
+        hidden_BSH = output[0] if isinstance(output, tuple) else output
+        if tuple(hidden_BSH.shape[:2]) != shape:
+            return None
+        poisoned = hidden_BSH.clone()
+        for row in rows:
+            poisoned[row, : lengths[row]] = float("nan")
+        return (poisoned, *output[1:]) if isinstance(output, tuple) else poisoned
+
+    return target.model.model.layers[layer].register_forward_hook(hook)
+
+
+def batch_shards(run_store, batch: str) -> list[str]:
+    return [k for k in run_store.list("shards/") if k.rsplit("/", 1)[-1].startswith(batch + "-")]
+
+
+def test_a_sample_with_nan_states_is_quarantined_and_the_rest_of_the_batch_is_written(planned):
+    """NaN from layer 2 on in one sample: the shard lacks exactly that sample, the others equal the reference, the marker lists it."""
+    from workers.extract import extract_batch
+    from workers.target import get_target
+
+    run, settings = planned["run"], planned["settings"]
+    batch = planned["batches"][0]
+    plan = read_batch(run.run_store, batch)
+    victim_row = 1
+    victim = int(plan.sample_index_N[victim_row])
+    target = get_target("tiny-qwen3.5", settings)
+    handle = inject_nan(target, plan, [victim_row])
+    try:
+        result = extract_batch(run.run_url, batch, settings)
+    finally:
+        handle.remove()
+    assert result["status"] == "done" and result["num_quarantined"] == 1
+
+    marker = read_marker(run.run_store, batch)
+    # Layer 1 is captured before the poison; layers 3, 4 and the post-norm state come after it.
+    assert marker["quarantined"] == [{"sample_index": victim, "reason": "nonfinite hidden states (layers 3, 4, final_postnorm)"}]
+    assert marker["num_quarantined"] == 1
+    assert marker["planned_samples"] == plan.num_samples and marker["num_samples"] == plan.num_samples - 1
+    assert marker["planned_tokens"] == plan.num_tokens
+    assert marker["num_tokens"] == plan.num_tokens - int(plan.lengths_N[victim_row])
+
+    stored = {s: v for s, v in read_samples(run.run_store).items() if v["batch"] == batch}
+    kept = set(plan.sample_index_N.tolist()) - {victim}
+    assert set(stored) == kept and len(kept) == plan.num_samples - 1
+    planned_samples = plan_samples(run.run_store)
+    for sample, s in stored.items():
+        np.testing.assert_array_equal(s["input_ids"].numpy(), planned_samples[sample]["input_ids"].astype(np.int32))
+        np.testing.assert_array_equal(s["loss_mask"].numpy(), planned_samples[sample]["loss_mask"])
+        assert torch.isfinite(s["hidden_states"]).all() and torch.isfinite(s["final_postnorm"]).all()
+    assert marker["supervised_tokens"] == sum(int(s["loss_mask"].sum()) for s in stored.values())
+    compared = assert_matches_reference(target.model, stored, [1, 3, 4], atol=1e-4, rtol=1e-4)
+    assert compared > 10_000, "the kept samples' states must have been compared"
+
+
+def test_a_batch_whose_every_sample_is_nonfinite_fails_loudly_and_writes_no_marker(planned):
+    """NaN in every sample: FidelityError naming the batch and the count; no marker, no shard, nothing left in the spool."""
+    from workers.extract import extract_batch
+    from workers.target import get_target
+
+    run, settings = planned["run"], planned["settings"]
+    batch = planned["batches"][1]
+    plan = read_batch(run.run_store, batch)
+    handle = inject_nan(get_target("tiny-qwen3.5", settings), plan, list(range(plan.num_samples)))
+    try:
+        with pytest.raises(FidelityError, match=rf"batch {batch} of run .*: all {plan.num_samples} samples have NaN/Inf hidden states"):
+            extract_batch(run.run_url, batch, settings)
+    finally:
+        handle.remove()
+    assert read_marker(run.run_store, batch) is None
+    assert batch_shards(run.run_store, batch) == []
+    assert not any(planned["spool"].glob(f"*{batch}*"))
+
+    # The same batch without the fault is then extracted in full: nothing half-done was left behind.
+    result = extract_batch(run.run_url, batch, settings)
+    marker = read_marker(run.run_store, batch)
+    assert result["status"] == "done" and marker["quarantined"] == [] and marker["num_samples"] == plan.num_samples
+    assert json.loads(run.run_store.read(f"markers/{batch}.json"))["shard"]["key"] in batch_shards(run.run_store, batch)
