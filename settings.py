@@ -63,8 +63,10 @@ class Settings(BaseSettings):
     model: str | None = None
     """Target model a worker loads at start (hub id, local checkpoint or ``tiny-qwen3.5``).
     Unset: the worker loads the model named by the first run it serves."""
-    worker_concurrency: int = Field(default=1, ge=1)
-    """Task threads per worker process (one GPU each). 1 keeps one batch on the GPU at a time."""
+    worker_concurrency: int = Field(default=3, ge=1)
+    """Task threads per worker process (one GPU each). They share one GPU lock: one batch runs its
+    forward while the others write, hash and store their shards, so the GPU does not wait on I/O.
+    Each thread keeps one batch of states in (pinned) host memory."""
     workers_per_node: int | None = Field(default=None, ge=1)
     """Worker processes ``python -m workers`` starts; unset: one per visible GPU (one on CPU)."""
     device: str | None = None

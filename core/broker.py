@@ -7,7 +7,6 @@ state dir so that a restart keeps the queue, and never evicts keys (FIELD-NOTES 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 import time

@@ -7,7 +7,6 @@ and starts nothing.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,8 +15,7 @@ import time
 from pathlib import Path
 
 from core.broker import EmbeddedBroker, check_broker
-from core.marker import MARKERS_PREFIX, done_batches
-from core.store import mask_url
+from core.marker import done_batches
 from producer.enqueue import enqueue_batches
 from producer.planner import PlanOptions, PlannedRun, plan_run
 from producer.status import read_failures

@@ -121,6 +121,7 @@ def capture_batch(
     *,
     store_dtype: torch.dtype,
     pad_token_id: int = 0,
+    host_buffer: "HostBuffer | None" = None,
 ) -> CapturedBatch:
     """Run one right-padded batch and return the shard tensors on the host.
 
@@ -131,6 +132,9 @@ def capture_batch(
         selection: which layers (ascending ids) and final states to capture.
         store_dtype: dtype of the returned states (the cast happens on the device, before the copy).
         pad_token_id: id written into the padding (masked out; its value never reaches a valid token).
+        host_buffer: reuse this (pinned, on CUDA) host memory for the copies instead of allocating:
+            pinning gigabytes per batch costs a large fraction of a forward. The returned tensors
+            then alias the buffer and stay valid only until its next use.
 
     Returns:
         :class:`CapturedBatch`: ``states`` holds ``hidden_states`` [T, K, H] and, as asked,
@@ -214,15 +218,43 @@ def capture_batch(
 
     # 4. One device-to-host copy per captured tensor for the whole batch.
     pin = device.type == "cuda"
+    names = [n for n in ("hidden_states", "final_postnorm", "final_prenorm") if n in states]
+    if host_buffer is not None:
+        views = host_buffer.views([(tuple(states[n].shape), store_dtype) for n in names], pin=pin)
+    else:
+        views = [torch.empty(states[n].shape, dtype=store_dtype, pin_memory=pin) for n in names]
     states_host = {}
-    for name in ("hidden_states", "final_postnorm", "final_prenorm"):
-        if name in states:
-            host = torch.empty(states[name].shape, dtype=store_dtype, pin_memory=pin)
-            host.copy_(states[name], non_blocking=pin)
-            states_host[name] = host
+    for name, host in zip(names, views):
+        host.copy_(states[name], non_blocking=pin)
+        states_host[name] = host
     if pin:
         torch.cuda.current_stream(device).synchronize()
     return CapturedBatch(states_host, nonfinite)
+
+
+class HostBuffer:
+    """Host memory reused across batches by one task thread (pinned when copying from CUDA).
+
+    Grows (with 25% headroom) when a batch needs more; never shrinks. Not thread-safe: give each
+    task thread its own.
+    """
+
+    _ALIGN = 64
+
+    def __init__(self) -> None:
+        self.bytes_U8: torch.Tensor | None = None
+
+    def views(self, specs: list[tuple[tuple[int, ...], torch.dtype]], *, pin: bool) -> list[torch.Tensor]:
+        """Tensors of the given (shape, dtype), carved out of the buffer without overlap."""
+        sizes = [int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+        need = sum(-(-n // self._ALIGN) * self._ALIGN for n in sizes)
+        if self.bytes_U8 is None or self.bytes_U8.numel() < need or self.bytes_U8.is_pinned() != pin:
+            self.bytes_U8 = torch.empty(int(need * 1.25) + self._ALIGN, dtype=torch.uint8, pin_memory=pin)
+        out, offset = [], 0
+        for (shape, dtype), n in zip(specs, sizes):
+            out.append(self.bytes_U8[offset : offset + n].view(dtype).view(shape))
+            offset += -(-n // self._ALIGN) * self._ALIGN
+        return out
 
 
 def nonfinite_samples(states: dict[str, torch.Tensor], cu_seqlens_N1: torch.Tensor, layer_ids) -> dict[int, list[str]]:

@@ -11,19 +11,16 @@ fails loudly (:class:`FidelityError`, no shard, no marker) rather than certify a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import socket
-import tempfile
+import threading
 import time
 import uuid
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from core.errors import FidelityError
 from core.layers import LayerSelection
@@ -33,7 +30,8 @@ from core.runconfig import load_run
 from core.shard import select_samples, shard_metadata
 from core.store import open_store
 from settings import Settings
-from workers.capture import capture_batch
+from workers.capture import HostBuffer, capture_batch
+from workers.spool import spool_dir, write_shard
 from workers.target import get_target
 
 log = logging.getLogger(__name__)
@@ -48,18 +46,14 @@ def _run_store(run_url: str, settings: Settings):
     return _stores[run_url]
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+_thread_state = threading.local()
 
 
-def spool_dir(settings: Settings) -> Path:
-    d = settings.spool_dir or Path(tempfile.gettempdir()) / "hsx-spool"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+def _host_buffer() -> HostBuffer:
+    # One per task thread: its batch's states live there until the shard is written.
+    if not hasattr(_thread_state, "host_buffer"):
+        _thread_state.host_buffer = HostBuffer()
+    return _thread_state.host_buffer
 
 
 def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
@@ -91,17 +85,20 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
     layers = config.layers
     selection = LayerSelection(tuple(layers["layer_ids"]), layers["final"], layers.get("preset"), layers["num_layers"])
 
-    t_fwd = time.perf_counter()
     cu_seqlens_N1 = torch.from_numpy(plan.cu_seqlens_N1)
-    captured = capture_batch(
-        target.model,
-        torch.from_numpy(plan.input_ids_T),
-        cu_seqlens_N1,
-        selection,
-        store_dtype=_DTYPES[config.store_dtype],
-        pad_token_id=target.pad_token_id,
-    )
-    forward_s = time.perf_counter() - t_fwd
+    # One batch on the GPU at a time; a second task thread writes and stores its shard meanwhile.
+    with target.gpu_lock:
+        t_fwd = time.perf_counter()
+        captured = capture_batch(
+            target.model,
+            torch.from_numpy(plan.input_ids_T),
+            cu_seqlens_N1,
+            selection,
+            store_dtype=_DTYPES[config.store_dtype],
+            pad_token_id=target.pad_token_id,
+            host_buffer=_host_buffer(),
+        )
+        forward_s = time.perf_counter() - t_fwd
 
     tensors = {
         "input_ids": torch.from_numpy(plan.input_ids_T.astype("int32")),
@@ -132,9 +129,7 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
     key = shard_key(batch, attempt)
     spool_path = spool_dir(settings) / f"{config.run_id}-{batch}-{attempt}.safetensors"
     try:
-        save_file(tensors, str(spool_path), metadata=metadata)
-        nbytes = spool_path.stat().st_size
-        sha256 = _sha256_file(spool_path)
+        nbytes, sha256 = write_shard(spool_path, tensors, metadata)
         run_store.write_file(key, spool_path)
     finally:
         spool_path.unlink(missing_ok=True)
