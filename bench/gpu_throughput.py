@@ -73,7 +73,7 @@ def load_samples(path: Path | None, tiny: bool, total_tokens: int) -> list[tuple
     """Samples (ids int32 [S], mask uint8 [S]) in dataset order, until ``total_tokens``."""
     if path is None:
         rng = np.random.default_rng(0)
-        lengths = rng.integers(16, 200, size=64) if tiny else rng.integers(256, 4096, size=400)
+        lengths = rng.integers(16, 200, size=200) if tiny else rng.integers(256, 4096, size=400)
         return [(rng.integers(0, 1000, n).astype(np.int32), np.ones(n, np.uint8)) for n in lengths]
     data = np.load(path)
     cu = np.concatenate([[0], np.cumsum(data["lengths"])])
@@ -184,8 +184,14 @@ class GpuSampler:
         return round(float(np.mean(self.values)), 3) if self.values else None
 
 
-def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: int, workdir: Path, layers: str) -> dict:
-    """The worker's real task path over a planned run in a local store."""
+def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: int, workdir: Path, layers: str,
+             target_tokens: int) -> dict:
+    """The worker's real task path over a planned run in a local store.
+
+    All samples are planned (so batches have the length spread of a real run, where millions of
+    sorted samples leave little padding); every k-th batch is then run, k chosen so that about
+    ``target_tokens`` valid tokens are measured across the whole length range.
+    """
     import psutil
 
     from core.layers import select_layers
@@ -205,7 +211,9 @@ def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: in
     run = store.child("bench")
     claim_run(run, config)
     lengths = np.array([len(s[0]) for s in samples])
-    groups = cut_batches(lengths, batch_tokens=batch_tokens, max_batch_samples=256)
+    all_groups = cut_batches(lengths, batch_tokens=batch_tokens, max_batch_samples=256)
+    step = max(1, round(int(lengths.sum()) / max(target_tokens, 1)))
+    groups = all_groups[::step]
     names = []
     for b, members in enumerate(groups):
         cu = np.concatenate([[0], np.cumsum(lengths[members])]).astype(np.int64)
@@ -235,7 +243,8 @@ def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: in
         "tokens": valid,
         "seconds": seconds,
         "batches": len(todo),
-        "padding_waste": round(padding_waste(lengths, groups), 4),
+        "padding_waste": round(padding_waste(lengths, groups[1:]), 4),
+        "batches_planned": len(all_groups),
         "gpu_busy": gpu.busy,
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "host_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2),
@@ -327,10 +336,10 @@ def main() -> int:
     rows = []
     for name in args.models.split(","):
         model, info = build_model(name, device, args.tiny)
-        samples = load_samples(args.samples, args.tiny, args.tokens)
+        samples = load_samples(args.samples, args.tiny, 10**12)
         with tempfile.TemporaryDirectory(prefix="hsx-bench-") as tmp:
             ours = run_ours(model, info, samples, device, batch_tokens=args.batch_tokens, concurrency=args.concurrency,
-                            workdir=Path(tmp), layers=args.layers)
+                            workdir=Path(tmp), layers=args.layers, target_tokens=args.tokens)
             row_len = 2048 if not args.tiny else 128
             ceiling = run_ceiling(model, device, ours["tokens"], row_len, max(1, args.batch_tokens // row_len))
             naive_samples, n = [], 0

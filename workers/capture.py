@@ -156,9 +156,15 @@ def capture_batch(
     if input_ids_T.shape[0] != T:
         raise FidelityError(f"input_ids has {input_ids_T.shape[0]} tokens but cu_seqlens ends at {T}")
     valid_BS = torch.arange(S, device=device)[None, :] < lengths_N[:, None]
+    # Flat row-major positions of the T valid tokens: one host sync here, none in the hooks
+    # (boolean-mask indexing would sync at every hooked layer and starve the GPU's queue).
+    valid_T = valid_BS.reshape(-1).nonzero().squeeze(1)
     input_ids_BS = torch.full((N, S), pad_token_id, dtype=torch.long, device=device)
-    input_ids_BS[valid_BS] = input_ids_T.to(device=device, dtype=torch.long)
+    input_ids_BS.view(-1)[valid_T] = input_ids_T.to(device=device, dtype=torch.long)
     attention_mask_BS = valid_BS.long()
+
+    def gather_TH(hidden_BSH: torch.Tensor) -> torch.Tensor:
+        return hidden_BSH.reshape(N * S, hidden_BSH.shape[-1]).index_select(0, valid_T)
 
     # 2. Hooks keep only the valid tokens, cast to the store dtype, so padded activations are freed as
     #    the forward goes on. states["hidden_states"] [T, K, H] is allocated by the first hook (H is
@@ -182,10 +188,10 @@ def capture_batch(
                 if "hidden_states" not in states:
                     K, H = len(selection.layer_ids), hidden_BSH.shape[-1]
                     states["hidden_states"] = torch.empty((T, K, H), dtype=store_dtype, device=device)
-                states["hidden_states"][:, slot_of_layer[layer_id]] = hidden_BSH[valid_BS]
+                states["hidden_states"][:, slot_of_layer[layer_id]] = gather_TH(hidden_BSH)
                 filled_layers.add(layer_id)
             if want_pre and layer_id == last_layer:
-                states["final_prenorm"] = hidden_BSH[valid_BS].to(store_dtype)
+                states["final_prenorm"] = gather_TH(hidden_BSH).to(store_dtype)
             if layer_id == stop_after:
                 raise _StopForward
             return None
@@ -194,7 +200,7 @@ def capture_batch(
 
     def norm_hook(_module, _args, output):
         if threading.get_ident() == owner:
-            states["final_postnorm"] = output[valid_BS].to(store_dtype)
+            states["final_postnorm"] = gather_TH(output).to(store_dtype)
 
     hooked_ids = sorted(set(selection.layer_ids) | ({last_layer} if want_pre else set()) | {selection.deepest_layer})
     handles = [decoder.layers[i].register_forward_hook(layer_hook(i)) for i in hooked_ids]
