@@ -382,7 +382,11 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(config.model_name, settings.cache_dir), dtype=torch.float32,
                                                  use_safetensors=True, trust_remote_code=settings.trust_remote_code)
-    model.eval().requires_grad_(False)
+    # fp32 on the GPU when there is one: with fla installed, the CPU path of a GDN model would call
+    # its Triton kernels on host tensors and fail.
+    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.to(device).eval().requires_grad_(False)
+    summary["device"] = str(device)
     decoder, layers = _decoder_parts(model)
     summary["load_s"] = round(time.perf_counter() - t0, 2)
     N = int(config.layers["num_layers"])
@@ -408,8 +412,9 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
                     S = stored["input_ids"].shape[0]
                     hidden_SKH = stored["hidden_states"].view(S, len(layer_ids), -1)
                     with torch.inference_mode():
-                        out = decoder(input_ids=stored["input_ids"][None], use_cache=False, output_hidden_states=True)
-                    hs = out.hidden_states
+                        out = decoder(input_ids=stored["input_ids"][None].to(device), use_cache=False, output_hidden_states=True)
+                    hs = [h.float().cpu() for h in out.hidden_states]
+                    last_out["pre"] = last_out["pre"].float().cpu()
                     refs = {f"layer {i}": (last_out["pre"][0] if i == N - 1 else hs[i + 1][0]) for i in layer_ids}
                     got = {f"layer {i}": hidden_SKH[:, k] for k, i in enumerate(layer_ids)}
                     if "final_postnorm" in finals:
