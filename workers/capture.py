@@ -250,6 +250,17 @@ class HostBuffer:
     def __init__(self) -> None:
         self.bytes_U8: torch.Tensor | None = None
 
+    def reserve(self, nbytes: int, *, pin: bool) -> None:
+        """Make the buffer at least ``nbytes`` (plus alignment slack) now, outside any GPU lock.
+
+        Pinning gigabytes takes a large fraction of a second (cudaHostAlloc page-locks every
+        page), so a worker reserves once per task thread for the run's largest batch.
+        """
+        need = nbytes + 4 * self._ALIGN
+        if self.bytes_U8 is None or self.bytes_U8.numel() < need or self.bytes_U8.is_pinned() != pin:
+            self.bytes_U8 = None  # free the old buffer first
+            self.bytes_U8 = torch.empty(need, dtype=torch.uint8, pin_memory=pin)
+
     def views(self, specs: list[tuple[tuple[int, ...], torch.dtype]], *, pin: bool) -> list[torch.Tensor]:
         """Tensors of the given (shape, dtype), carved out of the buffer without overlap."""
         sizes = [int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]

@@ -86,7 +86,14 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
     selection = LayerSelection(tuple(layers["layer_ids"]), layers["final"], layers.get("preset"), layers["num_layers"])
 
     cu_seqlens_N1 = torch.from_numpy(plan.cu_seqlens_N1)
-    # One batch on the GPU at a time; a second task thread writes and stores its shard meanwhile.
+    # Host memory for the copies, sized for the run's largest batch and pinned once per thread,
+    # before taking the GPU lock (pinning is slow and must not stall the GPU).
+    store_dtype = _DTYPES[config.store_dtype]
+    states_per_token = len(selection.layer_ids) + {"none": 0, "postnorm": 1, "prenorm": 1, "both": 2}[selection.final]
+    max_tokens = max(config.batch_tokens, plan.num_tokens)
+    _host_buffer().reserve(max_tokens * states_per_token * target.info.hidden_size * store_dtype.itemsize,
+                           pin=target.device.type == "cuda")
+    # One batch on the GPU at a time; the other task threads write and store their shards meanwhile.
     with target.gpu_lock:
         t_fwd = time.perf_counter()
         captured = capture_batch(
@@ -94,7 +101,7 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
             torch.from_numpy(plan.input_ids_T),
             cu_seqlens_N1,
             selection,
-            store_dtype=_DTYPES[config.store_dtype],
+            store_dtype=store_dtype,
             pad_token_id=target.pad_token_id,
             host_buffer=_host_buffer(),
         )
@@ -129,11 +136,15 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
     key = shard_key(batch, attempt)
     spool_path = spool_dir(settings) / f"{config.run_id}-{batch}-{attempt}.safetensors"
     try:
+        t_write = time.perf_counter()
         nbytes, sha256 = write_shard(spool_path, tensors, metadata)
+        t_store = time.perf_counter()
         run_store.write_file(key, spool_path)
     finally:
         spool_path.unlink(missing_ok=True)
+    t_verify = time.perf_counter()
     run_store.verify(key, nbytes, sha256)
+    t_done = time.perf_counter()
 
     marker = {
         "schema_version": 1,
@@ -150,6 +161,9 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
         "num_quarantined": len(quarantined),
         "worker": {"host": socket.gethostname(), "pid": os.getpid(), "device": target.engine["device"]},
         "forward_s": round(forward_s, 4),
+        "write_s": round(t_store - t_write, 4),
+        "store_s": round(t_verify - t_store, 4),
+        "verify_s": round(t_done - t_verify, 4),
         "seconds": round(time.perf_counter() - t0, 4),
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
