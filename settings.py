@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     """Worker processes ``python -m workers`` starts; unset: one per visible GPU (one on CPU)."""
     device: str | None = None
     """Torch device of a worker; unset: ``cuda`` when available, else ``cpu``."""
+    allow_slow_kernels: bool = False
+    """On CUDA, let a worker run a Gated DeltaNet model without the fla kernels (the torch reference
+    path is correct but many times slower). Off: such a worker refuses to start."""
     trust_remote_code: bool = False
     """Allow model code from the checkpoint (off: only code that ships with transformers runs)."""
 

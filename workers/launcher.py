@@ -100,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=None, help="worker processes (default: one per visible GPU, one on CPU)")
     parser.add_argument("--loglevel", default="INFO")
     parser.add_argument("--grace", type=float, default=600.0, help="seconds to let running batches finish after Ctrl-C / SIGTERM")
+    parser.add_argument("--allow-slow-kernels", action="store_true",
+                        help="run a Gated DeltaNet model on CUDA without the fla kernels (slow; refused otherwise)")
     args = parser.parse_args(argv)
+    if args.allow_slow_kernels:
+        os.environ["HSX_ALLOW_SLOW_KERNELS"] = "true"  # the children read it through Settings
+        get_settings.cache_clear()
     settings = get_settings()
     import workers  # noqa: F401  (refuses to start without a broker URL, before spawning anything)
 

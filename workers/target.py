@@ -69,6 +69,37 @@ def kernel_report(model: torch.nn.Module) -> dict:
     }
 
 
+GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid", "qwen4_exp")
+
+
+def is_gdn(config) -> bool:
+    """True for Gated DeltaNet (linear-attention hybrid) models (FIELD-NOTES section 2)."""
+    text = config.get_text_config()
+    return text.model_type in GDN_MODEL_TYPES or "linear_attention" in (getattr(text, "layer_types", None) or [])
+
+
+def check_kernels(model: torch.nn.Module, device: torch.device, settings: Settings) -> dict:
+    """Refuse the slow path on CUDA: a GDN model needs fla unless ``allow_slow_kernels`` is set.
+
+    Returns the kernel report. Raises :class:`core.errors.BadConfig` naming the fix.
+    causal-conv1d is optional (it cannot be built quickly; transformers falls back to a torch conv
+    that is correct and costs little next to the layers), so its absence is only logged.
+    """
+    from core.errors import BadConfig
+
+    report = kernel_report(model)
+    if device.type == "cuda" and is_gdn(model.config):
+        if not report["fla"] and not settings.allow_slow_kernels:
+            raise BadConfig(
+                f"{model.config.get_text_config().model_type} is a Gated DeltaNet model and the fla kernels are not importable on "
+                "this CUDA worker: the torch fallback is many times slower. Install the gpu extra "
+                "(pip install flash-linear-attention fla-core), or set HSX_ALLOW_SLOW_KERNELS=true to run slowly on purpose"
+            )
+        if not report["causal_conv1d"]:
+            log.warning("causal-conv1d is not installed: the GDN short convolution runs on the torch fallback (correct, slower)")
+    return report
+
+
 def pick_device(settings: Settings) -> torch.device:
     if settings.device:
         return torch.device(settings.device)
@@ -130,6 +161,7 @@ def load_target(name: str, settings: Settings) -> Target:
     )
     model.to(device).eval()
     model.requires_grad_(False)
+    check_kernels(model, device, settings)
     load_s = time.perf_counter() - t0
     pad = _pad_id(model)
     engine = _engine(model, device, dtype)
