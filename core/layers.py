@@ -73,6 +73,10 @@ class LayerSelection:
         return max(self.layer_ids)
 
     def as_dict(self) -> dict:
+        notes = []
+        if self.num_layers - 1 in self.layer_ids:
+            notes.append(f"id {self.num_layers - 1} is the raw output of the last layer (before the final norm); "
+                         f"HF's hidden_states[{self.num_layers}] is the state after the norm, which is final_postnorm here")
         return {
             "layer_ids": list(self.layer_ids),
             "convention": "output of decoder layer i, 0-based (HF hidden_states index i+1)",
@@ -81,6 +85,7 @@ class LayerSelection:
             "final": self.final,
             "preset": self.preset,
             "num_layers": self.num_layers,
+            **({"notes": notes} if notes else {}),
         }
 
 
@@ -132,6 +137,11 @@ def select_layers(
             f"ids are 0-based outputs of decoder layers, so they must be in [0, {num_layers - 1}]"
         )
     if len(set(layer_ids)) != len(layer_ids):
+        if preset:
+            raise BadConfig(
+                f"--preset {preset} on a model with {num_layers} layers gives ids {layer_ids}, which repeat: "
+                f"the model is too shallow for this preset; pass --layers explicitly"
+            )
         raise BadConfig(f"layer ids {layer_ids} contain duplicates: each layer may be captured once")
     if list(layer_ids) != sorted(layer_ids):
         raise BadConfig(f"layer ids {layer_ids} must be ascending (the shard stores them in id order): use {sorted(layer_ids)}")

@@ -57,7 +57,7 @@ def test_presets_default_final_states():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(layer_ids=[1, 2, 2]), r"layer ids \[1, 2, 2\] contain duplicates"),
-    (dict(preset="eagle3"), r"layer ids \[1, 2, 2\] contain duplicates"),  # EAGLE-3 on 6 layers: N//2-1 == N-4
+    (dict(preset="eagle3"), r"--preset eagle3 on a model with 6 layers gives ids \[1, 2, 2\], which repeat"),  # N//2-1 == N-4
     (dict(layer_ids=[3, 1]), r"must be ascending .*use \[1, 3\]"),
     (dict(layer_ids=[1, 6]), r"layer ids \[6\] are out of range for a model with 6 layers.*\[0, 5\]"),
     (dict(layer_ids=[-1, 2]), r"layer ids \[-1\] are out of range"),
