@@ -89,6 +89,7 @@ def _build_tiny(target: Path) -> None:
     config = transformers.Qwen3_5TextConfig(**cfg_dict)
     torch.manual_seed(_TINY_SEED)
     model = transformers.Qwen3_5ForCausalLM(config).eval()
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar in our CLI output
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:

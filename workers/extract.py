@@ -46,6 +46,16 @@ def _run_store(run_url: str, settings: Settings):
     return _stores[run_url]
 
 
+_configs: dict[str, object] = {}
+
+
+def _run_config(run_url: str, run_store):
+    # run.json never changes once written (a different config is a different run): read it once.
+    if run_url not in _configs:
+        _configs[run_url] = load_run(run_store)
+    return _configs[run_url]
+
+
 _thread_state = threading.local()
 
 
@@ -74,7 +84,7 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
         log.info("batch %s of %s already has its marker: nothing to do", batch, run_url)
         return {"status": "already_done", "batch": batch}
 
-    config = load_run(run_store)
+    config = _run_config(run_url, run_store)
     plan = read_batch(run_store, batch)
     target = get_target(config.model_name, settings)
     if target.info.as_dict() != config.model:
