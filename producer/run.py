@@ -64,13 +64,16 @@ class LocalWorkers:
         self._log.close()
 
 
-def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress=None, poll_s: float = 0.5) -> dict:
+def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress=None, poll_s: float | None = None) -> dict:
     """Block until every batch has a marker, or every unfinished batch has failed, or the workers died.
 
     Returns ``{"done": n, "failed": {batch: record}, "workers_died": bool}``.
     """
     run_store = planned.run_store
     by_name = {b["batch"]: b for b in planned.batches}
+    if poll_s is None:
+        # Each poll lists markers/ (1,000 keys per S3 page): poll big runs less often.
+        poll_s = min(10.0, 0.5 + len(by_name) / 20_000)
     seen: set[str] = set()
     task = None
     if progress:
