@@ -31,9 +31,10 @@ class Settings(BaseSettings):
     workers refuse to start without one."""
     result_backend: str | None = None
     """Celery result backend URL; unset means the broker URL."""
-    visibility_timeout_s: int = Field(default=6 * 3600, ge=60)
+    visibility_timeout_s: int = Field(default=6 * 3600, ge=1)
     """Seconds a claimed, unacknowledged task stays invisible before Redis delivers it again.
-    Must be several times the longest task (FIELD-NOTES 5); the same value on every app."""
+    Must be several times the longest task (FIELD-NOTES 5); the same value on every app. Values
+    under 60 exist for the redelivery tests only: they make every longer task run twice."""
     queue: str = "gpu"
     """Celery queue that carries extraction tasks."""
 
@@ -49,7 +50,25 @@ class Settings(BaseSettings):
     s3_secret_access_key: str | None = None
     """S3 secret key; never printed or stored."""
     spool_dir: Path | None = None
-    """Local directory where a worker writes a shard before it is stored; unset: a temp dir."""
+    """Local directory where a worker writes a shard before it is stored; unset: ``/dev/shm/hsx-spool``
+    when /dev/shm has at least ``workers.spool.SHM_MIN_FREE_BYTES`` free, else ``<tmp>/hsx-spool``."""
+    spool_max_fraction: float = Field(default=0.8, gt=0, le=1)
+    """Extraction pauses (before the forward) while the spool's filesystem would be fuller than this
+    fraction with the next shard in it, and resumes below it; it never fills the disk."""
+    max_pending_uploads: int = Field(default=2, ge=1)
+    """Extraction also pauses while this many shards of the worker process wait in the spool to be
+    stored (written but not yet uploaded and verified)."""
+    store_retry_s: float = Field(default=900.0, ge=0)
+    """Seconds a worker keeps retrying a store call that fails for a transient reason (connection
+    refused or reset, timeouts, throttling, HTTP 5xx), with exponential backoff and jitter, on top
+    of botocore's own retries; the batch fails after that. 0: no retry beyond botocore's."""
+    heartbeat_s: float = Field(default=5.0, gt=0)
+    """Seconds between a worker's status records (``<run>/workers/<host>-<pid>.json``)."""
+    faults: str | None = None
+    """Fault injection, for the recovery tests only; never set it in production. Comma-separated:
+    ``pause_forward=S`` / ``pause_upload=S`` / ``pause_marker=S`` sleep S seconds at that point of
+    every batch (after the forward, before the store write, before the marker), ``spool_full=N``
+    makes the first N shard writes of the process fail with ENOSPC."""
 
     # --- planning -----------------------------------------------------------------------
     max_length: int = Field(default=4096, ge=8)

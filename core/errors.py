@@ -34,7 +34,22 @@ class BadDataset(HsxError):
 
 
 class StoreError(HsxError):
-    """The store cannot be reached or refused an operation (credentials, bucket, disk)."""
+    """The store cannot be reached or refused an operation (credentials, bucket, disk).
+
+    ``transient`` is True when trying again later may succeed (connection refused or reset,
+    timeouts, throttling, HTTP 5xx); False for what a retry cannot fix (credentials refused, no
+    such bucket, a local disk error).
+    """
+
+    def __init__(self, message: str, *, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+class SpoolFull(StoreError):
+    """The worker's spool cannot hold a shard: the disk is full, or the shard is bigger than the spool
+    may ever hold (``HSX_SPOOL_MAX_FRACTION`` of its filesystem). The batch fails without a marker
+    and is done again later (redelivery or ``producer reconcile``)."""
 
 
 class RunConflict(HsxError):

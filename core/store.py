@@ -19,6 +19,7 @@ after a model has loaded.
 
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
 import os
@@ -27,6 +28,7 @@ import shutil
 import stat
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
@@ -88,8 +90,12 @@ class Store(Protocol):
         """Create or overwrite ``key``; readers see the old or the new bytes, never a mix."""
         ...
 
-    def write_file(self, key: str, path: Path) -> None:
-        """Store the local file ``path`` under ``key`` (overwrite, atomic for readers)."""
+    def write_file(self, key: str, path: Path, sha256_hex: str | None = None) -> None:
+        """Store the local file ``path`` under ``key`` (overwrite, atomic for readers).
+
+        ``sha256_hex``, when given, is the file's sha256: S3 then checks the bytes it receives
+        against it and refuses a mismatch (HTTP 400 BadDigest).
+        """
         ...
 
     def create(self, key: str, data: bytes) -> bool:
@@ -118,6 +124,16 @@ class Store(Protocol):
 
     def verify(self, key: str, nbytes: int, sha256_hex: str) -> None:
         """Raise :class:`~core.errors.FidelityError` unless ``key`` exists with this size and sha256."""
+        ...
+
+    def list_modified(self, prefix: str = "") -> dict[str, float]:
+        """``{key: last-modified time (Unix seconds)}`` of every key starting with ``prefix``."""
+        ...
+
+    def remove_incomplete(self, prefix: str = "", older_than_s: float = 3600.0) -> list[str]:
+        """Remove unfinished writes under ``prefix`` older than ``older_than_s`` seconds (S3:
+        multipart uploads never completed, with their parts; local: temp files of writers that
+        died). Returns what was removed, for the report."""
         ...
 
     def child(self, prefix: str) -> "Store":
@@ -326,7 +342,7 @@ class LocalStore:
         """Overwrite atomically: temp file in the same directory, fsync, ``os.replace``."""
         self._replace_with(key, lambda f: f.write(data))
 
-    def write_file(self, key: str, path: Path) -> None:
+    def write_file(self, key: str, path: Path, sha256_hex: str | None = None) -> None:
         """Store ``path`` via a temp file + ``os.replace`` (the source is left in place).
 
         On the same filesystem the temp file is a hard link to ``path`` (no bytes copied; the
@@ -445,6 +461,38 @@ class LocalStore:
                 f"{key!r} in {self.url}: sha256 {digest} ({n} bytes), expected {sha256_hex} ({nbytes} bytes); rewrite it"
             )
 
+    def list_modified(self, prefix: str = "") -> dict[str, float]:
+        """``{key: mtime}`` (Unix seconds) of every key starting with ``prefix``; temp files hidden."""
+        out = {}
+        for key in self.list(prefix):
+            try:
+                out[key] = self._path(key).stat().st_mtime
+            except FileNotFoundError:
+                continue  # deleted since the listing
+        return out
+
+    def remove_incomplete(self, prefix: str = "", older_than_s: float = 3600.0) -> list[str]:
+        """Delete temp files (``.hsx-tmp-*``, left by a writer that died) under ``prefix``'s
+        directory that are older than ``older_than_s`` seconds; returns their paths (relative)."""
+        _check_prefix(prefix)
+        head = prefix.rpartition("/")[0]
+        base = self.root.joinpath(*head.split("/")) if head else self.root
+        cutoff = time.time() - older_than_s
+        removed = []
+        with self._os_errors("clean", prefix):
+            for dirpath, _dirnames, filenames in os.walk(base):
+                for name in filenames:
+                    if not name.startswith(TMP_PREFIX):
+                        continue
+                    path = Path(dirpath) / name
+                    try:
+                        if path.stat().st_mtime < cutoff:
+                            path.unlink()
+                            removed.append(path.relative_to(self.root).as_posix())
+                    except FileNotFoundError:
+                        continue
+        return sorted(removed)
+
     def child(self, prefix: str) -> "LocalStore":
         """A store rooted at ``root/prefix`` (the directory is created on first write)."""
         return LocalStore(self._path(prefix))
@@ -463,6 +511,36 @@ def _error_code(e: Exception) -> tuple[str, int]:
 def _is_not_found(e: Exception) -> bool:
     code, status = _error_code(e)
     return status == 404 or code in ("404", "NoSuchKey", "NotFound")
+
+
+#: S3 error codes that a later attempt may not get (throttling, server-side trouble).
+TRANSIENT_S3_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "RequestTimeout",
+                      "InternalError", "ServiceUnavailable", "ServiceUnavailableException", "RequestThrottled",
+                      "TooManyRequestsException", "BandwidthLimitExceeded", "OperationAborted"}
+
+
+def transient_s3_error(e: BaseException) -> bool:
+    """Whether trying again later may succeed: no answer (connection refused, reset, timeouts, a
+    body cut short), throttling, or HTTP 5xx; not credentials, a missing bucket or a bad request."""
+    from botocore import exceptions as bx
+
+    if isinstance(e, bx.ClientError):
+        code, status = _error_code(e)
+        return status >= 500 or status == 429 or code in TRANSIENT_S3_CODES
+    if isinstance(e, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError, bx.ResponseStreamingError,
+                      ConnectionError, TimeoutError)):
+        return True
+    try:
+        import urllib3.exceptions
+
+        return isinstance(e, urllib3.exceptions.HTTPError)
+    except ImportError:  # pragma: no cover - urllib3 ships with botocore
+        return False
+
+
+def _b64(hex_digest: str) -> str:
+    """A hex digest as S3 writes checksums: base64 of the raw bytes."""
+    return base64.b64encode(bytes.fromhex(hex_digest)).decode()
 
 
 class S3Store:
@@ -486,6 +564,8 @@ class S3Store:
         self.endpoint = endpoint or getattr(getattr(client, "meta", None), "endpoint_url", None) or "AWS default"
         self._probe_client = probe_client
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._composite: dict[str, str] = {}
+        """Full key -> composite checksum of multipart uploads this process made, until verified."""
 
     def __repr__(self) -> str:
         return f"S3Store({self.url} at {self.endpoint})"
@@ -549,10 +629,20 @@ class S3Store:
         except ClientError as e:
             code, status = _error_code(e)
             raise StoreError(
-                f"S3 {op} {self.url}/{key} at {self.endpoint} failed: HTTP {status} {code}: {e}"
+                f"S3 {op} {self.url}/{key} at {self.endpoint} failed: HTTP {status} {code}: {e}",
+                transient=transient_s3_error(e),
             ) from e
         except (BotoCoreError, Boto3Error) as e:
-            raise StoreError(f"S3 {op} {self.url}/{key} at {self.endpoint} failed: {e}") from e
+            raise StoreError(f"S3 {op} {self.url}/{key} at {self.endpoint} failed: {e}",
+                             transient=transient_s3_error(e)) from e
+        except OSError as e:  # a socket error while streaming a body (botocore does not wrap those)
+            raise StoreError(f"S3 {op} {self.url}/{key} at {self.endpoint} failed: {type(e).__name__}: {e}",
+                             transient=True) from e
+        except Exception as e:
+            if transient_s3_error(e):  # urllib3 errors from a streamed body
+                raise StoreError(f"S3 {op} {self.url}/{key} at {self.endpoint} failed: {type(e).__name__}: {e}",
+                                 transient=True) from e
+            raise
 
     def check(self) -> None:
         """One ``head_bucket`` with short timeouts (3 s connect, 2 attempts); StoreError naming the
@@ -585,11 +675,13 @@ class S3Store:
                     f"{where}: credentials refused (HTTP {status} {code}). Fix: check "
                     "HSX_S3_ACCESS_KEY_ID / HSX_S3_SECRET_ACCESS_KEY and the bucket's permissions"
                 ) from e
-            raise StoreError(f"{where}: head_bucket failed (HTTP {status} {code}): {e}") from e
+            raise StoreError(f"{where}: head_bucket failed (HTTP {status} {code}): {e}",
+                             transient=transient_s3_error(e)) from e
         except BotoCoreError as e:
             raise StoreError(
                 f"{where}: cannot reach the S3 endpoint ({type(e).__name__}: {e}). Fix: check "
-                "HSX_S3_ENDPOINT_URL (or AWS_ENDPOINT_URL) and that the server is running and reachable"
+                "HSX_S3_ENDPOINT_URL (or AWS_ENDPOINT_URL) and that the server is running and reachable",
+                transient=transient_s3_error(e),
             ) from e
 
     def read(self, key: str) -> bytes:
@@ -611,15 +703,55 @@ class S3Store:
         with self._errors("write", key):
             self.client.put_object(Bucket=self.bucket, Key=full, Body=data)
 
-    def write_file(self, key: str, path: Path) -> None:
-        """Upload a local file; files of ``multipart_bytes`` or more go up in parallel parts."""
-        from boto3.s3.transfer import TransferConfig
+    def write_file(self, key: str, path: Path, sha256_hex: str | None = None) -> None:
+        """Upload a local file with SHA-256 checksums that the server checks on arrival.
 
+        Below ``multipart_bytes``: one PUT carrying ``ChecksumSHA256`` (the file's sha256 when
+        given, so the server refuses bytes that differ from what the caller hashed). From
+        ``multipart_bytes`` on: a multipart upload, ``MULTIPART_CONCURRENCY`` parts at a time, each
+        part with its own SHA-256 (computed as it is read); the expected composite checksum is kept
+        for :meth:`verify`. A failed multipart upload is aborted so that no parts stay behind.
+        Raises StoreError (``transient`` for what a retry may fix).
+        """
         full = self._key(key)
-        cfg = TransferConfig(multipart_threshold=self.multipart_bytes, multipart_chunksize=self.multipart_bytes,
-                             max_concurrency=MULTIPART_CONCURRENCY)
+        size = os.path.getsize(path)
         with self._errors("write_file", key):
-            self.client.upload_file(str(path), self.bucket, full, Config=cfg)
+            if size < self.multipart_bytes:
+                extra = {"ChecksumSHA256": _b64(sha256_hex)} if sha256_hex else {"ChecksumAlgorithm": "SHA256"}
+                with open(path, "rb") as f:
+                    self.client.put_object(Bucket=self.bucket, Key=full, Body=f, **extra)
+                self._composite.pop(full, None)
+                return
+            self._composite[full] = self._upload_parts(full, Path(path), size)
+
+    def _upload_parts(self, full: str, path: Path, size: int) -> str:
+        """Multipart upload of ``path`` to ``full``; returns the composite checksum S3 will report."""
+        part = self.multipart_bytes
+        upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=full, ChecksumAlgorithm="SHA256")["UploadId"]
+
+        def one(number: int) -> dict:
+            with open(path, "rb") as f:
+                f.seek((number - 1) * part)
+                data = f.read(part)
+            digest = hashlib.sha256(data).hexdigest()
+            resp = self.client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number,
+                                           Body=data, ChecksumSHA256=_b64(digest))
+            return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumSHA256": _b64(digest)}
+
+        numbers = range(1, (size + part - 1) // part + 1)
+        try:
+            with ThreadPoolExecutor(min(MULTIPART_CONCURRENCY, len(numbers))) as pool:
+                parts = list(pool.map(one, numbers))
+            self.client.complete_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id,
+                                                  MultipartUpload={"Parts": parts})
+        except BaseException:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+            except Exception:  # the server may be the thing that failed; reconcile removes it later
+                pass
+            raise
+        joined = b"".join(base64.b64decode(p["ChecksumSHA256"]) for p in parts)
+        return f"{base64.b64encode(hashlib.sha256(joined).digest()).decode()}-{len(parts)}"
 
     def create(self, key: str, data: bytes) -> bool:
         """``put_object(IfNoneMatch="*")``: True if created, False on 412 PreconditionFailed.
@@ -699,15 +831,42 @@ class S3Store:
         self._key(key)
         return None
 
-    def verify(self, key: str, nbytes: int, sha256_hex: str) -> None:
-        """HEAD for the size, then stream the body to hash it; FidelityError if absent or different."""
+    def _head_checksum(self, key: str) -> tuple[int | None, str | None]:
+        """(size, ChecksumSHA256 as the server reports it) of ``key``; (None, None) if absent."""
         from botocore.exceptions import ClientError
 
-        size = self.size(key)
+        with self._errors("verify", key):
+            try:
+                head = self.client.head_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
+            except ClientError as e:
+                if _is_not_found(e):
+                    return None, None
+                raise
+        return int(head["ContentLength"]), head.get("ChecksumSHA256")
+
+    def verify(self, key: str, nbytes: int, sha256_hex: str) -> None:
+        """Check ``key`` against (bytes, sha256); FidelityError if absent or different.
+
+        One HEAD with ``ChecksumMode=ENABLED``: when the server reports the object's full SHA-256
+        (objects sent in one PUT), or the composite of its parts that :meth:`write_file` uploaded
+        and remembered, that is compared and nothing is downloaded. Otherwise (a server without
+        checksums, an object this process did not upload) the body is streamed and hashed.
+        """
+        from botocore.exceptions import ClientError
+
+        size, checksum = self._head_checksum(key)
         if size is None:
             raise FidelityError(f"{key!r} in {self.url}: absent, expected {nbytes} bytes; rewrite it")
         if size != nbytes:
             raise FidelityError(f"{key!r} in {self.url}: {size} bytes, expected {nbytes}; rewrite it")
+        full = self._key(key)
+        expected = self._composite.get(full) if checksum and "-" in checksum else _b64(sha256_hex)
+        if checksum and expected:
+            if checksum != expected:
+                raise FidelityError(f"{key!r} in {self.url}: the server's SHA-256 checksum {checksum} differs from the "
+                                    f"expected {expected} (sha256 {sha256_hex}); rewrite it")
+            self._composite.pop(full, None)
+            return
         h = hashlib.sha256()
         n = 0
         with self._errors("verify", key):
@@ -726,7 +885,38 @@ class S3Store:
                 f"{key!r} in {self.url}: sha256 {digest} ({n} bytes), expected {sha256_hex} ({nbytes} bytes); rewrite it"
             )
 
+    def list_modified(self, prefix: str = "") -> dict[str, float]:
+        """``{key: LastModified}`` (Unix seconds) of every key starting with ``prefix`` (one paginated listing)."""
+        _check_prefix(prefix)
+        base = f"{self.prefix}/" if self.prefix else ""
+        out: dict[str, float] = {}
+        with self._errors("list", prefix):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix):
+                for obj in page.get("Contents", ()):
+                    k = obj["Key"]
+                    if k.startswith(base) and not k.endswith("/"):
+                        out[k[len(base):]] = obj["LastModified"].timestamp()
+        return out
+
+    def remove_incomplete(self, prefix: str = "", older_than_s: float = 3600.0) -> list[str]:
+        """Abort multipart uploads under ``prefix`` started more than ``older_than_s`` seconds ago
+        (a worker killed mid-upload leaves their parts, which cost storage but are invisible to
+        listings); returns their keys."""
+        _check_prefix(prefix)
+        base = f"{self.prefix}/" if self.prefix else ""
+        cutoff = time.time() - older_than_s
+        removed = []
+        with self._errors("clean", prefix):
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base + prefix):
+                for up in page.get("Uploads", ()):
+                    if up["Initiated"].timestamp() < cutoff:
+                        self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                        removed.append(up["Key"][len(base):])
+        return sorted(removed)
+
     def child(self, prefix: str) -> "S3Store":
         """A store rooted at ``prefix`` under this one, sharing the client."""
-        return S3Store(self.client, self.bucket, self._key(prefix), endpoint=self.endpoint,
-                       probe_client=self._probe_client)
+        child = S3Store(self.client, self.bucket, self._key(prefix), endpoint=self.endpoint,
+                        probe_client=self._probe_client)
+        child._composite = self._composite
+        return child

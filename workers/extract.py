@@ -7,6 +7,17 @@ attempt id so that racing duplicates never overwrite each other's shard (see cor
 A sample whose captured states hold NaN or Inf is quarantined: left out of the shard and listed
 in the marker with its reason; the rest of the batch is written. A batch with no sample left
 fails loudly (:class:`FidelityError`, no shard, no marker) rather than certify an empty shard.
+
+Upload path: the shard goes to the spool (``workers/spool.py``), then to the store in the task
+thread itself while the worker's other task threads run the next forward (they share one GPU
+lock): with ``HSX_WORKER_CONCURRENCY`` threads, up to that many minus one uploads run in the
+background of the GPU. Store calls that fail for a transient reason are retried with backoff
+(``core/retry.py``); the stored object is verified (size and SHA-256) before the marker is
+written, and the Celery message is acknowledged only after the task returns (``acks_late``), so a
+batch is acknowledged only once its marker exists. A worker that dies before that leaves the
+message unacknowledged: it is delivered again (visibility timeout) or enqueued again by
+``producer reconcile``. Backpressure: a batch is admitted by the spool before it takes the GPU
+lock, and waits while the spool is too full or too many shards wait to be stored.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from datetime import datetime, timezone
 import torch
 
 from core.errors import FidelityError
+from core.retry import retry_transient
 from core.layers import LayerSelection
 from core.marker import read_marker, shard_key, write_marker
 from core.plan import read_batch
@@ -31,7 +43,9 @@ from core.shard import select_samples, shard_metadata
 from core.store import open_store
 from settings import Settings
 from workers.capture import HostBuffer, capture_batch
-from workers.spool import spool_dir, write_shard
+from workers import faults
+from workers.heartbeat import process_heartbeat
+from workers.spool import is_disk_full, process_spool, spool_file_name, spool_full_error, write_shard
 from workers.target import get_target
 
 log = logging.getLogger(__name__)
@@ -66,6 +80,31 @@ def _host_buffer() -> HostBuffer:
     return _thread_state.host_buffer
 
 
+def _retry(settings: Settings, what: str, fn):
+    return retry_transient(fn, what, total_s=settings.store_retry_s)
+
+
+def shard_bytes_estimate(num_tokens: int, num_samples: int, states_per_token: int, hidden_size: int, itemsize: int) -> int:
+    """Upper bound of a shard's size in bytes, known before the forward: the states
+    (``num_tokens x states_per_token x hidden_size x itemsize``), the index tensors, and 64 KiB of
+    header."""
+    return num_tokens * (states_per_token * hidden_size * itemsize + 4 + 1) + (2 * num_samples + 1) * 8 + (64 << 10)
+
+
+class _Job:
+    """What the wrapper of one task must clean up: the spool ticket, the heartbeat entry."""
+
+    def __init__(self, run_url: str, batch: str, settings: Settings):
+        self.run_url, self.batch, self.settings = run_url, batch, settings
+        self.heartbeat = process_heartbeat(settings.heartbeat_s)
+        self.store = None
+        self.ticket = None
+
+    def phase(self, phase: str) -> None:
+        if self.store is not None:
+            self.heartbeat.phase(self.run_url, self.store, self.batch, phase)
+
+
 def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
     """Extract one planned batch of the run at ``run_url`` and certify it with its marker.
 
@@ -76,17 +115,36 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
         core.store.MissingKey: the run or the batch is not in the store.
         FidelityError: the loaded model is not the run's model, or every sample of the batch
             had NaN/Inf states (nothing to write; no shard, no marker).
-        core.errors.StoreError: the store refused a write.
+        core.errors.SpoolFull: the spool's disk is full, or the shard can never fit in it.
+        core.errors.StoreError: the store refused a write, or stayed unreachable for
+            ``HSX_STORE_RETRY_S`` seconds.
     """
+    job = _Job(run_url, batch, settings)
+    result = None
+    try:
+        result = _extract_batch(run_url, batch, settings, job)
+        return result
+    finally:
+        if job.ticket is not None:
+            job.ticket.release()
+        if job.store is not None:
+            job.heartbeat.finished(run_url, batch, certified=bool(result) and result.get("status") == "done")
+
+
+def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> dict:
+    """The body of :func:`extract_batch` (same result and errors); ``job`` tracks what its wrapper releases."""
     t0 = time.perf_counter()
-    run_store = _run_store(run_url, settings)
-    if read_marker(run_store, batch) is not None:
+    run_store = _retry(settings, f"open the store of batch {batch}", lambda: _run_store(run_url, settings))
+    if _retry(settings, f"read the marker of batch {batch}", lambda: read_marker(run_store, batch)) is not None:
         log.info("batch %s of %s already has its marker: nothing to do", batch, run_url)
         return {"status": "already_done", "batch": batch}
 
-    config = _run_config(run_url, run_store)
-    plan = read_batch(run_store, batch)
+    config = _retry(settings, f"read run.json of batch {batch}", lambda: _run_config(run_url, run_store))
+    plan = _retry(settings, f"read the plan of batch {batch}", lambda: read_batch(run_store, batch))
+    job.store = run_store
+    job.phase("loading")
     target = get_target(config.model_name, settings)
+    job.heartbeat.device = target.engine.get("device")
     if target.info.as_dict() != config.model:
         raise FidelityError(
             f"batch {batch}: this worker loaded {target.info.as_dict()} but run {config.run_id} was planned for "
@@ -103,8 +161,17 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
     max_tokens = max(config.batch_tokens, plan.num_tokens)
     _host_buffer().reserve(max_tokens * states_per_token * target.info.hidden_size * store_dtype.itemsize,
                            pin=target.device.type == "cuda")
+    # Backpressure: wait for room in the spool (and for the pending uploads) before the forward.
+    spool = process_spool(settings)
+    job.heartbeat.spool = spool
+    expected = shard_bytes_estimate(plan.num_tokens, plan.num_samples, states_per_token, target.info.hidden_size,
+                                    store_dtype.itemsize)
+    job.ticket = spool.admit(expected, what=f"batch {batch}",
+                             on_wait=lambda reason: job.phase("paused" if reason else "waiting_gpu"))
+    job.phase("waiting_gpu")
     # One batch on the GPU at a time; the other task threads write and store their shards meanwhile.
     with target.gpu_lock:
+        job.phase("forward")
         t_fwd = time.perf_counter()
         captured = capture_batch(
             target.model,
@@ -116,6 +183,8 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
             host_buffer=_host_buffer(),
         )
         forward_s = time.perf_counter() - t_fwd
+        faults.pause(settings.faults, "forward", batch)
+    job.ticket.forward_done()
 
     tensors = {
         "input_ids": torch.from_numpy(plan.input_ids_T.astype("int32")),
@@ -144,17 +213,31 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
     metadata = shard_metadata(config.run_id, batch, layers, config.model, target.engine)
     attempt = uuid.uuid4().hex[:12]
     key = shard_key(batch, attempt)
-    spool_path = spool_dir(settings) / f"{config.run_id}-{batch}-{attempt}.safetensors"
+    spool_path = spool.directory / spool_file_name(config.run_id, batch, attempt)
     try:
+        job.phase("writing")
         t_write = time.perf_counter()
-        nbytes, sha256 = write_shard(spool_path, tensors, metadata)
+        try:
+            faults.check_spool_write(settings.faults, spool_path)
+            nbytes, sha256 = write_shard(spool_path, tensors, metadata)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise spool_full_error(spool_path, exc, expected) from exc
+            raise
+        job.ticket.written()
+        faults.pause(settings.faults, "upload", batch)
+        job.phase("storing")
         t_store = time.perf_counter()
-        run_store.write_file(key, spool_path)
+        _retry(settings, f"store shard {key} of batch {batch}", lambda: run_store.write_file(key, spool_path, sha256))
     finally:
         spool_path.unlink(missing_ok=True)
+        job.ticket.release()
+    job.phase("verifying")
     t_verify = time.perf_counter()
-    run_store.verify(key, nbytes, sha256)
+    _retry(settings, f"verify shard {key} of batch {batch}", lambda: run_store.verify(key, nbytes, sha256))
     t_done = time.perf_counter()
+    faults.pause(settings.faults, "marker", batch)
+    job.phase("marker")
 
     marker = {
         "schema_version": 1,
@@ -177,10 +260,13 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
         "seconds": round(time.perf_counter() - t0, 4),
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    if not write_marker(run_store, batch, marker):
-        run_store.delete(key)  # another worker certified its own shard first
-        log.info("batch %s: another worker wrote the marker first; removed our shard %s", batch, key)
-        return {"status": "lost_race", "batch": batch}
+    if not _retry(settings, f"write the marker of batch {batch}", lambda: write_marker(run_store, batch, marker)):
+        # A retried create can find its own first attempt: the marker names our shard, so we won.
+        existing = _retry(settings, f"read the marker of batch {batch}", lambda: read_marker(run_store, batch))
+        if not existing or (existing.get("shard") or {}).get("key") != key:
+            _retry(settings, f"delete shard {key}", lambda: run_store.delete(key))  # another worker certified its own shard first
+            log.info("batch %s: another worker wrote the marker first; removed our shard %s", batch, key)
+            return {"status": "lost_race", "batch": batch}
     seconds = marker["seconds"]
     log.info(
         "batch done %s",

@@ -1,0 +1,302 @@
+"""The upload path of a shard: spool -> store with checksums, retries on transient errors, and the
+spool's backpressure gate (workers/spool.py, core/store.py, core/retry.py), against the real S3
+server of conftest.py where a server is involved."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from core.errors import FidelityError, SpoolFull, StoreError
+from core.retry import backoff_s, retry_transient
+from core.store import open_store
+from workers.spool import Spool, default_spool_dir, remove_dead_spool_files
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _file(tmp_path: Path, nbytes: int) -> tuple[Path, str]:
+    path = tmp_path / "shard.bin"
+    data = random.Random(nbytes).randbytes(nbytes)
+    path.write_bytes(data)
+    return path, hashlib.sha256(data).hexdigest()
+
+
+def _count_gets(store) -> list:
+    calls = []
+    store.client.meta.events.register("before-call.s3.GetObject", lambda **kw: calls.append(kw))
+    return calls
+
+
+# --- store: checksums ------------------------------------------------------------------------
+
+
+def test_a_single_put_is_verified_by_the_servers_sha256_without_downloading_it(s3_bucket, tmp_path):
+    """A small shard goes up in one PUT carrying its sha256; verify compares the server's checksum and reads no body."""
+    store = open_store(s3_bucket.url, s3_bucket.settings)
+    path, sha = _file(tmp_path, 300_000)
+    store.write_file("shards/a.safetensors", path, sha)
+    gets = _count_gets(store)
+    store.verify("shards/a.safetensors", 300_000, sha)
+    if s3_bucket.server.kind == "seaweedfs":
+        assert gets == [], "the server reports SHA-256 checksums: no download needed"
+    with pytest.raises(FidelityError, match="rewrite it"):
+        store.verify("shards/a.safetensors", 300_000, "0" * 64)
+
+
+def test_the_server_refuses_bytes_that_differ_from_the_given_sha256(s3_bucket, tmp_path):
+    """write_file with a sha256 that is not the file's: the PUT is refused (BadDigest), not retried, nothing stored."""
+    if s3_bucket.server.kind != "seaweedfs":
+        pytest.skip("moto does not check ChecksumSHA256")
+    store = open_store(s3_bucket.url, s3_bucket.settings)
+    path, _ = _file(tmp_path, 10_000)
+    with pytest.raises(StoreError) as info:
+        store.write_file("shards/b.safetensors", path, hashlib.sha256(b"other").hexdigest())
+    assert not info.value.transient
+    assert not store.exists("shards/b.safetensors")
+
+
+def test_a_large_shard_goes_up_in_parallel_parts_and_verifies_by_its_composite_checksum(s3_bucket, tmp_path):
+    """Above multipart_bytes: parts with their own SHA-256; verify checks the composite (no download); no upload left open."""
+    store = open_store(s3_bucket.url, s3_bucket.settings)
+    store.multipart_bytes = 5 << 20
+    nbytes = (11 << 20) + 12345
+    path, sha = _file(tmp_path, nbytes)
+    parts = []
+    store.client.meta.events.register("before-call.s3.UploadPart", lambda **kw: parts.append(kw))
+    store.write_file("shards/big.safetensors", path, sha)
+    assert len(parts) == 3
+    gets = _count_gets(store)
+    store.verify("shards/big.safetensors", nbytes, sha)
+    if s3_bucket.server.kind == "seaweedfs":
+        assert gets == []
+    assert store.read("shards/big.safetensors") == path.read_bytes()
+    assert store.remove_incomplete("shards/", older_than_s=0) == []
+
+
+def test_an_object_changed_after_upload_fails_verify(s3_bucket, tmp_path):
+    """Another process overwrites the object after our upload: verify (checksum or stream) names it."""
+    store = open_store(s3_bucket.url, s3_bucket.settings)
+    path, sha = _file(tmp_path, 50_000)
+    store.write_file("shards/c.safetensors", path, sha)
+    store.write("shards/c.safetensors", b"x" * 50_000)
+    with pytest.raises(FidelityError, match="shards/c.safetensors"):
+        store.verify("shards/c.safetensors", 50_000, sha)
+
+
+def test_remove_incomplete_aborts_old_multipart_uploads_and_local_temp_files(s3_bucket, tmp_path):
+    """An abandoned multipart upload (a worker killed mid-upload) and a local temp file are removed once older than the grace."""
+    store = open_store(s3_bucket.url, s3_bucket.settings)
+    client = s3_bucket.client()
+    client.create_multipart_upload(Bucket=s3_bucket.name, Key="run/shards/x-1.safetensors")
+    run = store.child("run")
+    assert run.remove_incomplete("shards/", older_than_s=3600) == []
+    assert run.remove_incomplete("shards/", older_than_s=0) == ["shards/x-1.safetensors"]
+    assert not client.list_multipart_uploads(Bucket=s3_bucket.name).get("Uploads")
+
+    local = open_store(str(tmp_path / "store"))
+    local.write("shards/keep.safetensors", b"k")
+    tmp = tmp_path / "store" / "shards" / ".hsx-tmp-dead-keep.safetensors"
+    tmp.write_bytes(b"partial")
+    assert local.remove_incomplete("shards/", older_than_s=3600) == []
+    assert local.remove_incomplete("shards/", older_than_s=0) == ["shards/.hsx-tmp-dead-keep.safetensors"]
+    assert local.list("shards/") == ["shards/keep.safetensors"]
+
+
+def test_a_stopped_server_is_a_transient_error_and_a_missing_bucket_is_not(s3_bucket, tmp_path):
+    """Connection refused -> StoreError(transient=True); no such bucket -> transient=False (a retry cannot fix it)."""
+    from core.store import S3Store
+    from settings import Settings
+
+    closed = Settings(_env_file=None, s3_endpoint_url=f"http://127.0.0.1:{_closed_port()}", s3_region="us-east-1",
+                      s3_access_key_id="k", s3_secret_access_key="s")
+    store = S3Store.from_url("s3://nobody", closed)
+    store.client = store._probe_client  # two quick attempts instead of eight
+    with pytest.raises(StoreError) as info:
+        store.write("x", b"1")
+    assert info.value.transient
+    missing = S3Store.from_url(f"s3://{s3_bucket.name}-missing", s3_bucket.settings)
+    with pytest.raises(StoreError) as info:
+        missing.write("x", b"1")
+    assert not info.value.transient
+
+
+def _closed_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# --- retries ----------------------------------------------------------------------------------
+
+
+def test_backoff_is_exponential_with_full_jitter_and_capped():
+    """Wait after attempt n is uniform in [0, min(cap, base * 2**n)]: never above the ceiling, spread below it."""
+    rng = random.Random(0)
+    for n in range(12):
+        ceiling = min(30.0, 1.0 * 2 ** n)
+        waits = [backoff_s(n, rng=rng) for _ in range(200)]
+        assert all(0 <= w <= ceiling for w in waits)
+        assert max(waits) > 0.8 * ceiling and min(waits) < 0.2 * ceiling
+
+
+def test_a_transient_store_error_is_retried_until_it_passes_and_others_are_raised_at_once():
+    """Two transient failures then success -> the result; a non-transient error -> raised on the first call."""
+    calls = []
+    slept = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise StoreError("S3 down", transient=True)
+        return "ok"
+
+    assert retry_transient(flaky, "store x", total_s=60, sleep=slept.append) == "ok"
+    assert len(calls) == 3 and len(slept) == 2
+
+    def refused():
+        calls.append(1)
+        raise StoreError("credentials refused", transient=False)
+
+    calls.clear()
+    with pytest.raises(StoreError, match="credentials"):
+        retry_transient(refused, "store x", total_s=60, sleep=slept.append)
+    assert len(calls) == 1
+
+
+def test_retrying_stops_after_the_time_budget_with_the_attempts_named():
+    """A store that never comes back: the last error is raised once total_s has passed, saying how long and how often."""
+    now = [0.0]
+
+    def sleep(s):
+        now[0] += s
+
+    def down():
+        raise StoreError("connection refused", transient=True)
+
+    with pytest.raises(StoreError, match=r"still failing after \d+ attempts") as info:
+        retry_transient(down, "store shard s", total_s=120, sleep=sleep, clock=lambda: now[0])
+    assert info.value.transient and now[0] <= 120
+
+
+# --- spool: backpressure -----------------------------------------------------------------------
+
+Usage = namedtuple("Usage", "total used free")
+
+
+class FakeDisk:
+    """A filesystem of ``total`` bytes whose usage the test sets."""
+
+    def __init__(self, total: int, used: int = 0):
+        self.total, self.used = total, used
+
+    def __call__(self, _path):
+        return Usage(self.total, self.used, self.total - self.used)
+
+
+def _admit_in_thread(spool: Spool, nbytes: int, reasons: list):
+    out = {}
+
+    def go():
+        out["ticket"] = spool.admit(nbytes, on_wait=reasons.append, poll_s=0.01)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_extraction_pauses_while_the_spool_would_pass_its_limit_and_resumes_below_it(tmp_path):
+    """Disk 85% used, limit 80%: admit waits with the reason; usage drops to 50%: it proceeds and the wait ends (None)."""
+    disk = FakeDisk(1000, used=850)
+    spool = Spool(tmp_path, max_fraction=0.8, max_pending_uploads=2, disk_usage=disk)
+    reasons: list = []
+    t, out = _admit_in_thread(spool, 10, reasons)
+    time.sleep(0.2)
+    assert t.is_alive() and reasons and "spool 85% full" in reasons[0] and "limit 80%" in reasons[0]
+    assert spool.paused_reason == reasons[0]
+    disk.used = 500
+    t.join(5)
+    assert not t.is_alive() and reasons[-1] is None and spool.paused_reason is None
+    assert spool.usage().reserved_bytes == 10
+    out["ticket"].written()
+    assert spool.usage().reserved_bytes == 0
+
+
+def test_the_next_shard_counts_against_the_limit_so_the_disk_never_fills(tmp_path):
+    """70% used + a shard of 15% > 80%: paused even though usage alone is below the limit; admitted shards reserve their bytes."""
+    disk = FakeDisk(1000, used=700)
+    spool = Spool(tmp_path, max_fraction=0.8, disk_usage=disk)
+    first = spool.admit(50)  # 75%
+    reasons: list = []
+    t, _ = _admit_in_thread(spool, 60, reasons)  # 70% + 5% reserved + 6% > 80%
+    time.sleep(0.2)
+    assert t.is_alive() and "81%" in reasons[0]
+    first.release()  # the first batch failed before writing: its reservation goes back
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_extraction_pauses_while_too_many_shards_wait_to_be_stored(tmp_path):
+    """Two shards past their forward and not stored (limit 2): the third batch waits until one is stored."""
+    spool = Spool(tmp_path, max_pending_uploads=2, disk_usage=FakeDisk(10**9))
+    tickets = [spool.admit(1), spool.admit(1)]
+    for tk in tickets:
+        tk.forward_done()
+        tk.written()
+    reasons: list = []
+    t, _ = _admit_in_thread(spool, 1, reasons)
+    time.sleep(0.2)
+    assert t.is_alive() and reasons[0].startswith("2 shards waiting to be stored (limit 2")
+    tickets[0].release()
+    t.join(5)
+    assert not t.is_alive() and spool.usage().uploads_pending == 1
+
+
+def test_a_shard_bigger_than_the_spool_may_ever_hold_fails_at_once(tmp_path):
+    """A shard over max_fraction of the filesystem can never be admitted: SpoolFull with the sizes and the fix, no wait."""
+    spool = Spool(tmp_path, max_fraction=0.8, disk_usage=FakeDisk(1_000_000_000))
+    t0 = time.monotonic()
+    with pytest.raises(SpoolFull, match="HSX_SPOOL_DIR"):
+        spool.admit(900_000_000, what="batch b000001")
+    assert time.monotonic() - t0 < 1
+
+
+def test_spool_files_of_dead_worker_processes_are_removed(tmp_path):
+    """Files named after a pid that no longer runs go; ours and a live process's stay."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    for pid in (dead, str(os.getpid()), "1"):
+        (tmp_path / f"hsx-{pid}-run-b000001-abc.safetensors").write_bytes(b"x")
+    removed = remove_dead_spool_files(tmp_path)
+    assert [p.name for p in removed] == [f"hsx-{dead}-run-b000001-abc.safetensors"]
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_the_default_spool_is_dev_shm_only_when_it_has_room(tmp_path):
+    """/dev/shm with enough free space -> /dev/shm/hsx-spool; too small or absent -> the temp dir."""
+    assert default_spool_dir(shm=tmp_path, min_free_bytes=1) == tmp_path / "hsx-spool"
+    assert default_spool_dir(shm=tmp_path, min_free_bytes=1 << 62).parent != tmp_path
+    assert default_spool_dir(shm=tmp_path / "absent").name == "hsx-spool"
+
+
+def test_a_full_disk_while_writing_is_an_out_of_space_error_naming_the_spool(tmp_path):
+    """ENOSPC from the writer becomes SpoolFull naming the directory and the free space."""
+    from workers.spool import is_disk_full, spool_full_error
+
+    exc = OSError(errno.ENOSPC, "No space left on device")
+    assert is_disk_full(exc) and not is_disk_full(OSError(errno.EACCES, "denied"))
+    err = spool_full_error(tmp_path / "hsx-1-run-b1-x.safetensors", exc, 5_000_000)
+    assert isinstance(err, StoreError) and str(tmp_path) in str(err) and "No marker was written" in str(err)
