@@ -102,6 +102,14 @@ class Settings(BaseSettings):
     state_dir: Path | None = None
     """Embedded broker's socket and AOF; unset: ``cache_dir/broker``."""
 
+    # --- monitoring ---------------------------------------------------------------------
+    flower_basic_auth: str | None = None
+    """``USER:PASSWORD`` (comma-separated for several) that ``python -m producer flower`` requires;
+    needed when Flower is bound to anything but loopback. Never printed (checked by the command, so
+    that a malformed value is not echoed in a validation error)."""
+    inspect_timeout_s: float = Field(default=1.0, gt=0, le=30)
+    """Seconds ``producer status`` waits for the workers' ``gpu_stats`` replies over the broker."""
+
     @field_validator("broker_url", "result_backend")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:

@@ -15,6 +15,8 @@ from pathlib import Path
 from core.errors import BadConfig
 
 _MAX_SOCKET_PATH = 100  # AF_UNIX paths are limited to 108 bytes on Linux
+#: File in the state dir holding the URL of the embedded broker while it runs.
+URL_FILE = "broker.url"
 
 
 def valkey_binary() -> str:
@@ -84,6 +86,8 @@ class EmbeddedBroker:
         # start_new_session: Ctrl-C in the terminal reaches us, and we stop the server in order.
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         self._wait_ready(timeout_s)
+        # Lets `producer flower` / `producer status` on this machine find the broker of a running job.
+        (self.state_dir / URL_FILE).write_text(self.url + "\n")
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -109,6 +113,7 @@ class EmbeddedBroker:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the server (it flushes the AOF), wait, then SIGKILL if needed."""
+        (self.state_dir / URL_FILE).unlink(missing_ok=True)
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.terminate()
@@ -129,6 +134,28 @@ class EmbeddedBroker:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def running_embedded_broker(state_dir: Path) -> str | None:
+    """URL of the embedded broker a ``producer run`` on this machine has running in ``state_dir``, or None.
+
+    None when no run is going on (no URL file), or when the server it names does not answer PING
+    (a run that was killed leaves its URL file behind).
+    """
+    try:
+        url = (Path(state_dir) / URL_FILE).read_text().strip()
+    except OSError:
+        return None
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    path = url[len("redis+socket://"):].split("?", 1)[0]
+    try:  # no retries: a dead server's socket refuses at once, and redis-py's default backoff takes seconds
+        redis.Redis(unix_socket_path=path, socket_timeout=2, retry=Retry(NoBackoff(), 0)).ping()
+    except Exception:
+        return None
+    return url
 
 
 def redis_client(url: str):

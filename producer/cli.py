@@ -168,31 +168,56 @@ def cmd_run(args, settings: Settings) -> int:
 
 
 def cmd_status(args, settings: Settings) -> int:
-    from producer.status import run_status
+    import time
+
+    from rich.live import Live
+
+    from producer.flower import resolve_broker_url
+    from producer.status import BrokerProbe, RunWatch
+    from producer.statusview import status_view
 
     run_store = open_store(args.run_address, settings)
+    broker_url = None if args.no_broker else resolve_broker_url(settings)
+    probe = BrokerProbe(settings, broker_url) if broker_url else None
     try:
-        status = run_status(run_store)
-    except MissingKey:
-        console.print(f"error: no run at {mask_url(args.run_address)} (no run.json); give <output>/<run_id>")
-        return 2
-    if args.json:
-        out.print_json(json.dumps(status))
+        try:
+            watch = RunWatch(run_store, probe)
+        except MissingKey:
+            console.print(f"error: no run at {mask_url(args.run_address)} (no run.json); give <output>/<run_id>")
+            return 2
+        status = watch.poll()
+        if args.json:
+            if not args.watch:
+                out.print_json(json.dumps(status))
+                return 0
+            while True:  # one JSON document per line, for scripts that follow a run
+                print(json.dumps(status), flush=True)
+                if status["state"] in ("done", "failed"):
+                    return 0
+                time.sleep(args.interval)
+                status = watch.poll()
+        if not args.watch:
+            out.print(status_view(status))
+            return 0
+        try:
+            with Live(status_view(status), console=out, auto_refresh=False, screen=False) as live:
+                while status["state"] not in ("done", "failed"):
+                    time.sleep(args.interval)
+                    status = watch.poll()
+                    live.update(status_view(status), refresh=True)
+        except KeyboardInterrupt:
+            pass
         return 0
-    t = Table(title=f"run {status['run_id']}", show_header=False, title_justify="left")
-    t.add_column(style="bold")
-    t.add_column()
-    t.add_row("address", status["address"])
-    t.add_row("model", status["model"])
-    pct = 100 * status["batches_done"] / status["batches_total"] if status["batches_total"] else 0.0
-    t.add_row("batches", f"{status['batches_done']:,} / {status['batches_total']:,} ({pct:.1f}%)")
-    t.add_row("samples", f"{status['samples_done']:,} / {status['samples_total']:,}")
-    t.add_row("tokens", f"{status['tokens_done']:,} / {status['tokens_total']:,}")
-    t.add_row("failures", str(len(status["failures"])))
-    out.print(t)
-    for batch, failure in sorted(status["failures"].items()):
-        out.print(f"[red]failed[/] {batch}: {failure.get('error')}")
-    return 0
+    finally:
+        if probe is not None:
+            probe.close()
+
+
+def cmd_flower(args, settings: Settings) -> int:
+    from producer.flower import run_flower
+
+    return run_flower(settings, address=args.address, port=args.port, broker_url=None,
+                      unauthenticated_api=args.unauthenticated_api, url_prefix=args.url_prefix)
 
 
 def cmd_verify(args, settings: Settings) -> int:
@@ -314,9 +339,18 @@ def main(argv: list[str] | None = None) -> int:
     _add_plan_options(p)
     p.add_argument("--workers", type=int, help="worker processes to start (default: one per GPU, one on CPU)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p = sub.add_parser("status", help="a run's progress from its markers")
+    p = sub.add_parser("status", help="a run's progress, rate, ETA, workers and failures (from the store; GPU stats over the broker)")
     p.add_argument("run_address", help="<output>/<run_id>, e.g. ./out/sharegpt-3fa9c1d2e4b5 or s3://bucket/prefix/<run_id>")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the status as JSON (with --watch: one line per refresh)")
+    p.add_argument("--watch", action="store_true", help="refresh until the run is done (or every unfinished batch failed); Ctrl-C to leave")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes with --watch (default 5)")
+    p.add_argument("--no-broker", action="store_true", help="read the store only: do not ask the workers over the broker")
+    p = sub.add_parser("flower", help="Flower (Celery web monitor) on the broker: tasks with run/batch/samples/tokens, workers")
+    p.add_argument("--address", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs HSX_FLOWER_BASIC_AUTH=user:password)")
+    p.add_argument("--port", type=int, default=5555, help="port (default 5555)")
+    p.add_argument("--url-prefix", help="serve under this path prefix (behind a reverse proxy)")
+    p.add_argument("--unauthenticated-api", action="store_true",
+                   help="on loopback without basic auth, also open Flower's /api/* (FLOWER_UNAUTHENTICATED_API; any local web page can then call it)")
     p = sub.add_parser("verify", help="check every marker against its shard and the plan; exit 1 naming each bad batch")
     p.add_argument("run_address", help="<output>/<run_id>, a local directory or s3://bucket/prefix/<run_id>")
     p.add_argument("--recompute", type=int, default=0, metavar="N", help="also recompute N random samples per sample on the CPU reference path (fp32)")
@@ -338,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = get_settings()
-        return {"enqueue": cmd_enqueue, "run": cmd_run, "status": cmd_status, "verify": cmd_verify, "export": cmd_export,
+        return {"enqueue": cmd_enqueue, "run": cmd_run, "status": cmd_status, "flower": cmd_flower, "verify": cmd_verify, "export": cmd_export,
                 "vocab-counts": cmd_vocab_counts}[args.command](args, settings)
     except HsxError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False)

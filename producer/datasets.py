@@ -166,14 +166,12 @@ class SkipCounter:
     truncated_bytes: dict[str, int] = field(default_factory=dict)
 
     def add(self, err: BadRecord) -> None:
-        """Count one skipped record under ``err.reason`` (logged at INFO for the first few)."""
+        """Count one skipped record under ``err.reason`` (logged at DEBUG; the planner logs one summary line per run)."""
         n = self.counts.get(err.reason, 0) + 1
         self.counts[err.reason] = n
         if n <= EXAMPLES_PER_REASON:
             self.examples.setdefault(err.reason, []).append(f"{err.record_id}: {err.detail}")
-            log.info("skipped %s", err)
-        else:
-            log.debug("skipped %s", err)
+        log.debug("skipped %s", err)
 
     def fix(self, name: str) -> None:
         """Count one record that was repaired and kept."""

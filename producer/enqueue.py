@@ -22,6 +22,14 @@ class EnqueueResult:
     task_ids: dict[str, str] = field(default_factory=dict)
 
 
+def task_argsrepr(run_id: str, batch: dict) -> str:
+    """What Flower, ``celery inspect`` and worker logs show as a task's arguments: run, batch, samples, tokens.
+
+    The message itself carries only ``[run_url, batch]``; this is the ``argsrepr`` header beside it.
+    """
+    return f"run={run_id} batch={batch['batch']} samples={batch['num_samples']} tokens={batch['num_tokens']}"
+
+
 def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None) -> EnqueueResult:
     """Send one task per batch of ``planned`` (a :class:`producer.planner.PlannedRun`) without a marker."""
     done = done_batches(planned.run_store)
@@ -29,6 +37,7 @@ def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None)
     todo = []
     for b in planned.batches:
         (result.already_done if b["batch"] in done else todo).append(b["batch"])
+    by_name = {b["batch"]: b for b in planned.batches}
     if not todo:
         return result
     app = make_celery(settings, broker_url, name="producer")
@@ -43,6 +52,8 @@ def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None)
                     queue=settings.queue,
                     task_id=task_id,
                     producer=producer,
+                    argsrepr=task_argsrepr(planned.config.run_id, by_name[batch]),
+                    kwargsrepr="{}",
                 )
                 result.enqueued.append(batch)
                 result.task_ids[batch] = task_id

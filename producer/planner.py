@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from producer.masks import MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES, Cha
 from settings import Settings
 
 STATS_JSON = "plan/stats.json"
+log = logging.getLogger(__name__)
 STORE_DTYPES = ("bfloat16", "float32")
 
 
@@ -256,4 +258,8 @@ def plan_run(opts: PlanOptions, settings: Settings, progress=None) -> PlannedRun
     }
     run_store.write(STATS_JSON, json.dumps(stats, indent=1).encode())
     run_store.write(BATCHES_JSON, json.dumps(batches).encode())  # last: the plan is complete
+    # One line for the whole plan: skipped records are counted per reason, never logged one by one.
+    log.info("plan %s", json.dumps({"run": config.run_id, "samples": stats["samples"], "tokens": stats["tokens"],
+                                    "batches": stats["batches"], "skipped": stats["skipped"]["counts"],
+                                    "repaired": stats["skipped"]["fixes"], "truncated": stats["truncated_samples"]}))
     return PlannedRun(run_store, root, config, batches, stats, reused=False, run_url=run_url)

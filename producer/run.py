@@ -134,9 +134,11 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         env = settings_env(settings, broker_url=broker_url, model=opts.model)
         local = LocalWorkers(env, log_path, count=workers)
         console.print(f"[dim]workers: python -m workers (log: {log_path})[/]")
-        result = enqueue_batches(planned, settings, broker_url)
-        report["batches_enqueued"] = len(result.enqueued)
+        console.print(f"[dim]follow it from another terminal: python -m producer status {planned.run_url} --watch "
+                      "(or python -m producer flower)[/]")
         with progress_factory() as progress:
+            result = enqueue_batches(planned, settings, broker_url, progress)
+            report["batches_enqueued"] = len(result.enqueued)
             waited = wait_for_markers(planned, local, progress)
         report["failed"] = waited["failed"]
         if waited["workers_died"]:

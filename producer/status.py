@@ -1,14 +1,46 @@
-"""A run's progress, read from the store: plan, markers and failure records. No broker needed."""
+"""A run's progress: batches, samples and tokens done, rate, ETA, workers, failures.
+
+Everything about the run itself comes from the store (plan, markers, failure records, the
+workers' heartbeat files), so ``status`` works from any machine that can read the store, with no
+broker. When a broker URL is known, the worker rows also get what each worker process answers to
+the ``gpu_stats`` inspect command (GPU utilisation, memory, temperature, power, clocks, the batch
+it runs, its recent tokens/s; see ``workers/monitor.py``) and the queue's length.
+
+Where a worker row's fields come from, in order of precedence:
+
+| source | what | when |
+|---|---|---|
+| ``gpu_stats`` reply | GPU readings, running batches, recent tokens/s | a broker URL is known and the worker answers within ``HSX_INSPECT_TIMEOUT_S`` |
+| ``<run>/workers/<host>-<pid>.json`` (``workers/heartbeat.py``) | state (working, paused, idle, stopped), the batches in progress with their phase, why it is paused (spool backpressure), spool use, last heartbeat | the worker served a batch of this run |
+| markers | batches and tokens it certified for this run, its tokens/s over the last :data:`RATE_WINDOW_S` | always |
+
+Rows are matched by (host, pid).
+"""
 
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 
 from core.marker import MARKERS_PREFIX, done_batches
 from core.plan import plan_complete, read_batch_list
 from core.runconfig import load_run
-from core.store import MissingKey, Store
+from core.store import MissingKey, Store, mask_url
+
+#: Seconds of recent markers the current rate (and the ETA) is measured over.
+RATE_WINDOW_S = 600.0
+#: A heartbeat record not updated for this many of its intervals is stale (``online: False``),
+#: as workers/heartbeat.py defines it.
+HEARTBEAT_STALE_BEATS = 3
+#: The interval assumed for a record that does not state its ``heartbeat_s``.
+HEARTBEAT_DEFAULT_S = 5.0
+#: Where workers keep their heartbeat files inside a run.
+HEARTBEATS_PREFIX = "workers/"
+#: Key separator kombu's Redis transport puts between a queue's name and a priority.
+_PRIORITY_SEP = "\x06\x16"
+STATS_JSON = "plan/stats.json"  # producer.planner.STATS_JSON (not imported: status stays light)
 
 
 def read_failures(run_store: Store, done: set[str]) -> dict[str, dict]:
@@ -25,34 +57,304 @@ def read_failures(run_store: Store, done: set[str]) -> dict[str, dict]:
     return out
 
 
-def run_status(run_store: Store) -> dict:
-    """Progress of the run at ``run_store``: batches, samples and tokens done / planned, failures.
+def _ts(value) -> float | None:
+    """Seconds since the epoch from an ISO 8601 string (naive = UTC) or a number; None if neither."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        dt = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def _iso(ts: float | None) -> str | None:
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds") if ts is not None else None
+
+
+def read_heartbeats(run_store: Store) -> list[dict]:
+    """The workers' heartbeat files of the run (``workers/<host>-<pid>.json``), as written; unreadable ones skipped."""
+    keys = [k for k in run_store.list(HEARTBEATS_PREFIX) if k.endswith(".json")]
+
+    def read(key):
+        try:
+            return json.loads(run_store.read(key))
+        except (MissingKey, ValueError):
+            return None
+
+    with ThreadPoolExecutor(8) as pool:
+        return [h for h in pool.map(read, keys) if isinstance(h, dict)]
+
+
+def queue_length(broker_url: str, queue: str) -> dict:
+    """``{"waiting": n, "unacked": m}``: messages in ``queue`` on the broker, and messages claimed by a
+    worker and not yet acknowledged (every queue of the broker: kombu keeps one ``unacked`` hash).
+
+    Raises whatever redis raises when the broker does not answer.
+    """
+    from core.broker import redis_client
+
+    client = redis_client(broker_url)
+    keys = [queue] + [f"{queue}{_PRIORITY_SEP}{p}" for p in (3, 6, 9)]
+    pipe = client.pipeline()
+    for k in keys:
+        pipe.llen(k)
+    pipe.hlen("unacked")
+    counts = pipe.execute()
+    return {"waiting": int(sum(counts[:-1])), "unacked": int(counts[-1])}
+
+
+class BrokerProbe:
+    """Asks the workers on a broker for ``gpu_stats`` and the queue for its length; one Celery app, reused."""
+
+    def __init__(self, settings, broker_url: str):
+        from core.queue import make_celery
+
+        self.settings = settings
+        self.broker_url = broker_url
+        self.app = make_celery(settings, broker_url, name="hsx-status")
+
+    def workers(self) -> dict[str, dict]:
+        """Celery node name -> its ``gpu_stats`` reply, for every worker that answers in time."""
+        replies = self.app.control.broadcast("gpu_stats", reply=True, timeout=self.settings.inspect_timeout_s)
+        out = {}
+        for reply in replies or []:
+            for name, body in reply.items():
+                if isinstance(body, dict) and "error" not in body:
+                    out[name] = body
+        return out
+
+    def poll(self) -> dict:
+        """``{"url", "queue", "workers"}`` or ``{"url", "error"}`` when the broker does not answer."""
+        out = {"url": mask_url(self.broker_url), "queue_name": self.settings.queue}
+        try:
+            out["queue"] = queue_length(self.broker_url, self.settings.queue)
+            out["workers"] = self.workers()
+        except Exception as exc:
+            out["error"] = f"{exc.__class__.__name__}: {exc}"
+        return out
+
+    def close(self) -> None:
+        self.app.close()
+
+
+def _gpu_row(gpus: list[dict]) -> dict | None:
+    if not gpus:
+        return None
+    g = gpus[0]
+    keys = ("index", "name", "utilization_pct", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w",
+            "power_limit_w", "sm_clock_mhz")
+    return {k: g.get(k) for k in keys}
+
+
+def _heartbeat_batches(h: dict) -> list[str]:
+    """``b000003 (forward)`` for each batch a heartbeat record says is in progress."""
+    out = []
+    for b in h.get("batches") or []:
+        if isinstance(b, dict):
+            out.append(f"{b.get('batch')} ({b['phase']})" if b.get("phase") else str(b.get("batch")))
+        else:
+            out.append(str(b))
+    return out
+
+
+class RunWatch:
+    """Reads a run's progress from its store, remembering the markers it has read (for ``--watch``).
+
+    Args:
+        run_store: the run (``<output>/<run_id>``).
+        probe: a :class:`BrokerProbe` for worker GPU stats and the queue; None: store only.
+    """
+
+    def __init__(self, run_store: Store, probe: BrokerProbe | None = None):
+        self.run_store = run_store
+        self.probe = probe
+        self.config = load_run(run_store)  # MissingKey: no run here
+        self.batches: list[dict] = []
+        self.stats: dict = {}
+        self.markers: dict[str, dict] = {}
+
+    def _read_marker(self, batch: str) -> dict | None:
+        try:
+            m = json.loads(self.run_store.read(f"{MARKERS_PREFIX}{batch}.json"))
+        except (MissingKey, ValueError):
+            return None
+        end = _ts(m.get("finished_at"))
+        seconds = float(m.get("seconds") or 0.0)
+        worker = m.get("worker") or {}
+        return {
+            "samples": int(m.get("num_samples", 0)),
+            "quarantined": int(m.get("num_quarantined", 0)),
+            "tokens": int(m.get("num_tokens", 0)),
+            "planned_tokens": int(m.get("planned_tokens", m.get("num_tokens", 0))),
+            "seconds": seconds,
+            "end": end,
+            "start": end - seconds if end is not None else None,
+            "host": worker.get("host"),
+            "pid": worker.get("pid"),
+            "device": worker.get("device"),
+        }
+
+    def poll(self, now: float | None = None) -> dict:
+        """The run's status now (the JSON ``status --json`` prints; fields in the README)."""
+        now = time.time() if now is None else now
+        store = self.run_store
+        if not self.batches and plan_complete(store):
+            self.batches = read_batch_list(store)
+            try:
+                self.stats = json.loads(store.read(STATS_JSON))
+            except (MissingKey, ValueError):
+                self.stats = {}
+        by_name = {b["batch"]: b for b in self.batches}
+        done = done_batches(store) & set(by_name)
+        for gone in set(self.markers) - done:  # a marker deleted to rerun its batch
+            del self.markers[gone]
+        new = sorted(done - set(self.markers))
+        with ThreadPoolExecutor(16) as pool:
+            for batch, m in zip(new, pool.map(self._read_marker, new)):
+                if m is not None:
+                    self.markers[batch] = m
+        failures = read_failures(store, done)
+
+        total = len(by_name)
+        tokens_total = sum(b["num_tokens"] for b in self.batches)
+        tokens_done = sum(by_name[b]["num_tokens"] for b in done)
+        rate = self._rate(now)
+        remaining_tokens = tokens_total - tokens_done
+        if total and len(done) == total:
+            state, eta = "done", 0.0
+            rate["tokens_per_s"] = rate["overall_tokens_per_s"]  # nothing is running: the run's own rate
+            rate["samples_per_s"] = rate["overall_samples_per_s"]
+        elif not self.batches:
+            state, eta = "planning", None
+        else:
+            left = set(by_name) - done
+            state = "failed" if left and left <= set(failures) else "running"
+            eta = round(remaining_tokens / rate["tokens_per_s"], 1) if rate["tokens_per_s"] else None
+
+        broker = self.probe.poll() if self.probe is not None else None
+        workers = self._workers(now, broker)
+        skipped = (self.stats.get("skipped") or {}).get("counts", {})
+        return {
+            "run_id": self.config.run_id,
+            "address": store.url,
+            "model": self.config.model_name,
+            "state": state,
+            "planned": bool(self.batches),
+            "batches_total": total,
+            "batches_done": len(done),
+            "batches_failed": len(failures),
+            "samples_total": sum(b["num_samples"] for b in self.batches),
+            "samples_done": sum(by_name[b]["num_samples"] for b in done),
+            "samples_stored": sum(m["samples"] for m in self.markers.values()),
+            "samples_quarantined": sum(m["quarantined"] for m in self.markers.values()),
+            "tokens_total": tokens_total,
+            "tokens_done": tokens_done,
+            "skipped": dict(sorted(skipped.items())),
+            "samples_skipped": int(sum(skipped.values())),
+            "worker_seconds": round(sum(m["seconds"] for m in self.markers.values()), 3),
+            **rate,
+            "eta_s": eta,
+            "workers": workers,
+            "broker": None if broker is None else {k: v for k, v in broker.items() if k != "workers"},
+            "failures": failures,
+            "at": _iso(now),
+        }
+
+    def _rate(self, now: float) -> dict:
+        """Tokens/s over the recent window (the current rate, for the ETA) and over the whole run so far."""
+        timed = [m for m in self.markers.values() if m["end"] is not None]
+        out = {"tokens_per_s": None, "samples_per_s": None, "overall_tokens_per_s": None, "overall_samples_per_s": None,
+               "started_at": None, "last_done_at": None, "rate_window_s": RATE_WINDOW_S}
+        if not timed:
+            return out
+        start = min(m["start"] for m in timed)
+        last = max(m["end"] for m in timed)
+        out["started_at"], out["last_done_at"] = _iso(start), _iso(last)
+        span = max(last - start, 1.0)  # finished_at has a resolution of one second
+        out["overall_tokens_per_s"] = round(sum(m["planned_tokens"] for m in timed) / span, 1)
+        out["overall_samples_per_s"] = round(sum(m["samples"] + m["quarantined"] for m in timed) / span, 2)
+        recent = [m for m in timed if m["end"] >= now - RATE_WINDOW_S]
+        if recent:
+            # Measured up to now, not to the last marker: a run that stalls shows a falling rate.
+            window = max(max(now, last) - min(m["start"] for m in recent), 1.0)
+            out["tokens_per_s"] = round(sum(m["planned_tokens"] for m in recent) / window, 1)
+            out["samples_per_s"] = round(sum(m["samples"] + m["quarantined"] for m in recent) / window, 2)
+        return out
+
+    def _workers(self, now: float, broker: dict | None) -> list[dict]:
+        """One row per worker process, merged by (host, pid) from markers, heartbeat files and gpu_stats replies."""
+        rows: dict[tuple, dict] = {}
+
+        def row(host, pid) -> dict:
+            key = (host, pid)
+            if key not in rows:
+                rows[key] = {"name": None, "host": host, "pid": pid, "device": None, "gpu": None, "no_gpu": None,
+                             "state": None, "running": [], "tokens_per_s": None, "batches_done": 0, "tokens_done": 0,
+                             "last_batch_at": None, "last_heartbeat": None, "heartbeat_age_s": None, "paused": None,
+                             "paused_since": None, "spool": None, "online": None, "sources": []}
+            return rows[key]
+
+        recent: dict[tuple, list] = {}
+        for m in self.markers.values():
+            r = row(m["host"], m["pid"])
+            if "markers" not in r["sources"]:
+                r["sources"].append("markers")
+            r["device"] = r["device"] or m["device"]
+            r["batches_done"] += 1
+            r["tokens_done"] += m["planned_tokens"]
+            if m["end"] is not None:
+                last = _ts(r["last_batch_at"])
+                if last is None or m["end"] > last:
+                    r["last_batch_at"] = _iso(m["end"])
+                if m["end"] >= now - RATE_WINDOW_S:
+                    recent.setdefault((m["host"], m["pid"]), []).append(m)
+        for key, ms in recent.items():
+            window = max(now - min(m["start"] for m in ms), 1.0)
+            rows[key]["tokens_per_s"] = round(sum(m["planned_tokens"] for m in ms) / window, 1)
+
+        for h in read_heartbeats(self.run_store):  # workers/heartbeat.py writes them
+            r = row(h.get("host"), h.get("pid"))
+            r["sources"].append("heartbeat")
+            r["device"] = h.get("device") or r["device"]
+            r["state"] = h.get("state")
+            r["running"] = _heartbeat_batches(h)
+            r["paused"] = h.get("paused_reason") if h.get("state") == "paused" or h.get("paused_reason") else None
+            r["paused_since"] = h.get("paused_since")
+            r["spool"] = h.get("spool")
+            beat = _ts(h.get("updated_at"))
+            if beat is not None:
+                r["last_heartbeat"] = _iso(beat)
+                r["heartbeat_age_s"] = round(max(now - beat, 0.0), 1)
+                stale_s = HEARTBEAT_STALE_BEATS * float(h.get("heartbeat_s") or HEARTBEAT_DEFAULT_S)
+                r["online"] = h.get("state") != "stopped" and now - beat <= stale_s
+
+        for name, reply in ((broker or {}).get("workers") or {}).items():
+            r = row(reply.get("host"), reply.get("pid"))
+            r["sources"].append("inspect")
+            r["name"] = name
+            r["device"] = reply.get("device") or r["device"]
+            r["gpu"] = _gpu_row(reply.get("gpus") or [])
+            r["no_gpu"] = reply.get("no_gpu")
+            if "heartbeat" not in r["sources"]:  # the heartbeat names the phase too; gpu_stats only the batch
+                r["running"] = [x.get("batch") for x in reply.get("running") or [] if x.get("run_id") == self.config.run_id]
+            if reply.get("tokens_per_s") is not None:
+                r["tokens_per_s"] = reply["tokens_per_s"]
+            r["online"] = True
+            if r["last_heartbeat"] is None:
+                r["last_heartbeat"] = reply.get("at")
+                r["heartbeat_age_s"] = 0.0
+        return sorted(rows.values(), key=lambda r: (str(r["host"]), str(r["name"]), r["pid"] or 0))
+
+
+def run_status(run_store: Store, probe: BrokerProbe | None = None) -> dict:
+    """Progress of the run at ``run_store`` (one poll of a :class:`RunWatch`).
 
     Raises:
         MissingKey: no run.json there.
     """
-    config = load_run(run_store)
-    batches = read_batch_list(run_store) if plan_complete(run_store) else []
-    done = done_batches(run_store)
-    by_name = {b["batch"]: b for b in batches}
-    samples_done = sum(by_name[b]["num_samples"] for b in done if b in by_name)
-    tokens_done = sum(by_name[b]["num_tokens"] for b in done if b in by_name)
-    seconds = []
-    keys = [f"{MARKERS_PREFIX}{b}.json" for b in sorted(done)]
-    with ThreadPoolExecutor(16) as pool:
-        for marker in pool.map(lambda k: json.loads(run_store.read(k)), keys):
-            seconds.append(marker.get("seconds", 0.0))
-    return {
-        "run_id": config.run_id,
-        "address": run_store.url,
-        "model": config.model_name,
-        "planned": bool(batches),
-        "batches_total": len(batches),
-        "batches_done": len(done & set(by_name)),
-        "samples_total": sum(b["num_samples"] for b in batches),
-        "samples_done": samples_done,
-        "tokens_total": sum(b["num_tokens"] for b in batches),
-        "tokens_done": tokens_done,
-        "worker_seconds": round(sum(seconds), 3),
-        "failures": read_failures(run_store, done),
-    }
+    return RunWatch(run_store, probe).poll()

@@ -26,6 +26,8 @@ if not _settings.broker_url:
 app = make_celery(_settings, _settings.broker_url, name="workers")
 app.conf.include = ["workers.tasks"]
 
+import workers.monitor  # noqa: E402,F401  (registers the gpu_stats inspect command and the batch tracker)
+
 
 @worker_ready.connect
 def _preload(**_kwargs) -> None:

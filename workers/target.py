@@ -188,6 +188,11 @@ _lock = threading.Lock()
 _loaded: dict[str, Target] = {}
 
 
+def loaded_targets() -> list[Target]:
+    """The targets this process has loaded (none before the first load). Never waits on a load in progress."""
+    return list(_loaded.values())
+
+
 def get_target(name: str, settings: Settings) -> Target:
     """The loaded target for ``name``, loading it on first use (one model per process at a time)."""
     with _lock:

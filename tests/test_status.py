@@ -1,0 +1,103 @@
+"""``producer status`` from the store alone: quarantine, failures with reasons, heartbeat rows, the
+terminal view. The live cases (a running job, Flower, gpu_stats) are in test_monitoring.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+
+from rich.console import Console
+
+from jobfixtures import run_cli
+from smallrun import copy_run, quarantine_first_sample, small_run  # noqa: F401
+
+from core.marker import done_batches, marker_key
+from core.plan import read_batch_list
+from core.store import open_store
+from producer.status import RunWatch
+from producer.statusview import status_view
+
+
+def _utc(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
+
+
+def test_status_counts_quarantine_failures_and_paused_workers_from_the_store(small_run, tmp_path):
+    """One batch quarantined a sample, one failed (no marker, a failure record), one worker paused by backpressure:
+    status counts each, names the failure's reason, and reports the run failed since nothing is left to run."""
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    batches = read_batch_list(store)
+    first, last = batches[0]["batch"], batches[-1]["batch"]
+    quarantine_first_sample(run_dir, first)
+    store.delete(marker_key(last))
+    store.write(f"failures/{last}.json", json.dumps({"batch": last, "error": "FidelityError: all 3 samples NaN",
+                                                      "host": "node7", "at": _utc(time.time())}).encode())
+    now = float(int(time.time()))  # records carry whole seconds
+    store.write("workers/node7-41.json", json.dumps({
+        "host": "node7", "pid": 41, "device": "NVIDIA H200", "state": "paused", "heartbeat_s": 5.0,
+        "paused_reason": "spool 85% full (limit 80%, HSX_SPOOL_MAX_FRACTION)", "paused_since": _utc(now - 30),
+        "batches": [{"batch": last, "phase": "paused", "since": _utc(now - 30)}], "updated_at": _utc(now - 2)}).encode())
+    store.write("workers/node8-42.json", json.dumps({
+        "host": "node8", "pid": 42, "device": "cpu", "state": "idle", "heartbeat_s": 5.0, "batches": [],
+        "updated_at": _utc(now - 600)}).encode())
+
+    status = RunWatch(store).poll(now=now)
+    total_samples = sum(b["num_samples"] for b in batches)
+    assert status["state"] == "failed"
+    assert status["batches_done"] == len(batches) - 1 and status["batches_failed"] == 1
+    assert status["samples_done"] == total_samples - batches[-1]["num_samples"]
+    assert status["samples_quarantined"] == 1
+    assert status["samples_stored"] == status["samples_done"] - 1
+    assert status["failures"][last]["error"].startswith("FidelityError")
+    rows = {r["host"]: r for r in status["workers"]}
+    assert rows["node7"]["paused"].startswith("spool 85% full") and rows["node7"]["online"] is True
+    assert rows["node7"]["running"] == [f"{last} (paused)"] and rows["node7"]["heartbeat_age_s"] == 2.0
+    assert rows["node8"]["online"] is False, "a record older than three heartbeats is stale"
+    markers_rows = [r for r in status["workers"] if "markers" in r["sources"]]
+    assert sum(r["batches_done"] for r in markers_rows) == len(batches) - 1
+
+    out = Console(record=True, width=200)
+    out.print(status_view(status))
+    text = out.export_text()
+    for expected in ("failed", f"{len(batches) - 1} / {len(batches)} batches", "1 quarantined", "spool 85% full",
+                     "NVIDIA H200", "FidelityError: all 3 samples NaN", "paused, 2s ago"):
+        assert expected in text, f"{expected!r} not in the view:\n{text}"
+
+
+def test_status_watch_json_prints_one_line_per_refresh_and_stops_when_the_run_is_done(small_run):
+    """``status --watch --json`` on a finished run prints one JSON line, state done, and exits 0; it needs no broker."""
+    proc = run_cli("producer", ["status", small_run["address"], "--watch", "--json", "--interval", "0.2"], small_run["env"],
+                   timeout_s=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1
+    status = json.loads(lines[0])
+    assert status["state"] == "done" and status["broker"] is None
+    assert status["batches_done"] == len(done_batches(open_store(small_run["address"]))) == small_run["report"]["batches_total"]
+
+
+def test_status_view_shows_gpu_readings_and_eta_of_a_running_run():
+    """The view of a running run shows the bar, rate, ETA and each GPU worker's utilisation, memory, temperature and power."""
+    status = {
+        "run_id": "r1", "address": "s3://b/r1", "model": "Qwen/Qwen3.6-27B", "state": "running", "planned": True,
+        "batches_total": 200, "batches_done": 50, "batches_failed": 0, "samples_total": 4000, "samples_done": 1000,
+        "samples_stored": 1000, "samples_quarantined": 0, "tokens_total": 8_000_000, "tokens_done": 2_000_000,
+        "skipped": {"too_long": 3}, "samples_skipped": 3, "tokens_per_s": 9000.0, "samples_per_s": 4.5,
+        "overall_tokens_per_s": 8800.0, "rate_window_s": 600.0, "eta_s": 667.0,
+        "broker": {"url": "redis://:***@head:6379/0", "queue_name": "gpu", "queue": {"waiting": 148, "unacked": 2}},
+        "failures": {},
+        "workers": [{"name": "gpu0@node1", "host": "node1", "pid": 7, "device": "cuda:0", "state": "working",
+                     "gpu": {"name": "NVIDIA H200", "utilization_pct": 97, "memory_used_bytes": 100 * 2**30,
+                             "memory_total_bytes": 141 * 2**30, "temperature_c": 61, "power_w": 650.0},
+                     "running": ["b000051 (forward)"], "tokens_per_s": 9000.0, "batches_done": 50,
+                     "heartbeat_age_s": 1.0, "paused": None, "online": True}],
+    }
+    out = Console(record=True, width=200)
+    out.print(status_view(status))
+    text = out.export_text()
+    for expected in ("50 / 200 batches (25.0%)", "9,000 tok/s", "eta", "11m07s", "gpu0@node1", "NVIDIA H200", "97%",
+                     "100.0 GiB / 141.0 GiB", "61C 650W", "b000051 (forward)", "148 waiting", "too_long 3"):
+        assert expected in text, f"{expected!r} not in the view:\n{text}"
