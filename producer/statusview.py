@@ -13,9 +13,11 @@ from rich.text import Text
 
 
 def fmt_duration(seconds: float | None) -> str:
-    """``1h02m``, ``4m05s``, ``12s``; ``-`` for None."""
+    """``1h02m``, ``4m05s``, ``12s``, ``0.3s``; ``-`` for None."""
     if seconds is None:
         return "-"
+    if seconds < 1:
+        return f"{seconds:.1f}s"
     s = int(round(seconds))
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
@@ -54,6 +56,9 @@ def progress_table(status: dict) -> Table:
         t.add_row("samples", f"{status['samples_done']:,} / {status['samples_total']:,}"
                   + (f"  ({status['samples_quarantined']:,} quarantined)" if status["samples_quarantined"] else ""))
         t.add_row("tokens", f"{status['tokens_done']:,} / {status['tokens_total']:,}")
+        if status.get("bytes_stored"):
+            t.add_row("stored", f"{fmt_bytes(status['bytes_stored'])} in shards; longest batch "
+                                f"{fmt_duration(status.get('batch_seconds_max'))}")
         samples_s = f", {status['samples_per_s']:,.1f} samples/s" if status.get("samples_per_s") else ""
         if status["state"] == "done":
             t.add_row("rate", f"{_rate(status['overall_tokens_per_s'])}{samples_s} (first batch to last)")
