@@ -102,12 +102,18 @@ def flower_job(tmp_path_factory, tiny_cache):
 
         tasks = wait_until(all_tasks_succeeded, 30, "Flower to list every task as SUCCESS")
         queues = flower_get(flower.port, "/api/queues/length")
+
+        def all_offline():  # from the workers' events (online, heartbeats, offline): the job's worker has stopped
+            alive = flower_get(flower.port, "/api/workers?status=1")
+            return alive if alive and not any(alive.values()) else None
+
+        alive = wait_until(all_offline, 30, "Flower to see the worker go offline")
         unauthenticated = None
         try:
             flower_get(flower.port, "/api/workers", auth=None)
         except urllib.error.HTTPError as exc:
             unauthenticated = exc.code
-        yield {"tmp": tmp, "env": env, "report": report, "workers": workers_seen, "tasks": tasks, "queues": queues,
+        yield {"tmp": tmp, "env": env, "report": report, "workers": workers_seen, "alive": alive, "tasks": tasks, "queues": queues,
                "unauthenticated": unauthenticated, "broker": broker}
     finally:
         flower.stop()
@@ -115,7 +121,9 @@ def flower_job(tmp_path_factory, tiny_cache):
 
 
 def test_flower_lists_the_worker_of_a_running_job(flower_job):
-    """While ``producer run`` works, Flower's /api/workers lists its worker, serving the gpu queue with the extract task."""
+    """While ``producer run`` works, Flower's /api/workers lists its worker, serving the gpu queue with the extract task;
+    after the job Flower knows from the worker's events that it went offline."""
+    assert [(name.split("@")[0], alive) for name, alive in flower_job["alive"].items()] == [("cpu0", False)]
     workers = flower_job["workers"]
     assert workers, "Flower saw no worker while the job ran"
     name, info = next(iter(workers.items()))
