@@ -329,6 +329,37 @@ def cmd_vocab_counts(args, settings: Settings) -> int:
     return 0
 
 
+def cmd_reconcile(args, settings: Settings) -> int:
+    from producer.reconcile import reconcile_broker, reconcile_run
+
+    run_store = open_store(args.run_address, settings)
+    try:
+        with reconcile_broker(settings) as broker_url:
+            report = reconcile_run(run_store, settings, broker_url, grace_s=args.grace, repair=args.repair, dry_run=args.dry_run)
+    except MissingKey:
+        console.print(f"error: no planned run at {mask_url(args.run_address)} (no run.json or plan); give <output>/<run_id>")
+        return 2
+    if args.json:
+        out.print_json(json.dumps(report))
+        return 0
+    verb = "would enqueue" if args.dry_run else "enqueued"
+    out.print(f"reconcile {report['run_id']}: {report['batches_done']}/{report['batches_total']} batches done; "
+              f"{len(report['queued'])} queued, {len(report['running'])} running "
+              f"({len(report['workers'])} workers answered)", highlight=False)
+    for batch, kinds in sorted(report["repaired"].items()):
+        out.print(f"[yellow]repaired[/] {batch}: {', '.join(kinds)} (marker and shard removed)", highlight=False)
+    for item in report["lost"]:
+        sent = args.dry_run or item["batch"] in report["enqueued"]
+        out.print(f"{verb if sent else 'not enqueued (no broker)'} {item['batch']}: {item['why']}", highlight=False)
+    for key in report["removed_shards"]:
+        out.print(f"{'would remove' if args.dry_run else 'removed'} {key} (no marker names it)", highlight=False)
+    for key in report["removed_incomplete"]:
+        out.print(f"removed unfinished upload {key}", highlight=False)
+    if not (report["lost"] or report["removed_shards"] or report["removed_incomplete"] or report["repaired"]):
+        out.print("nothing to do")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m producer", description="Extract a target model's hidden states for draft-model training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -369,11 +400,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", help="write here instead of <run>/vocab_counts.safetensors")
     p.add_argument("--partial", action="store_true", help="count the batches that are done even if the run is not complete")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p = sub.add_parser("reconcile", help="enqueue again the batches a crash lost (no marker, not queued, not running); remove abandoned shards")
+    p.add_argument("run_address", help="<output>/<run_id>, a local directory or s3://bucket/prefix/<run_id>")
+    p.add_argument("--grace", type=float, default=3600.0,
+                   help="seconds after which a shard no marker names, or an unfinished upload, is removed (default 3600)")
+    p.add_argument("--repair", action="store_true", help="first run verify; redo every batch whose stored shard is bad")
+    p.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     try:
         settings = get_settings()
         return {"enqueue": cmd_enqueue, "run": cmd_run, "status": cmd_status, "flower": cmd_flower, "verify": cmd_verify, "export": cmd_export,
-                "vocab-counts": cmd_vocab_counts}[args.command](args, settings)
+                "vocab-counts": cmd_vocab_counts, "reconcile": cmd_reconcile}[args.command](args, settings)
     except HsxError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False)
         return 2

@@ -17,6 +17,7 @@ from pathlib import Path
 from core.broker import EmbeddedBroker, check_broker
 from core.marker import done_batches
 from producer.enqueue import enqueue_batches
+from producer.reconcile import RunReconciler
 from producer.planner import PlanOptions, PlannedRun, plan_run
 from producer.status import read_failures
 from settings import Settings
@@ -64,8 +65,13 @@ class LocalWorkers:
         self._log.close()
 
 
-def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress=None, poll_s: float | None = None) -> dict:
+def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress=None, poll_s: float | None = None,
+                     reconcile=None, reconcile_after_s: float = 60.0) -> dict:
     """Block until every batch has a marker, or every unfinished batch has failed, or the workers died.
+
+    ``reconcile`` (a :class:`producer.reconcile.RunReconciler`) is called when every unfinished
+    batch has failed, before giving up, and after ``reconcile_after_s`` seconds without a new
+    marker (a worker process died holding a batch); waiting goes on when it enqueued something.
 
     Returns ``{"done": n, "failed": {batch: record}, "workers_died": bool}``.
     """
@@ -82,6 +88,7 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
     tokens = samples = 0
     failed: dict = {}
     last_fail_check = 0.0
+    last_progress = time.monotonic()
     while True:
         done = done_batches(run_store) & set(by_name)
         for b in done - seen:
@@ -89,6 +96,8 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
             samples += by_name[b]["num_samples"]
         new_done = len(done - seen)
         seen |= done
+        if new_done:
+            last_progress = time.monotonic()
         if progress and new_done:
             elapsed = max(time.monotonic() - started, 1e-6)
             progress.update(task, advance=new_done, samples=samples, tok_s=tokens / elapsed)
@@ -99,7 +108,13 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
             failed = read_failures(run_store, seen)
             last_fail_check = time.monotonic()
             if remaining <= set(failed):
+                if reconcile is not None and reconcile():
+                    last_progress = last_fail_check = time.monotonic()  # failures were cleared: wait for the redo
+                    continue
                 break
+        if reconcile is not None and time.monotonic() - last_progress > reconcile_after_s:
+            last_progress = time.monotonic()
+            reconcile()
         if workers is not None and not workers.alive():
             return {"done": len(seen), "failed": read_failures(run_store, seen), "workers_died": True}
         time.sleep(poll_s)
@@ -139,7 +154,9 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         with progress_factory() as progress:
             result = enqueue_batches(planned, settings, broker_url, progress)
             report["batches_enqueued"] = len(result.enqueued)
-            waited = wait_for_markers(planned, local, progress)
+            reconciler = RunReconciler(planned.run_store, settings, broker_url)
+            waited = wait_for_markers(planned, local, progress, reconcile=reconciler)
+        report["reconciled"] = reconciler.redone
         report["failed"] = waited["failed"]
         if waited["workers_died"]:
             report["workers_log_tail"] = local.log_tail()

@@ -55,12 +55,12 @@ def free_port() -> int:
 
 
 class WorkerProcess:
-    """A real ``celery -A workers worker -Q gpu`` process (threads pool, one thread)."""
+    """A real ``celery -A workers worker -Q gpu`` process (threads pool, ``concurrency`` threads, default one)."""
 
-    def __init__(self, env: dict[str, str], name: str, log_path: Path):
+    def __init__(self, env: dict[str, str], name: str, log_path: Path, concurrency: int = 1):
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "celery", "-A", "workers", "worker", "-Q", "gpu", "-P", "threads", "-c", "1",
+        cmd = [sys.executable, "-m", "celery", "-A", "workers", "worker", "-Q", "gpu", "-P", "threads", "-c", str(concurrency),
                "-n", f"{name}@%h", "-l", "INFO", "--without-gossip", "--without-mingle"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -75,6 +75,12 @@ class WorkerProcess:
             assert self.proc.poll() is None, f"worker exited early:\n{self.log()[-3000:]}"
             time.sleep(0.2)
         raise AssertionError(f"worker not ready after {timeout_s} s:\n{self.log()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL the worker's whole process group (no warm shutdown, nothing acknowledged)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
     def stop(self, timeout_s: float = 30) -> None:
         if self.proc.poll() is None:

@@ -161,16 +161,18 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     max_tokens = max(config.batch_tokens, plan.num_tokens)
     _host_buffer().reserve(max_tokens * states_per_token * target.info.hidden_size * store_dtype.itemsize,
                            pin=target.device.type == "cuda")
-    # Backpressure: wait for room in the spool (and for the pending uploads) before the forward.
     spool = process_spool(settings)
     job.heartbeat.spool = spool
     expected = shard_bytes_estimate(plan.num_tokens, plan.num_samples, states_per_token, target.info.hidden_size,
                                     store_dtype.itemsize)
-    job.ticket = spool.admit(expected, what=f"batch {batch}",
-                             on_wait=lambda reason: job.phase("paused" if reason else "waiting_gpu"))
     job.phase("waiting_gpu")
     # One batch on the GPU at a time; the other task threads write and store their shards meanwhile.
     with target.gpu_lock:
+        # Backpressure, checked by the thread whose forward is next: wait for room in the spool and for
+        # the pending uploads to drain. Holding the GPU lock meanwhile costs nothing: every other
+        # thread would wait here too, and the uploads that free the spool do not need the lock.
+        job.ticket = spool.admit(expected, what=f"batch {batch}",
+                                 on_wait=lambda reason: job.phase("paused" if reason else "forward"))
         job.phase("forward")
         t_fwd = time.perf_counter()
         captured = capture_batch(

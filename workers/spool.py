@@ -7,8 +7,9 @@ go out, so that a shard is read from memory exactly once: no serialised copy in 
 ``__metadata__``, then the raw little-endian bytes with no holes) is the one documented by the
 safetensors project; tests check that ``safetensors.safe_open`` reads our files back bit for bit.
 
-Backpressure (:class:`Spool`): before a batch takes the GPU lock it is admitted by the process's
-spool, which waits while the spool's filesystem would be fuller than ``HSX_SPOOL_MAX_FRACTION``
+Backpressure (:class:`Spool`): before its forward (holding the GPU lock, so the check is made by
+the batch that runs next) a batch is admitted by the process's spool, which waits while the
+spool's filesystem would be fuller than ``HSX_SPOOL_MAX_FRACTION``
 with the batch's shard in it (its size is known from the plan before the forward), or while
 ``HSX_MAX_PENDING_UPLOADS`` shards of this process wait to be stored. Extraction therefore stops
 when the store is slow or down, and resumes as the shards already written are stored; the spool

@@ -1,0 +1,354 @@
+"""``python -m producer reconcile RUN_ADDRESS``: put back what a crash lost, clean what it left.
+
+A batch is done if and only if its marker exists. A batch without a marker is, at any moment,
+either **queued** (a message waits in the broker's queue), **running** (a live worker holds it:
+Celery's ``inspect active`` / ``reserved``), or **lost**: its message was acknowledged after a
+failure (the task raised; ``failures/<batch>.json`` says why), or it was claimed by a worker
+process that died (the message sits in kombu's ``unacked`` hash, and Redis would only hand it out
+again after the visibility timeout, hours later), or the broker lost it (a restart without AOF).
+Reconcile enqueues every lost batch again, and removes its failure record so that ``run`` and
+``status`` wait for the new attempt.
+
+It also removes what dead attempts left in the store, once older than a grace period (default
+one hour, far above the time between a shard's upload and its marker): shards that no marker
+names, unfinished multipart uploads (S3) and temp files (local). With ``repair`` it first runs
+``verify`` and, for every batch whose stored shard is bad (altered, missing, unreadable, wrong
+schema, wrong counts or tokens), deletes the marker and the shard so that the batch is redone.
+
+Looking at the broker: the queue's Redis lists are read with ``LRANGE`` and the ``unacked`` hash
+with ``HGETALL``; message bodies are decoded only when their content type is JSON (never
+unpickled). A race (a message claimed between the two looks, a worker slow to answer ``inspect``)
+can make reconcile enqueue a batch that is in fact running; that is harmless: the second delivery
+finds the marker, or loses the marker race and deletes its own shard.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from core.marker import done_batches, marker_key
+from core.plan import read_batch_list
+from core.queue import EXTRACT_TASK, make_celery
+from core.runconfig import load_run
+from core.store import Store
+from settings import Settings
+
+log = logging.getLogger(__name__)
+
+#: default age (seconds) before an unnamed shard or an unfinished upload counts as abandoned.
+DEFAULT_GRACE_S = 3600.0
+#: kombu's Redis transport: separator between a queue name and its priority suffix, and the hash
+#: of delivered, unacknowledged messages.
+PRIORITY_SEP = "\x06\x16"
+UNACKED_KEY = "unacked"
+#: verify problem kinds that mean the batch's stored shard (or its marker) is bad: redo the batch.
+REPAIRABLE = {"shard_altered", "shard_missing", "shard_unreadable", "schema", "counts", "token_echo",
+              "loss_mask_echo", "missing_samples", "unplanned_sample", "marker_unreadable", "marker_mismatch",
+              "config_mismatch", "recompute"}
+
+
+@dataclass
+class BrokerView:
+    """What the broker knows about a run's batches (batch -> count or worker names)."""
+
+    queued: dict[str, int] = field(default_factory=dict)
+    """Messages waiting in the queue, per batch."""
+    running: dict[str, list[str]] = field(default_factory=dict)
+    """Workers that report the batch as active or reserved."""
+    orphaned: dict[str, int] = field(default_factory=dict)
+    """Delivered, unacknowledged messages that no live worker holds (their worker died)."""
+    workers: list[str] = field(default_factory=list)
+    """Workers that answered ``inspect``."""
+
+
+def _decode(raw: bytes | str) -> tuple[str | None, str | None, list]:
+    """(task name, task id, args) of a kombu Redis message; (None, None, []) if it is not JSON."""
+    try:
+        msg = json.loads(raw)
+        if msg.get("content-type") != "application/json":
+            return None, None, []  # never decode anything else (pickle would run code)
+        headers = msg.get("headers") or {}
+        body = msg.get("body") or ""
+        if (msg.get("properties") or {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        payload = json.loads(body)
+        args = payload[0] if isinstance(payload, list) and payload else []
+        return headers.get("task"), headers.get("id"), list(args) if isinstance(args, (list, tuple)) else []
+    except (ValueError, TypeError, AttributeError):
+        return None, None, []
+
+
+def _batch_of(task: str | None, task_id: str | None, args: list, run_id: str, run_url: str) -> str | None:
+    """The batch name if the message is an extraction task of this run, else None."""
+    if task != EXTRACT_TASK or len(args) < 2:
+        return None
+    if args[0] == run_url or (task_id or "").startswith(f"{run_id}."):
+        return str(args[1])
+    return None
+
+
+def _inspect(settings: Settings, broker_url: str, timeout_s: float) -> list[dict]:
+    """``[active replies, reserved replies]`` of the live workers. A connection that went stale
+    (the broker restarted since this process last used it) is dropped and the call made again."""
+    import kombu.pools
+
+    for attempt in (0, 1):
+        app = make_celery(settings, broker_url, name="hsx-reconcile")
+        try:
+            inspect = app.control.inspect(timeout=timeout_s)
+            with ThreadPoolExecutor(2) as pool:  # two broadcasts, one wait
+                active, reserved = pool.submit(inspect.active), pool.submit(inspect.reserved)
+                return [active.result() or {}, reserved.result() or {}]
+        except Exception as exc:
+            if attempt or not _is_connection_error(exc):
+                raise
+            kombu.pools.reset()
+        finally:
+            app.close()
+    return []
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    import redis.exceptions
+
+    return isinstance(exc, (ConnectionError, OSError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError))
+
+
+def broker_view(settings: Settings, broker_url: str, run_id: str, run_url: str, *, inspect_timeout_s: float = 1.0) -> BrokerView:
+    """Read the queue, the unacknowledged messages and the live workers' active/reserved tasks.
+
+    Raises whatever redis raises when the broker does not answer.
+    """
+    from core.broker import redis_client
+
+    client = redis_client(broker_url)
+    view = BrokerView()
+    keys = [settings.queue] + [k.decode() if isinstance(k, bytes) else k
+                               for k in client.scan_iter(match=f"{settings.queue}{PRIORITY_SEP}*")]
+    for key in keys:
+        for raw in client.lrange(key, 0, -1):
+            batch = _batch_of(*_decode(raw), run_id, run_url)
+            if batch:
+                view.queued[batch] = view.queued.get(batch, 0) + 1
+
+    held: set[str] = set()  # task ids live workers hold
+    for reply in _inspect(settings, broker_url, inspect_timeout_s):
+        for worker, tasks in reply.items():
+            if worker not in view.workers:
+                view.workers.append(worker)
+            for t in tasks or []:
+                held.add(t.get("id"))
+                batch = _batch_of(t.get("name"), t.get("id"), list(t.get("args") or []), run_id, run_url)
+                if batch:
+                    view.running.setdefault(batch, []).append(worker)
+
+    for raw in client.hgetall(UNACKED_KEY).values():
+        try:
+            message = json.loads(raw)[0]
+        except (ValueError, TypeError, IndexError, KeyError):
+            continue
+        task, task_id, args = _decode(json.dumps(message))
+        batch = _batch_of(task, task_id, args, run_id, run_url)
+        if batch and task_id not in held:
+            view.orphaned[batch] = view.orphaned.get(batch, 0) + 1
+    return view
+
+
+def _enqueue(run_store: Store, run_url: str, config, batches: list[dict], settings: Settings, broker_url: str) -> list[str]:
+    """Send one task per batch (the same message ``enqueue`` sends); returns the batches sent."""
+    from producer.enqueue import enqueue_batches
+
+    import kombu.pools
+
+    planned = SimpleNamespace(run_store=run_store, batches=batches, config=config, run_url=run_url)
+    try:
+        return enqueue_batches(planned, settings, broker_url).enqueued
+    except Exception as exc:  # a pooled connection from before a broker restart: once more, fresh
+        if not _is_connection_error(exc):
+            raise
+        kombu.pools.reset()
+        return enqueue_batches(planned, settings, broker_url).enqueued
+
+
+def repair_bad_batches(run_store: Store, settings: Settings | None = None) -> dict[str, list[str]]:
+    """Run ``verify``; for each batch whose stored output is bad, delete its marker and its shard.
+
+    Returns ``{batch: [problem kinds]}`` of the batches repaired (they now count as not done).
+    """
+    from core.marker import read_marker
+    from producer.verify import verify_run
+
+    report = verify_run(run_store, settings=settings)
+    bad: dict[str, list[str]] = {}
+    for p in report["problems"]:
+        if p["kind"] in REPAIRABLE:
+            for b in p["batch"].split(","):
+                bad.setdefault(b.strip(), []).append(p["kind"])
+    for batch in sorted(bad):
+        try:
+            marker = read_marker(run_store, batch)
+        except ValueError:
+            marker = None
+        run_store.delete(marker_key(batch))
+        key = ((marker or {}).get("shard") or {}).get("key")
+        if key:
+            run_store.delete(key)
+        log.warning("repair: batch %s had %s; removed its marker and shard %s", batch, ", ".join(bad[batch]), key)
+    return bad
+
+
+def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, *, grace_s: float | None = DEFAULT_GRACE_S,
+                  repair: bool = False, dry_run: bool = False, inspect_timeout_s: float = 1.0,
+                  skip: frozenset[str] | set[str] = frozenset()) -> dict:
+    """Reconcile the run at ``run_store`` with the broker at ``broker_url`` (see the module doc).
+
+    ``grace_s``: age in seconds after which unnamed shards and unfinished uploads are removed;
+    None: remove nothing. ``dry_run``: report what would be done, change nothing. ``skip``:
+    batches reported as lost but not enqueued (``run`` gives up on a batch after a few redos).
+
+    Returns the report: ``run_id``, ``address``, ``batches_total``, ``batches_done``,
+    ``repaired`` ({batch: kinds}), ``queued``, ``running``, ``orphaned_deliveries`` (batch lists),
+    ``lost`` (``[{batch, why}]``: neither queued nor running), ``enqueued`` (the lost batches sent
+    again; none without a broker or with ``dry_run``), ``removed_shards``, ``removed_incomplete``,
+    ``workers`` (that answered ``inspect``), ``dry_run``, ``broker``, ``seconds``.
+
+    Raises:
+        core.store.MissingKey: no run.json (or no complete plan) at ``run_store``.
+        redis errors: the broker does not answer.
+    """
+    from producer.status import read_failures
+
+    t0 = time.perf_counter()
+    config = load_run(run_store)
+    batches = read_batch_list(run_store)
+    run_url = run_store.url
+    repaired = {} if (not repair or dry_run) else repair_bad_batches(run_store, settings)
+    done = done_batches(run_store)
+    missing = [b for b in batches if b["batch"] not in done]
+    view = broker_view(settings, broker_url, config.run_id, run_url, inspect_timeout_s=inspect_timeout_s) \
+        if broker_url and missing else BrokerView()
+    failures = read_failures(run_store, done)
+    lost = []
+    why: dict[str, str] = {}
+    for b in missing:
+        name = b["batch"]
+        if name in view.queued or name in view.running:
+            continue
+        lost.append(b)
+        if name in repaired:
+            why[name] = "repaired: " + ", ".join(sorted(set(repaired[name])))
+        elif name in view.orphaned:
+            why[name] = "its worker died (delivered, never acknowledged)"
+        elif name in failures:
+            why[name] = "failed: " + str(failures[name].get("error", ""))[:200]
+        else:
+            why[name] = "not queued and not running"
+    enqueued: list[str] = []
+    todo = [b for b in lost if b["batch"] not in skip]
+    if todo and not dry_run and broker_url:
+        for b in todo:
+            run_store.delete(f"failures/{b['batch']}.json")
+        enqueued = _enqueue(run_store, run_url, config, todo, settings, broker_url)
+
+    removed_shards: list[str] = []
+    removed_incomplete: list[str] = []
+    if grace_s is not None:
+        named = set()
+        from core.marker import read_marker
+
+        for batch in done_batches(run_store):
+            try:
+                m = read_marker(run_store, batch)
+            except ValueError:
+                continue
+            key = ((m or {}).get("shard") or {}).get("key")
+            if key:
+                named.add(key)
+        cutoff = time.time() - grace_s
+        for key, mtime in sorted(run_store.list_modified("shards/").items()):
+            if key not in named and mtime < cutoff:
+                if not dry_run:
+                    run_store.delete(key)
+                removed_shards.append(key)
+        if not dry_run:
+            removed_incomplete = run_store.remove_incomplete("", older_than_s=grace_s)
+
+    return {
+        "run_id": config.run_id,
+        "address": run_url,
+        "batches_total": len(batches),
+        "batches_done": len(done & {b["batch"] for b in batches}),
+        "repaired": repaired,
+        "queued": sorted(view.queued),
+        "running": sorted(view.running),
+        "orphaned_deliveries": sorted(view.orphaned),
+        "lost": [{"batch": b["batch"], "why": why[b["batch"]]} for b in lost],
+        "enqueued": enqueued,
+        "removed_shards": removed_shards,
+        "removed_incomplete": removed_incomplete,
+        "workers": view.workers,
+        "dry_run": dry_run,
+        "broker": bool(broker_url),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+class RunReconciler:
+    """What ``producer run`` calls while it waits: :func:`reconcile_run` without any cleanup, each
+    batch enqueued again at most ``max_redo`` times (a batch that fails every time, such as one
+    whose every sample is quarantined, ends the run as failed instead of looping)."""
+
+    def __init__(self, run_store: Store, settings: Settings, broker_url: str, max_redo: int = 2):
+        self.run_store, self.settings, self.broker_url, self.max_redo = run_store, settings, broker_url, max_redo
+        self.redone: dict[str, int] = {}
+
+    def __call__(self) -> list[str]:
+        """Reconcile once; returns the batches enqueued again (empty: nothing was lost, or nothing may be redone)."""
+        skip = {b for b, n in self.redone.items() if n >= self.max_redo}
+        try:
+            report = reconcile_run(self.run_store, self.settings, self.broker_url, grace_s=None, skip=skip)
+        except Exception as exc:  # the run goes on; its own wait reports what stays undone
+            log.warning("reconcile during the run failed: %s", exc)
+            return []
+        for b in report["enqueued"]:
+            self.redone[b] = self.redone.get(b, 0) + 1
+        if report["enqueued"]:
+            log.info("reconcile: enqueued again %s", ", ".join(f"{x['batch']} ({x['why']})" for x in report["lost"]
+                                                             if x["batch"] in report["enqueued"]))
+        return report["enqueued"]
+
+
+@contextmanager
+def reconcile_broker(settings: Settings):
+    """The broker URL ``reconcile`` talks to: ``HSX_BROKER_URL``; else the embedded broker of this
+    machine (``HSX_STATE_DIR``): the one a ``producer run`` has running, or one started from its AOF
+    for the duration (batches enqueued there are taken by the next ``producer run``)."""
+    from core.broker import EmbeddedBroker, redis_client
+
+    if settings.broker_url:
+        yield settings.broker_url
+        return
+    sock = settings.broker_state_dir / "valkey.sock"
+    if sock.exists():
+        url = f"redis+socket://{sock}?virtual_host=0"
+        try:
+            redis_client(url).ping()
+            yield url
+            return
+        except Exception:
+            pass  # a socket left by a killed server
+    broker = EmbeddedBroker(settings.broker_state_dir).start()
+    try:
+        yield broker.url
+    finally:
+        broker.stop()
+
+
+__all__ = ["reconcile_run", "reconcile_broker", "RunReconciler", "broker_view", "repair_bad_batches", "BrokerView", "DEFAULT_GRACE_S"]

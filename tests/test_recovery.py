@@ -1,0 +1,371 @@
+"""Failure and recovery with real processes: the embedded valkey broker (AOF on), the real S3 server
+of conftest.py, real ``celery -A workers worker`` processes, the tiny target and real ShareGPT
+records. Each test injects one fault, recovers the way the README says, and ends with ``verify``
+passing and every planned sample stored exactly once.
+
+The worker's ``HSX_FAULTS`` setting (workers/faults.py) holds a batch at a chosen point long
+enough to kill the process there; the test waits for the worker's log line that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from jobfixtures import WorkerProcess, clean_env, plan_samples, read_samples, run_cli, tiny_cache, wait_until  # noqa: F401
+
+from core.broker import EmbeddedBroker
+from core.marker import done_batches, read_marker
+from core.runconfig import load_run
+from core.store import open_store
+from settings import Settings
+
+#: how long a fault holds a batch (seconds): far longer than the test needs to act.
+HOLD_S = 60
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory, tiny_cache):
+    """A run planned once (12 ShareGPT records, about 6 batches); each test copies its plan into a fresh store."""
+    from producer.planner import PlanOptions, plan_run
+
+    tmp = tmp_path_factory.mktemp("recovery-template")
+    settings = Settings(_env_file=None, cache_dir=tiny_cache)
+    opts = PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp / "out"), limit=12, max_length=192,
+                       batch_tokens=512)
+    run = plan_run(opts, settings)
+    assert 4 <= len(run.batches) <= 12, run.batches
+    return run
+
+
+def copy_run(template, root_url: str, settings: Settings):
+    """The template's run.json and plan, copied under ``root_url``; returns the new run's store."""
+    dest = open_store(root_url, settings).child(template.config.run_id)
+    for key in template.run_store.list(""):
+        if key == "run.json" or key.startswith("plan/"):
+            dest.write(key, template.run_store.read(key))
+    return dest
+
+
+class Cluster:
+    """An embedded broker (short socket path, AOF) and the environment for workers of one test."""
+
+    def __init__(self, tmp: Path, cache: Path, s3=None):
+        self.tmp = tmp
+        self.state = Path(tempfile.mkdtemp(prefix="hsx-"))
+        self.broker = EmbeddedBroker(self.state).start()
+        self.settings = Settings(_env_file=None, broker_url=self.broker.url, cache_dir=cache,
+                                 **(_s3_fields(s3) if s3 else {}))
+        self.s3 = s3
+        self.workers: list[WorkerProcess] = []
+        self.cache = cache
+
+    def env(self, **extra) -> dict[str, str]:
+        s3 = self.s3
+        return clean_env(broker_url=self.broker.url, cache_dir=self.cache, spool_dir=self.tmp / "spool", model="tiny-qwen3.5",
+                         device="cpu", heartbeat_s=1, **(_s3_fields(s3) if s3 else {}), **extra)
+
+    def worker(self, name: str, concurrency: int = 1, wait: bool = True, **extra) -> WorkerProcess:
+        """Start a worker process (its model loaded at start); ``wait``: until it is ready."""
+        w = WorkerProcess(self.env(**extra), name, self.tmp / f"{name}.log", concurrency=concurrency)
+        self.workers.append(w)
+        if wait:
+            w.wait_ready()
+        return w
+
+    def enqueue(self, run_store, batches: list[dict]) -> None:
+        """Send one task per batch, as ``enqueue`` does."""
+        from producer.reconcile import _enqueue
+
+        _enqueue(run_store, run_store.url, load_run(run_store), batches, self.settings, self.broker.url)
+
+    def enqueue_all(self, run_store) -> None:
+        self.enqueue(run_store, json.loads(run_store.read("plan/batches.json")))
+
+    def reconcile(self, run_store, **kw) -> dict:
+        from producer.reconcile import reconcile_run
+
+        return reconcile_run(run_store, self.settings, self.broker.url, **kw)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+            w._log.close()
+        self.broker.stop()
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
+def _s3_fields(s3) -> dict:
+    st = s3.settings
+    return {"s3_endpoint_url": st.s3_endpoint_url, "s3_region": st.s3_region, "s3_access_key_id": st.s3_access_key_id,
+            "s3_secret_access_key": st.s3_secret_access_key}
+
+
+@pytest.fixture
+def cluster(tmp_path, tiny_cache):
+    c = Cluster(tmp_path, tiny_cache)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def s3_cluster(tmp_path, tiny_cache, s3_bucket):
+    c = Cluster(tmp_path, tiny_cache, s3=s3_bucket)
+    yield c
+    c.close()
+
+
+def wait_log(worker: WorkerProcess, needle: str, timeout_s: float = 60) -> str:
+    """Wait for ``needle`` in the worker's log; returns the line."""
+    def find():
+        for line in worker.log().splitlines():
+            if needle in line:
+                return line
+        assert worker.proc.poll() is None, f"worker exited:\n{worker.log()[-3000:]}"
+        return None
+
+    return wait_until(find, timeout_s, f"{needle!r} in {worker.log_path.name}")
+
+
+def held_batch(line: str) -> str:
+    return line.rsplit("of batch ", 1)[1].strip()
+
+
+def wait_done(run_store, timeout_s: float = 90) -> None:
+    total = len(json.loads(run_store.read("plan/batches.json")))
+    wait_until(lambda: len(done_batches(run_store)) == total, timeout_s, "every batch to get its marker", poll_s=0.3)
+
+
+def assert_complete(run_store) -> None:
+    """verify passes, and every planned sample is stored exactly once."""
+    from producer.verify import verify_run
+
+    report = verify_run(run_store)
+    assert report["ok"], json.dumps(report["problems"], indent=1)[:3000]
+    stored = read_samples(run_store)  # fails on a sample stored twice
+    assert set(stored) == set(plan_samples(run_store))
+
+
+def shards_of(run_store, batch: str) -> list[str]:
+    return [k for k in run_store.list("shards/") if k.rsplit("/", 1)[-1].startswith(batch + "-")]
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_killed_during_the_forward_loses_nothing_after_reconcile(template, cluster, tmp_path):
+    """SIGKILL while a batch is in its forward: the others finish elsewhere; reconcile re-enqueues the orphaned one; verify passes."""
+    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    doomed = cluster.worker("doomed", wait=False, faults=f"pause_forward={HOLD_S}")
+    cluster.worker("rescuer").wait_ready()
+    doomed.wait_ready()
+    cluster.enqueue_all(run_store)
+    victim = held_batch(wait_log(doomed, "fault injection: pausing"))
+    doomed.kill()
+    total = len(template.batches)
+    wait_until(lambda: len(done_batches(run_store)) == total - 1, 90, "every other batch to finish")
+    time.sleep(1.0)
+    assert victim not in done_batches(run_store)
+
+    proc = run_cli("producer", ["reconcile", run_store.url, "--json"],
+                   clean_env(broker_url=cluster.broker.url, cache_dir=cluster.cache), timeout_s=60)
+    report = json.loads(proc.stdout) if proc.returncode == 0 else pytest.fail(proc.stderr[-2000:])
+    assert report["orphaned_deliveries"] == [victim]
+    assert report["enqueued"] == [victim] and "worker died" in report["lost"][0]["why"]
+    wait_done(run_store)
+    assert_complete(run_store)
+    assert len(shards_of(run_store, victim)) == 1
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_killed_during_the_upload_loses_nothing_and_its_spool_file_is_cleaned(template, s3_cluster):
+    """SIGKILL with the shard in the spool, before it is stored (S3): reconcile redoes the batch; the next worker removes the dead spool file."""
+    run_store = copy_run(template, s3_cluster.s3.url, s3_cluster.settings)
+    doomed = s3_cluster.worker("doomed", wait=False, faults=f"pause_upload={HOLD_S}")
+    doomed.wait_ready()
+    s3_cluster.enqueue_all(run_store)
+    victim = held_batch(wait_log(doomed, "fault injection: pausing"))
+    spool = s3_cluster.tmp / "spool"
+    left = [p.name for p in spool.glob(f"hsx-{doomed.proc.pid}-*")] or [p.name for p in spool.glob("hsx-*")]
+    assert any(victim in name for name in left), left
+    doomed.kill()
+    s3_cluster.worker("rescuer")
+    total = len(template.batches)
+    wait_until(lambda: len(done_batches(run_store)) == total - 1, 90, "every other batch to finish")
+    report = s3_cluster.reconcile(run_store)
+    assert report["enqueued"] == [victim], report
+    wait_done(run_store)
+    assert_complete(run_store)
+    assert not [p for p in spool.glob("hsx-*") if victim in p.name], "the dead worker's spool file is removed"
+
+
+@pytest.mark.timeout(150)
+def test_the_broker_killed_and_restarted_mid_run_keeps_the_queue(template, cluster, tmp_path):
+    """SIGKILL the embedded broker after a few batches, restart it from its AOF: the worker reconnects and the run completes."""
+    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    worker = cluster.worker("steady", faults="pause_forward=0.5")
+    cluster.enqueue_all(run_store)
+    wait_until(lambda: len(done_batches(run_store)) >= 2, 60, "two batches done")
+    cluster.broker.kill()  # appendfsync everysec: the enqueue, 1+ s ago, is on disk
+    time.sleep(1.0)
+    cluster.broker.start()
+    assert worker.proc.poll() is None
+    # Whatever the kill lost in flight (at most the batch being acknowledged) is found by reconcile.
+    deadline = time.monotonic() + 90
+    total = len(template.batches)
+    while len(done_batches(run_store)) < total and time.monotonic() < deadline:
+        time.sleep(2.0)
+        if len(done_batches(run_store)) < total:
+            cluster.reconcile(run_store)
+    wait_done(run_store, 5)
+    assert_complete(run_store)
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_s3_server_pauses_extraction_and_the_run_completes_after_it_returns(template, s3_cluster, s3_server):
+    """Slow uploads fill the pending slots (the third thread pauses); S3 stops: uploads retry, the spool holds the shards; S3 back: every batch done."""
+    run_store = copy_run(template, s3_cluster.s3.url, s3_cluster.settings)
+    worker = s3_cluster.worker("patient", concurrency=3, faults="pause_upload=2")
+    s3_cluster.enqueue_all(run_store)
+    line = wait_log(worker, "paused before the forward", 60)
+    assert "2 shards waiting to be stored (limit 2" in line
+    s3_server.stop()
+    try:
+        spool = s3_cluster.tmp / "spool"
+        assert len(list(spool.glob("hsx-*.safetensors"))) == 2, "the spool holds the shards that wait for S3"
+        wait_log(worker, "retrying in", 40)
+        assert len(list(spool.glob("hsx-*.safetensors"))) == 2
+    finally:
+        s3_server.start()
+    wait_done(run_store, 120)
+    assert "resumed after" in worker.log()
+    assert_complete(run_store)
+
+
+@pytest.mark.timeout(120)
+def test_a_paused_worker_says_why_in_its_status_record(template, cluster, tmp_path):
+    """Spool limit below the disk's use: the batch waits before its forward, and workers/<host>-<pid>.json says paused and why."""
+    used = shutil.disk_usage(tmp_path).used / shutil.disk_usage(tmp_path).total
+    if used <= 0:
+        pytest.skip("the test filesystem reports no use")
+    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    worker = cluster.worker("squeezed", spool_max_fraction=f"{used / 2:.6f}")
+    cluster.enqueue_all(run_store)
+    wait_log(worker, "paused before the forward")
+
+    def paused_record():
+        keys = run_store.list("workers/")
+        if not keys:
+            return None
+        rec = json.loads(run_store.read(keys[0]))
+        return rec if rec["state"] == "paused" else None
+
+    rec = wait_until(paused_record, 20, "a paused status record")
+    assert rec["pid"] == worker.proc.pid and "spool" in rec["paused_reason"] and "full" in rec["paused_reason"]
+    assert "HSX_SPOOL_MAX_FRACTION" in rec["paused_reason"] and rec["batches"][0]["phase"] == "paused"
+    assert rec["spool"]["max_fraction"] == pytest.approx(used / 2, rel=1e-3)
+    assert done_batches(run_store) == set(), "nothing is extracted while paused"
+
+
+@pytest.mark.timeout(150)
+def test_the_same_task_delivered_twice_at_once_to_two_workers_leaves_one_marker(template, cluster, tmp_path):
+    """Two messages for one batch, two worker processes holding it at once: one marker, one valid shard, the loser's shard removed."""
+    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    a = cluster.worker("twin-a", wait=False, faults="pause_forward=1.5")
+    b = cluster.worker("twin-b", faults="pause_forward=1.5")
+    a.wait_ready()
+    twin = template.batches[0]
+    cluster.enqueue(run_store, [twin, twin])
+    wait_log(a, f"at forward of batch {twin['batch']}")
+    wait_log(b, f"at forward of batch {twin['batch']}")
+    wait_until(lambda: twin["batch"] in done_batches(run_store), 60, "the twin batch's marker")
+    wait_until(lambda: "another worker wrote the marker first" in a.log() + b.log(), 30, "the loser to remove its shard")
+    assert len(shards_of(run_store, twin["batch"])) == 1
+    cluster.reconcile(run_store)  # the rest of the run
+    wait_done(run_store)
+    assert_complete(run_store)
+
+
+@pytest.mark.timeout(150)
+def test_a_task_redelivered_after_its_visibility_timeout_leaves_one_marker(template, cluster, tmp_path):
+    """Visibility timeout 3 s, a batch held 10 s before its upload: Redis redelivers it to a second worker; one marker, one valid shard."""
+    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    slow = cluster.worker("slow", faults="pause_upload=8", visibility_timeout_s=3)
+    first = template.batches[0]
+    cluster.enqueue(run_store, [first])
+    wait_log(slow, f"at upload of batch {first['batch']}")
+    fast = cluster.worker("fast", visibility_timeout_s=3)
+    wait_until(lambda: first["batch"] in done_batches(run_store), 40, "the redelivered batch's marker")
+    assert "Task hsx.extract_batch" in fast.log() and first["batch"] in fast.log()
+    wait_until(lambda: "another worker wrote the marker first" in slow.log(), 30, "the first delivery to lose and clean up")
+    assert len(shards_of(run_store, first["batch"])) == 1
+    slow.kill()  # it would hold every later batch 8 s
+    cluster.reconcile(run_store)
+    wait_done(run_store)
+    assert_complete(run_store)
+
+
+@pytest.mark.timeout(150)
+def test_a_full_spool_fails_the_batch_clearly_and_reconcile_redoes_it(template, cluster, tmp_path):
+    """ENOSPC writing the first shard: the batch fails with the spool named, no marker, no spool file; reconcile redoes it."""
+    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    cluster.worker("cramped", faults="spool_full=1")
+    cluster.enqueue_all(run_store)
+    total = len(template.batches)
+    wait_until(lambda: len(done_batches(run_store)) == total - 1, 90, "every other batch to finish")
+    failures = run_store.list("failures/")
+    assert len(failures) == 1, failures
+    broken = failures[0].rsplit("/", 1)[-1].removesuffix(".json")
+    error = json.loads(run_store.read(failures[0]))["error"]
+    assert error.startswith("SpoolFull: the spool ") and "is full" in error and str(tmp_path / "spool") in error
+    assert read_marker(run_store, broken) is None and not shards_of(run_store, broken)
+    assert not list((tmp_path / "spool").glob("hsx-*")), "the partial shard is removed"
+    report = cluster.reconcile(run_store)
+    assert report["enqueued"] == [broken] and report["lost"][0]["why"].startswith("failed: SpoolFull")
+    wait_done(run_store)
+    assert not run_store.list("failures/")
+    assert_complete(run_store)
+
+
+@pytest.mark.timeout(150)
+def test_a_shard_corrupted_after_its_marker_is_named_by_verify_and_redone_by_reconcile_repair(template, cluster, tmp_path):
+    """Flip bytes of a certified shard: verify exits 1 naming the batch; reconcile --repair redoes it; verify passes."""
+    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    cluster.worker("repairer")
+    cluster.enqueue_all(run_store)
+    wait_done(run_store)
+    victim = sorted(done_batches(run_store))[1]
+    key = read_marker(run_store, victim)["shard"]["key"]
+    path = run_store.local_path(key)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    env = clean_env(broker_url=cluster.broker.url, cache_dir=cluster.cache)
+    proc = run_cli("producer", ["verify", run_store.url], env, timeout_s=60)
+    assert proc.returncode == 1 and victim in proc.stdout and "shard_altered" in proc.stdout, proc.stdout[-2000:]
+    proc = run_cli("producer", ["reconcile", run_store.url, "--repair"], env, timeout_s=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"repaired {victim}: shard_altered" in proc.stdout and f"enqueued {victim}" in proc.stdout, proc.stdout
+    wait_done(run_store)
+    assert read_marker(run_store, victim)["shard"]["key"] != key
+    assert_complete(run_store)
+
+
+@pytest.mark.timeout(120)
+def test_run_redoes_a_batch_that_failed_by_itself_before_it_finishes(tiny_cache, tmp_path):
+    """producer run with the first shard write failing (ENOSPC): run reconciles, the batch is redone, exit 0, verify passes."""
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool", faults="spool_full=1")
+    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "8", "--max-length", "192",
+                                "--batch-tokens", "512", "--output", str(tmp_path / "out"), "--json"], env, timeout_s=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["batches_done"] == report["batches_total"] and not report["failed"]
+    assert list(report["reconciled"].values()) == [1], report["reconciled"]
+    assert_complete(open_store(report["address"]))
