@@ -130,9 +130,11 @@ class SeaweedServer:
     secret_key = SECRET_KEY
     region = REGION
 
-    def __init__(self, binary: str, data_dir: Path):
+    def __init__(self, binary: str, data_dir: Path, secured: bool = False):
         self.binary = binary
         self.data_dir = data_dir
+        self.secured = secured
+        """Require the fixture's access key and secret (``weed mini`` reads them from AWS_*); else open."""
         self.ports = {name: _free_port_pair() for name in ("master", "volume", "filer", "s3", "admin")}
         self.endpoint_url = f"http://127.0.0.1:{self.ports['s3']}"
         self.log_path = data_dir.parent / "weed.log"
@@ -149,6 +151,8 @@ class SeaweedServer:
             return
         env = {k: v for k, v in os.environ.items()
                if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "S3_BUCKET")}
+        if self.secured:
+            env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = self.access_key, self.secret_key
         p = self.ports
         cmd = [
             self.binary, "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",

@@ -102,3 +102,66 @@ def test_an_unreachable_broker_is_refused_before_planning(tmp_path, env):
 def test_enqueue_without_a_broker_url_says_how_to_set_one(tmp_path, env):
     proc = run_cli("producer", ["enqueue", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path)], env)
     _refused(proc, "HSX_BROKER_URL")
+
+
+def test_a_400000_character_message_and_records_of_wrong_types_do_not_stop_the_job(tmp_path, env):
+    """A 400,000-character reply is truncated to --max-length and extracted; records whose fields have the wrong JSON
+    types are skipped under their reasons; every good record is extracted."""
+    huge = {"id": "huge", "conversations": [{"from": "human", "value": "Say it all."}, {"from": "gpt", "value": "word " * 80_000}]}
+    assert len(huge["conversations"][1]["value"]) == 400_000
+    wrong = [
+        {"id": "w-str-turns", "conversations": "not a list"},
+        {"id": "w-dict-turns", "messages": {"role": "user", "content": "hi"}},
+        {"id": "w-int-value", "conversations": [{"from": "human", "value": 42}, {"from": "gpt", "value": "x y"}]},
+        {"id": "w-int-part", "messages": [{"role": "user", "content": ["a", 1]}, {"role": "assistant", "content": "ok then"}]},
+        {"id": "w-null-turn", "conversations": [None, {"from": "gpt", "value": "ok"}]},
+        {"id": "w-int-role", "conversations": [{"from": 3, "value": "x"}, {"from": "gpt", "value": "ok"}]},
+        {"id": "w-dict-value", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": {"text": "a"}}]},
+        {"id": "w-bool-value", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": True}]},
+        {"id": "w-str-ids", "input_ids": "abc", "loss_mask": [1]},
+        {"id": "w-float-ids", "input_ids": [1, 2.5, 3], "loss_mask": [0, 1, 1]},
+    ]
+    odd_ids = [{"id": 5, **GOOD}, {"id": ["a", "list"], **GOOD}]  # an int id is used as text; a list id falls back to the line
+    data = tmp_path / "wrong.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [_good(0), _good(1), huge, *wrong, *odd_ids]) + "\n")
+    report = cli_json(run_cli("producer", ["run", str(data), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"),
+                                           "--max-length", "256", "--batch-tokens", "1024", "--json"], env, timeout_s=240))
+    counts = report["plan"]["skipped"]["counts"]
+    assert counts == {"no_turns": 2, "bad_turn": 6, "bad_pretokenised": 2}, counts
+    assert report["plan"]["samples"] == 5 and report["plan"]["truncated_samples"] == 1
+    assert report["batches_done"] == report["batches_total"]
+    lines = [json.loads(x) for x in open_store(report["address"]).read("plan/samples.jsonl").decode().splitlines()]
+    by_id = {x["record_id"]: x for x in lines}
+    assert by_id["huge"]["num_tokens"] == 256 and by_id["huge"]["truncated"], by_id["huge"]
+    assert "5" in by_id
+
+
+@pytest.fixture(scope="module")
+def secured_s3(tmp_path_factory):
+    """SeaweedFS that requires the fixture's access key and secret (weed mini with AWS_* set)."""
+    from conftest import SeaweedServer, _weed_binary, s3_client
+
+    binary = _weed_binary()
+    if not binary:
+        pytest.skip("SeaweedFS (weed) is not installed: moto cannot check credentials")
+    server = SeaweedServer(binary, tmp_path_factory.mktemp("seaweed-secured") / "data", secured=True)
+    server.start()
+    s3_client(server.endpoint_url).create_bucket(Bucket="guarded")
+    yield server
+    server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_wrong_s3_credentials_are_refused_before_planning_without_printing_the_secret(tmp_path, env, secured_s3):
+    """An S3 server that requires credentials, and a wrong secret: exit 2, 'credentials refused' and the fix; the secret is never printed."""
+    secret = "wrong-secret-must-not-print"
+    env = dict(env, HSX_S3_ENDPOINT_URL=secured_s3.endpoint_url, HSX_S3_ACCESS_KEY_ID=secured_s3.access_key,
+               HSX_S3_SECRET_ACCESS_KEY=secret, HSX_S3_REGION="us-east-1")
+    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", "s3://guarded/x"], env,
+                   timeout_s=60)
+    _refused(proc, "credentials refused", "HSX_S3_SECRET_ACCESS_KEY", secured_s3.endpoint_url)
+    assert secret not in proc.stderr + proc.stdout
+    assert not (tmp_path / "state").exists(), "no broker or worker may start"
+    from conftest import s3_client
+
+    assert "Contents" not in s3_client(secured_s3.endpoint_url).list_objects_v2(Bucket="guarded"), "nothing written"
