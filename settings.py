@@ -95,6 +95,9 @@ class Settings(BaseSettings):
     path is correct but many times slower). Off: such a worker refuses to start."""
     trust_remote_code: bool = False
     """Allow model code from the checkpoint (off: only code that ships with transformers runs)."""
+    allow_pickle_checkpoints: bool = False
+    """Load ``.bin`` / ``.pt`` (pickle) checkpoints. Off: only safetensors weights are read, since
+    unpickling a checkpoint runs whatever code it holds."""
 
     # --- local state --------------------------------------------------------------------
     cache_dir: Path = Field(default_factory=_default_cache_dir)

@@ -140,6 +140,34 @@ def _revision(path: str, config) -> str:
     return "unknown"
 
 
+#: weight files that are pickles (``torch.load`` runs code from them); never read unless allowed.
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def safetensors_only(path: str, allow_pickle: bool) -> bool | None:
+    """The ``use_safetensors`` argument of ``from_pretrained`` for the checkpoint at ``path``.
+
+    True (only ``*.safetensors`` weights are read) unless ``allow_pickle``
+    (``HSX_ALLOW_PICKLE_CHECKPOINTS``), then None (safetensors when present, else the pickle files).
+
+    Raises:
+        BadConfig: ``path`` is a local directory with pickle weights and no safetensors while
+            pickles are not allowed (refused before any file is opened).
+    """
+    if allow_pickle:
+        return None
+    p = Path(path)
+    if p.is_dir() and not any(p.glob("*.safetensors")):
+        pickles = sorted(f.name for pattern in PICKLE_WEIGHTS for f in p.glob(pattern))
+        if pickles:
+            raise BadConfig(
+                f"checkpoint {path} has only pickle weights ({', '.join(pickles[:3])}): refused, because loading a pickle "
+                "runs whatever code it holds. Convert it to safetensors, or set HSX_ALLOW_PICKLE_CHECKPOINTS=true if you "
+                "trust where it comes from"
+            )
+    return True
+
+
 def model_info(name: str, cache_dir: Path, *, trust_remote_code: bool = False) -> ModelInfo:
     """Read a target model's config (no weights) and return its identity and shape.
 
@@ -152,6 +180,11 @@ def model_info(name: str, cache_dir: Path, *, trust_remote_code: bool = False) -
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises OSError / ValueError / EnvironmentError variants
+        if not trust_remote_code and ("trust_remote_code" in str(exc) or "custom code" in str(exc)):
+            raise BadConfig(
+                f"--model {name!r}: its checkpoint needs its own Python code (config auto_map), which is not run unless "
+                "trusted: refused. Read that code, then set HSX_TRUST_REMOTE_CODE=true (trust_remote_code) if you trust it"
+            ) from None
         raise BadConfig(
             f"--model {name!r}: cannot read its config ({exc.__class__.__name__}: {str(exc)[:300]}). "
             f"Give a hub id (cached or reachable), a local checkpoint directory, or one of {', '.join(BUILTIN_MODELS)}"

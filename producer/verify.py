@@ -368,7 +368,7 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from core.models import model_info, resolve_model_path
+    from core.models import model_info, resolve_model_path, safetensors_only
     from core.reader import local_shard
 
     rtol = rtol if rtol is not None else RTOL_BY_DTYPE.get(config.store_dtype, 1e-2)
@@ -380,8 +380,10 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
                                                         f"but the run was extracted from {config.model}: cannot recompute"))
         return summary, problems
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(config.model_name, settings.cache_dir), dtype=torch.float32,
-                                                 use_safetensors=True, trust_remote_code=settings.trust_remote_code)
+    path = resolve_model_path(config.model_name, settings.cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 use_safetensors=safetensors_only(path, settings.allow_pickle_checkpoints),
+                                                 trust_remote_code=settings.trust_remote_code)
     # fp32 on the GPU when there is one: with fla installed, the CPU path of a GDN model would call
     # its Triton kernels on host tensors and fail.
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))

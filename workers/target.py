@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.models import model_info, resolve_model_path
+from core.models import model_info, resolve_model_path, safetensors_only
 from settings import Settings
 from workers.capture import capture_batch, decoder_of
 
@@ -145,18 +145,20 @@ def load_target(name: str, settings: Settings) -> Target:
     """Load ``name`` on this worker's device and run one warm-up forward.
 
     Raises:
-        core.errors.BadConfig: the model or its config cannot be read.
+        core.errors.BadConfig: the model or its config cannot be read, or its weights are pickle
+            files and ``HSX_ALLOW_PICKLE_CHECKPOINTS`` is off.
     """
     from transformers import AutoModelForCausalLM
 
     device = pick_device(settings)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     info = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
+    path = resolve_model_path(name, settings.cache_dir)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(name, settings.cache_dir),
+        path,
         dtype=dtype,
-        use_safetensors=True,
+        use_safetensors=safetensors_only(path, settings.allow_pickle_checkpoints),
         trust_remote_code=settings.trust_remote_code,
     )
     model.to(device).eval()
