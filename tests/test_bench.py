@@ -68,3 +68,20 @@ def test_task_overhead_bench_measures_exactly_the_tasks_asked_for_on_each_store_
         assert (r["outside_task_ms_per_task"] is None) == (r["concurrency"] > 1)
         assert r["setup"]["worker_ready_s"] > 0
     assert "tasks/s" in proc.stdout, "the table is printed"
+
+
+def test_soak_bench_runs_tasks_over_several_workers_and_finds_the_output_exactly_once(tmp_path, tiny_cache):  # noqa: F811
+    """bench/soak.py --tasks 20 --workers 2 --store local: twenty timed tasks over two worker processes; verify passes, no orphan, no duplicate."""
+    out = tmp_path / "soak.json"
+    proc = _run_bench("soak.py", ["--tasks", "20", "--workers", "2", "--store", "local", "--json", str(out)], tiny_cache)
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "soak" and MACHINE_KEYS <= report["machine"].keys()
+    r = report["result"]
+    assert r["tasks"] == 20 and r["workers"] == 2
+    for key in ("tasks_per_s", "overhead_ms_per_task", "in_task_ms_median", "in_task_ms_p99", "forward_ms_median"):
+        assert r[key] > 0, f"{key} = {r[key]}"
+    assert r["in_task_ms_p99"] >= r["in_task_ms_median"]
+    once = r["exactly_once"]
+    assert once["verify_ok"] and once["orphan_shards"] == 0, once
+    assert once["samples_stored"] + once["samples_quarantined"] == once["samples_planned"]
+    assert "exactly once" in proc.stdout
