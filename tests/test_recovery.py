@@ -212,10 +212,16 @@ def test_the_broker_killed_and_restarted_mid_run_keeps_the_queue(template, clust
     worker = cluster.worker("steady", faults="pause_forward=0.5")
     cluster.enqueue_all(run_store)
     wait_until(lambda: len(done_batches(run_store)) >= 2, 60, "two batches done")
-    cluster.broker.kill()  # appendfsync everysec: the enqueue, 1+ s ago, is on disk
+    time.sleep(1.1)  # appendfsync everysec: the enqueue is on disk
+    cluster.broker.kill()
     time.sleep(1.0)
     cluster.broker.start()
     assert worker.proc.poll() is None
+    from core.broker import redis_client
+
+    client = redis_client(cluster.broker.url)
+    kept = client.llen("gpu") + client.hlen("unacked") + len(done_batches(run_store))
+    assert kept >= len(template.batches), "the AOF kept every message not yet acknowledged"
     # Whatever the kill lost in flight (at most the batch being acknowledged) is found by reconcile.
     deadline = time.monotonic() + 90
     total = len(template.batches)
@@ -231,7 +237,7 @@ def test_the_broker_killed_and_restarted_mid_run_keeps_the_queue(template, clust
 def test_a_stopped_s3_server_pauses_extraction_and_the_run_completes_after_it_returns(template, s3_cluster, s3_server):
     """Slow uploads fill the pending slots (the third thread pauses); S3 stops: uploads retry, the spool holds the shards; S3 back: every batch done."""
     run_store = copy_run(template, s3_cluster.s3.url, s3_cluster.settings)
-    worker = s3_cluster.worker("patient", concurrency=3, faults="pause_upload=2")
+    worker = s3_cluster.worker("patient", concurrency=3, faults="pause_upload=2", spool_max_fraction=1)
     s3_cluster.enqueue_all(run_store)
     line = wait_log(worker, "paused before the forward", 60)
     assert "2 shards waiting to be stored (limit 2" in line
@@ -271,6 +277,10 @@ def test_a_paused_worker_says_why_in_its_status_record(template, cluster, tmp_pa
     assert "HSX_SPOOL_MAX_FRACTION" in rec["paused_reason"] and rec["batches"][0]["phase"] == "paused"
     assert rec["spool"]["max_fraction"] == pytest.approx(used / 2, rel=1e-3)
     assert done_batches(run_store) == set(), "nothing is extracted while paused"
+    status = json.loads(run_cli("producer", ["status", run_store.url, "--json", "--no-broker"],
+                                clean_env(cache_dir=cluster.cache), timeout_s=60).stdout)
+    row = next(w for w in status["workers"] if w.get("pid") == worker.proc.pid)
+    assert row["paused"] == rec["paused_reason"], row
 
 
 @pytest.mark.timeout(150)
