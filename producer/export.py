@@ -201,11 +201,13 @@ class _SpecForgeWriter:
         import torch
 
         S = sample["input_ids"].shape[0]
-        rec = {"input_ids": sample["input_ids"].to(torch.int64).contiguous(),
-               "loss_mask": sample["loss_mask"].to(torch.int64).contiguous()}
-        hidden_1SX = sample["hidden_states"].to(torch.bfloat16).reshape(1, S, -1).contiguous()
+        # .clone(): a sample is a view into its whole shard, and torch.save writes a view's entire
+        # storage; a same-dtype .to() / .contiguous() of a row slice would not copy.
+        rec = {"input_ids": sample["input_ids"].to(torch.int64).clone(),
+               "loss_mask": sample["loss_mask"].to(torch.int64).clone()}
+        hidden_1SX = sample["hidden_states"].to(torch.bfloat16).reshape(1, S, -1).clone()
         if self.fmt == "specforge-eagle3":
-            rec["hidden_state"] = sample["final_postnorm"].to(torch.bfloat16).reshape(1, S, -1).contiguous()
+            rec["hidden_state"] = sample["final_postnorm"].to(torch.bfloat16).reshape(1, S, -1).clone()
             rec["aux_hidden_state"] = hidden_1SX
         else:
             rec["hidden_states"] = hidden_1SX

@@ -70,6 +70,11 @@ def test_specforge_eagle3_export_loads_as_data_ckpt_files_under_row_range_folder
         assert torch.equal(rec["input_ids"], ref["input_ids"].long()) and torch.equal(rec["loss_mask"], ref["loss_mask"].long())
         assert torch.equal(rec["hidden_state"][0], ref["final_postnorm"])
         assert torch.equal(rec["aux_hidden_state"][0], torch.cat([ref["hidden_states"][:, k] for k in range(K)], dim=-1))
+        # Each file holds its own sample only, not the storage of the whole shard it was sliced from.
+        data_bytes = sum(t.numel() * t.element_size() for t in rec.values())
+        stored_bytes = sum(t.untyped_storage().nbytes() for t in rec.values())
+        assert stored_bytes == data_bytes, f"sample {sample}: {stored_bytes} bytes of storage for {data_bytes} bytes of data"
+        assert (out / "rows_0-2000" / f"data_{i}.ckpt").stat().st_size < data_bytes + 64 * 1024
     _check_vocab_counts(out / "vocab_counts.safetensors", stored)
 
 
