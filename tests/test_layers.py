@@ -18,7 +18,7 @@ from workers.capture import capture_batch
 
 
 def num_layers(name: str) -> int:
-    """N of the real model, read from its config.json in ../shared/data/configs."""
+    """N of the real model, read from its config.json in tests/data/configs."""
     return int(real_config(name)["num_hidden_layers"])
 
 
