@@ -7,6 +7,7 @@ state dir so that a restart keeps the queue, and never evicts keys (FIELD-NOTES 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 import time
@@ -62,13 +63,42 @@ class EmbeddedBroker:
         assert self.socket_path is not None, "broker not started"
         return f"redis+socket://{self.socket_path}?virtual_host=0"
 
+    def _lock(self) -> None:
+        # One embedded broker per state dir: two servers on one AOF would corrupt the queue.
+        import fcntl
+
+        self._unlock()  # a restart of this same broker object
+        self._lock_file = open(self.state_dir / "broker.lock", "a+")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.seek(0)
+            holder = self._lock_file.read().strip() or "?"
+            self._lock_file.close()
+            self._lock_file = None
+            raise BadConfig(
+                f"another 'producer run' (pid {holder}) is using the embedded broker in {self.state_dir}: "
+                "wait for it to finish (its batches are not lost), or give this one its own HSX_STATE_DIR"
+            ) from None
+        self._lock_file.seek(0)
+        self._lock_file.truncate()
+        self._lock_file.write(str(os.getpid()))
+        self._lock_file.flush()
+
+    def _unlock(self) -> None:
+        if getattr(self, "_lock_file", None) is not None:
+            self._lock_file.close()  # closing releases the flock
+            self._lock_file = None
+
     def start(self, timeout_s: float = 10.0) -> "EmbeddedBroker":
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock()
         sock = self.state_dir / "valkey.sock"
         if len(str(sock)) > _MAX_SOCKET_PATH:
             sock = Path(tempfile.mkdtemp(prefix="hsx-")) / "valkey.sock"
         if sock.exists():
-            sock.unlink()  # left by a killed server; the AOF, not the socket, holds the state
+            _shutdown_orphan(sock)  # a server left by a killed run still owns the AOF: stop it first
+            sock.unlink(missing_ok=True)
         self.socket_path = sock
         args = [
             valkey_binary(),
@@ -114,26 +144,51 @@ class EmbeddedBroker:
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the server (it flushes the AOF), wait, then SIGKILL if needed."""
         (self.state_dir / URL_FILE).unlink(missing_ok=True)
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
         try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            if self.proc is None or self.proc.poll() is not None:
+                return
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        finally:
+            self._unlock()
 
     def kill(self) -> None:
-        """SIGKILL, for fault-injection tests."""
+        """SIGKILL, for fault-injection tests (the lock is released, as the owner's death would)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._unlock()
 
     def __enter__(self) -> "EmbeddedBroker":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _shutdown_orphan(sock: Path) -> None:
+    import redis
+
+    try:
+        client = redis.Redis(unix_socket_path=str(sock), socket_timeout=5)
+        client.ping()
+    except Exception:
+        return  # a stale socket file: nobody listens
+    try:
+        client.shutdown()  # flushes the AOF, then exits
+    except Exception:
+        pass  # the connection closes as it exits
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            client.ping()
+        except Exception:
+            break
+        time.sleep(0.05)
 
 
 def running_embedded_broker(state_dir: Path) -> str | None:

@@ -97,9 +97,12 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
         BadConfig: any option is invalid (the message names it and says how to fix it).
         BadDataset: the dataset cannot be found or read.
     """
-    max_length = opts.max_length or settings.max_length
-    batch_tokens = opts.batch_tokens or settings.batch_tokens
-    max_batch_samples = opts.max_batch_samples or settings.max_batch_samples
+    # `is None`, not `or`: an explicit 0 must be refused below, not replaced by the default.
+    max_length = settings.max_length if opts.max_length is None else opts.max_length
+    batch_tokens = settings.batch_tokens if opts.batch_tokens is None else opts.batch_tokens
+    max_batch_samples = settings.max_batch_samples if opts.max_batch_samples is None else opts.max_batch_samples
+    if max_batch_samples < 1:
+        raise BadConfig(f"max batch samples {max_batch_samples}: must be at least 1")
     if max_length < 8:
         raise BadConfig(f"--max-length {max_length}: must be at least 8 tokens")
     if batch_tokens < max_length:

@@ -1,6 +1,6 @@
 """Tiny random target models built from the real configs, and per-sample reference forwards.
 
-The configs are the real ``config.json`` files in ``tests/data/configs/`` (next to the repo,
+The configs are the real ``config.json`` files in ``tests/data/configs/`` (byte copies of
 ``../shared/data/configs``; see its SOURCE.md). A tiny model keeps each architecture's code path (attention
 kind, ``layer_types`` pattern, Gated DeltaNet, MoE routing, zero-centred norms, rope variant) and
 shrinks the sizes: hidden 64, 6 layers, 4 heads, a 512-token vocab, 4 experts for Qwen3-Next,

@@ -1,0 +1,35 @@
+"""One embedded broker per state dir: a second `producer run` is refused while the first holds it,
+and a server orphaned by a killed run is shut down (AOF kept) before a new one starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.broker import EmbeddedBroker, redis_client
+from core.errors import BadConfig
+
+
+def test_a_second_embedded_broker_on_the_same_state_dir_is_refused_with_the_holders_pid(tmp_path):
+    import os
+
+    first = EmbeddedBroker(tmp_path / "state").start()
+    try:
+        with pytest.raises(BadConfig, match=f"pid {os.getpid()}"):
+            EmbeddedBroker(tmp_path / "state").start()
+    finally:
+        first.stop()
+    again = EmbeddedBroker(tmp_path / "state").start()  # the lock went with the first one
+    again.stop()
+
+
+def test_a_server_orphaned_by_a_killed_run_is_shut_down_and_its_queue_kept(tmp_path):
+    """The orphan keeps serving after its owner is gone; the next start stops it and reloads its AOF."""
+    orphan = EmbeddedBroker(tmp_path / "state").start()
+    redis_client(orphan.url).rpush("gpu", b"task-1")
+    orphan._unlock()  # what the owner's death does to its lock; the server keeps running
+    fresh = EmbeddedBroker(tmp_path / "state").start()
+    try:
+        assert orphan.proc.wait(10) is not None
+        assert redis_client(fresh.url).lrange("gpu", 0, -1) == [b"task-1"]
+    finally:
+        fresh.stop()
