@@ -66,7 +66,7 @@ class LocalWorkers:
 
 
 def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress=None, poll_s: float | None = None,
-                     reconcile=None, reconcile_after_s: float = 60.0) -> dict:
+                     reconcile=None, reconcile_after_s: float = 300.0) -> dict:
     """Block until every batch has a marker, or every unfinished batch has failed, or the workers died.
 
     ``reconcile`` (a :class:`producer.reconcile.RunReconciler`) is called when every unfinished
