@@ -330,20 +330,15 @@ def reconcile_broker(settings: Settings):
     """The broker URL ``reconcile`` talks to: ``HSX_BROKER_URL``; else the embedded broker of this
     machine (``HSX_STATE_DIR``): the one a ``producer run`` has running, or one started from its AOF
     for the duration (batches enqueued there are taken by the next ``producer run``)."""
-    from core.broker import EmbeddedBroker, redis_client
+    from core.broker import EmbeddedBroker, running_embedded_broker
 
     if settings.broker_url:
         yield settings.broker_url
         return
-    sock = settings.broker_state_dir / "valkey.sock"
-    if sock.exists():
-        url = f"redis+socket://{sock}?virtual_host=0"
-        try:
-            redis_client(url).ping()
-            yield url
-            return
-        except Exception:
-            pass  # a socket left by a killed server
+    url = running_embedded_broker(settings.broker_state_dir)
+    if url:
+        yield url
+        return
     broker = EmbeddedBroker(settings.broker_state_dir).start()
     try:
         yield broker.url
