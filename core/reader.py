@@ -33,7 +33,6 @@ corrupt run: the map-style dataset refuses it (run ``python -m producer verify``
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -50,7 +49,7 @@ import numpy as np
 from core.errors import BadConfig, FidelityError, StoreError
 from core.marker import MARKERS_PREFIX
 from core.runconfig import RunConfig, load_run
-from core.store import CHUNK_BYTES, S3Store, Store, open_store
+from core.store import S3Store, Store, open_store, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -125,17 +124,6 @@ def certified_markers(run_store: Store, config: RunConfig) -> dict[str, dict]:
             continue
         out[batch] = marker
     return out
-
-
-def sha256_file(path: Path) -> tuple[int, str]:
-    """(bytes, sha256 hex) of a file, read in ``CHUNK_BYTES`` steps (never whole in memory)."""
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            h.update(chunk)
-            n += len(chunk)
-    return n, h.hexdigest()
 
 
 def s3_object_key(run_store: S3Store, key: str) -> str:

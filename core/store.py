@@ -258,7 +258,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256_file(path: Path) -> tuple[int, str]:
+def sha256_file(path: Path) -> tuple[int, str]:
+    """(bytes, sha256 hex) of a file, read in ``CHUNK_BYTES`` steps (never whole in memory)."""
     h = hashlib.sha256()
     n = 0
     with open(path, "rb") as f:
@@ -455,7 +456,7 @@ class LocalStore:
         if size != nbytes:
             raise FidelityError(f"{key!r} in {self.url}: {size} bytes, expected {nbytes}; rewrite it")
         with self._os_errors("verify", key):
-            n, digest = _sha256_file(path)
+            n, digest = sha256_file(path)
         if n != nbytes or digest != sha256_hex.lower():
             raise FidelityError(
                 f"{key!r} in {self.url}: sha256 {digest} ({n} bytes), expected {sha256_hex} ({nbytes} bytes); rewrite it"

@@ -46,9 +46,9 @@ import numpy as np
 
 from core.errors import HsxError
 from core.plan import BatchPlan, read_batch, read_batch_list
-from core.reader import quarantined_ids, read_markers, read_sample, s3_object_key, sha256_file
+from core.reader import quarantined_ids, read_markers, read_sample, s3_object_key
 from core.runconfig import RunConfig, load_run
-from core.store import CHUNK_BYTES, MissingKey, S3Store, Store
+from core.store import CHUNK_BYTES, MissingKey, S3Store, Store, sha256_file
 
 #: relative tolerance of ``--recompute`` by stored dtype (bf16 keeps 8 bits of mantissa).
 RTOL_BY_DTYPE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-4}
