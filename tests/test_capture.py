@@ -18,7 +18,7 @@ from tinymodels import MODELS, TINY_LAYERS, TINY_VOCAB, random_batch, reference_
 
 from core.errors import BadConfig, FidelityError
 from core.layers import select_layers
-from workers.capture import capture_batch, decoder_of, nonfinite_samples
+from workers.capture import capture_batch, decoder_of, nonfinite_samples, right_padded_rows
 
 #: one batch, right-padded to 700: short rows are mostly padding, the long one crosses many GDN chunks (64)
 LENGTHS = [3, 17, 64, 129, 700, 255]
@@ -293,3 +293,30 @@ def test_nonfinite_samples_names_each_sample_and_the_parts_that_hold_nan_or_inf(
     states["final_postnorm"][8, 0] = float("-inf")  # sample 2 (rows 5-8)
     states["hidden_states"][5, 0, 0] = float("inf")  # sample 2, layer id 1
     assert nonfinite_samples(states, cu_N1, [1, 5]) == {1: ["5"], 2: ["1", "final_postnorm"]}
+
+
+def test_right_padding_needs_no_mask_what_fills_it_never_reaches_a_sample_and_left_padding_would(case):
+    """Rows run without an attention mask: the pad id does not change one captured bit, because every
+    layer is causal; padding placed BEFORE a sample (left) would change it by O(1), which is why rows are
+    right-padded."""
+    other_pad = capture_batch(case.model, case.ids_T, torch.tensor(case.cu), case.selection,
+                              store_dtype=torch.float32, pad_token_id=TINY_VOCAB - 1)
+    for name, tensor in case.captured.states.items():
+        assert torch.equal(other_pad.states[name], tensor), f"{case.name}: {name} depends on the padding's ids"
+    ids_S = case.samples[LENGTHS.index(129)]
+    left_1S = torch.cat([torch.full((1, 71), 5, dtype=torch.long), ids_S[None]], dim=1)
+    with torch.inference_mode():
+        got = case.model.model(input_ids=left_1S, use_cache=False, output_hidden_states=True).hidden_states
+    want = case.refs[LENGTHS.index(129)]["hidden_states"]
+    assert (got[2][0, 71:] - want[2]).abs().max() > 0.1, f"{case.name}: left padding without a mask left layer 1 unchanged"
+
+
+def test_right_padded_rows_puts_token_t_of_sample_j_at_row_j_and_lists_the_valid_positions_in_order():
+    """The row layout: sample j in row j from column 0, pad after it; valid_T walks the samples' tokens in input order."""
+    ids_T = torch.arange(10, 20)
+    rows = right_padded_rows(ids_T, torch.tensor([0, 3, 4, 10]), pad_token_id=-1)
+    assert rows.shape == (3, 6, 10)
+    assert rows.input_ids_BS.tolist() == [[10, 11, 12, -1, -1, -1], [13, -1, -1, -1, -1, -1], [14, 15, 16, 17, 18, 19]]
+    assert torch.equal(rows.input_ids_BS.view(-1)[rows.valid_T], ids_T)
+    with pytest.raises(FidelityError, match="cu_seqlens"):
+        right_padded_rows(ids_T, torch.tensor([0, 3, 3, 10]))

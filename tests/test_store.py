@@ -192,6 +192,38 @@ def test_verify_passes_and_catches_wrong_size_wrong_hash_and_absence(store):
         store.verify("missing", len(data), digest)
 
 
+def test_verify_after_write_file_passes_and_catches_a_shard_replaced_since(store, tmp_path):
+    """A file stored with write_file (and its sha256) verifies; replaced by other bytes of the same size, it does not."""
+    data = bytes(range(256)) * 400
+    digest = hashlib.sha256(data).hexdigest()
+    for key in ("shards/a", "shards/b"):
+        src = tmp_path / key.replace("/", "-")
+        src.write_bytes(data)
+        store.write_file(key, src, digest)
+        src.unlink()  # as the worker does with its spool file
+    store.verify("shards/a", len(data), digest)
+    store.write("shards/b", data[::-1])
+    with pytest.raises(FidelityError, match="sha256"):
+        store.verify("shards/b", len(data), digest)
+
+
+def test_local_verify_rehashes_a_linked_shard_altered_in_place(tmp_path):
+    """The local store skips re-reading a file it hard-linked only while it is untouched: bytes altered
+    in place (same inode, same size) are caught."""
+    store = LocalStore(tmp_path / "store")
+    data = bytes(range(256)) * 400
+    digest = hashlib.sha256(data).hexdigest()
+    src = tmp_path / "spool-shard"
+    src.write_bytes(data)
+    store.write_file("shards/a", src, digest)
+    time.sleep(0.05)  # past the filesystem's timestamp granularity
+    with open(src, "r+b") as f:  # still the stored inode: a hard link
+        f.seek(1000)
+        f.write(b"\xff")
+    with pytest.raises(FidelityError, match="sha256"):
+        store.verify("shards/a", len(data), digest)
+
+
 def test_child_is_scoped_to_its_prefix(store):
     """child(p) reads and lists only under p, and its keys are relative to p."""
     run = store.child("run-1")

@@ -1,6 +1,6 @@
 """The capture path, top to bottom: one batched forward, hooks on the chosen layers, valid tokens
 gathered on the device, a finiteness check on the device, one device-to-host copy per captured
-tensor, the shard's tensors.
+tensor on a side stream, the shard's tensors.
 
 Legend (shape suffixes):
     B = rows in the batch (= N samples, one per row, right-padded)
@@ -15,8 +15,15 @@ hold its output: transformers overwrites ``hidden_states[-1]`` with the post-nor
 raw output of layer ``N - 1`` is ``final_prenorm`` (and the slot of id ``N - 1``).
 ``final_postnorm`` is the model's own final norm module's output (what ``lm_head`` consumes;
 Qwen3.5 / Qwen3-Next use a zero-centred ``(1 + w)`` norm, so it must be the model's module,
-FIELD-NOTES section 1). Right padding with a 2-D attention mask is exact for Gated DeltaNet
-layers; left padding and packing without boundary-aware kernels are not (FIELD-NOTES section 2).
+FIELD-NOTES section 1). Rows are right-padded and run without an attention mask: every layer is
+causal, so padding after a sample's last token never reaches it (see :func:`launch_capture`; the
+tests compare every family against unpadded per-sample forwards). Left padding without a mask, or
+packing without boundary-aware kernels, is wrong (FIELD-NOTES section 2) and is not used.
+
+A worker splits a batch in two steps: :func:`launch_capture` (under the GPU lock) only queues the
+forward, the gathers and the copies, with no host sync; ``PendingCapture.wait()`` (after the lock
+is released) waits for the copies. The next batch's forward is queued behind this one without a
+gap while its states travel to the host on a side stream.
 
 Hooks act only for the thread that registered them: two threads capturing on one model at once
 (``HSX_WORKER_CONCURRENCY`` > 1, or a duplicate delivery run in-process) never see each other's
@@ -28,6 +35,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from core.errors import BadConfig, FidelityError
@@ -112,63 +120,120 @@ class CapturedBatch:
     nonfinite: dict[int, list[str]]
 
 
+@dataclass
+class Rows:
+    """A batch laid out as right-padded rows, built on the host before the GPU lock is taken.
+
+    ``input_ids_BS`` int64 [B, S] (pinned when the target is on CUDA), ``valid_T`` int64 [T]: the
+    flat row-major positions (``b * S + s``) of the T valid tokens, in ``input_ids_T`` order;
+    ``cu_seqlens_N1`` int64 [N+1] as given.
+    """
+
+    input_ids_BS: torch.Tensor
+    valid_T: torch.Tensor
+    cu_seqlens_N1: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(B, S, T)."""
+        B, S = self.input_ids_BS.shape
+        return B, S, self.valid_T.shape[0]
+
+
+def right_padded_rows(input_ids_T: torch.Tensor, cu_seqlens_N1: torch.Tensor, *, pad_token_id: int = 0,
+                      pin: bool = False) -> Rows:
+    """Lay ``input_ids_T`` [T] (sample j = ``input_ids_T[cu[j]:cu[j+1]]``) out as right-padded
+    rows, one sample per row, on the host (numpy index arithmetic: no device sync later).
+
+    Raises:
+        FidelityError: ``cu_seqlens_N1`` does not describe ``input_ids_T``.
+    """
+    cu_N1 = cu_seqlens_N1.to(torch.int64).cpu()
+    lengths_N = (cu_N1[1:] - cu_N1[:-1]).numpy()
+    N, T = int(lengths_N.shape[0]), int(cu_N1[-1])
+    if input_ids_T.shape[0] != T or N == 0 or (lengths_N <= 0).any():
+        raise FidelityError(f"input_ids has {input_ids_T.shape[0]} tokens but cu_seqlens {cu_N1.tolist()[:8]}... "
+                            "ends elsewhere or has an empty sample")
+    S = int(lengths_N.max())
+    # Token t of sample j sits at row j, column t - cu[j]: flat position j*S + t - cu[j].
+    valid_T = torch.from_numpy(np.repeat(np.arange(N, dtype=np.int64) * S - cu_N1[:-1].numpy(), lengths_N)
+                               + np.arange(T, dtype=np.int64))
+    input_ids_BS = torch.full((N, S), pad_token_id, dtype=torch.int64)
+    input_ids_BS.view(-1)[valid_T] = input_ids_T.to(torch.int64).cpu()
+    if pin:
+        input_ids_BS, valid_T = input_ids_BS.pin_memory(), valid_T.pin_memory()
+    return Rows(input_ids_BS, valid_T, cu_N1)
+
+
+class PendingCapture:
+    """A launched capture: the forward and its copies are queued on the device, not yet done.
+
+    Made by :func:`launch_capture` under the GPU lock; :meth:`wait` is called after the lock is
+    released, so the next batch's forward is queued behind this one's without a gap while this
+    batch's states travel to the host on a side stream.
+    """
+
+    def __init__(self, states_host: dict[str, torch.Tensor], finite_TP_host: torch.Tensor, parts: list[str],
+                 cu_seqlens_N1: torch.Tensor, done: "torch.cuda.Event | None", keep_alive: tuple):
+        self._states_host, self._finite_TP_host, self._parts = states_host, finite_TP_host, parts
+        self._cu_N1, self._done, self._keep_alive = cu_seqlens_N1, done, keep_alive
+
+    def wait(self) -> CapturedBatch:
+        """Block until the states are on the host (releases the GIL meanwhile); return them."""
+        if self._done is not None:
+            self._done.synchronize()
+        self._keep_alive = ()  # device tensors may be reused only after the copies finished
+        return CapturedBatch(self._states_host, nonfinite_from_flags(self._finite_TP_host, self._cu_N1, self._parts))
+
+
 @torch.inference_mode()
-def capture_batch(
+def launch_capture(
     model: torch.nn.Module,
-    input_ids_T: torch.Tensor,
-    cu_seqlens_N1: torch.Tensor,
+    rows: Rows,
     selection: LayerSelection,
     *,
     store_dtype: torch.dtype,
-    pad_token_id: int = 0,
     host_buffer: "HostBuffer | None" = None,
-) -> CapturedBatch:
-    """Run one right-padded batch and return the shard tensors on the host.
+) -> PendingCapture:
+    """Queue one batch's forward, gather, finiteness flags and device-to-host copies; no host sync.
+
+    Attention: right-padded rows run WITHOUT an attention mask. Every layer of a decoder-only
+    model is causal (softmax attention under ``is_causal``, Gated DeltaNet's recurrence and its
+    causal short convolution), so token t of a row depends only on tokens 0..t of that row, and
+    padding placed after the last valid token can never reach a valid one. This keeps the
+    base model's fastest path (flash sdpa, fla kernels without a mask), the ceiling's path; the
+    padded positions' outputs are garbage and are never gathered. Left padding or packing would
+    need a mask or boundary-aware kernels (FIELD-NOTES section 2) and are not used.
 
     Args:
         model: a ``*ForCausalLM`` (or a bare decoder) on its device, in eval mode.
-        input_ids_T: int tensor [T] (any device): the batch's samples concatenated.
-        cu_seqlens_N1: int64 [N+1]: sample j is ``input_ids_T[cu[j]:cu[j+1]]``.
+        rows: from :func:`right_padded_rows`.
         selection: which layers (ascending ids) and final states to capture.
         store_dtype: dtype of the returned states (the cast happens on the device, before the copy).
-        pad_token_id: id written into the padding (masked out; its value never reaches a valid token).
-        host_buffer: reuse this (pinned, on CUDA) host memory for the copies instead of allocating:
-            pinning gigabytes per batch costs a large fraction of a forward. The returned tensors
-            then alias the buffer and stay valid only until its next use.
+        host_buffer: host memory (pinned on CUDA) the copies land in; the returned tensors alias
+            it and stay valid until its next use. Without it, fresh host tensors are allocated.
 
     Returns:
-        :class:`CapturedBatch`: ``states`` holds ``hidden_states`` [T, K, H] and, as asked,
-        ``final_postnorm`` / ``final_prenorm`` [T, H], on the CPU in ``store_dtype``; token t of
-        each is token t of ``input_ids_T``. ``nonfinite`` names the samples with NaN/Inf.
+        :class:`PendingCapture`; its ``wait()`` gives the :class:`CapturedBatch`.
 
     Raises:
         BadConfig: no decoder found, or a post-norm state asked of a model without a final norm.
-        FidelityError: the model's layer count is not the selection's.
+        FidelityError: the model's layer count is not the selection's, or a hook never fired.
     """
     decoder = decoder_of(model)
     _check_model(decoder, model, selection)
     device = next(decoder.module.parameters()).device
-
-    # 1. Right-padded rows [B, S] and their mask: valid_BS is True on the T real tokens, row-major,
-    #    so gathering with it yields tokens in input_ids_T order.
-    lengths_N = (cu_seqlens_N1[1:] - cu_seqlens_N1[:-1]).to(device)
-    N, S, T = lengths_N.shape[0], int(lengths_N.max()), int(cu_seqlens_N1[-1])
-    if input_ids_T.shape[0] != T:
-        raise FidelityError(f"input_ids has {input_ids_T.shape[0]} tokens but cu_seqlens ends at {T}")
-    valid_BS = torch.arange(S, device=device)[None, :] < lengths_N[:, None]
-    # Flat row-major positions of the T valid tokens: one host sync here, none in the hooks
-    # (boolean-mask indexing would sync at every hooked layer and starve the GPU's queue).
-    valid_T = valid_BS.reshape(-1).nonzero().squeeze(1)
-    input_ids_BS = torch.full((N, S), pad_token_id, dtype=torch.long, device=device)
-    input_ids_BS.view(-1)[valid_T] = input_ids_T.to(device=device, dtype=torch.long)
-    attention_mask_BS = valid_BS.long()
+    on_cuda = device.type == "cuda"
+    B, S, T = rows.shape
+    input_ids_BS = rows.input_ids_BS.to(device, non_blocking=True)
+    valid_T = rows.valid_T.to(device, non_blocking=True)
 
     def gather_TH(hidden_BSH: torch.Tensor) -> torch.Tensor:
-        return hidden_BSH.reshape(N * S, hidden_BSH.shape[-1]).index_select(0, valid_T)
+        return hidden_BSH.reshape(B * S, hidden_BSH.shape[-1]).index_select(0, valid_T)
 
-    # 2. Hooks keep only the valid tokens, cast to the store dtype, so padded activations are freed as
-    #    the forward goes on. states["hidden_states"] [T, K, H] is allocated by the first hook (H is
-    #    known then) and each layer writes its slot k: no stack, no second copy of the K layers.
+    # Hooks keep only the valid tokens, cast to the store dtype, so padded activations are freed as
+    # the forward goes on. states["hidden_states"] [T, K, H] is allocated by the first hook (H is
+    # known then) and each layer writes its slot k: no stack, no second copy of the K layers.
     slot_of_layer = {layer_id: k for k, layer_id in enumerate(selection.layer_ids)}
     last_layer = selection.num_layers - 1
     want_post = selection.final in ("postnorm", "both")
@@ -207,7 +272,7 @@ def capture_batch(
     if want_post:
         handles.append(decoder.norm.register_forward_hook(norm_hook))
     try:
-        decoder.module(input_ids=input_ids_BS, attention_mask=attention_mask_BS, use_cache=False)
+        decoder.module(input_ids=input_ids_BS, attention_mask=None, use_cache=False)
     except _StopForward:
         pass
     finally:
@@ -219,23 +284,82 @@ def capture_batch(
     if missing:
         raise FidelityError(f"{type(model).__name__}: the forward never produced {', '.join(missing)}; its hooks did not fire")
 
-    # 3. NaN/Inf per sample, found on the device (cheap there; a host-side scan of [T, K, H] is not).
-    nonfinite = nonfinite_samples(states, cu_seqlens_N1.to(device), selection.layer_ids)
+    # NaN/Inf flags per token and part, computed on the device (a host scan of [T, K, H] is not cheap)
+    # and copied with the states: [T, P] bools, read after wait().
+    finite_TP, parts = finite_flags(states, selection.layer_ids)
 
-    # 4. One device-to-host copy per captured tensor for the whole batch.
-    pin = device.type == "cuda"
+    # One device-to-host copy per captured tensor, on a side stream so that the next batch's forward
+    # (queued on the compute stream as soon as the GPU lock is released) overlaps with it.
     names = [n for n in ("hidden_states", "final_postnorm", "final_prenorm") if n in states]
+    specs = [(tuple(states[n].shape), store_dtype) for n in names] + [(tuple(finite_TP.shape), torch.bool)]
     if host_buffer is not None:
-        views = host_buffer.views([(tuple(states[n].shape), store_dtype) for n in names], pin=pin)
+        views = host_buffer.views(specs, pin=on_cuda)
     else:
-        views = [torch.empty(states[n].shape, dtype=store_dtype, pin_memory=pin) for n in names]
-    states_host = {}
-    for name, host in zip(names, views):
-        host.copy_(states[name], non_blocking=pin)
-        states_host[name] = host
-    if pin:
-        torch.cuda.current_stream(device).synchronize()
-    return CapturedBatch(states_host, nonfinite)
+        views = [torch.empty(shape, dtype=dtype, pin_memory=on_cuda) for shape, dtype in specs]
+    sources = [states[n] for n in names] + [finite_TP]
+    done = None
+    if on_cuda:
+        copy_stream = _copy_stream(device)
+        copy_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(copy_stream):
+            for host, source in zip(views, sources):
+                host.copy_(source, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(copy_stream)
+    else:
+        for host, source in zip(views, sources):
+            host.copy_(source)
+    # Kept alive until wait(): the copies read them, and the pinned inputs feed queued uploads.
+    keep_alive = (tuple(sources), input_ids_BS, valid_T, rows)
+    return PendingCapture(dict(zip(names, views[:-1])), views[-1], parts, rows.cu_seqlens_N1, done, keep_alive)
+
+
+_copy_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+_copy_streams_lock = threading.Lock()
+
+
+def _copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    with _copy_streams_lock:
+        if device not in _copy_streams:
+            _copy_streams[device] = torch.cuda.Stream(device)
+        return _copy_streams[device]
+
+
+def capture_batch(
+    model: torch.nn.Module,
+    input_ids_T: torch.Tensor,
+    cu_seqlens_N1: torch.Tensor,
+    selection: LayerSelection,
+    *,
+    store_dtype: torch.dtype,
+    pad_token_id: int = 0,
+    host_buffer: "HostBuffer | None" = None,
+) -> CapturedBatch:
+    """Run one right-padded batch and return the shard tensors on the host (blocking).
+
+    :func:`right_padded_rows` + :func:`launch_capture` + ``wait()``; a worker calls the parts
+    itself so that only the launch holds the GPU lock.
+
+    Args:
+        model: a ``*ForCausalLM`` (or a bare decoder) on its device, in eval mode.
+        input_ids_T: int tensor [T] (any device): the batch's samples concatenated.
+        cu_seqlens_N1: int64 [N+1]: sample j is ``input_ids_T[cu[j]:cu[j+1]]``.
+        selection: which layers (ascending ids) and final states to capture.
+        store_dtype: dtype of the returned states.
+        pad_token_id: id written into the padding (never reaches a valid token: see :func:`launch_capture`).
+        host_buffer: see :func:`launch_capture`.
+
+    Returns:
+        :class:`CapturedBatch`: ``states`` holds ``hidden_states`` [T, K, H] and, as asked,
+        ``final_postnorm`` / ``final_prenorm`` [T, H], on the CPU in ``store_dtype``; token t of
+        each is token t of ``input_ids_T``. ``nonfinite`` names the samples with NaN/Inf.
+
+    Raises:
+        BadConfig, FidelityError: as :func:`launch_capture` and :func:`right_padded_rows`.
+    """
+    device = next(decoder_of(model).module.parameters()).device
+    rows = right_padded_rows(input_ids_T, cu_seqlens_N1, pad_token_id=pad_token_id, pin=device.type == "cuda")
+    return launch_capture(model, rows, selection, store_dtype=store_dtype, host_buffer=host_buffer).wait()
 
 
 class HostBuffer:
@@ -274,33 +398,43 @@ class HostBuffer:
         return out
 
 
-def nonfinite_samples(states: dict[str, torch.Tensor], cu_seqlens_N1: torch.Tensor, layer_ids) -> dict[int, list[str]]:
-    """Samples whose captured states hold NaN or Inf, with the parts where they do.
+def finite_flags(states: dict[str, torch.Tensor], layer_ids) -> tuple[torch.Tensor, list[str]]:
+    """Per token and captured part, whether every value is finite: (bool [T, P], the P part names).
 
-    ``states`` maps ``hidden_states`` [T, K, H] and ``final_*`` [T, H] to tensors on any one device
-    (``cu_seqlens_N1`` on the same device). Returns {sample position j: ["3", "final_postnorm", ...]},
-    layers in id order then finals; {} when every value is finite.
+    ``states`` maps ``hidden_states`` [T, K, H] and ``final_*`` [T, H] to tensors on one device;
+    the flags are computed there (no host sync). Parts: the layer ids as strings, in the order of
+    ``layer_ids``, then the finals by name.
     """
     parts: list[str] = []
     finite_cols = []
     for name in sorted(states, key=lambda n: (n != "hidden_states", n)):
         tensor = states[name]
         if name == "hidden_states":
-            for k, layer_id in enumerate(layer_ids):
-                parts.append(str(layer_id))
-                finite_cols.append(torch.isfinite(tensor[:, k]).all(dim=-1))  # [T]
+            parts += [str(layer_id) for layer_id in layer_ids]
+            finite_cols.append(torch.isfinite(tensor).all(dim=-1))  # [T, K]
         else:
             parts.append(name)
-            finite_cols.append(torch.isfinite(tensor).all(dim=-1))
-    bad_TP = ~torch.stack(finite_cols, dim=1)
-    if not bool(bad_TP.any()):
+            finite_cols.append(torch.isfinite(tensor).all(dim=-1)[:, None])  # [T, 1]
+    return torch.cat(finite_cols, dim=1), parts
+
+
+def nonfinite_from_flags(finite_TP: torch.Tensor, cu_seqlens_N1: torch.Tensor, parts: list[str]) -> dict[int, list[str]]:
+    """Samples with a non-finite part, from :func:`finite_flags`'s output on the host:
+    {sample position j: [part names]}; {} when every flag is True."""
+    bad_TP = ~finite_TP.cpu().numpy()
+    if not bad_TP.any():
         return {}
-    lengths_N = cu_seqlens_N1[1:] - cu_seqlens_N1[:-1]
-    sample_of_T = torch.repeat_interleave(torch.arange(len(lengths_N), device=bad_TP.device), lengths_N)
-    bad_NP = torch.zeros((len(lengths_N), len(parts)), dtype=torch.int64, device=bad_TP.device)
-    bad_NP.index_add_(0, sample_of_T, bad_TP.long())
-    return {
-        j: [parts[p] for p in range(len(parts)) if row[p]]
-        for j, row in enumerate((bad_NP > 0).tolist())
-        if any(row)
-    }
+    cu = cu_seqlens_N1.cpu().numpy()
+    bad_NP = np.logical_or.reduceat(bad_TP, cu[:-1], axis=0)  # samples are never empty
+    return {j: [parts[p] for p in np.flatnonzero(row)] for j, row in enumerate(bad_NP) if row.any()}
+
+
+def nonfinite_samples(states: dict[str, torch.Tensor], cu_seqlens_N1: torch.Tensor, layer_ids) -> dict[int, list[str]]:
+    """Samples whose captured states hold NaN or Inf, with the parts where they do.
+
+    ``states`` maps ``hidden_states`` [T, K, H] and ``final_*`` [T, H] to tensors on any one device.
+    Returns {sample position j: ["3", "final_postnorm", ...]}, layers in id order then finals;
+    {} when every value is finite.
+    """
+    finite_TP, parts = finite_flags(states, layer_ids)
+    return nonfinite_from_flags(finite_TP, cu_seqlens_N1, parts)

@@ -42,7 +42,7 @@ from core.runconfig import load_run
 from core.shard import select_samples, shard_metadata
 from core.store import open_store
 from settings import Settings
-from workers.capture import HostBuffer, capture_batch
+from workers.capture import HostBuffer, launch_capture, right_padded_rows
 from workers import faults
 from workers.heartbeat import process_heartbeat
 from workers.spool import is_disk_full, process_spool, spool_file_name, spool_full_error, write_shard
@@ -165,8 +165,15 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     job.heartbeat.spool = spool
     expected = shard_bytes_estimate(plan.num_tokens, plan.num_samples, states_per_token, target.info.hidden_size,
                                     store_dtype.itemsize)
+    # Rows and their indices are laid out (and pinned) on the host before the lock: under it,
+    # nothing but queueing the forward and its copies.
+    rows = right_padded_rows(torch.from_numpy(plan.input_ids_T), cu_seqlens_N1, pad_token_id=target.pad_token_id,
+                             pin=target.device.type == "cuda")
     job.phase("waiting_gpu")
-    # One batch on the GPU at a time; the other task threads write and store their shards meanwhile.
+    # One batch is queued on the GPU at a time. The lock is released as soon as the forward and its
+    # copies are queued (no host sync), so the next thread's forward is queued right behind it and
+    # the GPU never idles between batches, while this thread waits for its copies and then writes
+    # and stores its shard.
     with target.gpu_lock:
         # Backpressure, checked by the thread whose forward is next: wait for room in the spool and for
         # the pending uploads to drain. Holding the GPU lock meanwhile costs nothing: every other
@@ -175,17 +182,11 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
                                  on_wait=lambda reason: job.phase("paused" if reason else "forward"))
         job.phase("forward")
         t_fwd = time.perf_counter()
-        captured = capture_batch(
-            target.model,
-            torch.from_numpy(plan.input_ids_T),
-            cu_seqlens_N1,
-            selection,
-            store_dtype=store_dtype,
-            pad_token_id=target.pad_token_id,
-            host_buffer=_host_buffer(),
-        )
-        forward_s = time.perf_counter() - t_fwd
-        faults.pause(settings.faults, "forward", batch)
+        pending = launch_capture(target.model, rows, selection, store_dtype=store_dtype, host_buffer=_host_buffer())
+        launch_s = time.perf_counter() - t_fwd
+    captured = pending.wait()
+    forward_s = time.perf_counter() - t_fwd
+    faults.pause(settings.faults, "forward", batch)
     job.ticket.forward_done()
 
     tensors = {
@@ -256,6 +257,7 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         "num_quarantined": len(quarantined),
         "worker": {"host": socket.gethostname(), "pid": os.getpid(), "device": target.engine["device"]},
         "forward_s": round(forward_s, 4),
+        "launch_s": round(launch_s, 4),
         "write_s": round(t_store - t_write, 4),
         "store_s": round(t_verify - t_store, 4),
         "verify_s": round(t_done - t_verify, 4),

@@ -306,18 +306,21 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # data starts 8-byte aligned
+    pieces = [memoryview(struct.pack("<Q", len(head))), memoryview(head)]
+    for name in order:
+        raw = _raw_bytes(tensors[name])
+        pieces += [raw[start : start + _CHUNK_BYTES] for start in range(0, len(raw), _CHUNK_BYTES)]
+    # The hash runs in a second thread over the same host memory while this one writes: both
+    # release the GIL per chunk, so a shard costs max(write, hash) instead of their sum.
     sha = hashlib.sha256()
+    hasher = threading.Thread(target=lambda: [sha.update(piece) for piece in pieces], name="shard-sha256", daemon=True)
+    hasher.start()
     total = 0
-    with open(path, "wb") as f:
-        for piece in (struct.pack("<Q", len(head)), head):
-            f.write(piece)
-            sha.update(piece)
-            total += len(piece)
-        for name in order:
-            raw = _raw_bytes(tensors[name])
-            for start in range(0, len(raw), _CHUNK_BYTES):
-                chunk = raw[start : start + _CHUNK_BYTES]
-                f.write(chunk)
-                sha.update(chunk)
-                total += len(chunk)
+    try:
+        with open(path, "wb") as f:
+            for piece in pieces:
+                f.write(piece)
+                total += len(piece)
+    finally:
+        hasher.join()
     return total, sha.hexdigest()
