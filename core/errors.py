@@ -56,5 +56,10 @@ class RunConflict(HsxError):
     """A run id already exists in the store with another config; nothing was written."""
 
 
+class RunFormatError(HsxError):
+    """A run's ``run.json`` cannot be read: not a run config, or written by a newer hsx (an
+    ``identity_version`` this code does not know)."""
+
+
 class FidelityError(HsxError):
     """Data would be wrong if we went on (shard does not match its marker, ids do not echo the plan)."""

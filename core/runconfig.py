@@ -1,26 +1,71 @@
-"""The run config (``run.json``): everything that decides the bytes of a run's output.
+"""The run config (``run.json``): what a run extracts and how, and its **identity**.
 
-The run id is derived from the config and the dataset's content, so the same dataset and config
-always give the same run id (re-running ``enqueue`` resumes), and a different config can never be
-written into an existing run by accident (:class:`core.errors.RunConflict`).
+The run id is derived from the identity and the dataset's content, so the same dataset and config
+always give the same run id (re-running ``enqueue`` / ``run`` resumes), and a different config can
+never be written into an existing run by accident (:class:`core.errors.RunConflict`). Every marker
+carries the identity's sha256 (``config_sha256``); ``verify`` and the readers accept a marker only
+when it equals the one computed from ``run.json``.
+
+The identity is an explicit, versioned list of fields: :data:`IDENTITY_FIELDS` for the
+``identity_version`` recorded in ``run.json``. Fields not in the list (:data:`NON_IDENTITY_FIELDS`)
+are recorded but never hashed, so adding a field to :class:`RunConfig` does not by itself change any
+run id or make the markers of existing runs fail ``verify``.
+
+Identity versions:
+
+| version | fields hashed | notes |
+|---|---|---|
+| 1 | ``model``, ``model_name``, ``layers``, ``max_length``, ``batch_tokens``, ``max_batch_samples``, ``store_dtype``, ``tokenizer``, ``dataset_fingerprint``, ``limit``, ``sample_policy``, ``schema_version`` | what every run made before ``identity_version`` existed hashed (every field but ``run_id``, ``created_at``, ``dataset_source`` and ``stats``); a ``run.json`` without ``identity_version`` is version 1. ``identity_version`` itself is not hashed, so those runs keep their ids and their markers' ``config_sha256`` |
+
+Why each version-1 field decides the bytes of the shards: ``model`` (name, type, layer count,
+hidden size, revision: which weights), ``tokenizer`` (class, vocab size, chat template sha256,
+end-of-turn ids, ``enable_thinking``: which token ids and loss masks), ``dataset_fingerprint`` and
+``limit`` (which records), ``sample_policy`` (which records become samples, truncated or dropped),
+``max_length`` (truncation), ``batch_tokens`` and ``max_batch_samples`` (which samples share a
+shard), ``layers`` (which states: ids, final states), ``store_dtype``, ``schema_version`` (the
+layout). ``model_name`` repeats ``model.name``, and ``layers`` also holds derived indices and the
+draft config it was read from (``source``): kept because version 1 hashed them.
+
+Adding a field to :class:`RunConfig`:
+
+- give it a default that means what the code did before it existed (so older ``run.json`` files
+  load with the right value);
+- if it does not change the bytes of the shards, add it to :data:`NON_IDENTITY_FIELDS`: no run id
+  changes;
+- if it does, add ``IDENTITY_FIELDS[n + 1] = IDENTITY_FIELDS[n] + ("new_field",)``, set
+  :data:`IDENTITY_VERSION` to ``n + 1`` and add a row to the table above. From version 2 on,
+  ``identity_version`` is hashed too. Runs of older versions keep their ids and still verify (their
+  identity is computed with their own version's list); new runs get new ids.
+
+``tests/test_runconfig.py`` fails when a field is in neither list.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 
-from core.errors import RunConflict
+from core.errors import RunConflict, RunFormatError
 from core.store import Store
 
 SCHEMA_VERSION = 1
 RUN_JSON = "run.json"
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-# Fields that are reported but do not change the output bytes: excluded from the identity.
-_NON_IDENTITY = ("run_id", "created_at", "dataset_source", "stats")
+#: The identity version of the runs this code creates.
+IDENTITY_VERSION = 1
+#: The version of a ``run.json`` written without ``identity_version`` (before it existed).
+LEGACY_IDENTITY_VERSION = 1
+#: Per identity version, the run.json fields hashed into the identity (see the module docstring).
+IDENTITY_FIELDS: dict[int, tuple[str, ...]] = {
+    1: ("model", "model_name", "layers", "max_length", "batch_tokens", "max_batch_samples", "store_dtype",
+        "tokenizer", "dataset_fingerprint", "limit", "sample_policy", "schema_version"),
+}
+#: Fields recorded in run.json that never change the bytes of the shards: never hashed.
+NON_IDENTITY_FIELDS = ("identity_version", "run_id", "created_at", "dataset_source", "stats")
 
 
 @dataclass
@@ -33,7 +78,11 @@ class RunConfig:
     template hash, end-of-turn ids and ``enable_thinking`` (None: the template's default).
     ``sample_policy``: which records become samples and how: ``over_length`` (``truncate`` or
     ``drop``), ``allow_text`` (plain-text records used) and ``min_consecutive_supervised``; empty
-    in run.json files written before it existed.
+    in run.json files written before it existed. ``identity_version`` says which fields make the
+    identity (:data:`IDENTITY_FIELDS`).
+
+    Keys of a run.json that this code does not know (written by a newer version) are kept in
+    ``extra`` and written back, never hashed.
     """
 
     model: dict
@@ -49,16 +98,38 @@ class RunConfig:
     limit: int | None
     sample_policy: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    identity_version: int = IDENTITY_VERSION
     run_id: str = ""
     created_at: str = ""
     stats: dict = field(default_factory=dict)
+    #: run.json keys this code does not know; kept, never hashed.
+    extra: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: identity fields the loaded run.json did not hold (it predates them): left out of the hash,
+    #: as the code that wrote it did.
+    _absent: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
-    def identity(self) -> dict:
-        """The part of the config that decides the output bytes (used for the run id and conflicts)."""
-        return {k: v for k, v in self.as_dict().items() if k not in _NON_IDENTITY}
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The fields written to run.json (not ``extra``)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init)
 
-    def identity_sha256(self) -> str:
-        return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
+    def identity(self, version: int | None = None) -> dict:
+        """The fields that decide the output bytes, as hashed for the run id and the markers.
+
+        ``version``: the identity version to compute (default: this config's own). A config
+        compared with a run of a newer version takes its newer fields' defaults.
+        """
+        version = self.identity_version if version is None else version
+        names = identity_fields(version)
+        absent = self._absent if version == self.identity_version else frozenset()
+        out = {k: getattr(self, k) for k in names if k not in absent}
+        if version >= 2:
+            out["identity_version"] = version
+        return out
+
+    def identity_sha256(self, version: int | None = None) -> str:
+        """sha256 of :meth:`identity`: the ``config_sha256`` of the run's markers."""
+        return hashlib.sha256(json.dumps(self.identity(version), sort_keys=True).encode()).hexdigest()
 
     def default_run_id(self, dataset_name: str) -> str:
         """``<dataset name>-<12 hex of the identity hash>``, e.g. ``sharegpt-3fa9c1d2e4b5``."""
@@ -66,14 +137,50 @@ class RunConfig:
         return f"{stem}-{self.identity_sha256()[:12]}"
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        out = dict(self.extra)
+        out.update({k: getattr(self, k) for k in self.field_names()})
+        return out
 
     def to_json(self) -> bytes:
         return json.dumps(self.as_dict(), indent=2, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> "RunConfig":
-        return cls(**json.loads(data))
+        """Read a run.json of any identity version this code knows.
+
+        A run.json without ``identity_version`` is version 1 (:data:`LEGACY_IDENTITY_VERSION`).
+
+        Raises:
+            RunFormatError: not a run config, or an identity version this code does not know.
+        """
+        try:
+            raw = json.loads(data)
+        except ValueError as exc:
+            raise RunFormatError(f"run.json is not JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise RunFormatError("run.json is not a JSON object")
+        version = raw.get("identity_version", LEGACY_IDENTITY_VERSION)
+        identity_fields(version)  # RunFormatError for a version this code does not know
+        names = set(cls.field_names())
+        kwargs = {k: v for k, v in raw.items() if k in names}
+        kwargs["identity_version"] = version
+        try:
+            config = cls(**kwargs)
+        except TypeError as exc:
+            raise RunFormatError(f"run.json lacks a required field ({exc})") from None
+        config.extra = {k: v for k, v in raw.items() if k not in names}
+        config._absent = frozenset(k for k in IDENTITY_FIELDS[version] if k not in raw)
+        return config
+
+
+def identity_fields(version: int) -> tuple[str, ...]:
+    """The fields hashed at identity ``version``. Raises :class:`RunFormatError` for an unknown one."""
+    if isinstance(version, bool) or not isinstance(version, int) or version not in IDENTITY_FIELDS:
+        raise RunFormatError(
+            f"run.json has identity_version {version!r}; this version of hsx knows "
+            f"{', '.join(map(str, sorted(IDENTITY_FIELDS)))}: it was written by a newer hsx, upgrade to read it"
+        )
+    return IDENTITY_FIELDS[version]
 
 
 def check_run_id(run_id: str) -> str:
@@ -95,15 +202,21 @@ def diff_identity(old: dict, new: dict) -> list[str]:
 def claim_run(run_store: Store, config: RunConfig) -> bool:
     """Write ``run.json`` if absent; if present, check it holds the same identity.
 
+    The two are compared at the newer of their identity versions, so a run made by an older
+    version of hsx is resumed (its run.json is left as it is) when nothing that decides the bytes
+    differs.
+
     Returns True when this call created the run, False when it already existed with the same config.
 
     Raises:
         RunConflict: the stored run.json has another config (nothing is written).
+        RunFormatError: the stored run.json cannot be read (an identity version this code does not know).
     """
     if run_store.create(RUN_JSON, config.to_json()):
         return True
     stored = RunConfig.from_json(run_store.read(RUN_JSON))
-    differences = diff_identity(stored.identity(), config.identity())
+    version = max(stored.identity_version, config.identity_version)
+    differences = diff_identity(stored.identity(version), config.identity(version))
     if differences:
         raise RunConflict(
             f"run {config.run_id!r} already exists at {run_store.url} with another config:\n  "
@@ -114,5 +227,10 @@ def claim_run(run_store: Store, config: RunConfig) -> bool:
 
 
 def load_run(run_store: Store) -> RunConfig:
-    """Read ``run.json``. Raises :class:`core.store.MissingKey` if the run does not exist."""
+    """Read ``run.json``.
+
+    Raises:
+        core.store.MissingKey: the run does not exist.
+        RunFormatError: run.json cannot be read by this version of hsx.
+    """
     return RunConfig.from_json(run_store.read(RUN_JSON))

@@ -1,0 +1,192 @@
+"""Run identity: which fields decide a run's id and its markers' ``config_sha256``, and that runs
+written by earlier versions of hsx keep both.
+
+Fixtures in ``tests/data/legacy-runs/`` (how they were made: its ``SOURCE.md``): a complete run
+written by commit 64dc5fc, before ``identity_version`` existed, and the run.json of an older commit
+(f4b7035) written before ``sample_policy`` existed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from core.errors import RunConflict, RunFormatError
+from core.runconfig import (
+    IDENTITY_FIELDS,
+    IDENTITY_VERSION,
+    NON_IDENTITY_FIELDS,
+    RunConfig,
+    claim_run,
+    load_run,
+)
+from core.store import open_store
+from producer.verify import verify_run
+
+LEGACY = Path(__file__).resolve().parent / "data" / "legacy-runs"
+LEGACY_RUN = LEGACY / "chats-307617162427"
+#: What commit 64dc5fc computed for LEGACY_RUN (its markers carry it).
+LEGACY_SHA = "30761716242746dd4798c255c9c5e338c71a48e06ac95d2068c4e269815eb521"
+#: What commit f4b7035 computed for run-f4b7035.json.
+F4B_SHA = "8bbaf20ab65cbc039b943f1d8fbe9127a9461edec5420875ba728504f151c5a4"
+
+
+def _legacy_config() -> RunConfig:
+    return RunConfig.from_json((LEGACY_RUN / "run.json").read_bytes())
+
+
+def _copy(tmp_path: Path) -> Path:
+    target = tmp_path / LEGACY_RUN.name
+    shutil.copytree(LEGACY_RUN, target)
+    return target
+
+
+# --- runs written before identity_version existed ---------------------------------------------
+
+
+def test_a_run_written_before_identity_version_keeps_its_run_id_and_marker_hash():
+    raw = json.loads((LEGACY_RUN / "run.json").read_bytes())
+    assert "identity_version" not in raw
+    config = _legacy_config()
+    assert config.identity_version == 1
+    assert config.identity_sha256() == LEGACY_SHA
+    assert config.default_run_id("chats") == config.run_id == LEGACY_RUN.name
+    for marker in (LEGACY_RUN / "markers").glob("*.json"):
+        assert json.loads(marker.read_text())["config_sha256"] == LEGACY_SHA
+
+
+def test_a_run_written_before_identity_version_still_verifies(tmp_path):
+    run_store = open_store(str(_copy(tmp_path)))
+    report = verify_run(run_store)
+    assert report["ok"], report["problems"]
+    assert report["run_id"] == LEGACY_RUN.name
+    assert report["batches_done"] == report["batches_planned"] == 2
+
+
+def test_a_run_json_older_than_sample_policy_hashes_as_the_code_that_wrote_it():
+    """Fields a run.json predates are left out of its hash, as they were when it was written."""
+    raw = json.loads((LEGACY / "run-f4b7035.json").read_bytes())
+    assert "sample_policy" not in raw and "enable_thinking" not in raw["tokenizer"]
+    config = RunConfig.from_json((LEGACY / "run-f4b7035.json").read_bytes())
+    assert config.sample_policy == {}  # the field's default, for code that reads it
+    assert config.identity_sha256() == F4B_SHA
+    assert config.default_run_id("chats") == config.run_id == "chats-8bbaf20ab65c"
+
+
+def test_resuming_a_run_written_before_identity_version_with_the_same_options_is_accepted(tmp_path):
+    """The current code plans the same config: same identity, so claim_run resumes the old run
+    without rewriting its run.json."""
+    run_dir = _copy(tmp_path)
+    before = (run_dir / "run.json").read_bytes()
+    requested = _legacy_config()
+    requested.created_at = "2030-01-01T00:00:00+00:00"
+    requested.dataset_source = "/elsewhere/chats.jsonl"
+    assert claim_run(open_store(str(run_dir)), requested) is False
+    assert (run_dir / "run.json").read_bytes() == before
+
+
+# --- what is and is not part of the identity ----------------------------------------------------
+
+
+def test_every_field_is_either_in_the_identity_or_declared_outside_it():
+    """Adding a RunConfig field forces a decision: list it in NON_IDENTITY_FIELDS, or bump IDENTITY_VERSION."""
+    names = set(RunConfig.field_names())
+    identity = set(IDENTITY_FIELDS[IDENTITY_VERSION])
+    assert identity.isdisjoint(NON_IDENTITY_FIELDS)
+    assert names == identity | set(NON_IDENTITY_FIELDS)
+
+
+def test_version_1_hashes_exactly_what_runs_before_identity_version_hashed():
+    assert IDENTITY_FIELDS[1] == ("model", "model_name", "layers", "max_length", "batch_tokens", "max_batch_samples",
+                                  "store_dtype", "tokenizer", "dataset_fingerprint", "limit", "sample_policy",
+                                  "schema_version")
+
+
+def test_new_runs_record_their_identity_version_and_it_round_trips():
+    config = _legacy_config()
+    written = json.loads(config.to_json())
+    assert written["identity_version"] == IDENTITY_VERSION
+    again = RunConfig.from_json(config.to_json())
+    assert again == config and again.identity_sha256() == config.identity_sha256() == LEGACY_SHA
+
+
+def test_a_new_field_outside_the_identity_does_not_change_the_run_id():
+    @dataclasses.dataclass
+    class FutureRunConfig(RunConfig):
+        spool_hint: str = "nvme"
+
+    base = _legacy_config()
+    future = FutureRunConfig(**{k: copy.deepcopy(getattr(base, k)) for k in RunConfig.field_names()}, spool_hint="shm")
+    assert future.identity_sha256() == base.identity_sha256()
+    assert future.default_run_id("chats") == base.default_run_id("chats") == LEGACY_RUN.name
+
+
+def test_a_run_json_with_a_field_this_code_does_not_know_loads_keeps_it_and_still_verifies(tmp_path):
+    """A newer hsx may add recorded fields; this code loads such a run, with the same identity."""
+    run_dir = _copy(tmp_path)
+    raw = json.loads((run_dir / "run.json").read_bytes())
+    raw["identity_version"] = 1
+    raw["spool_hint"] = "nvme"
+    (run_dir / "run.json").write_text(json.dumps(raw))
+    config = load_run(open_store(str(run_dir)))
+    assert config.extra == {"spool_hint": "nvme"}
+    assert json.loads(config.to_json())["spool_hint"] == "nvme"
+    assert config.identity_sha256() == LEGACY_SHA
+    assert verify_run(open_store(str(run_dir)))["ok"]
+
+
+@pytest.mark.parametrize("name,value", [
+    ("model", {"revision": "another-checkpoint"}),
+    ("model_name", "other-model"),
+    ("layers", {"layer_ids": [1, 2, 4]}),
+    ("max_length", 128),
+    ("batch_tokens", 256),
+    ("max_batch_samples", 2),
+    ("store_dtype", "float32"),
+    ("tokenizer", {"chat_template_sha256": "0" * 64}),
+    ("dataset_fingerprint", "f" * 64),
+    ("limit", 3),
+    ("sample_policy", {"over_length": "drop"}),
+    ("schema_version", 2),
+])
+def test_changing_an_identity_field_changes_the_run_id(name, value):
+    base = _legacy_config()
+    changed = _legacy_config()
+    old = getattr(changed, name)
+    setattr(changed, name, {**old, **value} if isinstance(old, dict) else value)
+    assert changed.default_run_id("chats") != base.default_run_id("chats")
+    assert changed.identity_sha256() != LEGACY_SHA
+
+
+@pytest.mark.parametrize("name,value", [
+    ("run_id", "another-id"),
+    ("created_at", "2030-01-01T00:00:00+00:00"),
+    ("dataset_source", "/elsewhere/chats.jsonl"),
+    ("stats", {"samples": 4}),
+])
+def test_recorded_fields_outside_the_identity_do_not_change_the_run_id(name, value):
+    changed = _legacy_config()
+    setattr(changed, name, value)
+    assert changed.identity_sha256() == LEGACY_SHA
+
+
+def test_a_run_with_the_same_id_and_another_identity_is_refused_naming_the_field(tmp_path):
+    run_dir = _copy(tmp_path)
+    requested = _legacy_config()
+    requested.max_length = 128
+    with pytest.raises(RunConflict, match="max_length: stored 64 != requested 128"):
+        claim_run(open_store(str(run_dir)), requested)
+
+
+def test_a_run_json_of_an_unknown_identity_version_is_refused_with_what_to_do(tmp_path):
+    run_dir = _copy(tmp_path)
+    raw = json.loads((run_dir / "run.json").read_bytes())
+    raw["identity_version"] = IDENTITY_VERSION + 1
+    (run_dir / "run.json").write_text(json.dumps(raw))
+    with pytest.raises(RunFormatError, match="newer hsx, upgrade"):
+        load_run(open_store(str(run_dir)))
