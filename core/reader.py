@@ -25,6 +25,11 @@ Each sample is::
     final_postnorm   bf16/fp32 [S, H]       when the run stored it (and it was asked for)
     final_prenorm    bf16/fp32 [S, H]       when the run stored it (and it was asked for)
 
+in the run's stored dtype, except for an fp8 run (``--store-dtype fp8``, ``core/fp8.py``): its
+states are dequantised (``q * scale`` per token and layer) to ``dequant_dtype``, bf16 by default,
+so that a user never sees fp8 unless they ask: ``raw=True`` returns the stored float8_e4m3fn
+tensors as they are, with ``hidden_states_scale`` float32 [S, K] and ``final_*_scale`` float32 [S].
+
 Only batches whose marker exists and carries the run's ``config_sha256`` are read (a batch is done
 if and only if that holds, core/marker.py). Samples a marker lists as ``quarantined`` are never
 returned, whether or not their rows are in the shard. A sample certified by two markers is a
@@ -202,25 +207,40 @@ def _final_names(config: RunConfig, finals: str) -> tuple[str, ...]:
     return asked
 
 
-def read_sample(f, start: int, end: int, finals: tuple[str, ...]) -> dict:
+def read_sample(f, start: int, end: int, finals: tuple[str, ...], *, dequant_dtype=None, raw: bool = False) -> dict:
     """One sample's tensors from an open ``safe_open(..., framework="pt")`` handle.
 
     Rows ``[start, end)`` only: ``get_slice`` reads those bytes of the memory-mapped file.
     Returns ``input_ids`` / ``loss_mask`` int64 [S], ``hidden_states`` [S, K*H] and the asked
-    ``finals`` [S, H] in the stored dtype.
+    ``finals`` [S, H] in the stored dtype; from an fp8 shard (it holds ``hidden_states_scale``)
+    dequantised to ``dequant_dtype`` (default bf16), or with ``raw`` the stored float8_e4m3fn
+    tensors plus their scales (``hidden_states_scale`` float32 [S, K], ``<final>_scale`` [S]).
     """
     import torch
 
+    from core.fp8 import dequantize_fp8, scale_name
+
     hidden_SKH = f.get_slice("hidden_states")[start:end]
     S, K, H = hidden_SKH.shape
+    scaled = scale_name("hidden_states") in f.keys()
+    dtype = torch.bfloat16 if dequant_dtype is None else dequant_dtype
+
+    def state(name: str, value: torch.Tensor) -> torch.Tensor:
+        if not scaled or raw:
+            return value
+        return dequantize_fp8(value, f.get_slice(scale_name(name))[start:end], dtype)
+
     out = {
         "input_ids": f.get_slice("input_ids")[start:end].to(torch.int64),
         "loss_mask": f.get_slice("loss_mask")[start:end].to(torch.int64),
         # Row-major [S, K, H] -> [S, K*H] is a view: layer k is columns k*H:(k+1)*H.
-        "hidden_states": hidden_SKH.reshape(S, K * H),
+        "hidden_states": state("hidden_states", hidden_SKH).reshape(S, K * H),
     }
     for name in finals:
-        out[name] = f.get_slice(name)[start:end]
+        out[name] = state(name, f.get_slice(name)[start:end])
+    if scaled and raw:
+        for name in ("hidden_states", *finals):
+            out[scale_name(name)] = f.get_slice(scale_name(name))[start:end]
     return out
 
 
@@ -241,6 +261,9 @@ class HiddenStatesDataset(_Dataset):
         finals: which final states to return: ``present`` (default: what the run stored),
             ``none``, ``postnorm``, ``prenorm`` or ``both``.
         settings: :class:`settings.Settings` for opening ``run`` (only needed for URLs).
+        dequant_dtype: dtype the states of an fp8 run are dequantised to (default ``torch.bfloat16``);
+            other runs return their stored dtype.
+        raw: an fp8 run's stored float8_e4m3fn tensors and their ``*_scale`` tensors, not dequantised.
 
     Raises:
         BadConfig: the run is not on a local filesystem (use :class:`IterableHiddenStatesDataset`),
@@ -249,8 +272,10 @@ class HiddenStatesDataset(_Dataset):
         core.store.MissingKey: no ``run.json`` at ``run``.
     """
 
-    def __init__(self, run: str | Path | Store, *, finals: str = "present", settings=None):
+    def __init__(self, run: str | Path | Store, *, finals: str = "present", settings=None, dequant_dtype=None,
+                 raw: bool = False):
         store = _open_run(run, settings)
+        self.dequant_dtype, self.raw = dequant_dtype, raw
         self.config = load_run(store)
         probe = store.local_path("run.json")
         if probe is None:
@@ -328,7 +353,8 @@ class HiddenStatesDataset(_Dataset):
         if not 0 <= i < n:
             raise IndexError(f"index {i} out of range for {n} samples")
         f = self._handle(int(self._shard_N[i]))
-        sample = read_sample(f, int(self._start_N[i]), int(self._end_N[i]), self.finals)
+        sample = read_sample(f, int(self._start_N[i]), int(self._end_N[i]), self.finals, dequant_dtype=self.dequant_dtype,
+                             raw=self.raw)
         return {"sample_index": int(self._sample_index_N[i]), **sample}
 
     def __getstate__(self) -> dict:
@@ -354,11 +380,12 @@ class IterableHiddenStatesDataset(_IterableDataset):
         verify: hash each shard against its marker before reading it (default: only downloaded
             copies, which costs no extra read; ``True``: local files too; ``False``: never).
         tmp_dir: where downloaded shards live while they are read (default: system temp dir).
+        dequant_dtype, raw: as for :class:`HiddenStatesDataset` (fp8 runs).
     """
 
     def __init__(self, run: str | Path | Store, *, finals: str = "present", settings=None, shuffle_shards: bool = False,
                  seed: int = 0, rank: int = 0, world_size: int = 1, verify: bool | None = None,
-                 tmp_dir: Path | None = None):
+                 tmp_dir: Path | None = None, dequant_dtype=None, raw: bool = False):
         if not 0 <= rank < world_size:
             raise BadConfig(f"rank {rank} / world_size {world_size}: need 0 <= rank < world_size")
         self.store = _open_run(run, settings)
@@ -373,6 +400,7 @@ class IterableHiddenStatesDataset(_IterableDataset):
         self.world_size = world_size
         self.verify = verify
         self.tmp_dir = tmp_dir
+        self.dequant_dtype, self.raw = dequant_dtype, raw
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -408,7 +436,8 @@ class IterableHiddenStatesDataset(_IterableDataset):
                 for j, sample in enumerate(sample_index_N):
                     if sample in skip:
                         continue
-                    yield {"sample_index": int(sample), **read_sample(f, cu_N1[j], cu_N1[j + 1], self.finals)}
+                    yield {"sample_index": int(sample), **read_sample(f, cu_N1[j], cu_N1[j + 1], self.finals,
+                                                                      dequant_dtype=self.dequant_dtype, raw=self.raw)}
 
     def __iter__(self) -> Iterator[dict]:
         for batch in self.batches():

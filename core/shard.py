@@ -8,9 +8,19 @@ Legend: T = valid tokens in the batch, N = samples, K = captured layers, H = hid
 | loss_mask      | uint8                 | [T]     | 1 on tokens the draft model is trained to predict            |
 | cu_seqlens     | int64                 | [N+1]   | sample boundaries: sample j is rows [cu[j], cu[j+1])         |
 | sample_index   | int64                 | [N]     | the sample's row in the run's plan (``plan/samples.jsonl``)  |
-| hidden_states  | bf16 / fp32           | [T,K,H] | the K captured layers, ascending layer id (output-of, 0-based)|
-| final_postnorm | bf16 / fp32           | [T,H]   | optional: last layer after the model's final norm            |
-| final_prenorm  | bf16 / fp32           | [T,H]   | optional: last layer before the final norm                   |
+| hidden_states  | bf16 / fp32 / fp8     | [T,K,H] | the K captured layers, ascending layer id (output-of, 0-based)|
+| final_postnorm | bf16 / fp32 / fp8     | [T,H]   | optional: last layer after the model's final norm            |
+| final_prenorm  | bf16 / fp32 / fp8     | [T,H]   | optional: last layer before the final norm                   |
+| hidden_states_scale  | fp32            | [T,K]   | fp8 runs only: the scale of each token's layer slot k        |
+| final_postnorm_scale | fp32            | [T]     | fp8 runs only, with final_postnorm                           |
+| final_prenorm_scale  | fp32            | [T]     | fp8 runs only, with final_prenorm                            |
+
+fp8 (``store_dtype`` ``fp8``, ``--store-dtype fp8``) is float8 e4m3 (safetensors ``F8_E4M3``,
+``torch.float8_e4m3fn``) with one float32 scale per token and part: ``scale = amax(|x|) / 448``
+over the H values (1 for a zero row), ``q = x / scale``; the value is ``q.float() * scale[..., None]``
+(:func:`core.fp8.dequantize_fp8`), within ``2**-4 |x| + 2**-10 scale`` of the captured one, at most
+1/28 of the token's largest value (``core/fp8.py``). The readers (``core/reader.py``) and the
+exports return dequantised tensors (bf16 by default); ``raw=True`` gives the stored ones.
 
 A shard holds the batch's planned samples minus the quarantined ones: a sample whose captured
 states hold NaN or Inf is left out (its tokens, ids, mask and states; ``cu_seqlens`` and
@@ -19,7 +29,8 @@ reason (see ``core/marker.py``). ``sample_index`` says which planned samples a s
 
 String metadata (safetensors header): ``schema_version``, ``run_id``, ``batch``, ``layer_ids``
 (JSON list), ``layer_id_convention``, ``hf_hidden_states_indices``, ``vllm_ids``, ``final``,
-``model``, ``engine`` (JSON: torch / transformers / fla / causal-conv1d versions, device, dtypes).
+``model``, ``engine`` (JSON: torch / transformers / fla / causal-conv1d versions, device, dtypes);
+fp8 shards add ``store_dtype`` (``fp8``) and ``fp8_scaling`` (the convention in words).
 """
 
 from __future__ import annotations
@@ -32,10 +43,27 @@ from core.errors import FidelityError
 SCHEMA_VERSION = 1
 REQUIRED = ("input_ids", "loss_mask", "cu_seqlens", "sample_index", "hidden_states")
 FINAL_NAMES = {"postnorm": ("final_postnorm",), "prenorm": ("final_prenorm",), "both": ("final_postnorm", "final_prenorm"), "none": ()}
+FP8_STORE_DTYPE = "fp8"
+FP8_SCALING = ("float8_e4m3fn, one float32 scale per token and part in <name>_scale: scale = amax(|x|) / 448 "
+               "(1 for a zero row), value = q * scale")
 
 
-def shard_metadata(run_id: str, batch: str, layers: dict, model: dict, engine: dict) -> dict[str, str]:
-    """The safetensors header metadata of a shard (all values are strings, as safetensors requires)."""
+def state_names(final: str, store_dtype: str) -> tuple[str, ...]:
+    """The state tensors of a shard: ``hidden_states``, the finals of ``final``, and for an fp8 run
+    each one's ``<name>_scale``."""
+    names = ("hidden_states",) + FINAL_NAMES[final]
+    if store_dtype == FP8_STORE_DTYPE:
+        names += tuple(n + "_scale" for n in names)
+    return names
+
+
+def shard_metadata(run_id: str, batch: str, layers: dict, model: dict, engine: dict,
+                   store_dtype: str | None = None) -> dict[str, str]:
+    """The safetensors header metadata of a shard (all values are strings, as safetensors requires).
+
+    ``store_dtype`` ``fp8`` adds ``store_dtype`` and ``fp8_scaling`` (other dtypes add nothing, so
+    their headers are what they always were)."""
+    extra = {"store_dtype": FP8_STORE_DTYPE, "fp8_scaling": FP8_SCALING} if store_dtype == FP8_STORE_DTYPE else {}
     return {
         "schema_version": str(SCHEMA_VERSION),
         "run_id": run_id,
@@ -47,6 +75,7 @@ def shard_metadata(run_id: str, batch: str, layers: dict, model: dict, engine: d
         "final": layers["final"],
         "model": json.dumps(model, sort_keys=True),
         "engine": json.dumps(engine, sort_keys=True),
+        **extra,
     }
 
 
@@ -75,7 +104,10 @@ def check_shard(tensors: dict, *, num_layers_captured: int, hidden_size: int, fi
     Raises:
         FidelityError: a tensor is missing, or shapes do not agree (the message names ``where``).
     """
+    scaled = "hidden_states_scale" in tensors
     missing = [n for n in REQUIRED + FINAL_NAMES[final] if n not in tensors]
+    if scaled:
+        missing += [n + "_scale" for n in ("hidden_states",) + FINAL_NAMES[final] if n + "_scale" not in tensors]
     if missing:
         raise FidelityError(f"{where}: missing tensors {missing}")
     T = tensors["input_ids"].shape[0]
@@ -86,6 +118,9 @@ def check_shard(tensors: dict, *, num_layers_captured: int, hidden_size: int, fi
         "hidden_states": (T, num_layers_captured, hidden_size),
         "final_postnorm": (T, hidden_size),
         "final_prenorm": (T, hidden_size),
+        "hidden_states_scale": (T, num_layers_captured),
+        "final_postnorm_scale": (T,),
+        "final_prenorm_scale": (T,),
     }
     for name, shape in expect.items():
         if name in tensors and tuple(tensors[name].shape) != shape:

@@ -81,7 +81,9 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=int, help="token budget per batch, rows x longest row (default 32768)")
     p.add_argument("--limit", type=int, help="read at most this many usable records")
     p.add_argument("--run-id", help="run id (default: derived from the dataset and the config, so reruns resume)")
-    p.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of stored hidden states")
+    p.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8"],
+                   help="dtype of stored hidden states; fp8: float8 e4m3 with a float32 scale per token and layer "
+                        "(about half of bf16's bytes; readers and exports dequantise to bf16)")
 
 
 def _options(args):
@@ -387,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_address", help="<output>/<run_id>, a local directory or s3://bucket/prefix/<run_id>")
     p.add_argument("--recompute", type=int, default=0, metavar="N", help="also recompute N random samples per sample on the CPU reference path (fp32)")
     p.add_argument("--seed", type=int, help="seed of the --recompute sample choice (default: random, reported)")
-    p.add_argument("--rtol", type=float, help="--recompute tolerance (default by stored dtype: bf16 1e-2, fp32 1e-4)")
+    p.add_argument("--rtol", type=float, help="--recompute tolerance (default by stored dtype: bf16 1e-2, fp32 1e-4, fp8 0.075)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("export", help="write a run in the files a trainer reads (SpecForge EAGLE-3 / DFlash, speculators)")
     p.add_argument("run_address", help="<output>/<run_id>, a local directory or s3://bucket/prefix/<run_id>")

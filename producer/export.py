@@ -7,7 +7,9 @@ shard (quarantined samples left out). ``OUT/export.json`` maps every ``i`` to it
 (its line in the run's ``plan/samples.jsonl``) and records the layer ids in both conventions.
 Every shard is hashed against its marker before it is read. The run must be complete (every
 planned batch has its marker) unless ``partial=True``. Hidden states are written in bf16, what
-every format below is produced in upstream.
+every format below is produced in upstream; an fp8 run (``--store-dtype fp8``) is dequantised by the
+reader (``q * scale`` per token and layer, ``core/fp8.py``) before it is written, so no export file
+ever holds fp8 (``export.json`` records the run's ``store_dtype``).
 
 Formats, and what each was matched against (upstream code read through the code index on
 2026-11-30; the commit ids are those of the stored versions read):
@@ -378,6 +380,7 @@ def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP
                   "speculators": "prenorm (last of hidden_states' L axis)"}[fmt],
         "group_size": group_size if fmt != "speculators" else None,
         "hidden_dtype": "bfloat16",
+        "store_dtype": config.store_dtype,
         "warnings": warnings,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.perf_counter() - t0, 2),

@@ -31,7 +31,7 @@ from settings import Settings
 
 STATS_JSON = "plan/stats.json"
 log = logging.getLogger(__name__)
-STORE_DTYPES = ("bfloat16", "float32")
+STORE_DTYPES = ("bfloat16", "float32", "fp8")  # fp8: float8 e4m3 + per-token float32 scales (core/fp8.py)
 
 
 @dataclass

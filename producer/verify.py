@@ -8,7 +8,8 @@ What is checked, batch by batch (a thread pool; shards are hashed as a stream, n
 - the shard's schema, from its safetensors header alone: the tensors and dtypes of
   ``core/shard.py`` (``input_ids`` int32 [T], ``loss_mask`` uint8 [T], ``cu_seqlens`` int64 [N+1],
   ``sample_index`` int64 [N], ``hidden_states`` [T, K, H] and the run's final states in the run's
-  ``store_dtype``), contiguous data offsets that end at the end of the file, and the header
+  ``store_dtype``; for fp8 ``F8_E4M3`` plus ``hidden_states_scale`` F32 [T, K] and ``final_*_scale``
+  F32 [T]), contiguous data offsets that end at the end of the file, and the header
   metadata (run id, batch, layer ids, final);
 - counts: the marker's ``num_samples`` / ``num_tokens`` / ``supervised_tokens`` equal the shard's,
   and its ``planned_*`` (when present) equal the plan's batch;
@@ -26,7 +27,12 @@ id ``i`` is ``hidden_states[i + 1]``, the post-norm state is ``hidden_states[-1]
 state and layer ``N - 1`` come from a hook on the last decoder layer, because transformers puts
 the post-norm state in the last slot). Each stored tensor must satisfy
 ``|stored - ref| <= rtol * (|ref| + rms(ref))`` elementwise, with ``rtol`` by stored dtype
-(:data:`RTOL_BY_DTYPE`): bf16 rounding alone is 2**-9 relative.
+(:data:`RTOL_BY_DTYPE`): bf16 rounding alone is 2**-9 relative. An fp8 run is dequantised in
+float32 (``q * scale``) and compared with ``rtol = 0.075``: with the worker's value ``x`` within
+bf16's ``1e-2 * (|ref| + rms)`` of the reference (a bf16 forward on GPU) and e4m3's bound
+``|dq - x| <= 2**-4 |x| + 2**-10 scale`` (``core/fp8.py``), ``|dq - ref| <= (2**-4 + (1 + 2**-4) *
+1e-2) * (|ref| + rms) = 0.0731 * (|ref| + rms)``, rounded up; the scale term (``amax / 458752``)
+is covered by the ``rms(ref)`` term unless a token's largest value is ~30,000x the part's rms.
 
 The report names each bad batch and why; :func:`verify_run` never raises for a problem in the
 data, only for a run that cannot be read at all (no ``run.json``, store unreachable).
@@ -45,16 +51,21 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from core.errors import HsxError
+from core.fp8 import E4M3_REL_ERR
 from core.plan import BatchPlan, read_batch, read_batch_list
 from core.reader import quarantined_ids, read_markers, read_sample, s3_object_key
 from core.runconfig import RunConfig, load_run
 from core.store import CHUNK_BYTES, MissingKey, S3Store, Store, sha256_file
 
 #: relative tolerance of ``--recompute`` by stored dtype (bf16 keeps 8 bits of mantissa).
-RTOL_BY_DTYPE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-4}
+#: fp8: e4m3's relative rounding bound 2**-4 on top of bf16's 1e-2, rounded up (the module docstring says why).
+RTOL_BY_DTYPE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-4, "fp8": 0.075}
+assert RTOL_BY_DTYPE["fp8"] >= E4M3_REL_ERR + (1 + E4M3_REL_ERR) * RTOL_BY_DTYPE["bfloat16"]
 #: safetensors dtype codes of the shard schema (core/shard.py).
 INDEX_DTYPES = {"input_ids": "I32", "loss_mask": "U8", "cu_seqlens": "I64", "sample_index": "I64"}
-STATE_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+STATE_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "fp8": "F8_E4M3"}
+#: fp8 runs: the scale tensor of each state tensor, and its dtype code.
+SCALE_DTYPE_CODE = "F32"
 _NP_DTYPES = {"I32": np.int32, "U8": np.uint8, "I64": np.int64}
 #: threads that check batches at once (S3: network-bound; local: hashing releases the GIL).
 S3_THREADS = 16
@@ -155,7 +166,8 @@ def _schema_problems(batch: str, header: dict, data_size: int, config: RunConfig
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     finals = {"none": (), "postnorm": ("final_postnorm",), "prenorm": ("final_prenorm",),
               "both": ("final_postnorm", "final_prenorm")}[config.layers["final"]]
-    expected = list(INDEX_DTYPES) + ["hidden_states", *finals]
+    scales = [f"{n}_scale" for n in ("hidden_states", *finals)] if config.store_dtype == "fp8" else []
+    expected = list(INDEX_DTYPES) + ["hidden_states", *finals, *scales]
     missing = [n for n in expected if n not in tensors]
     extra = sorted(set(tensors) - set(expected))
     if missing:
@@ -166,14 +178,15 @@ def _schema_problems(batch: str, header: dict, data_size: int, config: RunConfig
         return out
     state_dtype = STATE_DTYPES.get(config.store_dtype, config.store_dtype)
     for name in expected:
-        want = INDEX_DTYPES.get(name, state_dtype)
+        want = INDEX_DTYPES.get(name, SCALE_DTYPE_CODE if name in scales else state_dtype)
         if tensors[name].get("dtype") != want:
             out.append(f"{name} has dtype {tensors[name].get('dtype')}, expected {want}")
     T = tensors["input_ids"]["shape"][0] if len(tensors["input_ids"]["shape"]) == 1 else -1
     N = tensors["sample_index"]["shape"][0] if len(tensors["sample_index"]["shape"]) == 1 else -1
     K, H = len(config.layers["layer_ids"]), int(config.model["hidden_size"])
     shapes = {"input_ids": [T], "loss_mask": [T], "cu_seqlens": [N + 1], "sample_index": [N],
-              "hidden_states": [T, K, H], "final_postnorm": [T, H], "final_prenorm": [T, H]}
+              "hidden_states": [T, K, H], "final_postnorm": [T, H], "final_prenorm": [T, H],
+              "hidden_states_scale": [T, K], "final_postnorm_scale": [T], "final_prenorm_scale": [T]}
     for name in expected:
         if list(tensors[name].get("shape", [])) != shapes[name]:
             out.append(f"{name} has shape {tensors[name].get('shape')}, expected {shapes[name]} (T={T}, N={N}, K={K}, H={H})")
@@ -410,7 +423,7 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
             marker = items[0][0]
             with local_shard(run_store, marker["shard"]["key"]) as path, safe_open(str(path), framework="pt") as f:
                 for _, sample, start, end in items:
-                    stored = read_sample(f, start, end, finals)
+                    stored = read_sample(f, start, end, finals, dequant_dtype=torch.float32)  # fp8: q * scale in fp32
                     S = stored["input_ids"].shape[0]
                     hidden_SKH = stored["hidden_states"].view(S, len(layer_ids), -1)
                     with torch.inference_mode():

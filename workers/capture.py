@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from core.errors import BadConfig, FidelityError
+from core.fp8 import FP8_DTYPE, SCALE_DTYPE, quantize_fp8, scale_name
 from core.layers import LayerSelection
 
 #: Where the base decoder (``.layers`` + final norm) sits inside a model, tried in order:
@@ -112,7 +113,8 @@ class CapturedBatch:
     """One batch's captured states on the host, ready for the shard.
 
     ``states``: ``hidden_states`` [T, K, H] plus the final states asked for, [T, H], in the store
-    dtype. ``nonfinite``: sample position j (0..N-1) -> the parts of it that hold NaN or Inf
+    dtype; for fp8 also each one's float32 scale (``hidden_states_scale`` [T, K], ``final_*_scale``
+    [T], ``core/fp8.py``). ``nonfinite``: sample position j (0..N-1) -> the parts of it that hold NaN or Inf
     (layer ids as strings, ``final_postnorm``, ``final_prenorm``); empty when every value is finite.
     """
 
@@ -210,6 +212,9 @@ def launch_capture(
         rows: from :func:`right_padded_rows`.
         selection: which layers (ascending ids) and final states to capture.
         store_dtype: dtype of the returned states (the cast happens on the device, before the copy).
+            ``torch.float8_e4m3fn``: fp8 with a float32 scale per token and part (``core/fp8.py``),
+            quantised on the device in the hooks after the NaN/Inf flags are taken on the
+            unquantised values; the scales come back as ``<name>_scale``.
         host_buffer: host memory (pinned on CUDA) the copies land in; the returned tensors alias
             it and stay valid until its next use. Without it, fresh host tensors are allocated.
 
@@ -243,6 +248,25 @@ def launch_capture(
     owner = threading.get_ident()
     states: dict[str, torch.Tensor] = {}
     filled_layers: set[int] = set()
+    # fp8: each part is quantised in its hook (per-token scale, core/fp8.py), after its NaN/Inf flags
+    # are taken on the unquantised values (e4m3fn has no Inf); finite[name] holds those flags.
+    fp8 = store_dtype == FP8_DTYPE
+    finite: dict[str, torch.Tensor] = {}
+
+    def keep(name: str, x_TH: torch.Tensor, slot: int | None = None) -> None:
+        # Store one captured part: states[name] (a final state) or its layer slot states[name][:, slot].
+        if not fp8:
+            if slot is None:
+                states[name] = x_TH.to(store_dtype)
+            else:
+                states[name][:, slot] = x_TH
+            return
+        finite_T = torch.isfinite(x_TH).all(dim=-1)
+        q_TH, scale_T = quantize_fp8(x_TH)
+        if slot is None:
+            finite[name], states[name], states[scale_name(name)] = finite_T, q_TH, scale_T
+        else:
+            finite[name][:, slot], states[name][:, slot], states[scale_name(name)][:, slot] = finite_T, q_TH, scale_T
 
     def layer_hook(layer_id: int):
         def hook(_module, _args, output):
@@ -253,10 +277,13 @@ def launch_capture(
                 if "hidden_states" not in states:
                     K, H = len(selection.layer_ids), hidden_BSH.shape[-1]
                     states["hidden_states"] = torch.empty((T, K, H), dtype=store_dtype, device=device)
-                states["hidden_states"][:, slot_of_layer[layer_id]] = gather_TH(hidden_BSH)
+                    if fp8:
+                        states["hidden_states_scale"] = torch.empty((T, K), dtype=SCALE_DTYPE, device=device)
+                        finite["hidden_states"] = torch.empty((T, K), dtype=torch.bool, device=device)
+                keep("hidden_states", gather_TH(hidden_BSH), slot_of_layer[layer_id])
                 filled_layers.add(layer_id)
             if want_pre and layer_id == last_layer:
-                states["final_prenorm"] = gather_TH(hidden_BSH).to(store_dtype)
+                keep("final_prenorm", gather_TH(hidden_BSH))
             if layer_id == stop_after:
                 raise _StopForward
             return None
@@ -265,7 +292,7 @@ def launch_capture(
 
     def norm_hook(_module, _args, output):
         if threading.get_ident() == owner:
-            states["final_postnorm"] = gather_TH(output).to(store_dtype)
+            keep("final_postnorm", gather_TH(output))
 
     hooked_ids = sorted(set(selection.layer_ids) | ({last_layer} if want_pre else set()) | {selection.deepest_layer})
     handles = [decoder.layers[i].register_forward_hook(layer_hook(i)) for i in hooked_ids]
@@ -286,12 +313,13 @@ def launch_capture(
 
     # NaN/Inf flags per token and part, computed on the device (a host scan of [T, K, H] is not cheap)
     # and copied with the states: [T, P] bools, read after wait().
-    finite_TP, parts = finite_flags(states, selection.layer_ids)
+    finite_TP, parts = flags_of_parts(finite, selection.layer_ids) if fp8 else finite_flags(states, selection.layer_ids)
 
     # One device-to-host copy per captured tensor, on a side stream so that the next batch's forward
     # (queued on the compute stream as soon as the GPU lock is released) overlaps with it.
     names = [n for n in ("hidden_states", "final_postnorm", "final_prenorm") if n in states]
-    specs = [(tuple(states[n].shape), store_dtype) for n in names] + [(tuple(finite_TP.shape), torch.bool)]
+    names += [scale_name(n) for n in names if scale_name(n) in states]
+    specs = [(tuple(states[n].shape), states[n].dtype) for n in names] + [(tuple(finite_TP.shape), torch.bool)]
     if host_buffer is not None:
         views = host_buffer.views(specs, pin=on_cuda)
     else:
@@ -380,7 +408,7 @@ class HostBuffer:
         Pinning gigabytes takes a large fraction of a second (cudaHostAlloc page-locks every
         page), so a worker reserves once per task thread for the run's largest batch.
         """
-        need = nbytes + 4 * self._ALIGN
+        need = nbytes + 8 * self._ALIGN  # alignment slack: up to 7 views (3 states, fp8's 3 scales, the flags)
         if self.bytes_U8 is None or self.bytes_U8.numel() < need or self.bytes_U8.is_pinned() != pin:
             self.bytes_U8 = None  # free the old buffer first
             self.bytes_U8 = torch.empty(need, dtype=torch.uint8, pin_memory=pin)
@@ -416,6 +444,15 @@ def finite_flags(states: dict[str, torch.Tensor], layer_ids) -> tuple[torch.Tens
             parts.append(name)
             finite_cols.append(torch.isfinite(tensor).all(dim=-1)[:, None])  # [T, 1]
     return torch.cat(finite_cols, dim=1), parts
+
+
+def flags_of_parts(finite: dict[str, torch.Tensor], layer_ids) -> tuple[torch.Tensor, list[str]]:
+    """:func:`finite_flags`'s (bool [T, P], part names) from flags already taken per part:
+    ``finite["hidden_states"]`` bool [T, K] and ``finite["final_*"]`` bool [T] (the fp8 path takes
+    them in its hooks, before quantising). Same part order as :func:`finite_flags`."""
+    finals = sorted(n for n in finite if n != "hidden_states")
+    parts = [str(layer_id) for layer_id in layer_ids] + finals
+    return torch.cat([finite["hidden_states"]] + [finite[n][:, None] for n in finals], dim=1), parts
 
 
 def nonfinite_from_flags(finite_TP: torch.Tensor, cu_seqlens_N1: torch.Tensor, parts: list[str]) -> dict[int, list[str]]:

@@ -34,6 +34,7 @@ from datetime import datetime, timezone
 import torch
 
 from core.errors import FidelityError
+from core.fp8 import FP8_DTYPE, SCALE_BYTES
 from core.retry import retry_transient
 from core.layers import LayerSelection
 from core.marker import read_marker, shard_key, write_marker
@@ -50,7 +51,7 @@ from workers.target import get_target
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16, "fp8": FP8_DTYPE}
 _stores: dict[str, object] = {}
 
 
@@ -84,11 +85,13 @@ def _retry(settings: Settings, what: str, fn):
     return retry_transient(fn, what, total_s=settings.store_retry_s)
 
 
-def shard_bytes_estimate(num_tokens: int, num_samples: int, states_per_token: int, hidden_size: int, itemsize: int) -> int:
+def shard_bytes_estimate(num_tokens: int, num_samples: int, states_per_token: int, hidden_size: int, itemsize: int,
+                         scale_bytes: int = 0) -> int:
     """Upper bound of a shard's size in bytes, known before the forward: the states
-    (``num_tokens x states_per_token x hidden_size x itemsize``), the index tensors, and 64 KiB of
-    header."""
-    return num_tokens * (states_per_token * hidden_size * itemsize + 4 + 1) + (2 * num_samples + 1) * 8 + (64 << 10)
+    (``num_tokens x states_per_token x (hidden_size x itemsize + scale_bytes)``; fp8 stores a
+    4-byte scale per token and part), the index tensors, and 64 KiB of header."""
+    return (num_tokens * (states_per_token * (hidden_size * itemsize + scale_bytes) + 4 + 1) + (2 * num_samples + 1) * 8
+            + (64 << 10))
 
 
 class _Job:
@@ -157,14 +160,15 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     # Host memory for the copies, sized for the run's largest batch and pinned once per thread,
     # before taking the GPU lock (pinning is slow and must not stall the GPU).
     store_dtype = _DTYPES[config.store_dtype]
+    scale_bytes = SCALE_BYTES if store_dtype == FP8_DTYPE else 0
     states_per_token = len(selection.layer_ids) + {"none": 0, "postnorm": 1, "prenorm": 1, "both": 2}[selection.final]
     max_tokens = max(config.batch_tokens, plan.num_tokens)
-    _host_buffer().reserve(max_tokens * states_per_token * target.info.hidden_size * store_dtype.itemsize,
+    _host_buffer().reserve(max_tokens * states_per_token * (target.info.hidden_size * store_dtype.itemsize + scale_bytes),
                            pin=target.device.type == "cuda")
     spool = process_spool(settings)
     job.heartbeat.spool = spool
     expected = shard_bytes_estimate(plan.num_tokens, plan.num_samples, states_per_token, target.info.hidden_size,
-                                    store_dtype.itemsize)
+                                    store_dtype.itemsize, scale_bytes)
     # Rows and their indices are laid out (and pinned) on the host before the lock: under it,
     # nothing but queueing the forward and its copies.
     rows = right_padded_rows(torch.from_numpy(plan.input_ids_T), cu_seqlens_N1, pad_token_id=target.pad_token_id,
@@ -213,7 +217,7 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         tensors = select_samples(tensors, keep_N)
         log.warning("batch %s: quarantined %d of %d samples: %s", batch, len(quarantined), plan.num_samples, json.dumps(quarantined))
     num_samples, num_tokens = int(tensors["sample_index"].shape[0]), int(tensors["input_ids"].shape[0])
-    metadata = shard_metadata(config.run_id, batch, layers, config.model, target.engine)
+    metadata = shard_metadata(config.run_id, batch, layers, config.model, target.engine, store_dtype=config.store_dtype)
     attempt = uuid.uuid4().hex[:12]
     key = shard_key(batch, attempt)
     spool_path = spool.directory / spool_file_name(config.run_id, batch, attempt)
