@@ -174,15 +174,24 @@ def load_target(name: str, settings: Settings) -> Target:
     return Target(name, model, device, dtype, info, engine, pad, load_s, warmup_s)
 
 
+#: Sample lengths of the warm-up batches. Triton compiles one variant of a kernel per
+#: specialisation of its integer arguments (value 1, multiple of 16), and fla's chunked kernels
+#: see the row length and the number of 64-token chunks: rows of 16k and 16k+r tokens, one row and
+#: several, one chunk and more than 16 compile every variant a real run meets, so that no task
+#: stalls on a JIT compile mid-run (FIELD-NOTES section 7: ~50 s cold for a GDN model).
+WARM_UP_LENGTHS = ((32, 16), (33,), (80, 47, 5), (1024,), (1041, 700))
+
+
 def _warm_up(model: torch.nn.Module, info, pad: int) -> None:
-    # A small padded batch through every layer: JIT-compiles kernels before the first real task.
+    # Small padded batches through every layer: JIT-compiles kernels before the first real task.
     from core.layers import select_layers
 
     n = info.num_layers
     selection = select_layers(n, layer_ids=[n - 1], final="postnorm")
-    ids_T = torch.arange(1, 1 + 48, dtype=torch.long) % 1000
-    cu = torch.tensor([0, 32, 48], dtype=torch.long)
-    capture_batch(model, ids_T, cu, selection, store_dtype=torch.float32, pad_token_id=pad)
+    for lengths in WARM_UP_LENGTHS:
+        cu = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0)
+        ids_T = torch.arange(1, 1 + int(cu[-1]), dtype=torch.long) % 1000
+        capture_batch(model, ids_T, cu, selection, store_dtype=torch.float32, pad_token_id=pad)
     decoder_of(model)
 
 
