@@ -5,6 +5,7 @@ Layout::
     plan/batches/<batch>.safetensors   one per batch: the samples the worker feeds to the model
     plan/samples.jsonl                 one line per sample, in sample_index order: record id, tokens, batch
     plan/batches.json                  the batch list; written LAST, so its presence means the plan is complete
+    plan/planning.json                 while the plan is written: who plans it; if planning failed: why
 
 Each batch file holds (legend: T = tokens in the batch, N = samples in the batch):
 
@@ -19,7 +20,10 @@ Each batch file holds (legend: T = tokens in the batch, N = samples in the batch
 from __future__ import annotations
 
 import json
+import os
+import socket
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 import numpy as np
 from safetensors.numpy import load as st_load
@@ -29,6 +33,9 @@ from core.store import Store
 
 BATCHES_JSON = "plan/batches.json"
 SAMPLES_JSONL = "plan/samples.jsonl"
+#: The planner's record: ``{"state": "planning" | "failed", "host", "pid", "started_at", "command",
+#: "error", "failed_at"}``. Removed when the plan is complete; ignored once ``batches.json`` exists.
+PLANNING_JSON = "plan/planning.json"
 
 
 def batch_id(index: int) -> str:
@@ -101,3 +108,58 @@ def read_batch_list(run_store: Store) -> list[dict]:
 
 def plan_complete(run_store: Store) -> bool:
     return run_store.exists(BATCHES_JSON)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def start_planning_record(run_store: Store, command: str | None = None) -> dict:
+    """Write ``plan/planning.json`` saying this process is planning the run; returns the record."""
+    record = {"state": "planning", "host": socket.gethostname(), "pid": os.getpid(), "started_at": _now(),
+              "command": command}
+    run_store.write(PLANNING_JSON, json.dumps(record, indent=1).encode())
+    return record
+
+
+def fail_planning_record(run_store: Store, record: dict, error: str) -> None:
+    """Mark the planning of ``record`` as failed with ``error`` (best effort: never raises)."""
+    try:
+        run_store.write(PLANNING_JSON, json.dumps({**record, "state": "failed", "failed_at": _now(), "error": error},
+                                                  indent=1).encode())
+    except Exception:  # the store may be what failed; status then falls back to the planner's pid
+        pass
+
+
+def read_planning_record(run_store: Store) -> dict | None:
+    """``plan/planning.json`` as written, or None when there is none (or it is unreadable)."""
+    try:
+        record = json.loads(run_store.read(PLANNING_JSON))
+    except Exception:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def planning_failed(record: dict | None) -> str | None:
+    """Why the planning of a run whose plan is not complete did not finish, or None while it may still go on.
+
+    Failed: the planner recorded a failure, or it planned on this host and its process is gone.
+    """
+    if not record:
+        return None
+    if record.get("state") == "failed":
+        return str(record.get("error") or "failed")
+    pid = record.get("pid")
+    if record.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+        return f"the planner (pid {pid} on {record.get('host')}) exited without finishing the plan"
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -49,7 +49,7 @@ import re
 from dataclasses import dataclass, field
 
 from core.errors import RunConflict, RunFormatError
-from core.store import Store
+from core.store import MissingKey, Store
 
 SCHEMA_VERSION = 1
 RUN_JSON = "run.json"
@@ -199,12 +199,40 @@ def diff_identity(old: dict, new: dict) -> list[str]:
     return out
 
 
-def claim_run(run_store: Store, config: RunConfig) -> bool:
-    """Write ``run.json`` if absent; if present, check it holds the same identity.
+def check_run(run_store: Store, config: RunConfig) -> RunConfig | None:
+    """The stored config of the run at ``run_store`` if it holds the same identity as ``config``;
+    None when there is no run there yet. Writes nothing.
 
     The two are compared at the newer of their identity versions, so a run made by an older
     version of hsx is resumed (its run.json is left as it is) when nothing that decides the bytes
     differs.
+
+    Raises:
+        RunConflict: the stored run.json has another config.
+        RunFormatError: the stored run.json cannot be read (an identity version this code does not know).
+    """
+    try:
+        data = run_store.read(RUN_JSON)
+    except MissingKey:
+        return None
+    stored = RunConfig.from_json(data)
+    _check_same(run_store, stored, config)
+    return stored
+
+
+def _check_same(run_store: Store, stored: RunConfig, config: RunConfig) -> None:
+    version = max(stored.identity_version, config.identity_version)
+    differences = diff_identity(stored.identity(version), config.identity(version))
+    if differences:
+        raise RunConflict(
+            f"run {config.run_id!r} already exists at {run_store.url} with another config:\n  "
+            + "\n  ".join(differences)
+            + "\nUse another --run-id (or omit it to get one derived from the config), or another --output."
+        )
+
+
+def claim_run(run_store: Store, config: RunConfig) -> bool:
+    """Write ``run.json`` if absent; if present, check it holds the same identity (as :func:`check_run`).
 
     Returns True when this call created the run, False when it already existed with the same config.
 
@@ -214,15 +242,7 @@ def claim_run(run_store: Store, config: RunConfig) -> bool:
     """
     if run_store.create(RUN_JSON, config.to_json()):
         return True
-    stored = RunConfig.from_json(run_store.read(RUN_JSON))
-    version = max(stored.identity_version, config.identity_version)
-    differences = diff_identity(stored.identity(version), config.identity(version))
-    if differences:
-        raise RunConflict(
-            f"run {config.run_id!r} already exists at {run_store.url} with another config:\n  "
-            + "\n  ".join(differences)
-            + "\nUse another --run-id (or omit it to get one derived from the config), or another --output."
-        )
+    _check_same(run_store, RunConfig.from_json(run_store.read(RUN_JSON)), config)
     return False
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
+import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -16,6 +18,8 @@ from settings import Settings, get_settings
 
 console = Console(stderr=True)
 out = Console()
+#: Run states after which ``status --watch`` stops: nothing changes without a new command.
+FINAL_STATES = ("done", "failed", "plan_failed")
 
 
 def _progress() -> Progress:
@@ -95,6 +99,7 @@ def _options(args):
         draft_layer_convention=args.draft_layer_convention, max_length=args.max_length, batch_tokens=args.batch_tokens, limit=args.limit,
         run_id=args.run_id, store_dtype=args.store_dtype,
         enable_thinking=args.enable_thinking, over_length=args.over_length, allow_text=args.allow_text,
+        command=getattr(args, "command_line", None),
     )
 
 
@@ -195,7 +200,7 @@ def cmd_status(args, settings: Settings) -> int:
                 return 0
             while True:  # one JSON document per line, for scripts that follow a run
                 print(json.dumps(status), flush=True)
-                if status["state"] in ("done", "failed"):
+                if status["state"] in FINAL_STATES:
                     return 0
                 time.sleep(args.interval)
                 status = watch.poll()
@@ -204,7 +209,7 @@ def cmd_status(args, settings: Settings) -> int:
             return 0
         try:
             with Live(status_view(status), console=out, auto_refresh=False, screen=False) as live:
-                while status["state"] not in ("done", "failed"):
+                while status["state"] not in FINAL_STATES:
                     time.sleep(args.interval)
                     status = watch.poll()
                     live.update(status_view(status), refresh=True)
@@ -411,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
+    # Recorded in plan/planning.json (status shows it when planning failed); any URL password masked.
+    args.command_line = shlex.join(["python", "-m", "producer",
+                                    *(mask_url(a) for a in (sys.argv[1:] if argv is None else argv))])
 
     def on_sigterm(_signum, _frame):
         # SIGTERM takes the same path as Ctrl-C, so `run` stops the broker and workers it started.

@@ -21,8 +21,9 @@ import numpy as np
 from core.errors import BadConfig, BadDataset, BadRecord
 from core.layers import layer_ids_from_draft_config, parse_layer_ids, select_layers
 from core.models import load_tokenizer, model_info
-from core.plan import BATCHES_JSON, SAMPLES_JSONL, BatchPlan, batch_id, batch_key, plan_complete, read_batch_list
-from core.runconfig import RunConfig, check_run_id, claim_run
+from core.plan import (BATCHES_JSON, PLANNING_JSON, SAMPLES_JSONL, BatchPlan, batch_id, batch_key, fail_planning_record,
+                       plan_complete, read_batch_list, start_planning_record)
+from core.runconfig import RunConfig, check_run, check_run_id, claim_run
 from core.store import Store, open_store
 from producer.batching import cut_batches, padding_waste
 from producer.datasets import SkipCounter, dataset_files, iter_conversations
@@ -59,6 +60,8 @@ class PlanOptions:
     over_length: str = "truncate"
     #: Plain-text records ({"text": ...}) become samples with every token supervised; else skipped text_not_allowed.
     allow_text: bool = False
+    #: The command line that asked for the plan, recorded in plan/planning.json (status shows it when planning failed).
+    command: str | None = None
 
 
 @dataclass
@@ -195,6 +198,12 @@ def plan_run(opts: PlanOptions, settings: Settings, progress=None) -> PlannedRun
     The same dataset and config give the same run id; when that run's plan is already complete
     in the store it is reused as is (no tokenisation).
 
+    Nothing is written until the dataset is tokenised: a dataset with no usable record, or a
+    Ctrl-C while tokenising, leaves no run behind. Then ``run.json`` is claimed and the plan is
+    written with ``plan/planning.json`` saying who writes it; ``plan/batches.json`` last. A failure
+    from there on (Ctrl-C, a store error) is recorded in ``plan/planning.json``, so ``status``
+    says the planning did not finish; running the same command again plans the run from the start.
+
     Raises:
         BadConfig, BadDataset: invalid request (nothing written).
         core.errors.RunConflict: the run id exists with another config (nothing written).
@@ -204,17 +213,65 @@ def plan_run(opts: PlanOptions, settings: Settings, progress=None) -> PlannedRun
     root = open_store(opts.output or settings.store_url, settings)
     config, chat = build_config(opts, settings, progress)
     run_store = root.child(config.run_id)
-    claim_run(run_store, config)
     run_url = run_store.url
-    if plan_complete(run_store):
-        batches = read_batch_list(run_store)
-        stats = json.loads(run_store.read(STATS_JSON)) if run_store.exists(STATS_JSON) else {}
-        return PlannedRun(run_store, root, config, batches, stats, reused=True, run_url=run_url)
+    existed = check_run(run_store, config) is not None  # RunConflict before any work
+    if existed and plan_complete(run_store):
+        return _reuse(run_store, root, config, run_url)
 
-    skips = SkipCounter()
-    record_ids, ids, masks, truncated = tokenise_dataset(opts, chat, skips, progress)
-    if not ids:
-        raise BadDataset(f"{opts.dataset}: no usable record (skipped: {json.dumps(skips.as_dict())})")
+    record = None
+    try:
+        skips = SkipCounter()
+        record_ids, ids, masks, truncated = tokenise_dataset(opts, chat, skips, progress)
+        if not ids:
+            raise BadDataset(no_usable_record_message(opts.dataset, skips))
+        claim_run(run_store, config)
+        if plan_complete(run_store):  # another planner of the same run finished meanwhile
+            return _reuse(run_store, root, config, run_url)
+        record = start_planning_record(run_store, opts.command)
+        planned = _write_plan(run_store, root, config, run_url, record_ids, ids, masks, truncated, skips, progress, t0)
+    except BaseException as exc:
+        if record is not None:  # our plan is half written: say why it is not complete
+            fail_planning_record(run_store, record, _describe(exc))
+        raise
+    try:
+        run_store.delete(PLANNING_JSON)
+    except Exception:  # only a record: status ignores it once batches.json exists
+        pass
+    return planned
+
+
+def no_usable_record_message(dataset: str, skips: SkipCounter) -> str:
+    """One line: the dataset, and why no record became a sample."""
+    if not skips.total:
+        try:
+            empty = all(path.stat().st_size == 0 for path in dataset_files(dataset))
+        except (OSError, BadDataset):
+            empty = False
+        files = 1 if dataset == "sharegpt" or not Path(dataset).is_dir() else 2
+        why = ("the file is empty (0 bytes)" if files == 1 else "its files are empty") if empty else "it holds no record"
+        return f"{dataset}: no usable record: {why}"
+    reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(skips.counts.items(), key=lambda kv: -kv[1]))
+    example = next(iter(ex for exs in skips.examples.values() for ex in exs), "")
+    what = "its only record was skipped" if skips.total == 1 else f"all {skips.total:,} records were skipped"
+    return (f"{dataset}: no usable record: {what} ({reasons})"
+            + (f"; e.g. {example[:200]}" if example else ""))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (Ctrl-C or SIGTERM) while writing the plan"
+    return f"{exc.__class__.__name__}: {str(exc)[:500]}"
+
+
+def _reuse(run_store: Store, root: Store, config: RunConfig, run_url: str) -> PlannedRun:
+    batches = read_batch_list(run_store)
+    stats = json.loads(run_store.read(STATS_JSON)) if run_store.exists(STATS_JSON) else {}
+    return PlannedRun(run_store, root, config, batches, stats, reused=True, run_url=run_url)
+
+
+def _write_plan(run_store: Store, root: Store, config: RunConfig, run_url: str, record_ids, ids, masks, truncated,
+                skips: SkipCounter, progress, t0: float) -> PlannedRun:
+    """Cut the tokenised samples into batches and write the plan; ``plan/batches.json`` last."""
     lengths_N = np.array([len(x) for x in ids], dtype=np.int64)
     groups = cut_batches(lengths_N, batch_tokens=config.batch_tokens, max_batch_samples=config.max_batch_samples)
 

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
 from core.marker import MARKERS_PREFIX, done_batches
-from core.plan import plan_complete, read_batch_list
+from core.plan import plan_complete, planning_failed, read_batch_list, read_planning_record
 from core.runconfig import load_run
 from core.store import MissingKey, Store, mask_url
 
@@ -204,6 +204,7 @@ class RunWatch:
         """The run's status now (the JSON ``status --json`` prints; fields in the README)."""
         now = time.time() if now is None else now
         store = self.run_store
+        planner, plan_error = None, None
         if not self.batches and plan_complete(store):
             self.batches = read_batch_list(store)
             try:
@@ -231,7 +232,9 @@ class RunWatch:
             rate["tokens_per_s"] = rate["overall_tokens_per_s"]  # nothing is running: the run's own rate
             rate["samples_per_s"] = rate["overall_samples_per_s"]
         elif not self.batches:
-            state, eta = "planning", None
+            planner = read_planning_record(store)
+            plan_error = planning_failed(planner)
+            state, eta = ("plan_failed" if plan_error else "planning"), None
         else:
             left = set(by_name) - done
             state = "failed" if left and left <= set(failures) else "running"
@@ -246,6 +249,8 @@ class RunWatch:
             "model": self.config.model_name,
             "state": state,
             "planned": bool(self.batches),
+            "plan_error": plan_error,
+            "planner": planner,
             "batches_total": total,
             "batches_done": len(done),
             "batches_failed": len(failures),

@@ -43,7 +43,8 @@ def progress_table(status: dict) -> Table:
     t.add_column(style="bold")
     t.add_column()
     total, done = status["batches_total"], status["batches_done"]
-    state_style = {"done": "green", "failed": "red", "running": "cyan", "planning": "yellow"}.get(status["state"], "")
+    state_style = {"done": "green", "failed": "red", "plan_failed": "red", "running": "cyan",
+                   "planning": "yellow"}.get(status["state"], "")
     t.add_row("state", Text(status["state"], style=state_style))
     t.add_row("address", Text(status["address"]))
     t.add_row("model", Text(status["model"]))
@@ -66,8 +67,15 @@ def progress_table(status: dict) -> Table:
             t.add_row("rate", f"{_rate(status['tokens_per_s'])} over the last {fmt_duration(status['rate_window_s'])}"
                               f"{samples_s}, {_rate(status['overall_tokens_per_s'])} overall")
         t.add_row("eta", fmt_duration(status["eta_s"]) if status["state"] != "done" else "done")
+    elif status["state"] == "plan_failed":
+        t.add_row("progress", Text(f"planning did not finish: {status.get('plan_error')}", style="red"))
+        command = (status.get("planner") or {}).get("command") or "the same `python -m producer run` / `enqueue` command"
+        t.add_row("to resume", Text(f"run {command} again: it plans the run from the start"))
     else:
-        t.add_row("progress", "planning: the batch list is not written yet")
+        planner = status.get("planner") or {}
+        who = (f" (pid {planner.get('pid')} on {planner.get('host')}, since {planner.get('started_at')})"
+               if planner.get("pid") else "")
+        t.add_row("progress", f"planning: the batch list is not written yet{who}")
     if status["skipped"]:
         t.add_row("skipped", ", ".join(f"{k} {v:,}" for k, v in status["skipped"].items()) + " (at planning)")
     broker = status.get("broker")
