@@ -121,7 +121,22 @@ def resolve_model_path(name: str, cache_dir: Path) -> str:
         if not (target / "config.json").exists():
             _build_tiny(target)
         return str(target)
+    if looks_like_path(name):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise BadConfig(f"--model {name!r}: no such directory ({path.absolute()} does not exist). Give a local "
+                            f"checkpoint directory, a hub id such as Qwen/Qwen3-8B, or one of {', '.join(BUILTIN_MODELS)}")
+        if not path.is_dir():
+            raise BadConfig(f"--model {name!r}: {path.absolute()} is a file; give the checkpoint's directory "
+                            "(with its config.json)")
+        return str(path) if name.startswith("~") else name
     return name
+
+
+def looks_like_path(name: str) -> bool:
+    """True for a model name that can only be a local path, not a hub id (``org/name``): absolute,
+    starting with ``.`` or ``~``, or with more than one ``/``."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
 def _revision(path: str, config) -> str:

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from core.errors import HsxError
 from core.store import MissingKey, mask_url, open_store
+from producer.words import noun, plural
 from settings import Settings, get_settings
 
 console = Console(stderr=True)
@@ -49,7 +50,7 @@ class _Progress(Progress):
             tok_s = kwargs.pop("tok_s", None)
             parts = []
             if samples is not None:
-                parts.append(f"{samples:,} samples")
+                parts.append(plural(samples, "sample"))
             if tok_s is not None:
                 parts.append(f"{tok_s:,.0f} tok/s")
             kwargs["info"] = "  ".join(parts)
@@ -124,8 +125,8 @@ def _plan_table(title: str, report: dict) -> Table:
             t.add_row("ignored", f"{nbytes:,} trailing bytes of {path} (incomplete last record)")
     if report.get("plan_reused"):
         t.add_row("plan", "reused (already in the store)")
-    t.add_row("already done", f"{report.get('batches_already_done', 0):,} batches")
-    t.add_row("enqueued", f"{report.get('batches_enqueued', 0):,} batches")
+    t.add_row("already done", plural(report.get("batches_already_done", 0), "batch"))
+    t.add_row("enqueued", plural(report.get("batches_enqueued", 0), "batch"))
     return t
 
 
@@ -165,7 +166,7 @@ def cmd_run(args, settings: Settings) -> int:
     out.print(_plan_table("run", report))
     total = report["batches_total"]
     done = report.get("batches_done", report["batches_already_done"])
-    out.print(f"[bold]{done}/{total}[/] batches done in {report['seconds']:.1f} s; shards and markers under {report['address']}")
+    out.print(f"[bold]{done}/{total}[/] {noun(total, 'batch')} done in {report['seconds']:.1f} s; shards and markers under {report['address']}")
     if report.get("batches_enqueued", 0) == 0 and done == total:
         out.print("nothing to do: every batch already has its marker")
     for batch, failure in sorted((report.get("failed") or {}).items()):
@@ -247,15 +248,15 @@ def cmd_verify(args, settings: Settings) -> int:
     t.add_column(style="bold")
     t.add_column()
     t.add_row("address", report["address"])
-    t.add_row("batches", f"{report['batches_done']:,} / {report['batches_planned']:,} done ({report['markers']:,} markers)")
+    t.add_row("batches", f"{report['batches_done']:,} / {report['batches_planned']:,} done ({plural(report['markers'], 'marker')})")
     t.add_row("samples", f"{report['samples_stored']:,} stored / {report['samples_planned']:,} planned, "
                          f"{report['samples_quarantined']:,} quarantined")
     t.add_row("hashed", f"{report['bytes_hashed'] / 1e6:,.1f} MB in {report['seconds']:.1f} s")
     rec = report.get("recompute")
     if rec:
-        t.add_row("recompute", f"{len(rec['samples'])} samples (seed {rec['seed']}), worst {rec['worst_ratio']:.2f}x "
+        t.add_row("recompute", f"{plural(len(rec['samples']), 'sample')} (seed {rec['seed']}), worst {rec['worst_ratio']:.2f}x "
                                f"the tolerance (rtol {rec['rtol']})")
-    t.add_row("orphans", f"{len(report['orphans'])} shards no marker names (not an error)")
+    t.add_row("orphans", f"{plural(len(report['orphans']), 'shard')} no marker names (not an error)")
     out.print(t)
     for key in report["orphans"][:10]:
         out.print(f"[yellow]orphan[/] {key}", highlight=False)
@@ -263,10 +264,10 @@ def cmd_verify(args, settings: Settings) -> int:
     for p in problems[:50]:
         out.print(f"[red]bad[/] {p['batch']} {p['kind']}: {p['detail']}", highlight=False)
     if len(problems) > 50:
-        out.print(f"... and {len(problems) - 50} more problems (--json lists them all)")
+        out.print(f"... and {len(problems) - 50} more {noun(len(problems) - 50, 'problem')} (--json lists them all)")
     if problems:
         batches = problem_batches(report)
-        out.print(f"[red]verify FAILED[/]: {len(problems)} problems in {len(batches)} batches: "
+        out.print(f"[red]verify FAILED[/]: {plural(len(problems), 'problem')} in {plural(len(batches), 'batch')}: "
                   + ", ".join(batches[:20]) + (" ..." if len(batches) > 20 else ""), highlight=False)
     else:
         out.print("[green]verify passed[/]: every marker matches its shard and every planned sample is stored once")
@@ -332,8 +333,8 @@ def cmd_vocab_counts(args, settings: Settings) -> int:
     if args.json:
         out.print_json(json.dumps(info))
     else:
-        out.print(f"{info['supervised_tokens']:,} supervised tokens of {info['samples']:,} samples, "
-                  f"{info['distinct_tokens']:,} distinct ids of {info['vocab_size']:,} -> {info['written_to']}")
+        out.print(f"{plural(info['supervised_tokens'], 'supervised token')} of {plural(info['samples'], 'sample')}, "
+                  f"{plural(info['distinct_tokens'], 'distinct id')} of {info['vocab_size']:,} -> {info['written_to']}")
     return 0
 
 
@@ -351,9 +352,9 @@ def cmd_reconcile(args, settings: Settings) -> int:
         out.print_json(json.dumps(report))
         return 0
     verb = "would enqueue" if args.dry_run else "enqueued"
-    out.print(f"reconcile {report['run_id']}: {report['batches_done']}/{report['batches_total']} batches done; "
-              f"{len(report['queued'])} queued, {len(report['running'])} running "
-              f"({len(report['workers'])} workers answered)", highlight=False)
+    out.print(f"reconcile {report['run_id']}: {report['batches_done']}/{report['batches_total']} "
+              f"{noun(report['batches_total'], 'batch')} done; {len(report['queued'])} queued, {len(report['running'])} running "
+              f"({plural(len(report['workers']), 'worker')} answered)", highlight=False)
     for batch, kinds in sorted(report["repaired"].items()):
         out.print(f"[yellow]repaired[/] {batch}: {', '.join(kinds)} (marker and shard removed)", highlight=False)
     for item in report["lost"]:

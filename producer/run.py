@@ -60,8 +60,17 @@ class LocalWorkers:
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                self.kill()
+                return
+        self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL the workers' process group (no warm shutdown) and wait for it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
         self._log.close()
 
 
@@ -121,6 +130,30 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
     return {"done": len(seen), "failed": read_failures(run_store, seen), "workers_died": False}
 
 
+def stopping_line(workers: bool, embedded_broker: bool) -> str:
+    """What ``run`` prints at once on Ctrl-C / SIGTERM, before it stops what it started."""
+    steps = []
+    if workers:
+        steps.append("the workers finish the batches they are running (Ctrl-C again to kill them now)")
+    if embedded_broker:
+        steps.append("the embedded broker stops (queued batches stay in its AOF)")
+    return "stopping: " + ("; then ".join(steps) if steps else "nothing was started yet")
+
+
+def _stop_started(local: LocalWorkers | None, broker, console) -> None:
+    """Stop the workers (warm shutdown) and the broker that ``run`` started; a second Ctrl-C kills the workers."""
+    try:
+        if local is not None:
+            local.stop()
+    except KeyboardInterrupt:
+        console.print("killing the workers: the batches they were running get no marker and are redone by the next run")
+        local.kill()
+        raise
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
 def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:
     """Plan, start what is missing, extract every batch, stop what we started. Returns (exit code, report)."""
     t0 = time.perf_counter()
@@ -163,11 +196,11 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
             code = 1
         elif waited["failed"]:
             code = 1
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI turns it into KeyboardInterrupt)
+        console.print(stopping_line(local is not None, broker is not None))
+        raise
     finally:
-        if local is not None:
-            local.stop()
-        if broker is not None:
-            broker.stop()
+        _stop_started(local, broker, console)
     report["batches_done"] = len(done_batches(planned.run_store) & {b["batch"] for b in planned.batches})
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return code, report

@@ -11,6 +11,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from producer.words import noun
+
 
 def fmt_duration(seconds: float | None) -> str:
     """``1h02m``, ``4m05s``, ``12s``, ``0.3s``; ``-`` for None."""
@@ -52,7 +54,7 @@ def progress_table(status: dict) -> Table:
         pct = 100 * done / total if total else 0.0
         bar = Table.grid(padding=(0, 1))
         bar.add_row(ProgressBar(total=max(total, 1), completed=done, width=40),
-                    Text(f"{done:,} / {total:,} batches ({pct:.1f}%)"))
+                    Text(f"{done:,} / {total:,} {noun(total, 'batch')} ({pct:.1f}%)"))
         t.add_row("progress", bar)
         t.add_row("samples", f"{status['samples_done']:,} / {status['samples_total']:,}"
                   + (f"  ({status['samples_quarantined']:,} quarantined)" if status["samples_quarantined"] else ""))

@@ -1,0 +1,104 @@
+"""What the CLI says in the small cases: counts in the singular, a model path that does not exist,
+and the line ``run`` prints at once when it is stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jobfixtures import ROOT, clean_env, tiny_cache  # noqa: F401
+from core.errors import BadConfig
+from core.models import model_info, resolve_model_path
+from producer.cli import _plan_table
+from producer.run import stopping_line
+from producer.statusview import progress_table
+from producer.words import noun, plural
+
+
+def _text(renderable) -> str:
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=open(os.devnull, "w"))
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_counts_are_plural_unless_one():
+    assert [plural(n, "batch") for n in (0, 1, 2, 1500)] == ["0 batches", "1 batch", "2 batches", "1,500 batches"]
+    assert plural(1, "sample") == "1 sample" and plural(3, "sample") == "3 samples"
+    assert noun(1, "batch") == "batch" and noun(0, "batch") == "batches"
+
+
+def test_the_run_table_of_a_one_batch_run_says_1_batch():
+    report = {"run_id": "r", "address": "file:///r", "plan": {"batches": 1, "samples": 1},
+              "batches_already_done": 1, "batches_enqueued": 1}
+    text = _text(_plan_table("run", report))
+    assert "1 batch " in text + " " and "1 batches" not in text
+
+
+def test_the_status_bar_of_a_one_batch_run_says_batch():
+    status = {"run_id": "r", "state": "running", "address": "file:///r", "model": "m", "planned": True,
+              "batches_total": 1, "batches_done": 0, "samples_done": 0, "samples_total": 1, "samples_quarantined": 0,
+              "tokens_done": 0, "tokens_total": 10, "samples_per_s": None, "tokens_per_s": None,
+              "overall_tokens_per_s": None, "rate_window_s": 600.0, "eta_s": None, "skipped": {}, "broker": None,
+              "batches_failed": 0}
+    text = _text(progress_table(status))
+    assert "0 / 1 batch (0.0%)" in text
+
+
+@pytest.mark.parametrize("name", ["/nonexistent", "./no/such/checkpoint", "~/no-such-checkpoint-hsx"])
+def test_a_model_path_that_does_not_exist_is_named_as_such(name, tmp_path):
+    with pytest.raises(BadConfig, match="no such directory") as info:
+        model_info(name, tmp_path)
+    assert "Repo id" not in str(info.value) and "does not exist" in str(info.value)
+
+
+def test_a_model_path_to_a_file_asks_for_the_checkpoint_directory(tmp_path):
+    f = tmp_path / "config.json"
+    f.write_text("{}")
+    with pytest.raises(BadConfig, match="is a file; give the checkpoint's directory"):
+        resolve_model_path(str(f), tmp_path)
+
+
+def test_hub_ids_and_builtin_names_are_not_taken_for_paths(tiny_cache):  # noqa: F811
+    assert resolve_model_path("Qwen/Qwen3-8B", tiny_cache) == "Qwen/Qwen3-8B"
+    assert resolve_model_path("tiny-qwen3.5", tiny_cache).startswith(str(tiny_cache))
+
+
+def test_stopping_line_names_what_is_stopped():
+    assert stopping_line(True, True).startswith("stopping: the workers finish the batches they are running")
+    assert "embedded broker" in stopping_line(True, True) and "embedded broker" not in stopping_line(True, False)
+
+
+def test_run_says_stopping_at_once_when_interrupted(tmp_path, tiny_cache):  # noqa: F811
+    """SIGTERM (what Ctrl-C takes too) while a batch is held in the forward: the stopping line comes
+    within a second, long before the workers have finished their batch and stopped."""
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool",
+                    faults="pause_forward=4")
+    err = open(tmp_path / "stderr", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "producer", "run", "sharegpt", "--limit", "4", "--model", "tiny-qwen3.5",
+                             "--max-length", "128", "--batch-tokens", "128", "--output", str(tmp_path / "store")],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "fault injection: pausing" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*.log")):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        while "stopping:" not in (tmp_path / "stderr").read_text():
+            assert time.monotonic() - sent < 1.5, "no stopping line 1.5 s after the signal:\n" + (tmp_path / "stderr").read_text()
+            time.sleep(0.05)
+        assert proc.poll() is None, "the stopping line comes before the workers have stopped"
+        assert proc.wait(120) == 130
+        stderr = (tmp_path / "stderr").read_text()
+        assert stderr.index("stopping:") < stderr.index("interrupted:")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
