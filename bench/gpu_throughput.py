@@ -430,11 +430,11 @@ def startup(name: str, tiny: bool) -> None:
     print(json.dumps({"warmup_s": time.perf_counter() - t0}))
 
 
-def measure_startup(name: str, tiny: bool, cache_dir: Path) -> dict:
+def measure_startup(name: str, tiny: bool, cache_dir: Path, labels=("cold", "warm")) -> dict:
     """Cold (empty TRITON_CACHE_DIR) and warm (same dir again) warm-up times, weight building excluded."""
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir))
     out = {}
-    for label in ("cold", "warm"):
+    for label in labels:
         proc = subprocess.run([sys.executable, __file__, "--startup-child", name] + (["--tiny"] if tiny else []),
                               env=env, capture_output=True, text=True, timeout=900)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -458,6 +458,8 @@ def main() -> int:
     p.add_argument("--layers", default="dflash")
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU: checks the script, not the speed")
     p.add_argument("--startup", action="store_true", help="also measure cold and warm start in child processes")
+    p.add_argument("--warm-start", action="store_true",
+                   help="after each shape, time one more worker warm-up in a child on this process's TRITON_CACHE_DIR")
     p.add_argument("--startup-child")
     p.add_argument("--store-dir", type=Path, help="local store root for ours (default: a temp dir on disk); the spool is /dev/shm")
     p.add_argument("--json", type=Path)
@@ -475,6 +477,7 @@ def main() -> int:
         args.tokens, args.naive_tokens, args.batch_tokens = min(args.tokens, 4000), min(args.naive_tokens, 1000), min(args.batch_tokens, 1024)
     rows = []
     for name in args.models.split(","):
+        cache_entries_at_start = triton_cache_entries()
         model, info = build_model(name, device, args.tiny)
         samples = load_samples(args.samples, args.tiny, 10**12)
         with tempfile.TemporaryDirectory(prefix="hsx-bench-") as tmp:
@@ -502,7 +505,9 @@ def main() -> int:
             "plain_over_ceiling": round(ours["plain_same_batches_tok_s"] / ceiling["tok_s"], 3),
             "token_weighted_row_len": ours["token_weighted_row_len"], "ceiling_row_len": row_len,
             "host_syncs_in_launch": ours["host_syncs_in_launch"], "fidelity": ours["fidelity"], "host_io": ours["host_io"],
-            "triton_compiles_in_window": ours["triton_compiles_in_window"], "window_s": round(ours["seconds"], 1), "store_dir": ours["store_dir"], "tokens_ours": ours["tokens"], "tokens_naive": naive["tokens"], "kernels": ours["kernels"],
+            "triton_compiles_in_window": ours["triton_compiles_in_window"], "window_s": round(ours["seconds"], 1),
+            # the worker's warm-up in this process: a cold start when the Triton cache was empty
+            "warmup_s": ours["warmup_s"], "triton_cache_entries_at_start": cache_entries_at_start, "store_dir": ours["store_dir"], "tokens_ours": ours["tokens"], "tokens_naive": naive["tokens"], "kernels": ours["kernels"],
             "versions": {"torch": torch.__version__, "python": platform.python_version()},
         }
         del model
@@ -510,6 +515,9 @@ def main() -> int:
             torch.cuda.empty_cache()
         if args.startup:
             row.update(measure_startup(name, args.tiny, Path(tempfile.mkdtemp(prefix="triton-"))))
+        if args.warm_start and os.environ.get("TRITON_CACHE_DIR"):
+            # a second worker start on the cache this process filled: the warm start
+            row["warm_start_s"] = measure_startup(name, args.tiny, Path(os.environ["TRITON_CACHE_DIR"]), labels=("warm",))["warm_start_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{'model':<14}{'ceiling tok/s':>15}{'plain tok/s':>13}{'ours tok/s':>12}{'naive tok/s':>13}{'ours/ceil':>11}"

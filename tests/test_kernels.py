@@ -26,3 +26,15 @@ def test_a_dense_model_is_not_a_gdn_model(tmp_path):
     from transformers import LlamaConfig
 
     assert not is_gdn(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128))
+
+
+def test_the_row_count_warm_up_finds_the_gated_deltanet_mixers_and_only_those():
+    """The warm-up that compiles fla's per-batch-size kernels calls the GDN token mixers: the
+    linear-attention layers of a Qwen3.5 shape, none of a dense model."""
+    from tinymodels import tiny_model
+    from workers.target import linear_attention_modules
+
+    qwen35 = tiny_model("qwen3.5")
+    layer_types = qwen35.config.get_text_config().layer_types
+    assert len(linear_attention_modules(qwen35)) == layer_types.count("linear_attention") > 0
+    assert linear_attention_modules(tiny_model("qwen3")) == []

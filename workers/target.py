@@ -123,7 +123,7 @@ def _pad_id(model: torch.nn.Module) -> int:
     return int(pad) if isinstance(pad, int) else 0
 
 
-def adopt_model(name: str, model: torch.nn.Module, info, *, warm_up: bool = True) -> Target:
+def adopt_model(name: str, model: torch.nn.Module, info, *, warm_up: bool = True, max_rows: int = 256) -> Target:
     """Register an already-built model as this process's target ``name`` (benchmarks, tests).
 
     ``info`` must equal what the run's ``run.json`` records as its model
@@ -132,7 +132,7 @@ def adopt_model(name: str, model: torch.nn.Module, info, *, warm_up: bool = True
     param = next(model.parameters())
     t0 = time.perf_counter()
     if warm_up:
-        _warm_up(model, info, _pad_id(model))
+        _warm_up(model, info, _pad_id(model), max_rows)
     target = Target(name, model, param.device, param.dtype, info, _engine(model, param.device, param.dtype),
                     _pad_id(model), 0.0, time.perf_counter() - t0)
     with _lock:
@@ -168,7 +168,7 @@ def load_target(name: str, settings: Settings) -> Target:
     pad = _pad_id(model)
     engine = _engine(model, device, dtype)
     t1 = time.perf_counter()
-    _warm_up(model, info, pad)
+    _warm_up(model, info, pad, settings.max_batch_samples)
     warmup_s = time.perf_counter() - t1
     log.info("target %s loaded on %s in %.1f s, warm-up %.1f s, kernels %s", name, device, load_s, warmup_s, kernel_report(model))
     return Target(name, model, device, dtype, info, engine, pad, load_s, warmup_s)
@@ -182,7 +182,7 @@ def load_target(name: str, settings: Settings) -> Target:
 WARM_UP_LENGTHS = ((32, 16), (33,), (80, 47, 5), (1024,), (1041, 700))
 
 
-def _warm_up(model: torch.nn.Module, info, pad: int) -> None:
+def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256) -> None:
     # Small padded batches through every layer: JIT-compiles kernels before the first real task.
     from core.layers import select_layers
 
@@ -192,7 +192,35 @@ def _warm_up(model: torch.nn.Module, info, pad: int) -> None:
         cu = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0)
         ids_T = torch.arange(1, 1 + int(cu[-1]), dtype=torch.long) % 1000
         capture_batch(model, ids_T, cu, selection, store_dtype=torch.float32, pad_token_id=pad)
-    decoder_of(model)
+    _warm_up_row_counts(model, max_rows)
+
+
+def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Gated DeltaNet token mixers of the decoder's layers (``layer.linear_attn`` in
+    transformers' Qwen3.5 / Qwen3-Next), in layer order; [] for other models."""
+    return [layer.linear_attn for layer in decoder_of(model).layers if isinstance(getattr(layer, "linear_attn", None), torch.nn.Module)]
+
+
+@torch.inference_mode()
+def _warm_up_row_counts(model: torch.nn.Module, max_rows: int) -> None:
+    """Compile the Gated DeltaNet kernels for every row count 1..``max_rows`` (CUDA only).
+
+    fla's chunk-local cumsum (``fla.ops.utils.cumsum``, used by ``chunk_gated_delta_rule``) takes
+    the batch size as a ``tl.constexpr`` and autotunes per batch size: every new number of rows
+    compiles and benchmarks it again (~1 s measured on the H200, with the GPU idle meanwhile), and a
+    length-sorted run meets nearly every count up to ``max_batch_samples``. One call of one GDN
+    module per count, on a single 64-token chunk, pays that before the first task; with a
+    persistent ``TRITON_CACHE_DIR`` the compiled variants and fla's autotune results are reused
+    by the next start.
+    """
+    modules = linear_attention_modules(model)
+    param = next(model.parameters())
+    if not modules or param.device.type != "cuda":
+        return
+    hidden = model.config.get_text_config().hidden_size
+    for rows in range(1, max_rows + 1):
+        modules[0](torch.zeros((rows, 64, hidden), dtype=param.dtype, device=param.device))
+    torch.cuda.synchronize(param.device)
 
 
 _lock = threading.Lock()
