@@ -163,7 +163,8 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     scale_bytes = SCALE_BYTES if store_dtype == FP8_DTYPE else 0
     states_per_token = len(selection.layer_ids) + {"none": 0, "postnorm": 1, "prenorm": 1, "both": 2}[selection.final]
     max_tokens = max(config.batch_tokens, plan.num_tokens)
-    _host_buffer().reserve(max_tokens * states_per_token * (target.info.hidden_size * store_dtype.itemsize + scale_bytes),
+    # + one NaN/Inf flag byte per token and part, copied with the states
+    _host_buffer().reserve(max_tokens * states_per_token * (target.info.hidden_size * store_dtype.itemsize + scale_bytes + 1),
                            pin=target.device.type == "cuda")
     spool = process_spool(settings)
     job.heartbeat.spool = spool
