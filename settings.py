@@ -90,6 +90,10 @@ class Settings(BaseSettings):
     """Worker processes ``python -m workers`` starts; unset: one per visible GPU (one on CPU)."""
     device: str | None = None
     """Torch device of a worker; unset: ``cuda`` when available, else ``cpu``."""
+    max_forward_tokens: int | None = Field(default=None, ge=1)
+    """Most padded tokens (rows x longest row) one forward may hold; a planned batch above it runs
+    as several forwards into the same shard. Unset: measured on CUDA at worker start from the free
+    GPU memory (activation bytes per token of two probe forwards), no limit on the CPU."""
     allow_slow_kernels: bool = False
     """On CUDA, let a worker run a Gated DeltaNet model without the fla kernels (the torch reference
     path is correct but many times slower). Off: such a worker refuses to start."""

@@ -16,6 +16,7 @@ Marker fields (JSON, written by ``workers/extract.py``):
 | ``quarantined`` | ``[{"sample_index": i, "reason": "nonfinite hidden states (layers 3, 4, final_postnorm)"}]``: planned samples left out of the shard, with the captured parts that held NaN/Inf |
 | ``num_quarantined`` | ``len(quarantined)`` |
 | ``worker``, ``seconds``, ``finished_at`` | who, how long the task took (seconds), when (UTC) |
+| ``forwards`` | forwards the batch ran in (more than 1 when it exceeded the worker's padded-token limit, ``HSX_MAX_FORWARD_TOKENS`` or measured) |
 | ``forward_s``, ``launch_s``, ``write_s``, ``store_s``, ``verify_s`` | seconds per phase: from taking the GPU lock to the states on the host (``launch_s`` of it holding the lock), writing the spool file, storing it, verifying it |
 
 A batch whose every sample is quarantined gets no shard and no marker: its task fails

@@ -18,7 +18,7 @@ from tinymodels import MODELS, TINY_LAYERS, TINY_VOCAB, random_batch, reference_
 
 from core.errors import BadConfig, FidelityError
 from core.layers import select_layers
-from workers.capture import capture_batch, decoder_of, nonfinite_samples, right_padded_rows
+from workers.capture import capture_batch, decoder_of, nonfinite_samples, right_padded_rows, split_by_tokens
 
 #: one batch, right-padded to 700: short rows are mostly padding, the long one crosses many GDN chunks (64)
 LENGTHS = [3, 17, 64, 129, 700, 255]
@@ -320,3 +320,25 @@ def test_right_padded_rows_puts_token_t_of_sample_j_at_row_j_and_lists_the_valid
     assert torch.equal(rows.input_ids_BS.view(-1)[rows.valid_T], ids_T)
     with pytest.raises(FidelityError, match="cu_seqlens"):
         right_padded_rows(ids_T, torch.tensor([0, 3, 3, 10]))
+
+
+def test_split_by_tokens_cuts_consecutive_samples_so_each_forward_fits_the_limit():
+    """Ranges cover the batch in order; rows x longest row of each stay within the limit; a sample
+    longer than the limit gets a forward of its own; no limit (or a batch that fits) is one range."""
+    cu = torch.tensor([0, 10, 20, 35, 50, 150, 160])  # lengths 10, 10, 15, 15, 100, 10
+    assert split_by_tokens(cu, None) == [(0, 6)] and split_by_tokens(cu, 600) == [(0, 6)]
+    ranges = split_by_tokens(cu, 45)
+    assert ranges == [(0, 3), (3, 4), (4, 5), (5, 6)]
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    for a, b in ranges:
+        assert (b - a) * max(lengths[a:b]) <= 45 or b - a == 1
+
+
+def test_merge_captured_concatenates_ranges_and_shifts_nonfinite_positions_to_the_batch():
+    from workers.capture import CapturedBatch, merge_captured
+
+    a = CapturedBatch({"hidden_states": torch.zeros(3, 2, 4)}, {1: ["5"]})
+    b = CapturedBatch({"hidden_states": torch.ones(5, 2, 4)}, {0: ["1", "5"]})
+    merged = merge_captured([a, b], [0, 2])
+    assert merged.states["hidden_states"].shape == (8, 2, 4) and merged.states["hidden_states"][3:].eq(1).all()
+    assert merged.nonfinite == {1: ["5"], 2: ["1", "5"]}

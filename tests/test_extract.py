@@ -123,3 +123,31 @@ def test_a_batch_whose_every_sample_is_nonfinite_fails_loudly_and_writes_no_mark
     marker = read_marker(run.run_store, batch)
     assert result["status"] == "done" and marker["quarantined"] == [] and marker["num_samples"] == plan.num_samples
     assert json.loads(run.run_store.read(f"markers/{batch}.json"))["shard"]["key"] in batch_shards(run.run_store, batch)
+
+
+def test_a_batch_bigger_than_the_forward_limit_runs_as_several_forwards_into_one_identical_shard(planned):
+    """With a forward limit below the batch's padded size (as a GPU with little free memory measures),
+    the batch runs in several forwards of consecutive samples; the one shard holds every sample,
+    equal to each sample's own forward, and the marker counts the forwards."""
+    from workers.extract import extract_batch
+    from workers.target import get_target
+
+    run, settings = planned["run"], planned["settings"]
+    batch = planned["batches"][-1]
+    plan = read_batch(run.run_store, batch)
+    target = get_target("tiny-qwen3.5", settings)
+    limit = int(plan.lengths_N.max())  # one longest row per forward
+    saved, target.max_forward_tokens = target.max_forward_tokens, limit
+    try:
+        for key in batch_shards(run.run_store, batch):  # start clean if an earlier test ran this batch
+            run.run_store.delete(key)
+        if read_marker(run.run_store, batch):
+            run.run_store.delete(f"markers/{batch}.json")
+        result = extract_batch(run.run_url, batch, settings)
+    finally:
+        target.max_forward_tokens = saved
+    marker = read_marker(run.run_store, batch)
+    assert result["status"] == "done" and marker["forwards"] >= 2 and marker["num_samples"] == plan.num_samples
+    stored = {s: v for s, v in read_samples(run.run_store).items() if v["batch"] == batch}
+    assert set(stored) == set(plan.sample_index_N.tolist())
+    assert assert_matches_reference(target.model, stored, [1, 3, 4], atol=1e-4, rtol=1e-4) > 0

@@ -390,6 +390,34 @@ def capture_batch(
     return launch_capture(model, rows, selection, store_dtype=store_dtype, host_buffer=host_buffer).wait()
 
 
+def split_by_tokens(cu_seqlens_N1: torch.Tensor, max_padded_tokens: int | None) -> list[tuple[int, int]]:
+    """Consecutive sample ranges ``[j0, j1)`` of a batch whose right-padded rows (rows x longest
+    row) each hold at most ``max_padded_tokens``: the forwards a batch too big for this GPU is run
+    in. One range for the whole batch when it fits or when there is no limit (None); a sample
+    longer than the limit alone gets a range of its own.
+    """
+    lengths = (cu_seqlens_N1[1:] - cu_seqlens_N1[:-1]).tolist()
+    if not max_padded_tokens or len(lengths) * max(lengths) <= max_padded_tokens:
+        return [(0, len(lengths))]
+    ranges, start, longest = [], 0, 0
+    for j, n in enumerate(lengths):
+        if j > start and (j - start + 1) * max(longest, n) > max_padded_tokens:
+            ranges.append((start, j))
+            start, longest = j, 0
+        longest = max(longest, n)
+    ranges.append((start, len(lengths)))
+    return ranges
+
+
+def merge_captured(parts: list[CapturedBatch], first_samples: list[int]) -> CapturedBatch:
+    """One batch's :class:`CapturedBatch` from those of its consecutive sample ranges (in order;
+    ``first_samples[i]`` is the batch position of part i's sample 0): states concatenated along
+    tokens, nonfinite positions shifted to the batch's."""
+    states = {name: torch.cat([p.states[name] for p in parts]) for name in parts[0].states}
+    nonfinite = {first + j: names for part, first in zip(parts, first_samples) for j, names in part.nonfinite.items()}
+    return CapturedBatch(states, nonfinite)
+
+
 class HostBuffer:
     """Host memory reused across batches by one task thread (pinned when copying from CUDA).
 

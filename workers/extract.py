@@ -43,7 +43,7 @@ from core.runconfig import load_run
 from core.shard import select_samples, shard_metadata
 from core.store import open_store
 from settings import Settings
-from workers.capture import HostBuffer, launch_capture, right_padded_rows
+from workers.capture import HostBuffer, launch_capture, merge_captured, right_padded_rows, split_by_tokens
 from workers import faults
 from workers.heartbeat import process_heartbeat
 from workers.spool import is_disk_full, process_spool, spool_file_name, spool_full_error, write_shard
@@ -171,9 +171,18 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     expected = shard_bytes_estimate(plan.num_tokens, plan.num_samples, states_per_token, target.info.hidden_size,
                                     store_dtype.itemsize, scale_bytes)
     # Rows and their indices are laid out (and pinned) on the host before the lock: under it,
-    # nothing but queueing the forward and its copies.
-    rows = right_padded_rows(torch.from_numpy(plan.input_ids_T), cu_seqlens_N1, pad_token_id=target.pad_token_id,
-                             pin=target.device.type == "cuda")
+    # nothing but queueing the forwards and their copies. A batch bigger than this GPU's forward
+    # limit runs as several forwards of consecutive samples into the same shard.
+    on_cuda = target.device.type == "cuda"
+    input_ids_T = torch.from_numpy(plan.input_ids_T)
+
+    def rows_for(max_tokens):
+        ranges = split_by_tokens(cu_seqlens_N1, max_tokens)
+        cu = cu_seqlens_N1
+        return ranges, [right_padded_rows(input_ids_T[int(cu[a]):int(cu[b])], cu[a:b + 1] - cu[a],
+                                          pad_token_id=target.pad_token_id, pin=on_cuda) for a, b in ranges]
+
+    ranges, rows = rows_for(target.max_forward_tokens)
     job.phase("waiting_gpu")
     # One batch is queued on the GPU at a time. The lock is released as soon as the forward and its
     # copies are queued (no host sync), so the next thread's forward is queued right behind it and
@@ -187,9 +196,27 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
                                  on_wait=lambda reason: job.phase("paused" if reason else "forward"))
         job.phase("forward")
         t_fwd = time.perf_counter()
-        pending = launch_capture(target.model, rows, selection, store_dtype=store_dtype, host_buffer=_host_buffer())
+        pending = None
+        while pending is None:
+            try:
+                # one range: the thread's pinned buffer; several: each range's own host tensors, merged below
+                pending = [launch_capture(target.model, r, selection, store_dtype=store_dtype,
+                                          host_buffer=_host_buffer() if len(rows) == 1 else None) for r in rows]
+            except torch.OutOfMemoryError:
+                padded = max(r.shape[0] * r.shape[1] for r in rows)
+                if padded <= 1 or not on_cuda:
+                    raise
+                # The measured limit was too optimistic (fragmentation, another process on the GPU):
+                # halve it for this process and run the batch again in smaller forwards.
+                pending = None
+                torch.cuda.empty_cache()
+                target.max_forward_tokens = padded // 2
+                log.warning("batch %s: out of GPU memory at %s padded tokens per forward; retrying with at most %s",
+                            batch, f"{padded:,}", f"{target.max_forward_tokens:,}")
+                ranges, rows = rows_for(target.max_forward_tokens)
         launch_s = time.perf_counter() - t_fwd
-    captured = pending.wait()
+    parts = [p.wait() for p in pending]
+    captured = parts[0] if len(parts) == 1 else merge_captured(parts, [a for a, _ in ranges])
     forward_s = time.perf_counter() - t_fwd
     faults.pause(settings.faults, "forward", batch)
     job.ticket.forward_done()
@@ -263,6 +290,7 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         "worker": {"host": socket.gethostname(), "pid": os.getpid(), "device": target.engine["device"]},
         "forward_s": round(forward_s, 4),
         "launch_s": round(launch_s, 4),
+        "forwards": len(ranges),
         "write_s": round(t_store - t_write, 4),
         "store_s": round(t_verify - t_store, 4),
         "verify_s": round(t_done - t_verify, 4),

@@ -35,6 +35,8 @@ class Target:
     pad_token_id: int
     load_s: float
     warmup_s: float
+    max_forward_tokens: int | None = None
+    """Most padded tokens one forward may hold (:func:`forward_tokens_that_fit`); None: no limit."""
     gpu_lock: threading.Lock = field(default_factory=threading.Lock)
     """Held during the forward and the device-to-host copy: with two task threads per worker, one
     batch runs on the GPU while the other writes and stores its shard."""
@@ -118,12 +120,57 @@ def _engine(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) ->
     }
 
 
+@torch.inference_mode()
+def forward_tokens_that_fit(model: torch.nn.Module, *, headroom: float = 0.8, probe_len: int = 2048) -> int | None:
+    """Padded tokens per forward that fit this GPU's free memory; None on the CPU (no limit).
+
+    Two bare forwards of 1 and 4 rows of ``probe_len`` tokens give the activation bytes per token
+    (the slope of their peak memory, so fixed costs cancel); ``headroom`` of what is free (plus
+    what torch's cache holds unused) is divided by it. The headroom covers the captured states
+    that finished batches keep on the device until their copies land, and fragmentation. If a
+    forward still runs out of memory, the worker halves the limit and runs the batch again
+    (``workers/extract.py``).
+    """
+    param = next(model.parameters())
+    device = param.device
+    if device.type != "cuda":
+        return None
+    decoder = decoder_of(model).module
+    peaks = []
+    try:
+        for rows in (1, 4):
+            ids = torch.zeros((rows, probe_len), dtype=torch.long, device=device)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            decoder(input_ids=ids, use_cache=False)
+            torch.cuda.synchronize(device)
+            peaks.append(torch.cuda.max_memory_allocated(device) - base)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        fit = probe_len if peaks else probe_len // 2  # one probe row fitted, or not even that
+        log.warning("the GPU memory probe ran out of memory: at most %d padded tokens per forward", fit)
+        return fit
+    except Exception:  # the probe must not stop a worker: without it, batches run as planned
+        log.warning("could not measure activation memory; batches run as planned, in one forward each", exc_info=True)
+        return None
+    per_token = max((peaks[1] - peaks[0]) / (3 * probe_len), 1.0)
+    fixed = max(peaks[0] - per_token * probe_len, 0.0)
+    free, _total = torch.cuda.mem_get_info(device)
+    available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    fit = int((available * headroom - fixed) / per_token)
+    log.info("activation memory %.1f KiB per token; %.1f GiB available: %s padded tokens per forward",
+             per_token / 1024, available / 2**30, f"{fit:,}")
+    return max(fit, probe_len)
+
+
 def _pad_id(model: torch.nn.Module) -> int:
     pad = model.config.get_text_config().pad_token_id
     return int(pad) if isinstance(pad, int) else 0
 
 
-def adopt_model(name: str, model: torch.nn.Module, info, *, warm_up: bool = True, max_rows: int = 256) -> Target:
+def adopt_model(name: str, model: torch.nn.Module, info, *, warm_up: bool = True, max_rows: int = 256,
+                max_forward_tokens: int | None = None) -> Target:
     """Register an already-built model as this process's target ``name`` (benchmarks, tests).
 
     ``info`` must equal what the run's ``run.json`` records as its model
@@ -135,6 +182,7 @@ def adopt_model(name: str, model: torch.nn.Module, info, *, warm_up: bool = True
         _warm_up(model, info, _pad_id(model), max_rows)
     target = Target(name, model, param.device, param.dtype, info, _engine(model, param.device, param.dtype),
                     _pad_id(model), 0.0, time.perf_counter() - t0)
+    target.max_forward_tokens = max_forward_tokens or forward_tokens_that_fit(model)
     with _lock:
         _loaded.clear()
         _loaded[name] = target
@@ -170,8 +218,10 @@ def load_target(name: str, settings: Settings) -> Target:
     t1 = time.perf_counter()
     _warm_up(model, info, pad, settings.max_batch_samples)
     warmup_s = time.perf_counter() - t1
-    log.info("target %s loaded on %s in %.1f s, warm-up %.1f s, kernels %s", name, device, load_s, warmup_s, kernel_report(model))
-    return Target(name, model, device, dtype, info, engine, pad, load_s, warmup_s)
+    max_forward = settings.max_forward_tokens or forward_tokens_that_fit(model)
+    log.info("target %s loaded on %s in %.1f s, warm-up %.1f s, kernels %s, at most %s padded tokens per forward",
+             name, device, load_s, warmup_s, kernel_report(model), f"{max_forward:,}" if max_forward else "unlimited")
+    return Target(name, model, device, dtype, info, engine, pad, load_s, warmup_s, max_forward)
 
 
 #: Sample lengths of the warm-up batches. Triton compiles one variant of a kernel per
