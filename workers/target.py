@@ -238,7 +238,9 @@ def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256) -> Non
 
     n = info.num_layers
     selection = select_layers(n, layer_ids=[n - 1], final="postnorm")
-    for lengths in WARM_UP_LENGTHS:
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    # On the CPU nothing is JIT-compiled: one small batch checks that the model runs.
+    for lengths in WARM_UP_LENGTHS if on_cuda else WARM_UP_LENGTHS[:1]:
         cu = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0)
         ids_T = torch.arange(1, 1 + int(cu[-1]), dtype=torch.long) % 1000
         capture_batch(model, ids_T, cu, selection, store_dtype=torch.float32, pad_token_id=pad)
