@@ -27,7 +27,7 @@ id ``i`` is ``hidden_states[i + 1]``, the post-norm state is ``hidden_states[-1]
 state and layer ``N - 1`` come from a hook on the last decoder layer, because transformers puts
 the post-norm state in the last slot). Each stored tensor must satisfy
 ``|stored - ref| <= rtol * (|ref| + rms(ref))`` elementwise, with ``rtol`` by stored dtype
-(:data:`RTOL_BY_DTYPE`): bf16 rounding alone is 2**-9 relative. An fp8 run is dequantised in
+(:data:`RTOL_BY_DTYPE`): bf16 rounding alone is up to 2**-8 relative (8 significant bits). An fp8 run is dequantised in
 float32 (``q * scale``) and compared with ``rtol = 0.075``: with the worker's value ``x`` within
 bf16's ``1e-2 * (|ref| + rms)`` of the reference (a bf16 forward on GPU) and e4m3's bound
 ``|dq - x| <= 2**-4 |x| + 2**-10 scale`` (``core/fp8.py``), ``|dq - ref| <= (2**-4 + (1 + 2**-4) *
