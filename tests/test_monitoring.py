@@ -85,8 +85,11 @@ def flower_job(tmp_path_factory, tiny_cache):
                     flower_basic_auth=":".join(FLOWER_AUTH))
     flower = FlowerProcess(env, tmp / "flower.log")
     try:
+        # Each batch waits 1 s before its marker, so the job's worker lives long enough (a few seconds
+        # at least) for Flower's inspect broadcast to reach it: the tiny job alone can finish first.
         job = subprocess.Popen([sys.executable, "-m", "producer", "run", *JOB, "--output", str(tmp / "out"), "--json"],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=ROOT, env={**env, "HSX_FAULTS": "pause_marker=1"},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         workers_seen: dict = {}
         while job.poll() is None and not workers_seen:
             workers_seen = flower_get(flower.port, "/api/workers?refresh=1")

@@ -7,7 +7,7 @@ a while: ``pause_<point>=S`` sleeps S seconds at ``point`` of every batch and lo
 
 | entry | effect |
 |---|---|
-| ``pause_forward=S`` | after the forward, still holding the GPU lock |
+| ``pause_forward=S`` | after the forward, its states on the host (the GPU lock already released) |
 | ``pause_upload=S`` | after the shard is in the spool, before it is stored |
 | ``pause_marker=S`` | after the stored shard is verified, before the marker |
 | ``spool_full=N`` | the first N shard writes of this process fail with ENOSPC |
