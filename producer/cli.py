@@ -369,6 +369,17 @@ def cmd_reconcile(args, settings: Settings) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type: an integer >= 1 (``--workers 0`` or ``-1`` is refused, not defaulted)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m producer", description="Extract a target model's hidden states for draft-model training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -377,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("run", help="the whole job on this machine: plan, start broker and workers, extract, stop")
     _add_plan_options(p)
-    p.add_argument("--workers", type=int, help="worker processes to start (default: one per GPU, one on CPU)")
+    p.add_argument("--workers", type=_at_least_one, help="worker processes to start (default: one per GPU, one on CPU)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("status", help="a run's progress, rate, ETA, workers and failures (from the store; GPU stats over the broker)")
     p.add_argument("run_address", help="<output>/<run_id>, e.g. ./out/sharegpt-3fa9c1d2e4b5 or s3://bucket/prefix/<run_id>")
@@ -422,10 +433,12 @@ def main(argv: list[str] | None = None) -> int:
                                     *(mask_url(a) for a in (sys.argv[1:] if argv is None else argv))])
 
     def on_sigterm(_signum, _frame):
-        # SIGTERM takes the same path as Ctrl-C, so `run` stops the broker and workers it started.
+        # SIGTERM and SIGHUP (a closed terminal or SSH session) take the same path as Ctrl-C, so
+        # `run` stops the broker and workers it started.
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGHUP, on_sigterm)
     try:
         settings = get_settings()
         return {"enqueue": cmd_enqueue, "run": cmd_run, "status": cmd_status, "flower": cmd_flower, "verify": cmd_verify, "export": cmd_export,

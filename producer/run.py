@@ -42,7 +42,9 @@ class LocalWorkers:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
-        cmd = [sys.executable, "-m", "workers"] + (["--count", str(count)] if count else [])
+        # --exit-with-parent: if this process dies without stopping them (SIGKILL, a crash), the
+        # workers shut down instead of serving the next run's broker with this run's environment.
+        cmd = [sys.executable, "-m", "workers", "--exit-with-parent", str(os.getpid())] + (["--count", str(count)] if count else [])
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def alive(self) -> bool:
@@ -154,6 +156,24 @@ def _stop_started(local: LocalWorkers | None, broker, console) -> None:
             broker.stop()
 
 
+def drop_leftover_messages(broker_url: str, queue: str) -> int:
+    """Empty the embedded broker's database (queued and unacknowledged Celery messages, results).
+
+    Only for the broker ``run`` starts for itself: one ``run`` at a time holds it (its state-dir
+    lock), so nothing in it belongs to a live job. Returns how many task messages were dropped.
+    """
+    from producer.status import queue_length
+    from core.broker import redis_client
+
+    counts = queue_length(broker_url, queue)
+    client = redis_client(broker_url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    return counts["waiting"] + counts["unacked"]
+
+
 def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:
     """Plan, start what is missing, extract every batch, stop what we started. Returns (exit code, report)."""
     t0 = time.perf_counter()
@@ -177,6 +197,13 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         if not broker_url:
             broker = EmbeddedBroker(settings.broker_state_dir).start()
             broker_url = broker.url
+            # Messages left by an interrupted run (waiting or unacknowledged) would be run by this
+            # run's workers, under this run's settings. Every run enqueues every batch it lacks, so
+            # dropping them loses nothing: the next run of that job enqueues them again.
+            dropped = drop_leftover_messages(broker_url, settings.queue)
+            if dropped:
+                console.print(f"[dim]embedded broker: dropped {dropped} message(s) left by an interrupted run "
+                              "(that run enqueues them again when it is run again)[/]")
             console.print(f"[dim]embedded broker: valkey-server on {broker.socket_path} (AOF in {settings.broker_state_dir})[/]")
         log_path = settings.broker_state_dir.parent / "logs" / f"workers-{planned.config.run_id}.log"
         env = settings_env(settings, broker_url=broker_url, model=opts.model)

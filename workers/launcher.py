@@ -52,8 +52,13 @@ def worker_command(settings: Settings, name: str, loglevel: str) -> list[str]:
     ]
 
 
-def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INFO", grace_s: float = 600.0) -> int:
-    """Start the workers, wait until they all exit or a signal arrives; returns an exit code."""
+def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INFO", grace_s: float = 600.0,
+           exit_with_parent: int | None = None) -> int:
+    """Start the workers, wait until they all exit or a signal arrives; returns an exit code.
+
+    ``exit_with_parent``: a pid (``producer run``'s); when that process is gone, the workers are
+    stopped as on SIGTERM (warm shutdown), so that a killed ``run`` leaves no worker behind.
+    """
     env = dict(os.environ)
     gpus = visible_gpus(env)
     if settings.device == "cpu":
@@ -71,6 +76,7 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
     print(f"workers: started {n} worker process(es) on {'GPUs ' + ','.join(gpus) if gpus else 'CPU'}", file=sys.stderr, flush=True)
 
     stopping = {"at": None}
+    was_parent = exit_with_parent == os.getppid()
 
     def on_signal(signum, _frame):
         if stopping["at"] is None:
@@ -86,6 +92,9 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     while any(p.poll() is None for p in procs):
+        if exit_with_parent and stopping["at"] is None and not _alive(exit_with_parent, was_parent):
+            print(f"workers: the process that started us (pid {exit_with_parent}) is gone; stopping", file=sys.stderr, flush=True)
+            on_signal(signal.SIGTERM, None)
         if stopping["at"] is not None and time.monotonic() - stopping["at"] > grace_s:
             for p in procs:
                 if p.poll() is None:
@@ -95,11 +104,26 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
     return 0 if stopping["at"] is not None or all(c == 0 for c in codes) else 1
 
 
+def _alive(pid: int, was_parent: bool) -> bool:
+    # A parent that dies leaves us reparented (to init or a subreaper): no race with pid reuse.
+    if was_parent:
+        return os.getppid() == pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", type=int, default=None, help="worker processes (default: one per visible GPU, one on CPU)")
     parser.add_argument("--loglevel", default="INFO")
     parser.add_argument("--grace", type=float, default=600.0, help="seconds to let running batches finish after Ctrl-C / SIGTERM")
+    parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                        help="stop the workers (warm shutdown) when process PID is gone (producer run passes its own)")
     parser.add_argument("--allow-slow-kernels", action="store_true",
                         help="run a Gated DeltaNet model on CUDA without the fla kernels (slow; refused otherwise)")
     args = parser.parse_args(argv)
@@ -109,4 +133,4 @@ def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     import workers  # noqa: F401  (refuses to start without a broker URL, before spawning anything)
 
-    return launch(settings, count=args.count, loglevel=args.loglevel, grace_s=args.grace)
+    return launch(settings, count=args.count, loglevel=args.loglevel, grace_s=args.grace, exit_with_parent=args.exit_with_parent)
