@@ -242,6 +242,10 @@ class RunWatch:
 
         broker = self.probe.poll() if self.probe is not None else None
         workers = self._workers(now, broker)
+        if state == "running" and any(w["online"] is False for w in workers) and not any(w["online"] for w in workers):
+            # Every worker that reported has gone quiet (stopped, killed, or its node lost): nothing
+            # is being done, so no ETA. Workers that start again (or the same `run` command) resume it.
+            state, eta = "stalled", None
         skipped = (self.stats.get("skipped") or {}).get("counts", {})
         return {
             "run_id": self.config.run_id,

@@ -45,7 +45,7 @@ def progress_table(status: dict) -> Table:
     t.add_column(style="bold")
     t.add_column()
     total, done = status["batches_total"], status["batches_done"]
-    state_style = {"done": "green", "failed": "red", "plan_failed": "red", "running": "cyan",
+    state_style = {"done": "green", "failed": "red", "plan_failed": "red", "running": "cyan", "stalled": "yellow",
                    "planning": "yellow"}.get(status["state"], "")
     t.add_row("state", Text(status["state"], style=state_style))
     t.add_row("address", Text(status["address"]))

@@ -67,6 +67,23 @@ def test_status_counts_quarantine_failures_and_paused_workers_from_the_store(sma
         assert expected in text, f"{expected!r} not in the view:\n{text}"
 
 
+def test_a_run_whose_every_worker_went_quiet_is_stalled_not_running(small_run, tmp_path):
+    """Batches left and no failure, but the only worker's heartbeat is stale (stopped, killed): state
+    ``stalled``, no ETA; once a worker reports again it is ``running``."""
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    last = read_batch_list(store)[-1]["batch"]
+    store.delete(marker_key(last))
+    now = float(int(time.time()))
+    record = {"host": "node9", "pid": 43, "device": "cpu", "state": "working", "heartbeat_s": 5.0,
+              "batches": [{"batch": last, "phase": "forward", "since": _utc(now - 90)}], "updated_at": _utc(now - 80)}
+    store.write("workers/node9-43.json", json.dumps(record).encode())
+    status = RunWatch(store).poll(now=now)
+    assert status["state"] == "stalled" and status["eta_s"] is None
+    store.write("workers/node9-43.json", json.dumps({**record, "updated_at": _utc(now - 1)}).encode())
+    assert RunWatch(store).poll(now=now)["state"] == "running"
+
+
 def test_status_watch_json_prints_one_line_per_refresh_and_stops_when_the_run_is_done(small_run):
     """``status --watch --json`` on a finished run prints one JSON line, state done, and exits 0; it needs no broker."""
     proc = run_cli("producer", ["status", small_run["address"], "--watch", "--json", "--interval", "0.2"], small_run["env"],
