@@ -29,6 +29,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from core.processes import pid_alive
 from core.store import Store
 
 BATCHES_JSON = "plan/batches.json"
@@ -150,16 +151,8 @@ def planning_failed(record: dict | None) -> str | None:
     if record.get("state") == "failed":
         return str(record.get("error") or "failed")
     pid = record.get("pid")
-    if record.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+    if record.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
         return f"the planner (pid {pid} on {record.get('host')}) exited without finishing the plan"
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+from core.processes import pid_alive
 from settings import Settings, get_settings
 
 
@@ -108,13 +109,7 @@ def _alive(pid: int, was_parent: bool) -> bool:
     # A parent that dies leaves us reparented (to init or a subreaper): no race with pid reuse.
     if was_parent:
         return os.getppid() == pid
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from core.processes import pid_alive
 from core.errors import SpoolFull
 from settings import Settings
 
@@ -92,22 +93,12 @@ def spool_file_name(run_id: str, batch: str, attempt: str) -> str:
     return f"hsx-{os.getpid()}-{run_id}-{batch}-{attempt}.safetensors"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
 def remove_dead_spool_files(directory: Path) -> list[Path]:
     """Delete spool files whose writing process is gone (a worker killed mid-batch); returns them."""
     removed = []
     for path in directory.glob("hsx-*.safetensors"):
         m = _NAME.match(path.name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             path.unlink(missing_ok=True)
             removed.append(path)
     if removed:

@@ -1,0 +1,18 @@
+"""Whether a local process is alive: for records that name a pid (spool files, planning records,
+the process that started the workers)."""
+
+from __future__ import annotations
+
+import os
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists on this host (someone else's included: ``EPERM`` means it
+    exists); False once it is gone. A zombie still counts as alive until its parent reaps it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
