@@ -154,5 +154,3 @@ def planning_failed(record: dict | None) -> str | None:
     if record.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
         return f"the planner (pid {pid} on {record.get('host')}) exited without finishing the plan"
     return None
-
-
