@@ -192,7 +192,7 @@ def cmd_status(args, settings: Settings) -> int:
         try:
             watch = RunWatch(run_store, probe)
         except MissingKey:
-            console.print(f"error: no run at {mask_url(args.run_address)} (no run.json); give <output>/<run_id>")
+            console.print(_no_run_message(args.run_address, run_store), highlight=False)
             return 2
         status = watch.poll()
         if args.json:
@@ -238,7 +238,7 @@ def cmd_verify(args, settings: Settings) -> int:
             report = verify_run(run_store, recompute=args.recompute, seed=args.seed, rtol=args.rtol, settings=settings,
                                 progress=progress)
     except MissingKey:
-        console.print(f"error: no run at {mask_url(args.run_address)} (no run.json); give <output>/<run_id>")
+        console.print(_no_run_message(args.run_address, run_store), highlight=False)
         return 2
     code = 0 if report["ok"] else 1
     if args.json:
@@ -288,7 +288,7 @@ def cmd_export(args, settings: Settings) -> int:
             report = export_run(run_store, args.format, target, group_size=args.group_size, partial=args.partial,
                                 settings=settings, progress=progress)
     except MissingKey:
-        console.print(f"error: no run at {mask_url(args.run_address)} (no run.json); give <output>/<run_id>")
+        console.print(_no_run_message(args.run_address, run_store), highlight=False)
         return 2
     except BaseException:
         if created:
@@ -321,7 +321,7 @@ def cmd_vocab_counts(args, settings: Settings) -> int:
         with progress_factory() as progress:
             counts, info = supervised_token_counts(run_store, partial=args.partial, progress=progress)
     except MissingKey:
-        console.print(f"error: no run at {mask_url(args.run_address)} (no run.json); give <output>/<run_id>")
+        console.print(_no_run_message(args.run_address, run_store), highlight=False)
         return 2
     data = vocab_counts_bytes(counts, info)
     if args.output:
@@ -367,6 +367,17 @@ def cmd_reconcile(args, settings: Settings) -> int:
     if not (report["lost"] or report["removed_shards"] or report["removed_incomplete"] or report["repaired"]):
         out.print("nothing to do")
     return 0
+
+
+def _no_run_message(address: str, store) -> str:
+    """The error for an address without run.json; on a local output directory, the runs inside it."""
+    message = f"error: no run at {mask_url(address)} (no run.json); give <output>/<run_id>"
+    run_json = store.local_path("run.json")  # a local store: list the runs one level down
+    root = run_json.parent if run_json is not None else None
+    runs = sorted(p.parent.name for p in root.glob("*/run.json")) if root is not None and root.is_dir() else []
+    if runs:
+        message += f". Runs in this directory: {', '.join(runs[:10])}" + (f" (+{len(runs) - 10} more)" if len(runs) > 10 else "")
+    return message
 
 
 def _at_least_one(text: str) -> int:

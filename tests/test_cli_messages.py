@@ -102,3 +102,17 @@ def test_run_says_stopping_at_once_when_interrupted(tmp_path, tiny_cache):  # no
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_an_output_directory_given_for_a_run_names_the_runs_inside_it(tmp_path):
+    """``status ./out`` (the output directory, not a run in it): the error lists the runs there."""
+    from core.store import LocalStore
+    from producer.cli import _no_run_message
+
+    for run in ("sharegpt-aaa", "sharegpt-bbb"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "run.json").write_text("{}")
+    (tmp_path / "not-a-run").mkdir()
+    message = _no_run_message(str(tmp_path), LocalStore(tmp_path))
+    assert message.endswith("Runs in this directory: sharegpt-aaa, sharegpt-bbb")
+    assert _no_run_message(str(tmp_path / "empty"), LocalStore(tmp_path / "empty")).endswith("give <output>/<run_id>")
