@@ -192,6 +192,9 @@ def model_info(name: str, cache_dir: Path, *, trust_remote_code: bool = False) -
     from transformers import AutoConfig
 
     path = resolve_model_path(name, cache_dir)
+    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+        raise BadConfig(f"--model {name!r}: the directory {path} has no config.json; give the directory of a "
+                        "Hugging Face checkpoint (config.json, tokenizer files, *.safetensors)")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises OSError / ValueError / EnvironmentError variants

@@ -58,6 +58,12 @@ def test_a_model_path_that_does_not_exist_is_named_as_such(name, tmp_path):
     assert "Repo id" not in str(info.value) and "does not exist" in str(info.value)
 
 
+def test_a_model_directory_without_config_json_says_so(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(BadConfig, match="has no config.json"):
+        model_info(str(tmp_path / "ckpt"), tmp_path)
+
+
 def test_a_model_path_to_a_file_asks_for_the_checkpoint_directory(tmp_path):
     f = tmp_path / "config.json"
     f.write_text("{}")
