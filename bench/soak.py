@@ -47,40 +47,14 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from bench.planning import machine_info, machine_line  # noqa: E402
-from bench.task_overhead import BATCH_TOKENS, MAX_LENGTH, MODEL, BenchFailed, _bench_settings, _plan  # noqa: E402
+from bench.task_overhead import (  # noqa: E402
+    BATCH_TOKENS, MAX_LENGTH, MODEL, BenchFailed, _bench_settings, _ms, _plan, _wait, _wait_ready,
+)
 
 #: seconds between marker listings while waiting.
 POLL_S = 0.2
 #: seconds every worker process gets to log "ready." (start, imports, model load, warm-up).
 READY_TIMEOUT_S = 240.0
-
-
-def _wait_ready(workers, count: int, timeout_s: float) -> float:
-    """Block until the workers' log holds ``count`` "ready." lines; returns the seconds waited."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        try:
-            if workers.log_path.read_text(errors="replace").count(" ready.") >= count:
-                return time.monotonic() - t0
-        except OSError:
-            pass
-        if not workers.alive():
-            raise BenchFailed(f"the workers exited before they were ready:\n{workers.log_tail()}")
-        time.sleep(0.2)
-    raise BenchFailed(f"{count} workers not ready after {timeout_s:.0f} s:\n{workers.log_tail()}")
-
-
-def _wait(planned, workers, what: str) -> None:
-    from producer.run import wait_for_markers
-
-    waited = wait_for_markers(planned, workers, poll_s=POLL_S)
-    if waited["workers_died"] or waited["failed"] or waited["done"] != len(planned.batches):
-        raise BenchFailed(f"{what}: {waited['done']}/{len(planned.batches)} batches done, failed "
-                          f"{json.dumps(waited['failed'])[:1000]}, workers died: {waited['workers_died']}\n{workers.log_tail()}")
-
-
-def _ms(x: float) -> float:
-    return round(1000 * x, 2)
 
 
 def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, threads: int, tmp: Path) -> dict:
@@ -105,15 +79,15 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
     try:
         t0 = time.perf_counter()
         workers = LocalWorkers(env, log_path, count=workers_n)
-        ready_s = _wait_ready(workers, workers_n, READY_TIMEOUT_S)
+        ready_s = _wait_ready(workers, READY_TIMEOUT_S, count=workers_n)
         enqueue_batches(warm, settings, broker.url)
-        _wait(warm, workers, "warm-up tasks")
+        _wait(warm, workers, "warm-up tasks", poll_s=POLL_S)
         warmup_s = time.perf_counter() - t0
 
         t_start = time.perf_counter()
         enqueue_batches(measured, settings, broker.url)
         enqueue_s = time.perf_counter() - t_start
-        _wait(measured, workers, "measured tasks")
+        _wait(measured, workers, "measured tasks", poll_s=POLL_S)
         wall_s = time.perf_counter() - t_start
     finally:
         if workers is not None:

@@ -81,25 +81,25 @@ class BenchFailed(RuntimeError):
     """The benchmark could not run to the end (worker died, a batch failed, a timeout)."""
 
 
-def _wait_ready(workers, timeout_s: float) -> float:
-    """Block until the worker log says "ready."; returns the seconds waited."""
+def _wait_ready(workers, timeout_s: float, count: int = 1) -> float:
+    """Block until the workers' log holds ``count`` "ready." lines; returns the seconds waited."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         try:
-            if "ready." in workers.log_path.read_text(errors="replace"):
+            if workers.log_path.read_text(errors="replace").count(" ready.") >= count:
                 return time.monotonic() - t0
         except OSError:
             pass
         if not workers.alive():
-            raise BenchFailed(f"the worker exited before it was ready:\n{workers.log_tail()}")
+            raise BenchFailed(f"the workers exited before they were ready:\n{workers.log_tail()}")
         time.sleep(0.1)
-    raise BenchFailed(f"the worker was not ready after {timeout_s:.0f} s:\n{workers.log_tail()}")
+    raise BenchFailed(f"{count} worker(s) not ready after {timeout_s:.0f} s:\n{workers.log_tail()}")
 
 
-def _wait(planned, workers, what: str) -> None:
+def _wait(planned, workers, what: str, poll_s: float = POLL_S) -> None:
     from producer.run import wait_for_markers
 
-    waited = wait_for_markers(planned, workers, poll_s=POLL_S)
+    waited = wait_for_markers(planned, workers, poll_s=poll_s)
     if waited["workers_died"] or waited["failed"] or waited["done"] != len(planned.batches):
         raise BenchFailed(f"{what}: {waited['done']}/{len(planned.batches)} batches done, failed "
                           f"{json.dumps(waited['failed'])[:1000]}, workers died: {waited['workers_died']}\n{workers.log_tail()}")
