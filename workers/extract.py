@@ -203,20 +203,22 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
                 pending = [launch_capture(target.model, r, selection, store_dtype=store_dtype,
                                           host_buffer=_host_buffer() if len(rows) == 1 else None) for r in rows]
             except torch.OutOfMemoryError:
-                padded = max(r.shape[0] * r.shape[1] for r in rows)
-                if padded <= 1 or not on_cuda:
-                    raise
                 # The measured limit was too optimistic (fragmentation, another process on the GPU):
-                # halve it for this process and run the batch again in smaller forwards.
+                # halve it for this process and run the batch again in smaller forwards, unless the
+                # forward that failed was one sample alone (nothing smaller to run: the task fails).
+                padded = max(r.shape[0] * r.shape[1] for r in rows)
+                smaller = rows_for(padded // 2)
+                if not on_cuda or len(smaller[0]) == len(ranges):
+                    raise
                 pending = None
                 torch.cuda.empty_cache()
                 target.max_forward_tokens = padded // 2
                 log.warning("batch %s: out of GPU memory at %s padded tokens per forward; retrying with at most %s",
                             batch, f"{padded:,}", f"{target.max_forward_tokens:,}")
-                ranges, rows = rows_for(target.max_forward_tokens)
+                ranges, rows = smaller
         launch_s = time.perf_counter() - t_fwd
-    parts = [p.wait() for p in pending]
-    captured = parts[0] if len(parts) == 1 else merge_captured(parts, [a for a, _ in ranges])
+    range_captures = [p.wait() for p in pending]
+    captured = range_captures[0] if len(range_captures) == 1 else merge_captured(range_captures, [a for a, _ in ranges])
     forward_s = time.perf_counter() - t_fwd
     faults.pause(settings.faults, "forward", batch)
     job.ticket.forward_done()
