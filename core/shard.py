@@ -79,6 +79,62 @@ def shard_metadata(run_id: str, batch: str, layers: dict, model: dict, engine: d
     }
 
 
+#: safetensors dtype names (the format's spec: https://github.com/huggingface/safetensors, "Format").
+SAFETENSORS_DTYPES = {
+    "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+#: bytes per piece of :func:`serialize_shard`: large writes and parts, with the GIL released per call.
+PIECE_BYTES = 64 << 20
+
+
+def serialize_shard(tensors: dict, metadata: dict[str, str]) -> list[memoryview]:
+    """A shard's safetensors file as a list of buffers over the tensors' own memory (no copy).
+
+    The concatenation of the pieces is the file: 8-byte little-endian header length, the JSON
+    header (``dtype`` / ``shape`` / ``data_offsets`` per tensor and ``__metadata__``, padded with
+    spaces to a multiple of 8), then each tensor's raw little-endian bytes, with no holes, in the
+    order largest element size first, then name (as ``safetensors.torch.save`` lays them out, so
+    each tensor starts aligned to its element size). Data pieces are at most
+    :data:`PIECE_BYTES`. ``tests/test_spool.py`` checks that ``safetensors.safe_open`` reads the
+    result back bit for bit.
+
+    Args:
+        tensors: name -> CPU torch tensor (any shape; made contiguous if it is not, which copies).
+        metadata: the string metadata (:func:`shard_metadata`).
+
+    Raises:
+        ValueError: a tensor is not on the CPU, or its dtype has no safetensors name.
+    """
+    import struct
+
+    import torch
+
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict = {"__metadata__": dict(metadata)}
+    offset = 0
+    raws = []
+    for name in order:
+        t = tensors[name]
+        if t.device.type != "cpu":
+            raise ValueError(f"tensor {name} is on {t.device}; a shard is serialised from host tensors")
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name} has dtype {dtype}, which safetensors cannot store")
+        flat = t.detach().contiguous().reshape(-1)
+        raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+        raws.append(raw)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # data starts 8-byte aligned
+    pieces = [memoryview(struct.pack("<Q", len(head)) + head)]
+    for raw in raws:
+        pieces += [raw[start:start + PIECE_BYTES] for start in range(0, len(raw), PIECE_BYTES)]
+    return pieces
+
+
 def select_samples(tensors: dict, keep_N) -> dict:
     """The shard's tensors with only the samples where ``keep_N`` (bool [N]) is True.
 

@@ -23,15 +23,17 @@ import base64
 import errno
 import hashlib
 import os
+import queue
 import re
 import shutil
 import stat
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, runtime_checkable
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from core.errors import BadConfig, FidelityError, StoreError
@@ -101,6 +103,19 @@ class Store(Protocol):
     def create(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if absent: True if this call created it, False if it existed."""
         ...
+
+    def write_stream(self, key: str, pieces: Iterable[memoryview]) -> tuple[int, str]:
+        """Store the concatenation of ``pieces`` under ``key`` in one pass; return (bytes, sha256 hex).
+
+        The sha256 is computed over the very buffers that are written, beside the write, so the
+        bytes cross host memory once after they were produced. When this returns, the object is
+        complete and durable, and it holds exactly those bytes: local, written, fsynced and renamed
+        into place; S3, a multipart upload whose every part the server checked against its
+        SHA-256. Nothing needs reading back. Readers see the old object or the new one, never a
+        part. ``pieces`` is consumed once; its buffers must not change until this returns.
+        """
+        ...
+
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists."""
@@ -269,6 +284,39 @@ def sha256_file(path: Path) -> tuple[int, str]:
     return n, h.hexdigest()
 
 
+class Sha256Beside:
+    """The sha256 of a stream of buffers, computed in a second thread while the caller writes them.
+
+    ``update(buf)`` hands ``buf`` (not a copy) to the hashing thread; both threads release the GIL
+    on large buffers (hashlib, file and socket writes), so a shard costs max(write, hash), not
+    their sum. ``hexdigest()`` waits for the thread. The caller must not modify a buffer before
+    ``hexdigest()`` returns.
+    """
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.nbytes = 0
+        self._thread = threading.Thread(target=self._run, name="sha256-beside", daemon=True)
+        self._thread.start()
+        self._digest: str | None = None
+
+    def _run(self) -> None:
+        while (buf := self._queue.get()) is not None:
+            self._sha.update(buf)
+
+    def update(self, buf) -> None:
+        self._queue.put(buf)
+        self.nbytes += len(buf)
+
+    def hexdigest(self) -> str:
+        if self._digest is None:
+            self._queue.put(None)
+            self._thread.join()
+            self._digest = self._sha.hexdigest()
+        return self._digest
+
+
 class LocalStore:
     """A directory as a store: key ``a/b`` is the file ``root/a/b``.
 
@@ -376,6 +424,47 @@ class LocalStore:
             if linked and sha256_hex:
                 st = final.stat()
                 self._linked[str(final)] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, sha256_hex.lower())
+
+    def write_stream(self, key: str, pieces: Iterable[memoryview]) -> tuple[int, str]:
+        """Write ``pieces`` straight into a temp file beside ``key``, hashed beside the write; fsync,
+        ``os.replace``, fsync the directory; return (bytes, sha256 hex).
+
+        After each piece its pages are handed to the kernel's writeback at once
+        (``POSIX_FADV_DONTNEED``, see posix_fadvise(2)): the disk writes while the next piece is
+        copied, the final fsync waits only for the tail, and gigabytes of shards do not push the
+        page cache out. :meth:`verify` trusts a file this store wrote this way while it is the
+        same inode, size and mtime (its bytes are the buffers that were hashed).
+        """
+        final = self._path(key)
+        sha = Sha256Beside()
+
+        def fill(f) -> None:
+            fd, offset = f.fileno(), 0
+            for piece in pieces:
+                piece = memoryview(piece).cast("B")
+                sha.update(piece)
+                f.write(piece)
+                if len(piece) >= CHUNK_BYTES and hasattr(os, "posix_fadvise"):
+                    f.flush()
+                    os.posix_fadvise(fd, offset, len(piece), os.POSIX_FADV_DONTNEED)
+                offset += len(piece)
+
+        with self._os_errors("write", key):
+            try:
+                tmp = self._write_tmp(final, fill)
+            finally:
+                digest = sha.hexdigest()
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            _fsync_dir(final.parent)
+            st = final.stat()
+        if st.st_size != sha.nbytes:
+            raise StoreError(f"write {key!r} in {self.url}: {st.st_size} bytes on disk after writing {sha.nbytes}")
+        self._linked[str(final)] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, digest)
+        return sha.nbytes, digest
 
     def create(self, key: str, data: bytes) -> bool:
         """Create-if-absent, safe across processes: a complete temp file is hard-linked to the
@@ -779,6 +868,95 @@ class S3Store:
             raise
         joined = b"".join(base64.b64decode(p["ChecksumSHA256"]) for p in parts)
         return f"{base64.b64encode(hashlib.sha256(joined).digest()).decode()}-{len(parts)}"
+
+    def write_stream(self, key: str, pieces: Iterable[memoryview]) -> tuple[int, str]:
+        """Upload ``pieces`` from host memory with checksums the server checks; return (bytes, sha256 hex).
+
+        The pieces are cut into parts of ``multipart_bytes`` (each part one copy into a bytes
+        object, as the HTTP body), uploaded ``MULTIPART_CONCURRENCY`` at a time, each with its
+        own ``ChecksumSHA256`` that the server verifies on arrival (a mismatch is HTTP 400
+        BadDigest); the whole object's sha256 is computed beside the upload over the same
+        buffers. An object smaller than one part is one PUT with its full ``ChecksumSHA256``. The
+        completed upload's composite checksum is compared with the one the parts give and kept for
+        :meth:`verify`; nothing is downloaded. A failed upload is aborted (no parts stay behind)
+        and raises StoreError (``transient`` for what a retry may fix).
+        """
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        full = self._key(key)
+        part_bytes = self.multipart_bytes
+        sha = Sha256Beside()
+        upload_id = None
+        pool = None
+        with self._errors("write_stream", key):
+            try:
+                pending: list[memoryview] = []  # slices of the caller's buffers for the next part
+                pending_len = 0
+                futures: dict = {}
+                parts: list[dict] = []
+
+                def send(number: int, data: bytes) -> dict:
+                    digest = _b64(hashlib.sha256(data).hexdigest())
+                    resp = self.client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number,
+                                                   Body=data, ChecksumSHA256=digest)
+                    return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumSHA256": digest}
+
+                def flush_part() -> None:
+                    nonlocal upload_id, pool, pending, pending_len
+                    if upload_id is None:
+                        upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=full,
+                                                                        ChecksumAlgorithm="SHA256")["UploadId"]
+                        pool = ThreadPoolExecutor(MULTIPART_CONCURRENCY, thread_name_prefix="s3-part")
+                    while len(futures) >= MULTIPART_CONCURRENCY:  # bounded memory: parts in flight
+                        done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                        for f in done:
+                            parts.append(f.result())
+                            del futures[f]
+                    number = len(parts) + len(futures) + 1
+                    futures[pool.submit(send, number, b"".join(pending))] = number  # the one copy: the part's body
+                    pending, pending_len = [], 0
+
+                for piece in pieces:
+                    piece = memoryview(piece).cast("B")
+                    sha.update(piece)
+                    while len(piece):
+                        take = min(len(piece), part_bytes - pending_len)
+                        pending.append(piece[:take])
+                        pending_len += take
+                        piece = piece[take:]
+                        if pending_len == part_bytes:
+                            flush_part()
+                if upload_id is None:  # small: one PUT with the whole object's checksum
+                    digest = sha.hexdigest()
+                    self.client.put_object(Bucket=self.bucket, Key=full, Body=b"".join(pending),
+                                           ChecksumSHA256=_b64(digest))
+                    self._composite.pop(full, None)
+                    return sha.nbytes, digest
+                if pending_len:
+                    flush_part()
+                for f in list(futures):
+                    parts.append(f.result())
+                parts.sort(key=lambda p: p["PartNumber"])
+                resp = self.client.complete_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id,
+                                                             MultipartUpload={"Parts": parts})
+                joined = b"".join(base64.b64decode(p["ChecksumSHA256"]) for p in parts)
+                composite = f"{base64.b64encode(hashlib.sha256(joined).digest()).decode()}-{len(parts)}"
+                reported = resp.get("ChecksumSHA256")
+                if reported and reported != composite:
+                    raise FidelityError(f"{key!r} in {self.url}: the server's composite SHA-256 {reported} differs from "
+                                        f"the parts' {composite}")
+                self._composite[full] = composite
+                upload_id = None  # completed: nothing to abort
+                return sha.nbytes, sha.hexdigest()
+            finally:
+                sha.hexdigest()
+                if pool is not None:
+                    pool.shutdown(wait=True, cancel_futures=True)
+                if upload_id is not None:
+                    try:
+                        self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+                    except Exception:  # the server may be the thing that failed; reconcile removes it later
+                        pass
 
     def create(self, key: str, data: bytes) -> bool:
         """``put_object(IfNoneMatch="*")``: True if created, False on 412 PreconditionFailed.
