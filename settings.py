@@ -50,14 +50,16 @@ class Settings(BaseSettings):
     s3_secret_access_key: str | None = None
     """S3 secret key; never printed or stored."""
     spool_dir: Path | None = None
-    """Local directory where a worker writes a shard before it is stored; unset: ``/dev/shm/hsx-spool``
+    """Local directory of the overflow: where a worker puts a shard the store did not take at once
+    (a shard normally goes straight from host memory into the store); unset: ``/dev/shm/hsx-spool``
     when /dev/shm has at least ``workers.spool.SHM_MIN_FREE_BYTES`` free, else ``<tmp>/hsx-spool``."""
     spool_max_fraction: float = Field(default=0.8, gt=0, le=1)
-    """Extraction pauses (before the forward) while the spool's filesystem would be fuller than this
-    fraction with the next shard in it, and resumes below it; it never fills the disk."""
+    """A shard goes to the spool only while its filesystem would not be fuller than this fraction with
+    the shard in it; the spool never fills the disk."""
     max_pending_uploads: int = Field(default=2, ge=1)
-    """Extraction also pauses while this many shards of the worker process wait in the spool to be
-    stored (written but not yet uploaded and verified)."""
+    """Shards of a worker process that may wait in the spool (the overflow) for a store that did not
+    take them at once; beyond that they wait in their host buffers, and once every buffer holds one,
+    extraction pauses."""
     store_retry_s: float = Field(default=900.0, ge=0)
     """Seconds a worker keeps retrying a store call that fails for a transient reason (connection
     refused or reset, timeouts, throttling, HTTP 5xx), with exponential backoff and jitter, on top
@@ -66,9 +68,9 @@ class Settings(BaseSettings):
     """Seconds between a worker's status records (``<run>/workers/<host>-<pid>.json``)."""
     faults: str | None = None
     """Fault injection, for the recovery tests only; never set it in production. Comma-separated:
-    ``pause_forward=S`` / ``pause_upload=S`` / ``pause_marker=S`` sleep S seconds at that point of
-    every batch (after the forward, before the store write, before the marker), ``spool_full=N``
-    makes the first N shard writes of the process fail with ENOSPC."""
+    ``pause_<point>=S`` sleeps S seconds at that point of every batch (``forward``, ``upload``,
+    ``store``, ``marker``), ``store_down=N`` / ``store_full=N`` / ``spool_full=N`` fail the first N
+    store or spool writes of the process (``workers/faults.py`` has the table)."""
 
     # --- planning -----------------------------------------------------------------------
     max_length: int = Field(default=4096, ge=8)
@@ -83,9 +85,12 @@ class Settings(BaseSettings):
     """Target model a worker loads at start (hub id, local checkpoint or ``tiny-qwen3.5``).
     Unset: the worker loads the model named by the first run it serves."""
     worker_concurrency: int = Field(default=3, ge=1)
-    """Task threads per worker process (one GPU each). They share one GPU lock: one batch runs its
-    forward while the others write, hash and store their shards, so the GPU does not wait on I/O.
-    Each thread keeps one batch of states in (pinned) host memory."""
+    """Batches in flight per worker process (one GPU each): its pinned host buffers, each holding one
+    batch's states from the device-to-host copy until its shard is in the store. They share one GPU
+    lock: one batch runs its forward while the others write their shards straight into the store,
+    so the GPU does not wait on I/O. The process runs ``worker_concurrency + max_pending_uploads``
+    task threads (:attr:`task_threads`): the extra ones wait for a slow store with their shard in
+    the spool, not in a host buffer."""
     workers_per_node: int | None = Field(default=None, ge=1)
     """Worker processes ``python -m workers`` starts; unset: one per visible GPU (one on CPU)."""
     device: str | None = None
@@ -125,6 +130,12 @@ class Settings(BaseSettings):
         if not v.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
             raise ValueError(f"{v!r} is not a Redis URL: use redis://HOST:PORT/DB or redis+socket:///PATH")
         return v
+
+    @property
+    def task_threads(self) -> int:
+        """Celery task threads per worker process: a host buffer's worth of batches in flight
+        (``worker_concurrency``) plus the overflow's (``max_pending_uploads``)."""
+        return self.worker_concurrency + self.max_pending_uploads
 
     @property
     def broker_state_dir(self) -> Path:

@@ -46,7 +46,7 @@ def celery_config(settings: Settings, broker_url: str) -> dict:
         worker_prefetch_multiplier=1,
         worker_deduplicate_successful_tasks=True,
         worker_pool="threads",
-        worker_concurrency=settings.worker_concurrency,
+        worker_concurrency=settings.task_threads,
         worker_hijack_root_logger=False,
         task_default_queue=settings.queue,
         task_routes={EXTRACT_TASK: {"queue": settings.queue}},

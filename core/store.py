@@ -47,10 +47,12 @@ CHUNK_BYTES = 1 << 20
 MULTIPART_BYTES = 64 << 20
 #: parallel part uploads of one big object.
 MULTIPART_CONCURRENCY = 8
-#: S3 connect / read timeouts of ordinary calls (seconds); retries are botocore's "adaptive" mode.
+#: S3 connect / read timeouts of ordinary calls (seconds); retries are botocore's "adaptive" mode,
+#: few of them: a worker's own retries (``core/retry.py``, ``HSX_STORE_RETRY_S``) ride out long
+#: outages, and a shard the store does not take within seconds goes to the overflow spool.
 S3_CONNECT_TIMEOUT_S = 10
 S3_READ_TIMEOUT_S = 120
-S3_MAX_ATTEMPTS = 8
+S3_MAX_ATTEMPTS = 3
 #: the probe at open: short timeouts and few attempts, so a bad endpoint fails in seconds.
 PROBE_CONNECT_TIMEOUT_S = 3
 PROBE_READ_TIMEOUT_S = 5

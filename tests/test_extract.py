@@ -151,3 +151,84 @@ def test_a_batch_bigger_than_the_forward_limit_runs_as_several_forwards_into_one
     stored = {s: v for s, v in read_samples(run.run_store).items() if v["batch"] == batch}
     assert set(stored) == set(plan.sample_index_N.tolist())
     assert assert_matches_reference(target.model, stored, [1, 3, 4], atol=1e-4, rtol=1e-4) > 0
+
+
+def _redo(run_store, batch: str) -> None:
+    for key in batch_shards(run_store, batch):
+        run_store.delete(key)
+    if read_marker(run_store, batch):
+        run_store.delete(f"markers/{batch}.json")
+
+
+def _extract_with(planned, batch: str, **overrides):
+    from workers import faults
+    from workers.extract import extract_batch
+
+    faults.reset()
+    settings = planned["settings"].model_copy(update=overrides)
+    _redo(planned["run"].run_store, batch)
+    return extract_batch(planned["run"].run_url, batch, settings), read_marker(planned["run"].run_store, batch)
+
+
+def _certified(run_store, marker) -> bytes:
+    import hashlib
+
+    data = run_store.read(marker["shard"]["key"])
+    assert len(data) == marker["shard"]["bytes"] and hashlib.sha256(data).hexdigest() == marker["shard"]["sha256"]
+    return data
+
+
+def test_a_shard_goes_straight_from_host_memory_into_the_store_without_touching_the_spool(planned):
+    """The default path: the marker says `direct`, the stored bytes hash to the marker's sha256, and no spool file was ever made."""
+    batch = planned["batches"][0]
+    spool = planned["spool"]
+    before = set(spool.glob("*")) if spool.exists() else set()
+    result, marker = _extract_with(planned, batch)
+    assert result["status"] == "done" and marker["write_path"] == "direct"
+    _certified(planned["run"].run_store, marker)
+    assert (set(spool.glob("*")) if spool.exists() else set()) == before
+
+
+def test_a_store_that_does_not_answer_sends_the_shard_through_the_spool_with_the_same_bytes(planned):
+    """store_down=1: the direct write fails transiently, the shard is written to the spool and stored from there;
+    the certified bytes equal those of a direct write of the same batch, and the spool file is gone."""
+    batch = planned["batches"][0]
+    _, direct = _extract_with(planned, batch)
+    direct_bytes = _certified(planned["run"].run_store, direct)
+    result, marker = _extract_with(planned, batch, faults="store_down=1")
+    assert result["status"] == "done" and marker["write_path"] == "spool"
+    assert marker["shard"]["key"] != direct["shard"]["key"]
+    spooled = _certified(planned["run"].run_store, marker)
+    # The shard's bytes are the same but for the batch-independent header; the tensors equal.
+    from safetensors.torch import load
+
+    a, b = load(direct_bytes), load(spooled)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not list(planned["spool"].glob(f"*{batch}*")), "the spool file is removed once stored"
+
+
+def test_with_the_overflow_full_a_shard_the_store_refused_is_retried_from_host_memory(planned):
+    """store_down=1 and no room in the spool (HSX_SPOOL_MAX_FRACTION below its use): the shard stays in its host
+    buffer, is retried from there, and the marker says `memory`."""
+    import shutil
+
+    du = shutil.disk_usage(planned["spool"])
+    if du.used == 0:
+        pytest.skip("the spool's filesystem reports no use")
+    result, marker = _extract_with(planned, planned["batches"][0], faults="store_down=1",
+                                   spool_max_fraction=du.used / du.total / 2, store_retry_s=30)
+    assert result["status"] == "done" and marker["write_path"] == "memory"
+    _certified(planned["run"].run_store, marker)
+
+
+def test_a_full_store_fails_the_batch_and_leaves_no_half_shard(planned):
+    """store_full=1 (ENOSPC after the header): StoreError, no marker, no shard key, no temp file left in the run."""
+    from core.errors import StoreError
+    from workers.extract import extract_batch
+
+    run_store, batch = planned["run"].run_store, planned["batches"][0]
+    _redo(run_store, batch)
+    with pytest.raises(StoreError, match="No space left"):
+        extract_batch(planned["run"].run_url, batch, planned["settings"].model_copy(update={"faults": "store_full=1"}))
+    assert read_marker(run_store, batch) is None and batch_shards(run_store, batch) == []
+    assert not [p for p in run_store.local_path("shards").iterdir() if p.name.startswith(".hsx-tmp-")]

@@ -208,62 +208,43 @@ class FakeDisk:
         return Usage(self.total, self.used, self.total - self.used)
 
 
-def _admit_in_thread(spool: Spool, nbytes: int, reasons: list):
-    out = {}
-
-    def go():
-        out["ticket"] = spool.admit(nbytes, on_wait=reasons.append, poll_s=0.01)
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    return t, out
-
-
-def test_extraction_pauses_while_the_spool_would_pass_its_limit_and_resumes_below_it(tmp_path):
-    """Disk 85% used, limit 80%: admit waits with the reason; usage drops to 50%: it proceeds and the wait ends (None)."""
+def test_the_overflow_takes_a_shard_only_while_the_spool_stays_under_its_limit(tmp_path):
+    """Disk 85% used, limit 80%: try_admit says no at once (the shard stays in host memory) and names why; at 50% it says yes and reserves the bytes."""
     disk = FakeDisk(1000, used=850)
     spool = Spool(tmp_path, max_fraction=0.8, max_pending_uploads=2, disk_usage=disk)
-    reasons: list = []
-    t, out = _admit_in_thread(spool, 10, reasons)
-    time.sleep(0.2)
-    assert t.is_alive() and reasons and "spool 85% full" in reasons[0] and "limit 80%" in reasons[0]
-    assert spool.paused_reason == reasons[0]
+    t0 = time.monotonic()
+    assert spool.try_admit(10) is None and time.monotonic() - t0 < 1, "never waits"
+    reason = spool.full_reason(10)
+    assert "spool 85% full" in reason and "limit 80%" in reason and "HSX_SPOOL_MAX_FRACTION" in reason
     disk.used = 500
-    t.join(5)
-    assert not t.is_alive() and reasons[-1] is None and spool.paused_reason is None
-    assert spool.usage().reserved_bytes == 10
-    out["ticket"].written()
-    assert spool.usage().reserved_bytes == 0
+    ticket = spool.try_admit(10)
+    assert ticket is not None and spool.usage().reserved_bytes == 10 and spool.usage().uploads_pending == 1
+    ticket.written()
+    assert spool.usage().reserved_bytes == 0 and spool.usage().uploads_pending == 1
+    ticket.release()
+    assert spool.usage().uploads_pending == 0
 
 
 def test_the_next_shard_counts_against_the_limit_so_the_disk_never_fills(tmp_path):
-    """70% used + a shard of 15% > 80%: paused even though usage alone is below the limit; admitted shards reserve their bytes."""
+    """70% used + 5% reserved by an admitted shard + a shard of 6% > 80%: refused, though usage alone is below the limit."""
     disk = FakeDisk(1000, used=700)
     spool = Spool(tmp_path, max_fraction=0.8, disk_usage=disk)
-    first = spool.admit(50)  # 75%
-    reasons: list = []
-    t, _ = _admit_in_thread(spool, 60, reasons)  # 70% + 5% reserved + 6% > 80%
-    time.sleep(0.2)
-    assert t.is_alive() and "81%" in reasons[0]
-    first.release()  # the first batch failed before writing: its reservation goes back
-    t.join(5)
-    assert not t.is_alive()
+    first = spool.try_admit(50)  # 75%
+    assert first is not None and spool.try_admit(60) is None and "81%" in spool.full_reason(60)
+    first.release()  # the first shard failed before it was written: its reservation goes back
+    assert spool.try_admit(60) is not None
 
 
-def test_extraction_pauses_while_too_many_shards_wait_to_be_stored(tmp_path):
-    """Two shards past their forward and not stored (limit 2): the third batch waits until one is stored."""
+def test_the_overflow_holds_at_most_max_pending_uploads_shards(tmp_path):
+    """Two shards in the spool waiting for the store (limit 2): a third stays in host memory until one is stored."""
     spool = Spool(tmp_path, max_pending_uploads=2, disk_usage=FakeDisk(10**9))
-    tickets = [spool.admit(1), spool.admit(1)]
+    tickets = [spool.try_admit(1), spool.try_admit(1)]
     for tk in tickets:
-        tk.forward_done()
         tk.written()
-    reasons: list = []
-    t, _ = _admit_in_thread(spool, 1, reasons)
-    time.sleep(0.2)
-    assert t.is_alive() and reasons[0].startswith("2 shards waiting to be stored (limit 2")
+    assert spool.try_admit(1) is None
+    assert spool.full_reason(1).startswith("2 shards waiting in the spool to be stored (limit 2, HSX_MAX_PENDING_UPLOADS)")
     tickets[0].release()
-    t.join(5)
-    assert not t.is_alive() and spool.usage().uploads_pending == 1
+    assert spool.try_admit(1) is not None and spool.usage().uploads_pending == 2
 
 
 def test_a_shard_bigger_than_the_spool_may_ever_hold_fails_at_once(tmp_path):
@@ -271,8 +252,24 @@ def test_a_shard_bigger_than_the_spool_may_ever_hold_fails_at_once(tmp_path):
     spool = Spool(tmp_path, max_fraction=0.8, disk_usage=FakeDisk(1_000_000_000))
     t0 = time.monotonic()
     with pytest.raises(SpoolFull, match="HSX_SPOOL_DIR"):
-        spool.admit(900_000_000, what="batch b000001")
+        spool.try_admit(900_000_000, what="batch b000001")
     assert time.monotonic() - t0 < 1
+
+
+def test_the_host_buffer_pool_makes_the_next_forward_wait_until_a_shard_is_stored(tmp_path):
+    """Pool of 2: two batches hold buffers; a third waits (calling on_wait) until one is given back."""
+    from workers.spool import HostBufferPool
+
+    pool = HostBufferPool(2)
+    held = [pool.acquire(), pool.acquire()]
+    waits, got = [], []
+    t = threading.Thread(target=lambda: got.append(pool.acquire(on_wait=lambda: waits.append(1), poll_s=0.01)), daemon=True)
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive() and waits and not got
+    pool.release(held[0])
+    t.join(5)
+    assert not t.is_alive() and got == [held[0]] and pool.free == 0
 
 
 def test_spool_files_of_dead_worker_processes_are_removed(tmp_path):

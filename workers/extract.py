@@ -1,23 +1,28 @@
-"""One batch, end to end on a worker: marker check, plan, capture, quarantine, shard, store, verify, marker.
+"""One batch, end to end on a worker: claim, plan, forward, write, certify.
 
-The marker is written last with a conditional create, so a batch is done if and only if its
-marker exists; a duplicate or retried task finds it and does nothing. Shard keys carry a random
-attempt id so that racing duplicates never overwrite each other's shard (see core/marker.py).
+- **claim**: a batch whose marker exists is done: a duplicate or retried task returns at once.
+- **plan**: the run's config and the batch's plan from the store; the target loaded (once per
+  process) and checked against the run's model; the rows laid out on the host.
+- **forward**: a host buffer from the process's pool (:class:`workers.spool.HostBufferPool`: the
+  backpressure), then, under the GPU lock, the forward and its device-to-host copies queued
+  (``workers/capture.py``); the lock is released before waiting for the copies, so the next batch's
+  forward is queued right behind this one.
+- **write**: samples with NaN or Inf states are quarantined (left out, listed in the marker with
+  the reason; a batch with none left fails loudly with :class:`FidelityError`: no shard, no
+  marker). The shard is serialised from the host buffer straight into the store
+  (``Store.write_stream``): its bytes are written once, hashed beside the write, and certified by
+  that hash (S3: by the server's per-part checksums), with no read-back. If the store does not
+  take it for a transient reason, the shard goes to the overflow spool and is stored from there
+  with retries (``workers/spool.py``), freeing its host buffer for the next forward.
+- **certify**: the marker, last, with a conditional create (``core/marker.py``). Shard keys carry a
+  random attempt id, so racing duplicates never overwrite each other's shard; the loser deletes
+  its own.
 
-A sample whose captured states hold NaN or Inf is quarantined: left out of the shard and listed
-in the marker with its reason; the rest of the batch is written. A batch with no sample left
-fails loudly (:class:`FidelityError`, no shard, no marker) rather than certify an empty shard.
-
-Upload path: the shard goes to the spool (``workers/spool.py``), then to the store in the task
-thread itself while the worker's other task threads run the next forward (they share one GPU
-lock): with ``HSX_WORKER_CONCURRENCY`` threads, up to that many minus one uploads run in the
-background of the GPU. Store calls that fail for a transient reason are retried with backoff
-(``core/retry.py``); the stored object is verified (size and SHA-256) before the marker is
-written, and the Celery message is acknowledged only after the task returns (``acks_late``), so a
-batch is acknowledged only once its marker exists. A worker that dies before that leaves the
-message unacknowledged: it is delivered again (visibility timeout) or enqueued again by
-``producer reconcile``. Backpressure: a batch is admitted by the spool before it takes the GPU
-lock, and waits while the spool is too full or too many shards wait to be stored.
+Store calls that fail for a transient reason are retried with backoff (``core/retry.py``); the
+Celery message is acknowledged only after the task returns (``acks_late``), so a batch is
+acknowledged only once its marker exists. A worker that dies before that leaves the message
+unacknowledged: it is delivered again (visibility timeout) or enqueued again by ``producer
+reconcile``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from datetime import datetime, timezone
@@ -40,13 +44,15 @@ from core.layers import LayerSelection
 from core.marker import read_marker, shard_key, write_marker
 from core.plan import read_batch
 from core.runconfig import load_run
-from core.shard import select_samples, shard_metadata
+from core.errors import StoreError
+from core.shard import select_samples, serialize_shard, shard_metadata
 from core.store import open_store
 from settings import Settings
-from workers.capture import HostBuffer, launch_capture, merge_captured, right_padded_rows, split_by_tokens
+from workers.capture import launch_capture, merge_captured, right_padded_rows, split_by_tokens
 from workers import faults
 from workers.heartbeat import process_heartbeat
-from workers.spool import is_disk_full, process_spool, spool_file_name, spool_full_error, write_shard
+from workers.spool import (is_disk_full, process_host_buffers, process_spool, spool_file_name, spool_full_error,
+                           write_shard)
 from workers.target import get_target
 
 log = logging.getLogger(__name__)
@@ -71,16 +77,6 @@ def _run_config(run_url: str, run_store):
     return _configs[run_url]
 
 
-_thread_state = threading.local()
-
-
-def _host_buffer() -> HostBuffer:
-    # One per task thread: its batch's states live there until the shard is written.
-    if not hasattr(_thread_state, "host_buffer"):
-        _thread_state.host_buffer = HostBuffer()
-    return _thread_state.host_buffer
-
-
 def _retry(settings: Settings, what: str, fn):
     return retry_transient(fn, what, total_s=settings.store_retry_s)
 
@@ -95,17 +91,24 @@ def shard_bytes_estimate(num_tokens: int, num_samples: int, states_per_token: in
 
 
 class _Job:
-    """What the wrapper of one task must clean up: the spool ticket, the heartbeat entry."""
+    """What the wrapper of one task must clean up: the host buffer, the spool ticket, the heartbeat entry."""
 
     def __init__(self, run_url: str, batch: str, settings: Settings):
         self.run_url, self.batch, self.settings = run_url, batch, settings
         self.heartbeat = process_heartbeat(settings.heartbeat_s)
         self.store = None
         self.ticket = None
+        self.pool = None
+        self.buffer = None
 
     def phase(self, phase: str) -> None:
         if self.store is not None:
             self.heartbeat.phase(self.run_url, self.store, self.batch, phase)
+
+    def release_buffer(self) -> None:
+        if self.buffer is not None:
+            self.pool.release(self.buffer)
+            self.buffer = None
 
 
 def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
@@ -118,7 +121,8 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
         core.store.MissingKey: the run or the batch is not in the store.
         FidelityError: the loaded model is not the run's model, or every sample of the batch
             had NaN/Inf states (nothing to write; no shard, no marker).
-        core.errors.SpoolFull: the spool's disk is full, or the shard can never fit in it.
+        core.errors.SpoolFull: the shard had to go to the spool and the spool's disk is full, or
+            the shard can never fit in it.
         core.errors.StoreError: the store refused a write, or stayed unreachable for
             ``HSX_STORE_RETRY_S`` seconds.
     """
@@ -128,6 +132,7 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
         result = _extract_batch(run_url, batch, settings, job)
         return result
     finally:
+        job.release_buffer()
         if job.ticket is not None:
             job.ticket.release()
         if job.store is not None:
@@ -137,11 +142,13 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
 def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> dict:
     """The body of :func:`extract_batch` (same result and errors); ``job`` tracks what its wrapper releases."""
     t0 = time.perf_counter()
+    # claim
     run_store = _retry(settings, f"open the store of batch {batch}", lambda: _run_store(run_url, settings))
     if _retry(settings, f"read the marker of batch {batch}", lambda: read_marker(run_store, batch)) is not None:
         log.info("batch %s of %s already has its marker: nothing to do", batch, run_url)
         return {"status": "already_done", "batch": batch}
 
+    # plan
     config = _retry(settings, f"read run.json of batch {batch}", lambda: _run_config(run_url, run_store))
     plan = _retry(settings, f"read the plan of batch {batch}", lambda: read_batch(run_store, batch))
     job.store = run_store
@@ -155,21 +162,14 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         )
     layers = config.layers
     selection = LayerSelection(tuple(layers["layer_ids"]), layers["final"], layers.get("preset"), layers["num_layers"])
-
-    cu_seqlens_N1 = torch.from_numpy(plan.cu_seqlens_N1)
-    # Host memory for the copies, sized for the run's largest batch and pinned once per thread,
-    # before taking the GPU lock (pinning is slow and must not stall the GPU).
     store_dtype = _DTYPES[config.store_dtype]
     scale_bytes = SCALE_BYTES if store_dtype == FP8_DTYPE else 0
     states_per_token = len(selection.layer_ids) + {"none": 0, "postnorm": 1, "prenorm": 1, "both": 2}[selection.final]
-    max_tokens = max(config.batch_tokens, plan.num_tokens)
-    # + one NaN/Inf flag byte per token and part, copied with the states
-    _host_buffer().reserve(max_tokens * states_per_token * (target.info.hidden_size * store_dtype.itemsize + scale_bytes + 1),
-                           pin=target.device.type == "cuda")
     spool = process_spool(settings)
     job.heartbeat.spool = spool
     expected = shard_bytes_estimate(plan.num_tokens, plan.num_samples, states_per_token, target.info.hidden_size,
                                     store_dtype.itemsize, scale_bytes)
+    cu_seqlens_N1 = torch.from_numpy(plan.cu_seqlens_N1)
     # Rows and their indices are laid out (and pinned) on the host before the lock: under it,
     # nothing but queueing the forwards and their copies. A batch bigger than this GPU's forward
     # limit runs as several forwards of consecutive samples into the same shard.
@@ -183,25 +183,48 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
                                           pad_token_id=target.pad_token_id, pin=on_cuda) for a, b in ranges]
 
     ranges, rows = rows_for(target.max_forward_tokens)
+
+    # forward
+    job.pool = process_host_buffers(settings)
+    job.phase("waiting_buffer")
+
+    paused_at = []
+
+    def waiting_for_a_buffer():
+        # Every host buffer holds a shard the store has not taken yet. That is a pause (status says
+        # why) only once the overflow is full too; before that the store is merely slower than the GPU.
+        reason = spool.full_reason(expected)
+        if reason is not None and not paused_at:
+            paused_at.append(time.monotonic())
+            spool.paused_reason = (f"every host buffer ({job.pool.size}, HSX_WORKER_CONCURRENCY) holds a shard the store "
+                                   f"has not taken, and {reason}")
+            spool.paused_since = spool.paused_since or time.time()
+            log.warning("batch %s paused before the forward: %s", batch, spool.paused_reason)
+            job.phase("paused")
+
+    job.buffer = job.pool.acquire(on_wait=waiting_for_a_buffer)
+    if paused_at:
+        spool.paused_reason = spool.paused_since = None
+        log.info("batch %s resumed after %.1f s paused", batch, time.monotonic() - paused_at[0])
+    # Pinned once per buffer for the run's largest batch (+ one NaN/Inf flag byte per token and
+    # part), before taking the GPU lock: pinning is slow and must not stall the GPU.
+    max_tokens = max(config.batch_tokens, plan.num_tokens)
+    job.buffer.reserve(max_tokens * states_per_token * (target.info.hidden_size * store_dtype.itemsize + scale_bytes + 1),
+                       pin=on_cuda)
     job.phase("waiting_gpu")
     # One batch is queued on the GPU at a time. The lock is released as soon as the forward and its
     # copies are queued (no host sync), so the next thread's forward is queued right behind it and
     # the GPU never idles between batches, while this thread waits for its copies and then writes
-    # and stores its shard.
+    # its shard.
     with target.gpu_lock:
-        # Backpressure, checked by the thread whose forward is next: wait for room in the spool and for
-        # the pending uploads to drain. Holding the GPU lock meanwhile costs nothing: every other
-        # thread would wait here too, and the uploads that free the spool do not need the lock.
-        job.ticket = spool.admit(expected, what=f"batch {batch}",
-                                 on_wait=lambda reason: job.phase("paused" if reason else "forward"))
         job.phase("forward")
         t_fwd = time.perf_counter()
         pending = None
         while pending is None:
             try:
-                # one range: the thread's pinned buffer; several: each range's own host tensors, merged below
+                # one range: the pooled host buffer; several: each range's own host tensors, merged below
                 pending = [launch_capture(target.model, r, selection, store_dtype=store_dtype,
-                                          host_buffer=_host_buffer() if len(rows) == 1 else None) for r in rows]
+                                          host_buffer=job.buffer if len(rows) == 1 else None) for r in rows]
             except torch.OutOfMemoryError:
                 # The measured limit was too optimistic (fragmentation, another process on the GPU):
                 # halve it for this process and run the batch again in smaller forwards, unless the
@@ -221,8 +244,8 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     captured = range_captures[0] if len(range_captures) == 1 else merge_captured(range_captures, [a for a, _ in ranges])
     forward_s = time.perf_counter() - t_fwd
     faults.pause(settings.faults, "forward", batch)
-    job.ticket.forward_done()
 
+    # write
     tensors = {
         "input_ids": torch.from_numpy(plan.input_ids_T.astype("int32")),
         "loss_mask": torch.from_numpy(plan.loss_mask_T.astype("uint8")),
@@ -248,34 +271,17 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         log.warning("batch %s: quarantined %d of %d samples: %s", batch, len(quarantined), plan.num_samples, json.dumps(quarantined))
     num_samples, num_tokens = int(tensors["sample_index"].shape[0]), int(tensors["input_ids"].shape[0])
     metadata = shard_metadata(config.run_id, batch, layers, config.model, target.engine, store_dtype=config.store_dtype)
-    attempt = uuid.uuid4().hex[:12]
-    key = shard_key(batch, attempt)
-    spool_path = spool.directory / spool_file_name(config.run_id, batch, attempt)
-    try:
-        job.phase("writing")
-        t_write = time.perf_counter()
-        try:
-            faults.check_spool_write(settings.faults, spool_path)
-            nbytes, sha256 = write_shard(spool_path, tensors, metadata)
-        except OSError as exc:
-            if is_disk_full(exc):
-                raise spool_full_error(spool_path, exc, expected) from exc
-            raise
-        job.ticket.written()
-        faults.pause(settings.faults, "upload", batch)
-        job.phase("storing")
-        t_store = time.perf_counter()
-        _retry(settings, f"store shard {key} of batch {batch}", lambda: run_store.write_file(key, spool_path, sha256))
-    finally:
-        spool_path.unlink(missing_ok=True)
-        job.ticket.release()
-    job.phase("verifying")
-    t_verify = time.perf_counter()
-    _retry(settings, f"verify shard {key} of batch {batch}", lambda: run_store.verify(key, nbytes, sha256))
+    pieces = serialize_shard(tensors, metadata)
+    key = shard_key(batch, uuid.uuid4().hex[:12])
+    faults.pause(settings.faults, "upload", batch)
+    t_write = time.perf_counter()
+    nbytes, sha256, path = _write_shard(run_store, key, pieces, config.run_id, batch, expected, spool, settings, job)
+    job.release_buffer()
     t_done = time.perf_counter()
     faults.pause(settings.faults, "marker", batch)
-    job.phase("marker")
 
+    # certify
+    job.phase("marker")
     marker = {
         "schema_version": 1,
         "run_id": config.run_id,
@@ -293,9 +299,8 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         "forward_s": round(forward_s, 4),
         "launch_s": round(launch_s, 4),
         "forwards": len(ranges),
-        "write_s": round(t_store - t_write, 4),
-        "store_s": round(t_verify - t_store, 4),
-        "verify_s": round(t_done - t_verify, 4),
+        "write_s": round(t_done - t_write, 4),
+        "write_path": path,
         "seconds": round(time.perf_counter() - t0, 4),
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
@@ -312,10 +317,56 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         json.dumps(
             {"run": config.run_id, "batch": batch, "samples": num_samples, "tokens": num_tokens,
              "quarantined": len(quarantined), "seconds": seconds,
-             "tok_s": round(plan.num_tokens / max(seconds, 1e-9)), "bytes": nbytes}
+             "tok_s": round(plan.num_tokens / max(seconds, 1e-9)), "bytes": nbytes, "write_path": path}
         ),
     )
     return {"status": "done", "batch": batch, "num_tokens": num_tokens, "num_quarantined": len(quarantined), "seconds": seconds}
+
+
+def _write_shard(run_store, key: str, pieces: list, run_id: str, batch: str, expected: int, spool, settings: Settings,
+                 job: _Job) -> tuple[int, str, str]:
+    """Put the serialised shard ``pieces`` under ``key``: (bytes, sha256 hex, path taken).
+
+    ``direct``: straight from the host buffer into the store, in one pass. If the store does not
+    take it for a transient reason: ``spool`` when the overflow has room (the shard is written to
+    the spool, the host buffer is freed for the next forward, and the spool file is stored and
+    verified with retries), else ``memory`` (retried from the host buffer).
+    """
+    job.phase("writing")
+    try:
+        nbytes, sha256 = run_store.write_stream(key, faults.store_write(settings.faults, pieces, key, batch))
+        return nbytes, sha256, "direct"
+    except StoreError as exc:
+        if not exc.transient:
+            raise
+        log.warning("batch %s: the store did not take shard %s (%s); it goes to the overflow", batch, key, exc)
+    job.ticket = spool.try_admit(expected, what=f"batch {batch}")
+    if job.ticket is None:
+        job.phase("storing")
+        nbytes, sha256 = _retry(settings, f"store shard {key} of batch {batch}",
+                                lambda: run_store.write_stream(key, pieces))
+        return nbytes, sha256, "memory"
+    spool_path = spool.directory / spool_file_name(run_id, batch, key.rsplit("-", 1)[-1].split(".")[0])
+    try:
+        job.phase("spooling")
+        try:
+            faults.check_spool_write(settings.faults, spool_path)
+            nbytes, sha256 = write_shard(spool_path, pieces)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise spool_full_error(spool_path, exc, expected) from exc
+            raise
+        job.ticket.written()
+        job.release_buffer()  # the shard is safe in the spool: the next forward may use the buffer
+        job.phase("storing")
+        _retry(settings, f"store shard {key} of batch {batch}", lambda: run_store.write_file(key, spool_path, sha256))
+        job.phase("verifying")
+        _retry(settings, f"verify shard {key} of batch {batch}", lambda: run_store.verify(key, nbytes, sha256))
+    finally:
+        spool_path.unlink(missing_ok=True)
+        job.ticket.release()
+        job.ticket = None
+    return nbytes, sha256, "spool"
 
 
 def record_failure(run_url: str, batch: str, exc: BaseException, settings: Settings) -> None:

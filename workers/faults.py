@@ -8,9 +8,12 @@ a while: ``pause_<point>=S`` sleeps S seconds at ``point`` of every batch and lo
 | entry | effect |
 |---|---|
 | ``pause_forward=S`` | after the forward, its states on the host (the GPU lock already released) |
-| ``pause_upload=S`` | after the shard is in the spool, before it is stored |
-| ``pause_marker=S`` | after the stored shard is verified, before the marker |
-| ``spool_full=N`` | the first N shard writes of this process fail with ENOSPC |
+| ``pause_upload=S`` | before the shard is written to the store (its states in a host buffer) |
+| ``pause_store=S`` | in the middle of the store write: after its first piece (the header) went out |
+| ``pause_marker=S`` | after the shard is stored, before the marker |
+| ``store_down=N`` | the first N direct store writes of this process fail as if the store did not answer (a transient ``StoreError``): the shard takes the overflow path through the spool |
+| ``store_full=N`` | the first N direct store writes of this process fail with ENOSPC (a permanent ``StoreError`` on a local store) |
+| ``spool_full=N`` | the first N spool writes of this process fail with ENOSPC |
 
 Never set it in production: it only slows batches down or fails them.
 """
@@ -26,7 +29,8 @@ from core.errors import BadConfig
 
 log = logging.getLogger(__name__)
 
-POINTS = ("forward", "upload", "marker")
+POINTS = ("forward", "upload", "store", "marker")
+COUNTED = ("spool_full", "store_down", "store_full")
 
 _lock = threading.Lock()
 _state: dict[str, dict] = {}
@@ -48,20 +52,21 @@ def parse_faults(spec: str | None) -> dict:
         try:
             if name in tuple(f"pause_{p}" for p in POINTS):
                 out[name] = float(value)
-            elif name == "spool_full":
+            elif name in COUNTED:
                 out[name] = int(value)
             else:
                 raise ValueError(f"unknown entry {name!r}")
         except ValueError as exc:
-            raise BadConfig(f"HSX_FAULTS={spec!r}: {exc}; use pause_forward=S, pause_upload=S, pause_marker=S or spool_full=N") from None
+            raise BadConfig(f"HSX_FAULTS={spec!r}: {exc}; use pause_<point>=S (points: {', '.join(POINTS)}) or "
+                            f"{'=N, '.join(COUNTED)}=N") from None
     return out
 
 
 def _faults(spec: str | None) -> dict:
     with _lock:
         if spec not in _state:
-            _state[spec] = {"faults": parse_faults(spec), "spool_full_left": None}
-            _state[spec]["spool_full_left"] = _state[spec]["faults"].get("spool_full", 0)
+            faults = parse_faults(spec)
+            _state[spec] = {"faults": faults, **{f"{name}_left": faults.get(name, 0) for name in COUNTED}}
         return _state[spec]
 
 
@@ -75,14 +80,53 @@ def pause(spec: str | None, point: str, batch: str) -> None:
         time.sleep(seconds)
 
 
-def check_spool_write(spec: str | None, path) -> None:
-    """Raise ``OSError(ENOSPC)`` for the first N shard writes when ``spool_full=N`` is set."""
+def _take(spec: str | None, name: str) -> bool:
+    # True (and one fewer left) while the counted fault ``name`` has injections left.
     if not spec:
-        return
+        return False
     state = _faults(spec)
     with _lock:
-        if state["spool_full_left"] <= 0:
-            return
-        state["spool_full_left"] -= 1
-    log.warning("fault injection: spool full while writing %s", path)
-    raise OSError(errno.ENOSPC, "No space left on device (fault injection)", str(path))
+        if state[f"{name}_left"] <= 0:
+            return False
+        state[f"{name}_left"] -= 1
+    return True
+
+
+def check_spool_write(spec: str | None, path) -> None:
+    """Raise ``OSError(ENOSPC)`` for the first N spool writes when ``spool_full=N`` is set."""
+    if _take(spec, "spool_full"):
+        log.warning("fault injection: spool full while writing %s", path)
+        raise OSError(errno.ENOSPC, "No space left on device (fault injection)", str(path))
+
+
+def store_write(spec: str | None, pieces, key: str, batch: str):
+    """The pieces of a direct store write, with ``store_down`` / ``store_full`` / ``pause_store``
+    applied (the pieces themselves when ``HSX_FAULTS`` is unset).
+
+    ``store_down``: raises a transient :class:`core.errors.StoreError` before any byte;
+    ``store_full``: raises ``OSError(ENOSPC)`` after the first piece; ``pause_store``: sleeps after it.
+    """
+    if not spec:
+        return pieces
+    from core.errors import StoreError
+
+    if _take(spec, "store_down"):
+        log.warning("fault injection: the store does not answer writing %s", key)
+        raise StoreError(f"write {key!r} failed: the store did not answer (fault injection)", transient=True)
+    full = _take(spec, "store_full")
+
+    def gen():
+        for i, piece in enumerate(pieces):
+            yield piece
+            if i == 0 and full:
+                log.warning("fault injection: store full while writing %s", key)
+                raise OSError(errno.ENOSPC, "No space left on device (fault injection)", key)
+            if i == 0:
+                pause(spec, "store", batch)
+    return gen()
+
+
+def reset() -> None:
+    """Forget how many counted faults each spec has injected (for tests running several in one process)."""
+    with _lock:
+        _state.clear()

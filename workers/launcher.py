@@ -45,7 +45,7 @@ def worker_command(settings: Settings, name: str, loglevel: str) -> list[str]:
     return [
         sys.executable, "-m", "celery", "-A", "workers", "worker",
         "-Q", settings.queue,
-        "-P", "threads", "-c", str(settings.worker_concurrency),
+        "-P", "threads", "-c", str(settings.task_threads),
         "-n", f"{name}@{socket.gethostname()}",
         "-l", loglevel,
         "-E",

@@ -1,19 +1,17 @@
-"""The spool: where a worker writes a shard before it is stored.
+"""Host buffers and the spool: where a batch's states wait when the store does not take them at once.
 
-Shards are written in the safetensors format by a streaming writer that hashes the bytes as they
-go out, so that a shard is read from memory exactly once: no serialised copy in RAM (as
-``safetensors.torch.save_file`` makes) and no second pass to compute its sha256. The format
-(8-byte little-endian header length, JSON header with ``dtype``/``shape``/``data_offsets`` and
-``__metadata__``, then the raw little-endian bytes with no holes) is the one documented by the
-safetensors project; tests check that ``safetensors.safe_open`` reads our files back bit for bit.
-
-Backpressure (:class:`Spool`): before its forward (holding the GPU lock, so the check is made by
-the batch that runs next) a batch is admitted by the process's spool, which waits while the
-spool's filesystem would be fuller than ``HSX_SPOOL_MAX_FRACTION``
-with the batch's shard in it (its size is known from the plan before the forward), or while
-``HSX_MAX_PENDING_UPLOADS`` shards of this process wait to be stored. Extraction therefore stops
-when the store is slow or down, and resumes as the shards already written are stored; the spool
-never fills its disk. A shard that could never fit fails at once with :class:`SpoolFull`.
+A batch's states land in one of the process's pinned host buffers (:class:`HostBufferPool`,
+``HSX_WORKER_CONCURRENCY`` of them) and go from there straight into the store
+(``Store.write_stream``: serialised, hashed beside the write, written once). The spool is an
+**overflow**, not a hop: only when that write fails for a transient reason (the store is slow to
+answer, down, throttling) is the shard written to the spool (one pass, hashed beside the write,
+:func:`write_shard`), its host buffer freed for the next forward, and the spool file stored with
+retries from there. A worker therefore keeps extracting through a store outage until its overflow
+is full: ``HSX_MAX_PENDING_UPLOADS`` shards in the spool, or the spool's filesystem at
+``HSX_SPOOL_MAX_FRACTION``. Then a shard stays in its host buffer and is retried from memory, and
+once every host buffer holds such a shard the next forward waits (backpressure: the GPU pauses
+only when the overflow is full). A shard that could never fit in the spool fails at once with
+:class:`SpoolFull` when it would need it.
 
 Spool files are named ``hsx-<pid>-<run>-<batch>-<attempt>.safetensors``; files of processes that
 no longer exist (a worker killed with SIGKILL) are removed when the next worker process on the
@@ -23,13 +21,10 @@ machine opens the spool.
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import logging
 import os
 import re
 import shutil
-import struct
 import tempfile
 import threading
 import time
@@ -37,30 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from core.processes import pid_alive
+from core.store import Sha256Beside
 from core.errors import SpoolFull
 from settings import Settings
 
 log = logging.getLogger(__name__)
-
-_DTYPE_NAMES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-_CHUNK_BYTES = 64 << 20  # 64 MiB: large writes, bounded time with the GIL released per call
-
 
 #: /dev/shm is the default spool when it has at least this much free space (bytes): shards never
 #: touch a disk between the GPU and the store. Below it (containers give 64 MiB), a temp dir.
@@ -116,7 +93,7 @@ class SpoolUsage:
     reserved_bytes: int
     """Bytes promised to admitted batches whose shard is not fully written yet."""
     uploads_pending: int
-    """Shards of this process past their forward and not yet stored and verified."""
+    """Shards of this process in the spool (or being written there) and not yet stored."""
 
     @property
     def used_fraction(self) -> float:
@@ -129,11 +106,12 @@ class SpoolUsage:
 
 
 class Spool:
-    """One worker process's spool: the backpressure gate and the count of shards waiting to be stored.
+    """One worker process's overflow spool: room for shards the store has not taken yet.
 
-    Thread-safe; every task thread of the process shares it. A batch goes through
-    :meth:`admit` (blocks while the spool is too full or too many uploads are pending) ->
-    :meth:`Ticket.forward_done` -> :meth:`Ticket.written` -> :meth:`Ticket.release`.
+    Thread-safe; every task thread of the process shares it. A shard whose direct store write
+    failed asks :meth:`try_admit` (never waits); with a :class:`Ticket` it is written to the spool
+    (:meth:`Ticket.written`) and stored from there, then :meth:`Ticket.release`. Without one (the
+    overflow is full) it stays in its host buffer.
     """
 
     def __init__(self, directory: Path, *, max_fraction: float = 0.8, max_pending_uploads: int = 2,
@@ -146,7 +124,8 @@ class Spool:
         self._reserved = 0
         self._uploads = 0
         self.paused_reason: str | None = None
-        """Why the last batch to ask is waiting, or None when nobody waits (for status)."""
+        """Why the next forward is waiting (the overflow is full and every host buffer holds a shard
+        the store has not taken), or None when nothing waits (for status)."""
         self.paused_since: float | None = None
 
     def usage(self) -> SpoolUsage:
@@ -156,9 +135,9 @@ class Spool:
             return SpoolUsage(str(self.directory), int(du.used), int(du.total), self._reserved, self._uploads)
 
     def _blocked(self, expected_bytes: int) -> str | None:
-        """Why a shard of ``expected_bytes`` cannot be admitted now, or None. Caller holds the lock."""
+        """Why a shard of ``expected_bytes`` cannot go to the spool now, or None. Caller holds the lock."""
         if self._uploads >= self.max_pending_uploads:
-            return f"{self._uploads} shards waiting to be stored (limit {self.max_pending_uploads}, HSX_MAX_PENDING_UPLOADS)"
+            return f"{self._uploads} shards waiting in the spool to be stored (limit {self.max_pending_uploads}, HSX_MAX_PENDING_UPLOADS)"
         du = self._disk_usage(self.directory)
         limit = self.max_fraction * du.total
         if du.used + self._reserved + expected_bytes > limit:
@@ -166,11 +145,16 @@ class Spool:
                     f"with the shards in flight (limit {100 * self.max_fraction:.0f}%, HSX_SPOOL_MAX_FRACTION) in {self.directory}")
         return None
 
-    def admit(self, expected_bytes: int, what: str = "batch", on_wait: Callable[[str | None], None] | None = None,
-              poll_s: float = ADMIT_POLL_S) -> "Ticket":
-        """Wait until a shard of ``expected_bytes`` may be written, then reserve its space.
+    def full_reason(self, expected_bytes: int) -> str | None:
+        """Why the overflow could not take a shard of ``expected_bytes`` now (None: it could)."""
+        with self._lock:
+            return self._blocked(expected_bytes)
 
-        ``on_wait(reason)`` is called when the wait starts (with why) and when it ends (None).
+    def try_admit(self, expected_bytes: int, what: str = "batch") -> "Ticket | None":
+        """Reserve room for a shard of ``expected_bytes`` if the overflow has it now; never waits.
+
+        Returns a :class:`Ticket`, or None when ``HSX_MAX_PENDING_UPLOADS`` shards already wait in
+        the spool or its filesystem would pass ``max_fraction`` with this shard in it.
 
         Raises:
             SpoolFull: the shard is bigger than ``max_fraction`` of the spool's filesystem, so it
@@ -183,24 +167,13 @@ class Spool:
                 f"{self.max_fraction * total / 1e6:,.1f} MB ({100 * self.max_fraction:.0f}% of {total / 1e6:,.1f} MB). "
                 "Fix: point HSX_SPOOL_DIR at a bigger filesystem, raise HSX_SPOOL_MAX_FRACTION, or plan smaller batches (--batch-tokens)"
             )
-        waited = None
         with self._lock:
-            while (reason := self._blocked(expected_bytes)) is not None:
-                if waited is None:
-                    waited = time.monotonic()
-                    self.paused_reason, self.paused_since = reason, time.time()
-                    log.warning("%s paused before the forward: %s", what, reason)
-                    if on_wait:
-                        on_wait(reason)
-                elif reason != self.paused_reason:
-                    self.paused_reason = reason
-                self._lock.wait(poll_s)
+            reason = self._blocked(expected_bytes)
+            if reason is not None:
+                log.info("%s stays in host memory: the overflow is full (%s)", what, reason)
+                return None
             self._reserved += expected_bytes
-            if waited is not None:
-                self.paused_reason = self.paused_since = None
-                log.info("%s resumed after %.1f s paused", what, time.monotonic() - waited)
-        if waited is not None and on_wait:
-            on_wait(None)
+            self._uploads += 1
         return Ticket(self, expected_bytes)
 
     def _update(self, reserved: int = 0, uploads: int = 0) -> None:
@@ -211,21 +184,15 @@ class Spool:
 
 
 class Ticket:
-    """One admitted batch's claim on the spool (see :class:`Spool`). Idempotent steps."""
+    """One shard's claim on the spool (see :class:`Spool`). Idempotent steps."""
 
     def __init__(self, spool: Spool, expected_bytes: int):
         self.spool = spool
         self.expected_bytes = expected_bytes
-        self._forward_done = self._written = self._released = False
-
-    def forward_done(self) -> None:
-        """The forward is over: the shard now counts as an upload pending."""
-        if not self._forward_done and not self._released:
-            self._forward_done = True
-            self.spool._update(uploads=1)
+        self._written = self._released = False
 
     def written(self) -> None:
-        """The shard file is complete: its bytes are in the filesystem's usage, not in the reservation."""
+        """The spool file is complete: its bytes are in the filesystem's usage, not in the reservation."""
         if not self._written and not self._released:
             self._written = True
             self.spool._update(reserved=-self.expected_bytes)
@@ -235,12 +202,60 @@ class Ticket:
         if self._released:
             return
         self._released = True
-        self.spool._update(reserved=0 if self._written else -self.expected_bytes,
-                           uploads=-1 if self._forward_done else 0)
+        self.spool._update(reserved=0 if self._written else -self.expected_bytes, uploads=-1)
+
+
+class HostBufferPool:
+    """The process's pinned host buffers (``HSX_WORKER_CONCURRENCY`` of them) that a batch's states
+    are copied into from the GPU and written to the store from.
+
+    A batch takes one before its forward (:meth:`acquire`, waiting while every buffer holds a shard
+    the store has not taken: the GPU's backpressure) and gives it back once its shard is in the
+    store or in the spool (:meth:`release`). Thread-safe.
+    """
+
+    def __init__(self, size: int):
+        from workers.capture import HostBuffer
+
+        self.size = size
+        self._free = [HostBuffer() for _ in range(size)]
+        self._cond = threading.Condition()
+
+    def acquire(self, on_wait: Callable[[], None] | None = None, poll_s: float = ADMIT_POLL_S):
+        """A free :class:`workers.capture.HostBuffer`; ``on_wait()`` is called every ``poll_s``
+        seconds while none is free (the caller says why in the worker's status)."""
+        with self._cond:
+            while not self._free:
+                if on_wait is not None:
+                    on_wait()
+                self._cond.wait(poll_s)
+            return self._free.pop()
+
+    def release(self, buffer) -> None:
+        """Give ``buffer`` back (its tensors may be overwritten by the next batch from now on)."""
+        with self._cond:
+            self._free.append(buffer)
+            self._cond.notify()
+
+    @property
+    def free(self) -> int:
+        with self._cond:
+            return len(self._free)
 
 
 _spools: dict[tuple, Spool] = {}
 _spools_lock = threading.Lock()
+
+
+_pools: dict[int, HostBufferPool] = {}
+
+
+def process_host_buffers(settings: Settings) -> HostBufferPool:
+    """This process's :class:`HostBufferPool` of ``HSX_WORKER_CONCURRENCY`` buffers."""
+    with _spools_lock:
+        if settings.worker_concurrency not in _pools:
+            _pools[settings.worker_concurrency] = HostBufferPool(settings.worker_concurrency)
+        return _pools[settings.worker_concurrency]
 
 
 def process_spool(settings: Settings) -> Spool:
@@ -274,44 +289,18 @@ def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+def write_shard(path: Path, pieces) -> tuple[int, str]:
+    """Write a serialised shard (:func:`core.shard.serialize_shard`'s pieces) to ``path``; return
+    (bytes, sha256 hex), the hash computed beside the write over the same buffers.
 
-
-def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
-    """Write ``tensors`` (CPU, any shapes) as a safetensors file; return (bytes, sha256 hex).
-
-    Tensors are laid out largest element size first, then by name (as safetensors does), so each
-    one starts aligned to its element size. Raises ``OSError`` when the spool is full or unwritable.
+    Raises ``OSError`` when the spool is full or unwritable.
     """
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict = {"__metadata__": dict(metadata)}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        if t.device.type != "cpu":
-            raise ValueError(f"tensor {name} is on {t.device}; the spool writes host tensors")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # data starts 8-byte aligned
-    pieces = [memoryview(struct.pack("<Q", len(head))), memoryview(head)]
-    for name in order:
-        raw = _raw_bytes(tensors[name])
-        pieces += [raw[start : start + _CHUNK_BYTES] for start in range(0, len(raw), _CHUNK_BYTES)]
-    # The hash runs in a second thread over the same host memory while this one writes: both
-    # release the GIL per chunk, so a shard costs max(write, hash) instead of their sum.
-    sha = hashlib.sha256()
-    hasher = threading.Thread(target=lambda: [sha.update(piece) for piece in pieces], name="shard-sha256", daemon=True)
-    hasher.start()
-    total = 0
+    sha = Sha256Beside()
     try:
         with open(path, "wb") as f:
             for piece in pieces:
+                sha.update(piece)
                 f.write(piece)
-                total += len(piece)
     finally:
-        hasher.join()
-    return total, sha.hexdigest()
+        digest = sha.hexdigest()
+    return sha.nbytes, digest
