@@ -91,6 +91,10 @@ class Settings(BaseSettings):
     so the GPU does not wait on I/O. The process runs ``worker_concurrency + max_pending_uploads``
     task threads (:attr:`task_threads`): the extra ones wait for a slow store with their shard in
     the spool, not in a host buffer."""
+    gdn_rows_as_sequences: bool = True
+    """On CUDA with fla, run a batch's rows through the Gated DeltaNet kernel as one variable-length
+    row (``workers.target.RowsAsSequences``): the same values, and one compiled kernel variant for
+    every batch size instead of one per row count (a cold start of seconds, not minutes)."""
     workers_per_node: int | None = Field(default=None, ge=1)
     """Worker processes ``python -m workers`` starts; unset: one per visible GPU (one on CPU)."""
     device: str | None = None

@@ -38,3 +38,76 @@ def test_the_row_count_warm_up_finds_the_gated_deltanet_mixers_and_only_those():
     layer_types = qwen35.config.get_text_config().layer_types
     assert len(linear_attention_modules(qwen35)) == layer_types.count("linear_attention") > 0
     assert linear_attention_modules(tiny_model("qwen3")) == []
+
+
+def _torch_gdn():
+    """transformers' own torch implementation of the chunked gated delta rule (the CPU path), unwrapped."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    fn = m.torch_chunk_gated_delta_rule
+    while isinstance(fn, RowsAsSequences):
+        fn = fn.kernel
+    return getattr(fn, "__wrapped__", fn)
+
+
+def _varlen_reference(seen: list):
+    """A variable-length kernel built from the torch one: each sequence of ``cu_seqlens`` on its own,
+    from a zero state. Checks the chunk indices it is given against fla's definition
+    (``fla.ops.utils.index.prepare_chunk_indices``: per sequence n, rows (n, 0..ceil(len/64)-1))."""
+    torch_fn = _torch_gdn()
+
+    def kernel(q, k, v, *args, g=None, beta=None, cu_seqlens=None, chunk_indices=None, **kw):
+        assert q.shape[0] == 1 and cu_seqlens is not None
+        cu = cu_seqlens.tolist()
+        expect = [(n, c) for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])) for c in range(-(-(b - a) // 64))]
+        assert [tuple(r) for r in chunk_indices.tolist()] == expect
+        seen.append(tuple(q.shape))
+        outs = [torch_fn(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], **kw)[0]
+                for a, b in zip(cu[:-1], cu[1:])]
+        return torch.cat(outs, 1), None
+
+    return kernel
+
+
+from workers.target import RowsAsSequences  # noqa: E402
+
+
+def test_rows_as_sequences_gives_each_row_the_batched_kernels_values():
+    """B right-padded rows through one variable-length row (B always 1 for the kernel) equal the batched call:
+    3 rows of 100 tokens (2 chunks each), random q/k/v/g/beta, qk l2-norm in the kernel as transformers asks."""
+    torch.manual_seed(0)
+    B, T, H, K, V = 3, 100, 2, 16, 8
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v = torch.randn(B, T, H, V)
+    g = -torch.rand(B, T, H)
+    beta = torch.rand(B, T, H)
+    seen: list = []
+    wrapped = RowsAsSequences(_varlen_reference(seen))
+    out, state = wrapped(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+    want, _ = _torch_gdn()(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    assert seen == [(1, B * T, H, K)] and out.shape == want.shape and state is None
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_gdn_model_patched_to_run_rows_as_sequences_gives_the_same_hidden_states():
+    """A tiny Qwen3.5 (real config) with its GDN kernel swapped for RowsAsSequences over the reference
+    variable-length kernel: every layer's output equals the unpatched model's on a right-padded batch."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    from tinymodels import tiny_model
+
+    model = tiny_model("qwen3.5").eval()
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (3, 70))
+    with torch.inference_mode():
+        want = model.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        seen: list = []
+        saved = m.torch_chunk_gated_delta_rule
+        m.torch_chunk_gated_delta_rule = RowsAsSequences(_varlen_reference(seen))
+        try:
+            got = model.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        finally:
+            m.torch_chunk_gated_delta_rule = saved
+    layer_types = model.config.get_text_config().layer_types
+    assert len(seen) == layer_types.count("linear_attention") > 0
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"hidden state {i}")

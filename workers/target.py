@@ -80,6 +80,82 @@ def is_gdn(config) -> bool:
     return text.model_type in GDN_MODEL_TYPES or "linear_attention" in (getattr(text, "layer_types", None) or [])
 
 
+#: fla's chunk size for the gated delta rule (``fla.ops.gated_delta_rule.chunk``: 64 by default).
+GDN_CHUNK = 64
+
+
+class RowsAsSequences:
+    """fla's ``chunk_gated_delta_rule`` called on right-padded rows as one variable-length row.
+
+    transformers' Gated DeltaNet layers call the kernel with ``[B, T, H, K]`` rows. fla compiles its
+    chunk-local cumsum with the batch size ``B`` as a ``tl.constexpr`` and autotunes it per value
+    (``fla/ops/utils/cumsum.py`` at fla-core 0.6.0: ``key=['B', 'H', 'BT', 'IS_VARLEN', 'REVERSE']``),
+    so a length-sorted run, which meets nearly every row count, pays a compile and an autotune per
+    count (270 s cold for 1..256 rows, measured on the H200). Here the B rows are passed as B
+    sequences of one row, ``[1, B*T, H, K]`` with ``cu_seqlens = [0, T, 2T, ..., BT]``, fla's own
+    variable-length mode (its docstring's "inputs with variable lengths" example): the same
+    recurrence per sequence from a zero state, so the same values, with ``B`` always 1 and one
+    compiled variant for every batch. The ``chunk_indices`` that fla would derive from
+    ``cu_seqlens`` with a host sync are built on the host and copied once per batch shape.
+
+    Anything else (a cache's initial state, explicit ``cu_seqlens``) goes to the kernel unchanged.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._last: tuple | None = None  # (B, T, device) -> device tensors, reused by every layer of a forward
+
+    def offsets(self, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cu_seqlens int64 [B+1], chunk_indices int64 [B*ceil(T/64), 2]) on ``device`` for B rows of T."""
+        key = (B, T, device)
+        if self._last is None or self._last[0] != key:
+            n_chunks = -(-T // GDN_CHUNK)
+            cu_N1 = torch.arange(0, (B + 1) * T, T, dtype=torch.int64)
+            chunks_C2 = torch.stack([torch.arange(B).repeat_interleave(n_chunks), torch.arange(n_chunks).repeat(B)], 1)
+            pin = device.type == "cuda"
+            host = (cu_N1.pin_memory() if pin else cu_N1, chunks_C2.pin_memory() if pin else chunks_C2)
+            self._last = (key, tuple(t.to(device, non_blocking=True) for t in host), host)
+        return self._last[1]
+
+    def __call__(self, query, key, value, *args, cu_seqlens=None, initial_state=None, **kwargs):
+        if cu_seqlens is not None or initial_state is not None:
+            return self.kernel(query, key, value, *args, cu_seqlens=cu_seqlens, initial_state=initial_state, **kwargs)
+        B, T = query.shape[:2]
+        cu_N1, chunks_C2 = self.offsets(B, T, query.device)
+        flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (query, key, value)]
+        args = [a.reshape(1, B * T, *a.shape[2:]) if isinstance(a, torch.Tensor) and a.shape[:2] == (B, T) else a for a in args]
+        kwargs = {k: v.reshape(1, B * T, *v.shape[2:]) if k in ("g", "beta") and isinstance(v, torch.Tensor) else v
+                  for k, v in kwargs.items()}
+        out, state = self.kernel(*flat, *args, cu_seqlens=cu_N1, chunk_indices=chunks_C2, **kwargs)
+        return out.reshape(B, T, *out.shape[2:]), state
+
+
+def rows_as_sequences_active(model: torch.nn.Module) -> bool:
+    """Whether every Gated DeltaNet layer of ``model`` runs through :class:`RowsAsSequences`."""
+    import sys
+
+    names = {type(m).__module__ for m in linear_attention_modules(model)}
+    return bool(names) and all(isinstance(getattr(sys.modules.get(n), "torch_chunk_gated_delta_rule", None), RowsAsSequences)
+                               for n in names)
+
+
+def run_rows_as_sequences(model: torch.nn.Module) -> list[str]:
+    """Route the Gated DeltaNet layers of ``model`` through :class:`RowsAsSequences` (CUDA with fla
+    only: the torch fallback has no variable-length mode). Returns the modules patched."""
+    import sys
+
+    if kernel_report(model)["fla"] is False or next(model.parameters()).device.type != "cuda":
+        return []
+    patched = []
+    for name in sorted({type(m).__module__ for m in linear_attention_modules(model)}):
+        module = sys.modules.get(name)
+        kernel = getattr(module, "torch_chunk_gated_delta_rule", None)
+        if kernel is not None and not isinstance(kernel, RowsAsSequences):
+            module.torch_chunk_gated_delta_rule = RowsAsSequences(kernel)
+            patched.append(name)
+    return patched
+
+
 def check_kernels(model: torch.nn.Module, device: torch.device, settings: Settings) -> dict:
     """Refuse the slow path on CUDA: a GDN model needs fla unless ``allow_slow_kernels`` is set.
 
@@ -114,6 +190,7 @@ def _engine(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) ->
         "transformers": _version("transformers"),
         "flash-linear-attention": _version("flash-linear-attention"),
         "causal-conv1d": _version("causal-conv1d"),
+        "gdn_rows_as_sequences": rows_as_sequences_active(model),
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "compute_dtype": str(dtype).removeprefix("torch."),
         **kernel_report(model),
@@ -178,6 +255,7 @@ def adopt_model(name: str, model: torch.nn.Module, info, *, warm_up: bool = True
     """
     param = next(model.parameters())
     t0 = time.perf_counter()
+    run_rows_as_sequences(model)
     if warm_up:
         _warm_up(model, info, _pad_id(model), max_rows)
     target = Target(name, model, param.device, param.dtype, info, _engine(model, param.device, param.dtype),
@@ -212,6 +290,8 @@ def load_target(name: str, settings: Settings) -> Target:
     model.to(device).eval()
     model.requires_grad_(False)
     check_kernels(model, device, settings)
+    if settings.gdn_rows_as_sequences:
+        run_rows_as_sequences(model)
     load_s = time.perf_counter() - t0
     pad = _pad_id(model)
     engine = _engine(model, device, dtype)
@@ -244,7 +324,8 @@ def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256) -> Non
         cu = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0)
         ids_T = torch.arange(1, 1 + int(cu[-1]), dtype=torch.long) % 1000
         capture_batch(model, ids_T, cu, selection, store_dtype=torch.float32, pad_token_id=pad)
-    _warm_up_row_counts(model, max_rows)
+    if not rows_as_sequences_active(model):
+        _warm_up_row_counts(model, max_rows)  # only the batched kernels compile per row count
 
 
 def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
