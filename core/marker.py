@@ -17,7 +17,9 @@ Marker fields (JSON, written by ``workers/extract.py``):
 | ``num_quarantined`` | ``len(quarantined)`` |
 | ``worker``, ``seconds``, ``finished_at`` | who, how long the task took (seconds), when (UTC) |
 | ``forwards`` | forwards the batch ran in (more than 1 when it exceeded the worker's padded-token limit, ``HSX_MAX_FORWARD_TOKENS`` or measured) |
-| ``forward_s``, ``launch_s``, ``write_s``, ``store_s``, ``verify_s`` | seconds per phase: from taking the GPU lock to the states on the host (``launch_s`` of it holding the lock), writing the spool file, storing it, verifying it |
+| ``finished_unix`` | when the marker was made, Unix seconds with milliseconds (for rates over short windows) |
+| ``forward_s``, ``launch_s``, ``write_s`` | seconds per phase: from taking the GPU lock to the states on the host (``launch_s`` of it holding the lock), and putting the shard in the store |
+| ``write_path`` | how the shard reached the store: ``direct`` (from host memory in one pass, the normal path), ``spool`` (the store did not take it at once: through the overflow spool), ``memory`` (the overflow was full: retried from host memory). Markers of older runs have ``write_s``, ``store_s`` and ``verify_s`` for the spool path every shard took then |
 
 A batch whose every sample is quarantined gets no shard and no marker: its task fails
 (:class:`core.errors.FidelityError`) and ``failures/<batch>.json`` says why.

@@ -303,6 +303,7 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         "write_path": path,
         "seconds": round(time.perf_counter() - t0, 4),
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "finished_unix": round(time.time(), 3),
     }
     if not _retry(settings, f"write the marker of batch {batch}", lambda: write_marker(run_store, batch, marker)):
         # A retried create can find its own first attempt: the marker names our shard, so we won.

