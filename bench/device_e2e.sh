@@ -15,7 +15,7 @@ for spec in "$@"; do
   IFS=: read -r name shape layers limit tmo <<< "$spec"
   extra=()
   [ -n "$layers" ] && extra=(--num-layers "$layers")
-  timeout $((tmo + 150)) python3 bench/e2e_throughput.py --shape "$shape" "${extra[@]}" --dataset .benchdata/e2e-sharegpt.parquet \
+  timeout $((tmo + 200)) python3 bench/e2e_throughput.py --shape "$shape" "${extra[@]}" --dataset .benchdata/e2e-sharegpt.parquet \
     --limit "$limit" --stores disk:/root/hsx-store --checkpoint-dir "/dev/shm/hsx-ckpt-$name" --workdir "/tmp/hsx-e2e-$name" \
     --timeout-s "$tmo" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "== $name rc=$?"; tail -4 "$OUT/$name.log"

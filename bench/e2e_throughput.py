@@ -466,6 +466,11 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
     arrivals: list[tuple[float, int, int]] = []  # (marker time, valid tokens, shard bytes)
     compiles_at_first = None
     sampler = GpuSampler(device)
+    from concurrent.futures import ThreadPoolExecutor
+
+    # Unlinking a 1.6 GB file on the device's disk takes about a second (seen 2026-12-01: one deleter
+    # fell behind and the disk filled), so counted shards are deleted by several threads.
+    deleter = ThreadPoolExecutor(8, thread_name_prefix="delete-counted")
     with sampler:
         while True:
             done = proc.poll() is not None
@@ -487,7 +492,7 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
                 if len(kept) < keep:
                     kept.append(m)
                 else:
-                    view.delete_shard(m)  # the device's disk holds about a minute of shards
+                    deleter.submit(view.delete_shard, m)  # the device's disk holds about a minute of shards
             if done:
                 break
             if time.time() - t_start > timeout_s:
@@ -499,6 +504,7 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
                 break
             time.sleep(0.25)
     t_end = time.time()
+    deleter.shutdown(wait=True)
     report = {}
     try:
         report = json.loads(out_path.read_text() or "{}")
@@ -585,6 +591,8 @@ def main() -> None:
     ceiling_same = plain_forward_tok_s(model, device, stop_after=deepest, rows=rows, row_len=row_len, seconds=args.ceiling_s)
     ceiling_all = plain_forward_tok_s(model, device, stop_after=None, rows=rows, row_len=row_len, seconds=args.ceiling_s)
     gdn_error = gdn_rows_as_sequences_error(model, device)
+    print(f"ceiling {args.shape} ({n_layers} layers, {rows} x {row_len}): same layers {ceiling_same:,.0f} tok/s, "
+          f"all layers {ceiling_all:,.0f} tok/s; GDN rows-as-sequences rel. error {gdn_error}", flush=True)
     ckpt = args.checkpoint_dir or workdir / "checkpoint"
     save_s = save_checkpoint(model, ckpt)
     hidden = config.hidden_size
@@ -624,6 +632,7 @@ def main() -> None:
             store_desc = f"S3: SeaweedFS weed mini on loopback, data in {data_dir} ({_fs_type(data_dir)})"
         else:
             raise SystemExit(f"--stores: {spec!r} is not disk:DIR or s3:DIR")
+        print(f"store {store_desc}: plain write {bandwidth:.3f} GB/s (= {bandwidth * 1e9 / bytes_per_token:,.0f} tok/s)", flush=True)
         try:
             run = run_producer(dataset, ckpt, store_url, env, limit=args.limit, view=view, device=device,
                                timeout_s=args.timeout_s, workdir=workdir)
@@ -636,6 +645,11 @@ def main() -> None:
         window = max(w1 - w0, 1e-9)
         steady = w_tokens / window if w1 > w0 else None
         busy_steady = run["gpu"].busy(w0, w1) if w1 > w0 else None
+        in_window = [m for m in run["markers"].values() if w0 < float(m.get("finished_unix") or 0) <= w1]
+        phases = {p: round(float(np.mean([m.get(p, 0.0) for m in in_window])), 3) for p in ("launch_s", "forward_s", "write_s", "seconds")} if in_window else {}
+        # Summed GPU-lock and write time over the window's wall: forward near 1 means the GPU never waited.
+        phases["forward_over_wall"] = round(sum(m.get("forward_s", 0.0) for m in in_window) / window, 3) if in_window else None
+        phases["write_over_wall"] = round(sum(m.get("write_s", 0.0) for m in in_window) / window, 3) if in_window else None
         starts = worker_start_seconds(cache / "logs")
         start_s = round(sum(starts[0]), 1) if starts else None
         paths = [m.get("write_path", "?") for m in run["markers"].values()]
@@ -671,6 +685,7 @@ def main() -> None:
             "gpu_busy": busy_steady,
             "shard_gb_s": round(w_bytes / window / 1e9, 3) if w1 > w0 else None,
             "bytes_crossings": crossings,
+            "phases_in_window": phases,
             "write_paths": {p: paths.count(p) for p in set(paths)},
             "cold_start_s": start_s if cold else None,
             "warm_start_s": None if cold else start_s,
@@ -690,10 +705,10 @@ def main() -> None:
         })
         if kind == "disk":
             shutil.rmtree(root, ignore_errors=True)
-    out = {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}, "rows": rows_out}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+        out = {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}, "rows": rows_out}
+        if args.json:  # after every store: a later one that fails or runs out of time loses nothing
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(out, indent=1))
     print(f"{'model':<48} {'store':<10} {'same-layer fwd':>14} {'all layers':>10} {'store GB/s':>10} {'steady':>8} "
           f"{'whole':>8} {'ratio':>6} {'busy':>5} {'start s':>7}")
     for r in rows_out:
