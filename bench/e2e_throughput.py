@@ -613,7 +613,9 @@ def main() -> None:
         shutil.rmtree(cache, ignore_errors=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
         env.update(HSX_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
-        env.setdefault("TRITON_CACHE_DIR", str(workdir / "triton"))
+        # The workers' own Triton cache, apart from this process's (whose ceiling forwards compiled the
+        # same kernels): the first store's run starts cold, later ones warm, as on a user's machine.
+        env["TRITON_CACHE_DIR"] = str(workdir / "triton-workers")
         cold = not Path(env["TRITON_CACHE_DIR"]).exists() or not any(Path(env["TRITON_CACHE_DIR"]).iterdir())
         server = None
         if kind == "disk":
