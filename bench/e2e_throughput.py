@@ -337,7 +337,10 @@ class LocalRun:
 
     def markers(self) -> list[str]:
         d = self.run_dir()
-        return sorted(p.name for p in (d / "markers").glob("*.json")) if d and (d / "markers").is_dir() else []
+        # not the store's temp files (.hsx-tmp-*), which pathlib's glob matches: a marker being created
+        # is one of them for a moment, with the marker's own content (counted twice on 2026-12-01, see BENCHMARKS.md)
+        return sorted(p.name for p in (d / "markers").glob("*.json")
+                      if not p.name.startswith(".")) if d and (d / "markers").is_dir() else []
 
     def read_marker(self, name: str) -> dict:
         return json.loads((self.run_dir() / "markers" / name).read_text())
@@ -544,6 +547,35 @@ def steady_window(arrivals: list[tuple[float, int, int]], min_window_s: float, s
     return t0, t1, sum(x[1] for x in inside), sum(x[2] for x in inside)
 
 
+def arrivals_from_worker_log(log: Path) -> list[tuple[float, int, int]]:
+    """(time, valid tokens, shard bytes) of every ``batch done`` line of a worker log (the line is
+    logged just after the marker is created; Celery's timestamps have milliseconds)."""
+    import datetime
+    import re
+
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.match(r"\[(\S+ \S+): INFO/MainProcess\] batch done (\{.*\})", line)
+        if m:
+            t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            d = json.loads(m.group(2))
+            out.append((t, int(d["tokens"]), int(d["bytes"])))
+    return sorted(out)
+
+
+def recount(row: dict, log: Path, min_window_s: float = 60.0) -> dict:
+    """A row's marker-derived figures recomputed from its worker log, with the same window rule."""
+    arrivals = arrivals_from_worker_log(log)
+    w0, w1, tokens, nbytes = steady_window(arrivals, min_window_s)
+    steady = tokens / (w1 - w0)
+    ceiling = min(row["ceiling_same_layers_tok_s"], row["store_limit_tok_s"])
+    return {"batches": len(arrivals), "valid_tokens": sum(a[1] for a in arrivals), "steady_window_s": round(w1 - w0, 1),
+            "steady_tok_s": round(steady), "steady_over_ceiling": round(steady / ceiling, 3),
+            "steady_over_same_layer_forward": round(steady / row["ceiling_same_layers_tok_s"], 3),
+            "shard_gb_s": round(nbytes / (w1 - w0) / 1e9, 3),
+            "whole_run_tok_s": round(sum(a[1] for a in arrivals) / row["whole_run_s"])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(CONFIGS))
@@ -696,6 +728,7 @@ def main() -> None:
             "batches": len(arrivals),
             "batches_planned": view.planned_batches(),
             "valid_tokens": total_tokens,
+            "arrivals": [[round(t, 3), n, b] for t, n, b in arrivals],
             "kept_shards_hash_ok": run["kept_ok"],
             "gdn_rows_as_sequences_rel_error": gdn_error,
             "checkpoint_build_s": round(build_s, 1),
