@@ -179,6 +179,8 @@ class LiveHiddenStatesDataset(_IterableDataset):
         known = set(self.schedule)
         names = [k.rsplit("/", 1)[-1].removesuffix(".json") for k in self.store.list(MARKERS_PREFIX) if k.endswith(".json")]
         new = [b for b in names if b not in known and self._mine(b)]
+        if not new:
+            return []
         window = []
         for batch, marker in read_markers(self.store, new).items():
             problem = marker_problem(batch, marker, self.config_sha256)
