@@ -138,14 +138,19 @@ class LiveHiddenStatesDataset(_IterableDataset):
         self._warned: set[str] = set()
 
     def _wait_for_run(self, wait_s: float, poll_s: float):
+        """run.json, polled every ``poll_s`` for up to ``wait_s`` seconds (MissingKey after that)."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 return load_run(self.store)
             except MissingKey:
-                if time.monotonic() >= deadline:
-                    raise
-            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())) or 0.01)
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    raise MissingKey(
+                        f"no run.json in {self.store.url} after waiting {wait_s:g} s (wait_for_run_s): give the run's "
+                        "address, <output>/<run_id> as `producer run` prints it, and a longer wait_for_run_s if the "
+                        "producer is still tokenising") from None
+            time.sleep(min(poll_s, left_s))
 
     def _mine(self, batch: str) -> bool:
         return self.world_size == 1 or rank_of(batch, self.world_size) == self.rank

@@ -262,8 +262,8 @@ def test_a_reader_waits_for_the_run_to_appear_and_raises_when_its_planning_faile
     """Started before the producer wrote run.json, the reader waits wait_for_run_s for it; a run whose
     plan failed raises at the first poll instead of waiting for batches that will never come."""
     store = open_store(str(tmp_path / "run"))
-    with pytest.raises(MissingKey):
-        LiveHiddenStatesDataset(store)
+    with pytest.raises(MissingKey, match="no run.json in .* after waiting 0.2 s"):
+        LiveHiddenStatesDataset(store, wait_for_run_s=0.2, poll_s=POLL_S)
     timer = threading.Timer(0.3, lambda: store.write_file("run.json", Path(small_run["dir"]) / "run.json"))
     timer.start()
     reader = LiveHiddenStatesDataset(store, wait_for_run_s=10, poll_s=POLL_S)
@@ -272,3 +272,15 @@ def test_a_reader_waits_for_the_run_to_appear_and_raises_when_its_planning_faile
     store.write("plan/planning.json", json.dumps({"state": "failed", "error": "BadDataset: no usable record"}).encode())
     with pytest.raises(HsxError, match="planning failed.*no usable record"):
         next(iter(reader))
+
+
+def test_a_dataloader_reads_it_in_the_loop_process_and_refuses_several_workers(small_run, tmp_path):
+    """num_workers=0: every sample once through a DataLoader; num_workers=2 would follow the run
+    twice, so it is refused with the fix."""
+    _, store = _published(small_run, tmp_path)
+    ds = LiveHiddenStatesDataset(store, poll_s=POLL_S)
+    got = [s["sample_index"] for s in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)]
+    assert sorted(got) == sorted(read_samples(open_store(small_run["address"])))
+    loader = torch.utils.data.DataLoader(LiveHiddenStatesDataset(store, poll_s=POLL_S), batch_size=None, num_workers=2)
+    with pytest.raises(BadConfig, match="num_workers=2.*use num_workers=0"):
+        next(iter(loader))
