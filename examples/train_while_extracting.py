@@ -15,7 +15,7 @@ Acceleration of Large Language Models via Training-Time Test", 2025) and SpecFor
 linear layer to [S, H]; at position t that feature is joined with the embedding of token t+1 and
 one causal decoder layer predicts token t+2 over a draft vocabulary of V' tokens, through the rows
 of the target's own ``lm_head`` for those tokens (frozen); the embedding is the target's, frozen too.
-The draft vocabulary is, as in SpecForge's ``generate_vocab_mapping``, the ``--draft-vocab`` most
+The draft vocabulary is, as in SpecForge's ``generate_vocab_mapping_file``, the ``--draft-vocab`` most
 frequent supervised tokens of the dataset, here counted in the run's plan (``plan/batches/``, which
 is complete before the first batch is enqueued); positions whose target is outside it are left out
 of the loss. The loss is cross-entropy on the supervised tokens (``loss_mask``). Not reproduced
@@ -78,9 +78,10 @@ def target_embeddings(model_name: str, cache_dir: Path) -> tuple[torch.Tensor, t
 
 
 def draft_vocabulary(run_store, size: int, *, wait_s: float, poll_s: float) -> torch.Tensor:
-    """``d2t_D`` int64: the ``size`` most frequent supervised tokens of the run's plan, by count then id.
+    """``d2t_D`` int64, ascending: the target ids of the ``size`` most frequent supervised tokens of the
+    run's plan (ties by id). SpecForge stores the same set as offsets (``d2t[i] = id - i``).
 
-    SpecForge (``specforge/data/preprocessing.py``, ``generate_vocab_mapping``) counts the
+    SpecForge (``specforge/data/preprocessing.py``, ``generate_vocab_mapping_file``) counts the
     loss-masked tokens of the training set the same way. The plan is complete before any batch is
     enqueued (``plan/batches.json`` is written last, core/plan.py), so a live run has it.
 
