@@ -92,13 +92,17 @@ def quarantined_ids(marker: dict) -> set[int]:
     return out
 
 
-def read_markers(run_store: Store) -> dict[str, dict | Exception]:
-    """Every marker of the run, keyed by the batch named by its file (``markers/<batch>.json``).
+def read_markers(run_store: Store, batches: list[str] | None = None) -> dict[str, dict | Exception]:
+    """Every marker of the run (or those of ``batches``), keyed by the batch named by its file
+    (``markers/<batch>.json``).
 
     Values are the parsed marker, or the exception that reading / parsing it raised (so that
     ``verify`` can report an unreadable marker instead of stopping).
     """
-    keys = [k for k in run_store.list(MARKERS_PREFIX) if k.endswith(".json")]
+    if batches is None:
+        keys = [k for k in run_store.list(MARKERS_PREFIX) if k.endswith(".json")]
+    else:
+        keys = [f"{MARKERS_PREFIX}{b}.json" for b in batches]
 
     def load(key: str) -> dict | Exception:
         try:
@@ -114,18 +118,27 @@ def read_markers(run_store: Store) -> dict[str, dict | Exception]:
     return {k.rsplit("/", 1)[-1].removesuffix(".json"): v for k, v in zip(keys, values)}
 
 
+def marker_problem(batch: str, marker: dict | Exception, config_sha256: str) -> str | None:
+    """Why ``marker`` (read from ``markers/<batch>.json``) does not certify ``batch`` of the run whose
+    ``config_sha256`` is given, or None when it does: it must be readable, name its own batch and
+    carry the run's config hash (core/marker.py)."""
+    if isinstance(marker, Exception):
+        return f"marker of {batch} is unreadable ({marker}): skipped; run `python -m producer verify`"
+    if marker.get("batch") != batch or marker.get("config_sha256") != config_sha256:
+        return (f"marker of {batch} does not certify this run's batch {batch} (batch {marker.get('batch')!r}, "
+                f"config {str(marker.get('config_sha256'))[:12]}): skipped")
+    return None
+
+
 def certified_markers(run_store: Store, config: RunConfig) -> dict[str, dict]:
     """Markers that certify a batch of this run: readable, naming their own batch, with the run's
     ``config_sha256``. Others are logged and left out (``verify`` reports them)."""
     want = config.identity_sha256()
     out = {}
     for batch, marker in sorted(read_markers(run_store).items()):
-        if isinstance(marker, Exception):
-            log.warning("marker of %s is unreadable (%s): skipped; run `python -m producer verify`", batch, marker)
-            continue
-        if marker.get("batch") != batch or marker.get("config_sha256") != want:
-            log.warning("marker of %s does not certify this run's batch %s (batch %r, config %s): skipped",
-                        batch, batch, marker.get("batch"), str(marker.get("config_sha256"))[:12])
+        problem = marker_problem(batch, marker, want)
+        if problem:
+            log.warning("%s", problem)
             continue
         out[batch] = marker
     return out

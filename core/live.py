@@ -1,0 +1,337 @@
+"""Training while extracting: follow a run that is still being written, one certified batch at a time.
+
+:class:`LiveHiddenStatesDataset` polls the run's ``markers/`` listing (one prefix listing per poll:
+cheap on S3 and on disk), reads each new marker once, and yields the samples of every batch once
+its marker exists. A marker is created last, with a conditional create, after its shard was stored
+and verified (core/marker.py), so a batch the reader sees is complete; the reader hashes the shard
+against the marker's sha256 where :class:`core.reader.IterableHiddenStatesDataset` does (always
+for shards it downloads from S3, local ones with ``verify=True``).
+
+Order. Batches are scheduled in **windows**: each poll that finds newly certified batches appends
+them to the schedule, sorted by ``order_key(seed, batch)`` (BLAKE2b of the seed and the batch id).
+So:
+
+- a reader started on a given set of finished batches yields exactly that set first, in an order
+  that is a function of the seed and the set alone; it is the restriction of one seeded total order
+  of batch ids, so one more finished batch slots in without reshuffling the others;
+- batches certified later follow, window by window, each window in the same seeded order. Which
+  window a batch falls into depends on when its marker appeared relative to the polls; the
+  schedule is part of :meth:`~LiveHiddenStatesDataset.state_dict`, so a resumed reader keeps it;
+- samples of a batch come in shard row order (the plan's order), quarantined ones left out.
+
+On a finished run the first poll sees every batch: one window, a seeded shuffle of the batches.
+
+Position. ``state_dict()`` (JSON-able) records the schedule, the batch being read and how many of
+its shard rows were yielded; ``load_state_dict()`` on a new reader of the same run, seed, rank and
+world size continues right after the last sample the trainer received: no sample repeated, none
+skipped (the convention of torchdata's ``StatefulDataLoader``: a state taken after item n resumes
+at item n + 1).
+
+End. Iteration stops when every planned batch (``plan/batches.json``, written last by the planner,
+core/plan.py) of this rank has been yielded (``stop_reason == "complete"``), or when no new batch
+was certified for ``idle_timeout_s`` seconds (``"idle_timeout"``: a batch that fails every time
+never gets a marker; the warning says how many planned batches have a ``failures/`` record).
+Iterating again continues from the position.
+
+Ranks. With ``world_size`` W, batch b belongs to rank ``rank_of(b, W)`` (a hash of its id): every
+rank decides alone, whatever it saw when, and the ranks' batches are disjoint and cover the run.
+The reader runs in the process that iterates it: use it with a DataLoader of ``num_workers=0``
+(more workers would each follow the whole run; they are refused).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Iterator
+
+from core.errors import BadConfig, FidelityError, HsxError
+from core.marker import MARKERS_PREFIX
+from core.plan import planning_failed, plan_complete, read_batch_list, read_planning_record
+from core.reader import (_IterableDataset, _final_names, _open_run, local_shard, marker_problem, quarantined_ids,
+                         read_markers, read_sample)
+from core.runconfig import load_run
+from core.store import MissingKey, Store
+
+log = logging.getLogger(__name__)
+
+#: format tag of :meth:`LiveHiddenStatesDataset.state_dict`; bump when its fields change meaning.
+STATE_FORMAT = "hsx-live-reader/1"
+#: seconds between polls of ``markers/`` while nothing new is certified.
+DEFAULT_POLL_S = 5.0
+#: seconds without a newly certified batch after which iteration stops (None: wait for ever).
+DEFAULT_IDLE_TIMEOUT_S = 3600.0
+
+
+def order_key(seed: int, batch: str) -> bytes:
+    """The sort key of ``batch`` under ``seed``: 8 bytes of BLAKE2b over ``"<seed>:<batch>"``.
+
+    A keyed hash rather than ``random.shuffle`` so that the order of any set of batches is the
+    restriction of one total order (stable across Python versions and processes; no ``hash()``).
+    """
+    return hashlib.blake2b(f"{int(seed)}:{batch}".encode(), digest_size=8).digest()
+
+
+def rank_of(batch: str, world_size: int) -> int:
+    """The rank in ``[0, world_size)`` that reads ``batch`` (a hash of its id, independent of the seed)."""
+    digest = hashlib.blake2b(f"rank:{batch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % world_size
+
+
+class LiveHiddenStatesDataset(_IterableDataset):
+    """Yields the samples of a run's batches as their markers appear, local or S3 (see the module docstring).
+
+    Each sample is a dict as from :class:`core.reader.IterableHiddenStatesDataset` (``sample_index``
+    int, ``input_ids`` / ``loss_mask`` int64 [S], ``hidden_states`` [S, K*H], the asked finals
+    [S, H], dequantised to bf16 for fp8 runs) plus ``batch`` (str): the batch it came from.
+
+    Args:
+        run: the run's address (``<output>/<run_id>``, ``s3://bucket/prefix/<run_id>``) or its Store.
+        seed: the order of batches within a window (``order_key``).
+        finals, dequant_dtype, raw: as for :class:`core.reader.HiddenStatesDataset`.
+        settings: :class:`settings.Settings` for S3 endpoint and credentials.
+        poll_s: seconds between listings of ``markers/`` while waiting for a new batch.
+        idle_timeout_s: stop after this many seconds without a newly certified batch (None: never).
+        wait_for_run_s: seconds to wait for ``run.json`` to appear (a producer still tokenising
+            writes nothing before its plan); 0: it must exist now.
+        rank, world_size: read only the batches with ``rank_of(batch, world_size) == rank``.
+        verify: hash each shard against its marker (default: downloaded copies only; True: local
+            files too; False: never).
+        tmp_dir: where downloaded shards live while they are read.
+
+    Raises:
+        core.store.MissingKey: no ``run.json`` at ``run`` (after ``wait_for_run_s``).
+        BadConfig: a bad rank / world size / poll interval, or finals the run did not store.
+    """
+
+    def __init__(self, run: str | Path | Store, *, seed: int = 0, finals: str = "present", settings=None,
+                 poll_s: float = DEFAULT_POLL_S, idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
+                 wait_for_run_s: float = 0.0, rank: int = 0, world_size: int = 1, verify: bool | None = None,
+                 tmp_dir: Path | None = None, dequant_dtype=None, raw: bool = False):
+        if not 0 <= rank < world_size:
+            raise BadConfig(f"rank {rank} / world_size {world_size}: need 0 <= rank < world_size")
+        if not poll_s > 0:
+            raise BadConfig(f"poll_s={poll_s!r}: the seconds between polls must be > 0")
+        self.store = _open_run(run, settings)
+        self.config = self._wait_for_run(wait_for_run_s, poll_s)
+        self.config_sha256 = self.config.identity_sha256()
+        self.layer_ids: list[int] = list(self.config.layers["layer_ids"])
+        self.hidden_size = int(self.config.model["hidden_size"])
+        self.finals = _final_names(self.config, finals)
+        self.seed, self.rank, self.world_size = int(seed), rank, world_size
+        self.poll_s, self.idle_timeout_s = poll_s, idle_timeout_s
+        self.verify, self.tmp_dir = verify, tmp_dir
+        self.dequant_dtype, self.raw = dequant_dtype, raw
+        self.schedule: list[str] = []
+        """Batch ids in the order they are (and will be) yielded: the windows so far, concatenated."""
+        self.cursor = 0
+        """Index in ``schedule`` of the batch being read (== len(schedule): waiting for a new one)."""
+        self.offset = 0
+        """Shard rows of ``schedule[cursor]`` already yielded (quarantined rows count as passed)."""
+        self.planned: set[str] | None = None
+        """This rank's planned batches, once ``plan/batches.json`` exists."""
+        self.stop_reason: str | None = None
+        """Why the last iteration ended: ``complete`` or ``idle_timeout`` (None while it runs)."""
+        self._markers: dict[str, dict] = {}
+        self._warned: set[str] = set()
+
+    def _wait_for_run(self, wait_s: float, poll_s: float):
+        """run.json, polled every ``poll_s`` for up to ``wait_s`` seconds (MissingKey after that)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return load_run(self.store)
+            except MissingKey:
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    raise MissingKey(
+                        f"no run.json in {self.store.url} after waiting {wait_s:g} s (wait_for_run_s): give the run's "
+                        "address, <output>/<run_id> as `producer run` prints it, and a longer wait_for_run_s if the "
+                        "producer is still tokenising") from None
+            time.sleep(min(poll_s, left_s))
+
+    def _mine(self, batch: str) -> bool:
+        return self.world_size == 1 or rank_of(batch, self.world_size) == self.rank
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s", message)
+
+    # --- following the run -------------------------------------------------------------------
+
+    def poll(self) -> list[str]:
+        """One look at the run: list ``markers/``, read the markers not seen before, and append the
+        newly certified batches of this rank to ``schedule`` as one window (seeded order).
+
+        Returns the window (empty when nothing new). Markers that do not certify this run's batch
+        (unreadable, another config, a batch the plan does not hold) are skipped with one warning each.
+
+        Raises:
+            HsxError: the run's planning failed (``plan/planning.json``): no batch will ever come.
+            core.errors.StoreError: the store cannot be listed or read.
+        """
+        if self.planned is None:
+            if plan_complete(self.store):
+                self.planned = {b["batch"] for b in read_batch_list(self.store) if self._mine(b["batch"])}
+            else:
+                why = planning_failed(read_planning_record(self.store))
+                if why:
+                    raise HsxError(f"run {self.config.run_id} in {self.store.url}: its planning failed ({why}); "
+                                   "no batch will be certified. Fix the cause and run the producer again.")
+        known = set(self.schedule)
+        names = [k.rsplit("/", 1)[-1].removesuffix(".json") for k in self.store.list(MARKERS_PREFIX) if k.endswith(".json")]
+        new = [b for b in names if b not in known and self._mine(b)]
+        if not new:
+            return []
+        window = []
+        for batch, marker in read_markers(self.store, new).items():
+            problem = marker_problem(batch, marker, self.config_sha256)
+            if problem is None and self.planned is not None and batch not in self.planned:
+                problem = f"marker of {batch}: the run's plan has no batch {batch}: skipped"
+            if problem:
+                self._warn_once(batch, problem)
+                continue
+            self._markers[batch] = marker
+            window.append(batch)
+        window.sort(key=lambda b: order_key(self.seed, b))
+        self.schedule.extend(window)
+        return window
+
+    def complete(self) -> bool:
+        """True when every planned batch of this rank is in the schedule (the run is done for us)."""
+        return self.planned is not None and self.planned.issubset(self.schedule)
+
+    def progress(self) -> dict:
+        """``{"yielded": batches fully or partly read, "certified": batches scheduled, "planned": int | None}``."""
+        return {"yielded": self.cursor, "certified": len(self.schedule),
+                "planned": None if self.planned is None else len(self.planned)}
+
+    def _next_batch(self) -> str | None:
+        """The batch at ``cursor``, polling (and sleeping ``poll_s``) until one is certified; None
+        when the run is complete for this rank or ``idle_timeout_s`` passed without a new batch."""
+        last_new = time.monotonic()
+        while True:
+            if self.cursor < len(self.schedule):
+                return self.schedule[self.cursor]
+            if self.complete():
+                self.stop_reason = "complete"
+                return None
+            if self.poll():
+                last_new = time.monotonic()
+                continue
+            if self.complete():
+                continue
+            idle_s = time.monotonic() - last_new
+            if self.idle_timeout_s is not None and idle_s >= self.idle_timeout_s:
+                self.stop_reason = "idle_timeout"
+                self._log_idle(idle_s)
+                return None
+            time.sleep(self.poll_s)
+
+    def _log_idle(self, idle_s: float) -> None:
+        missing = None if self.planned is None else sorted(self.planned.difference(self.schedule))
+        failed = 0
+        if missing:
+            failures = {k.rsplit("/", 1)[-1].removesuffix(".json") for k in self.store.list("failures/")}
+            failed = len(failures.intersection(missing))
+        log.warning(
+            "run %s: no new batch certified for %.0f s (idle_timeout_s=%s): stopping after %d batches; %s planned "
+            "batches of this rank have no marker yet (%d with a failures/ record). `python -m producer status %s` "
+            "says why; iterate again to go on following the run",
+            self.config.run_id, idle_s, self.idle_timeout_s, self.cursor,
+            "?" if missing is None else len(missing), failed, self.store.url)
+
+    def _marker(self, batch: str) -> dict:
+        marker = self._markers.get(batch)
+        if marker is None:  # a schedule loaded from a checkpoint: read its markers again
+            found = read_markers(self.store, [batch])[batch]
+            if isinstance(found, MissingKey):
+                raise FidelityError(
+                    f"batch {batch} of run {self.config.run_id} is in the checkpointed schedule but its marker is gone "
+                    f"from {self.store.url} (removed by `producer reconcile --repair`?); let the batch be redone, "
+                    "then resume")
+            problem = marker_problem(batch, found, self.config_sha256)
+            if problem:
+                raise FidelityError(f"batch {batch} is in the checkpointed schedule but: {problem}")
+            marker = self._markers[batch] = found
+        return marker
+
+    def _rows(self, batch: str, start: int) -> Iterator[tuple[int, bool, dict]]:
+        """``(row, last, sample)`` for the shard rows of ``batch`` from ``start`` on (quarantined left out);
+        ``last`` marks the batch's last returned row."""
+        from safetensors import safe_open
+
+        marker = self._marker(batch)
+        key = marker["shard"]["key"]
+        check = self.verify if self.verify is not None else self.store.local_path(key) is None
+        skip = quarantined_ids(marker)
+        with local_shard(self.store, key, expect=marker["shard"] if check else None, tmp_dir=self.tmp_dir) as path:
+            with safe_open(str(path), framework="pt") as f:
+                sample_index_N = f.get_tensor("sample_index").tolist()
+                cu_N1 = f.get_tensor("cu_seqlens").tolist()
+                rows = [j for j in range(start, len(sample_index_N)) if sample_index_N[j] not in skip]
+                for n, j in enumerate(rows):
+                    sample = read_sample(f, cu_N1[j], cu_N1[j + 1], self.finals, dequant_dtype=self.dequant_dtype,
+                                         raw=self.raw)
+                    yield j, n == len(rows) - 1, {"sample_index": int(sample_index_N[j]), "batch": batch, **sample}
+
+    def __iter__(self) -> Iterator[dict]:
+        import torch.utils.data
+
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.num_workers > 1:
+            raise BadConfig(f"LiveHiddenStatesDataset in a DataLoader with num_workers={info.num_workers}: each worker "
+                            "would follow the whole run; use num_workers=0 (shards are read in the loop's process)")
+        self.stop_reason = None
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            emitted = False
+            for row, last, sample in self._rows(batch, self.offset):
+                # Position first, then yield: a state taken after this sample resumes after it.
+                if last:
+                    self.cursor, self.offset = self.cursor + 1, 0
+                else:
+                    self.offset = row + 1
+                emitted = True
+                yield sample
+            if not emitted:  # every remaining row was quarantined or already yielded
+                self.cursor, self.offset = self.cursor + 1, 0
+
+    # --- checkpointing -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The reader's position, JSON-able: ``format``, ``run_id``, ``config_sha256``, ``seed``,
+        ``rank``, ``world_size``, ``schedule`` (batch ids), ``cursor`` (index in it) and ``offset``
+        (shard rows of ``schedule[cursor]`` already yielded)."""
+        return {"format": STATE_FORMAT, "run_id": self.config.run_id, "config_sha256": self.config_sha256,
+                "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+                "schedule": list(self.schedule), "cursor": self.cursor, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (from :meth:`state_dict` of a reader of the same run, seed, rank and
+        world size): the next sample is the one after the last sample yielded before it was taken.
+
+        Raises:
+            BadConfig: ``state`` is not a live reader state, or was taken for another run, run
+                config, seed, rank or world size (the schedule would not mean the same batches).
+        """
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise BadConfig(f"not a live reader state (format {state.get('format') if isinstance(state, dict) else state!r}, "
+                            f"expected {STATE_FORMAT!r}): pass what LiveHiddenStatesDataset.state_dict() returned")
+        mine = self.state_dict()
+        for name in ("run_id", "config_sha256", "seed", "rank", "world_size"):
+            if state.get(name) != mine[name]:
+                raise BadConfig(f"the reader state was taken with {name}={state.get(name)!r}, this reader has "
+                                f"{name}={mine[name]!r}; resume with the same run and the same {name}")
+        schedule = [str(b) for b in state["schedule"]]
+        cursor, offset = int(state["cursor"]), int(state["offset"])
+        if not 0 <= cursor <= len(schedule) or offset < 0 or len(set(schedule)) != len(schedule):
+            raise BadConfig(f"reader state: cursor {cursor}, offset {offset} over a schedule of {len(schedule)} batches "
+                            "(with duplicates?) is not a position; pass an unmodified state_dict()")
+        self.schedule, self.cursor, self.offset = schedule, cursor, offset
+        self._markers = {b: m for b, m in self._markers.items() if b in set(schedule)}
