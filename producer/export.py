@@ -520,6 +520,8 @@ def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP
         "samples": len(sample_index),
         "supervised_tokens": supervised,
         "bytes": written_bytes,
+        "hidden_size": int(config.model["hidden_size"]),
+        "num_layers": int(layers["num_layers"]),
         "layer_ids": list(layers["layer_ids"]),
         "layer_id_convention": layers["convention"],
         "vllm_layer_ids": [i + 1 for i in layers["layer_ids"]] + ([int(layers["num_layers"])] if fmt == "speculators" else []),

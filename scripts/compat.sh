@@ -9,7 +9,8 @@
 #                          --no-deps plus what its reader, normaliser and collator modules import
 #                          (transformers 5.8.1, datasets), so no sglang and no GPU stack
 #   speculators 0.9.0      with its own dependencies (transformers <= 5.19, hs-connectors 0.9.0)
-#   nvidia-modelopt 0.47.0 with its own dependencies, plus transformers (its eagle utils import it)
+#   nvidia-modelopt 0.47.0 with its own dependencies, plus transformers and requests (its eagle and
+#                          dataset utils import them without declaring them)
 #   eagle-llm 1.2.1        (EAGLE-1/2, the ge_data layout) --no-deps: its pins (torch 2.0.1, gradio,
 #                          fschat) are for its demo apps; its training data code needs torch only
 # Every venv gets the same torch ($COMPAT_TORCH, default torch==2.13.0; set
@@ -32,15 +33,18 @@ mkdir -p "$COMPAT"
 echo '*' > "$COMPAT/.gitignore"
 
 # --- consumer venvs ------------------------------------------------------------------------------
-# name | pip arguments (after torch is installed)
+# name | pip install arguments after torch, groups separated by " ;; " ("uninstall X": pip uninstall -y X).
+# speculators requires torchvision and torchaudio but imports neither; their PyPI wheels are built for
+# PyPI's CUDA torch and fail to load beside a CPU torch, and transformers imports torchvision whenever
+# it is installed, so they are removed again.
 CONSUMERS=(
-  "specforge|--no-deps specforge==0.2.0 ;; transformers==5.8.1 datasets"
-  "speculators|speculators==0.9.0"
-  "modelopt|nvidia-modelopt==0.47.0 transformers"
-  "eagle|--no-deps eagle-llm==1.2.1"
+  "specforge|--no-deps specforge==0.2.0 ;; transformers==5.8.1 datasets numpy"
+  "speculators|speculators==0.9.0 ;; uninstall torchvision torchaudio"
+  "modelopt|nvidia-modelopt==0.47.0 transformers requests"
+  "eagle|--no-deps eagle-llm==1.2.1 ;; numpy"
 )
 
-install_venv() {  # name, pip specs (groups separated by " ;; ", each one pip install)
+install_venv() {  # name, pip specs (groups separated by " ;; ", each one pip install or uninstall)
   local name=$1 specs=$2 venv=$COMPAT/venv-$1
   local stamp="$TORCH $TORCH_INDEX | $specs"
   if [[ -f $venv/.hsx-stamp && $(cat "$venv/.hsx-stamp") == "$stamp" ]]; then
@@ -60,7 +64,11 @@ install_venv() {  # name, pip specs (groups separated by " ;; ", each one pip in
   local group
   while IFS= read -r group; do
     # shellcheck disable=SC2086
-    [[ -n ${group// } ]] && "${pip[@]}" -c "$venv/torch-constraint.txt" $group
+    if [[ $group == uninstall\ * ]]; then
+      "$venv/bin/pip" uninstall -q -y ${group#uninstall }
+    elif [[ -n ${group// } ]]; then
+      "${pip[@]}" -c "$venv/torch-constraint.txt" $group
+    fi
   done < <(echo "$specs" | sed 's/ ;; /\n/g')
   echo "$stamp" > "$venv/.hsx-stamp"
 }
