@@ -438,7 +438,8 @@ def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP
 
     Raises:
         BadConfig: unknown format, a run that lacks the layers or final state the format needs,
-            ``out`` exists and is not empty, or the run is incomplete and ``partial`` is False.
+            ``out`` exists and is not empty, the run is incomplete and ``partial`` is False, or
+            (``modelopt``) two record ids would get the same file name.
         core.errors.FidelityError: a shard does not match its marker's sha256.
     """
     t0 = time.perf_counter()

@@ -73,9 +73,21 @@ def main(fmt: str, export_dir: Path) -> str:
                 assert torch.equal(t["target_last_hidden_states"][b, :S], raw["target_last_hidden_states"][0])
         assert int(t["loss_mask"][b].sum()) > 0, f"row {b}: nothing supervised"
     shapes = ", ".join(f"{k} {list(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in t.items())
+    vocab = ""
+    if fmt == "specforge-eagle3":
+        # SpecForge builds the EAGLE-3 draft vocabulary from the feature files themselves
+        # (specforge/training/vocab_mapping.py); it must count what vocab_counts.safetensors counts.
+        from safetensors.torch import load_file
+        from specforge.training.vocab_mapping import count_effective_feature_tokens
+
+        theirs = count_effective_feature_tokens(str(export_dir), max_length=MAX_LEN)
+        ours = load_file(str(export_dir / "vocab_counts.safetensors"))["counts"]
+        nonzero = {int(v): int(ours[v]) for v in torch.nonzero(ours).flatten().tolist()}
+        assert dict(theirs) == nonzero, "count_effective_feature_tokens differs from vocab_counts.safetensors"
+        vocab = f"; count_effective_feature_tokens = vocab_counts.safetensors ({len(nonzero)} token ids)"
     return (f"PASS {fmt}: {len(refs)} files listed by OfflineManifestReader (strategy {algorithm.name}); "
             f"one batch from FeatureDataLoader + {algorithm.name} normaliser + collator: {shapes}; "
-            f"rows equal the files (K={K}, H={H})")
+            f"rows equal the files (K={K}, H={H}){vocab}")
 
 
 if __name__ == "__main__":
