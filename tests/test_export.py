@@ -305,3 +305,22 @@ def test_new_formats_refuse_runs_without_the_post_norm_final_state(small_run):
         check_exportable(variant(final="postnorm"), fmt)
     assert check_exportable(variant(final="postnorm", layer_ids=[1, 2, 3, 4, 5]), "specforge-dspark") == []
     assert any("ModelOpt's EAGLE default" in w for w in check_exportable(variant(layer_ids=[0, 3, 4]), "modelopt"))
+
+
+def test_the_compatibility_script_checks_every_export_format():
+    """scripts/compat.sh exports every format in producer.export.FORMATS and hands each to one
+    consumer's check (README, "Trainer compatibility"), and is valid bash."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from producer.export import FORMATS
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "compat.sh"
+    text = script.read_text()
+    exported = re.search(r"^FORMATS=\((.*)\)$", text, re.M).group(1).split()
+    checked = [f for line in re.findall(r"^check (\S+) (.*)$", text, re.M) for f in line[1].split()]
+    assert sorted(exported) == sorted(FORMATS) == sorted(checked)
+    for consumer, _ in re.findall(r"^check (\S+) (.*)$", text, re.M):
+        assert (script.parent / f"compat_{consumer}.py").is_file(), consumer
+    subprocess.run(["bash", "-n", str(script)], check=True)
