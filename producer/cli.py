@@ -419,11 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, help="seed of the --recompute sample choice (default: random, reported)")
     p.add_argument("--rtol", type=float, help="--recompute tolerance (default by stored dtype: bf16 1e-2, fp32 1e-4, fp8 0.075)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p = sub.add_parser("export", help="write a run in the files a trainer reads (SpecForge EAGLE-3 / DFlash, speculators)")
+    p = sub.add_parser("export", help="write a run in the files a trainer reads (SpecForge EAGLE-3 / DFlash / DSpark, "
+                                      "speculators, EAGLE-1/2 ge_data, ModelOpt)")
     p.add_argument("run_address", help="<output>/<run_id>, a local directory or s3://bucket/prefix/<run_id>")
     p.add_argument("out", help="a new (or empty) local directory")
-    p.add_argument("--format", required=True, choices=["specforge-eagle3", "specforge-dflash", "speculators"])
-    p.add_argument("--group-size", type=int, default=2000, help="SpecForge: samples per rows_<a>-<b> folder (default 2000)")
+    p.add_argument("--format", required=True, choices=["specforge-eagle3", "specforge-dflash", "specforge-dspark", "speculators",
+                                                       "eagle-ge-data", "modelopt"])
+    p.add_argument("--group-size", type=int, default=2000,
+                   help="SpecForge and eagle-ge-data: samples per rows_<a>-<b> folder (default 2000)")
     p.add_argument("--partial", action="store_true", help="export the batches that are done even if the run is not complete")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("vocab-counts", help="count supervised target token ids over a run (vocab_counts.safetensors, for draft vocabularies)")

@@ -11,39 +11,81 @@ every format below is produced in upstream; an fp8 run (``--store-dtype fp8``) i
 reader (``q * scale`` per token and layer, ``core/fp8.py``) before it is written, so no export file
 ever holds fp8 (``export.json`` records the run's ``store_dtype``).
 
-Formats, and what each was matched against (upstream code read through the code index on
-2026-11-30; the commit ids are those of the stored versions read):
+Formats, and what each was matched against. Each was read in the consumer's released package from
+PyPI, and ``scripts/compat.sh`` loads every export through that package's own dataset and collator
+code to one training batch (README, "Trainer compatibility"):
 
-``specforge-eagle3`` (SpecForge ``scripts/prepare_hidden_states.py``, versions 0168a59 and
-f1424fb; read back by ``OfflineEagle3Dataset`` in ``specforge/data/preprocessing.py``, 280fab9)
+``specforge-eagle3`` (SpecForge 0.2.0 = sgl-project/SpecForge a6b6b02: ``OfflineManifestReader`` in
+``specforge/runtime/data_plane/offline_reader.py``, ``normalize_offline_sample`` in
+``specforge/algorithms/eagle3/data.py``, ``DataCollatorWithPadding`` in ``specforge/data/utils.py``;
+the writer is ``scripts/prepare_hidden_states.py``)
     ``OUT/rows_{g}-{g+G}/data_{i}.ckpt`` with ``g = i // G * G`` (``G`` = ``--group-size``,
-    upstream ``--file-group-size`` default 2000; older versions used 5000), each a
-    ``torch.save`` of ``{"input_ids": int64 [S], "loss_mask": int64 [S], "hidden_state": bf16
-    [1, S, H], "aux_hidden_state": bf16 [1, S, 3H]}`` (upstream saves ``asdict(DataPoint)``).
-    ``hidden_state`` is the final state AFTER the norm (sglang's logits-processor input);
+    upstream ``--file-group-size`` default 2000), each a ``torch.save`` of ``{"input_ids": int64
+    [S], "loss_mask": int64 [S], "hidden_state": bf16 [1, S, H], "aux_hidden_state": bf16
+    [1, S, 3H]}``. The reader walks every ``.ckpt`` / ``.ckpt.gz`` under ``OUT`` (sorted paths),
+    so the folders are only for the file system. ``hidden_state`` is the final state AFTER the
+    norm (sglang's logits-processor input; the normaliser calls it ``target``);
     ``aux_hidden_state`` is the 3 EAGLE layers concatenated in id order (upstream default ids
-    ``[1, N//2 - 1, N - 4]`` in the output-of convention). The reader slices ``[:max_len]`` and
-    sets ``loss_mask[-1] = 0`` itself. Refused unless the run has exactly 3 layers and the
+    ``[1, N//2 - 1, N - 4]`` in the output-of convention). The normaliser slices ``[:max_len]``
+    and sets ``loss_mask[-1] = 0`` itself. Refused unless the run has exactly 3 layers and the
     post-norm final state.
-``specforge-dflash`` (FIELD-NOTES section 8; NOT confirmed upstream, see below)
+``specforge-dflash`` (SpecForge 0.2.0: ``normalize_offline_sample`` and the collator in
+``specforge/algorithms/common/dflash_family_data.py``, strategies ``dflash`` and ``domino``)
     The same folders and file names, each ``{"input_ids": int64 [S], "loss_mask": int64 [S],
     "hidden_states": bf16 [1, S, K*H]}`` with the K layers in ascending id (``target_layer_ids``)
-    order. Upstream ``scripts/train_dflash.py`` (b486c75) trains online only. An offline DFlash
-    cache found in the index (commit 243edb3: ``scripts/prepare_dflash_hidden_states.py``,
-    ``scripts/train_dflash_offline.py``) uses another layout: ``group_{:06d}/sample_{:012d}.ckpt``
-    with ``selected_hidden_states`` [S, K, H] and a ``manifest.json``; whether that is upstream's
-    current format could not be confirmed, so it is not what this writes.
-``speculators`` (vllm-project/speculators: ``data_generation/offline.py``, the synthetic Arrow
-fixture of its training tests, ``data_generation/vocab_mapping.py``, ``scripts/build_vocab_mapping.py``)
+    order; the normaliser accepts [S, K*H] or [1, S, K*H] and refuses a sample without two
+    consecutive supervised tokens (the planner never plans one).
+``specforge-dspark`` (SpecForge 0.2.0: ``normalize_dspark_offline_sample`` in the same file,
+strategy ``dspark``)
+    The DFlash keys plus ``"target_last_hidden_states": bf16 [1, S, H]``, the final state AFTER
+    the norm (SpecForge's ``target_repr="hidden_state"``), row ``t`` aligned to ``input_ids[t]``
+    (the trainer gathers row ``t - 1`` to predict token ``t``). Refused without the post-norm
+    final state.
+``speculators`` (speculators 0.9.0: ``ArrowDataset`` and ``CollateFn`` in
+``speculators/train/data.py``, ``create_train_val_loaders`` in ``speculators/train/dataloader.py``,
+``FileTransfer.get_cached`` in hs-connectors 0.9.0 ``hs_connectors/transfer.py``; the same checks
+at vllm-project/speculators c05b95b)
     ``OUT/`` is a Hugging Face ``datasets`` ``save_to_disk`` directory (``data-00000-of-00001.arrow``
     in Arrow stream format, ``dataset_info.json``, ``state.json``; written with pyarrow) with
     columns ``input_ids`` list<int64>, ``loss_mask`` list<int64>, ``seq_len`` int64, row ``i`` =
-    sample ``i``; ``OUT/hidden_states/hs_{i}.safetensors`` holds ``hidden_states`` bf16
-    [S, K+1, H] (the K layers in ascending id, i.e. vLLM ids ``id + 1``, then the final state
-    BEFORE the norm, vLLM id ``N``) and ``token_ids`` int64 [S]; ``OUT/token_freq.pt`` is a
-    ``torch.save`` of ``{token_id: count}`` (what ``build_vocab_mapping.py`` loads). Refused
-    without the pre-norm final state. Unconfirmed: upstream's fixture writes ``loss_mask`` as
-    bool lists and older docs as int64; int64 is written here (both compare ``== 1`` the same).
+    sample ``i``. ``state.json`` records ``"_format_type": "torch"``, what
+    ``Dataset.set_format("torch")`` followed by ``save_to_disk`` writes (speculators'
+    ``data_generation/preprocessing.py`` does exactly that): ``ArrowDataset`` compares
+    ``torch.equal(token_ids, data[i]["input_ids"])``, which needs rows to load as tensors.
+    ``OUT/hidden_states/hs_{i}.safetensors`` holds ``hidden_states`` bf16 [S, K+1, H] (the K
+    layers in ascending id, i.e. vLLM ids ``id + 1``, then the final state BEFORE the norm, vLLM
+    id ``N``: the dataset splits it into ``hidden_states`` [S, K*H] and
+    ``verifier_last_hidden_states`` [S, H]) and ``token_ids`` int64 [S]; ``OUT/token_freq.pt`` is
+    a ``torch.save`` of ``{token_id: count}`` (what ``speculators train`` loads for the draft
+    vocabulary). EAGLE-3 and DFlash drafts read the same files. Refused without the pre-norm
+    final state.
+``eagle-ge-data`` (EAGLE-1/2, eagle-llm 1.2.1 = SafeAILab/EAGLE 79d6f79, the last commit before
+EAGLE-3 replaced it: ``list_files``, ``CustomDataset`` and ``DataCollatorWithPadding`` in
+``eagle/train/main.py``; the writer is ``eagle/ge_data/ge_data_all_vicuna.py``)
+    ``OUT/ge_data/rows_{g}-{g+G}/data_{i}.ckpt``, each ``{"input_ids": int64 [S], "hidden_state":
+    bf16 [S, H], "loss_mask": int64 [S]}`` with no batch axis; ``hidden_state`` is the final state
+    AFTER the norm (upstream stores HF ``hidden_states[-1]``, in the model's dtype: fp16 there;
+    bf16 here, which the trainer's collator promotes with its fp32 padding). The trainer loads
+    EVERY file under ``--tmpdir`` (``os.walk``), so ``OUT/ge_data`` holds nothing else: pass
+    ``--tmpdir OUT/ge_data``. Only the final state is written (EAGLE-1/2 read no other layer).
+    Refused without the post-norm final state.
+``modelopt`` (NVIDIA ModelOpt 0.47.0: ``OfflineSupervisedDataset`` and ``EagleOfflineDataCollator``
+in ``modelopt/torch/speculative/eagle/utils.py``; the writer is
+``examples/speculative_decoding/collect_hidden_states/compute_hidden_states_hf.py`` at
+NVIDIA/Model-Optimizer a2fbac7)
+    ``OUT/{conversation_id}.pt`` per sample, each ``{"input_ids": int64 [S], "hidden_states": bf16
+    [S, H], "aux_hidden_states": bf16 [S, K*H], "loss_mask": int64 [S], "conversation_id": str}``.
+    ``hidden_states`` is the final state AFTER the norm (HF ``hidden_states[-1]``; the dataset's
+    ``base_hidden_prenorm`` flag stays False); ``aux_hidden_states`` the K layers in id order
+    (upstream reads HF ``hidden_states[lid + 1]`` for 0-based ids, our convention; its EAGLE
+    default ``[1, N//2 - 1, N - 4]`` is our ``--preset eagle3``). ``conversation_id`` is the
+    record id (``plan/samples.jsonl``); the file name is that id with every character outside
+    ``[A-Za-z0-9_.-]`` (and a leading ``.``) written as ``%XX``. The reader (ModelOpt >= 0.44)
+    takes every ``*.pt`` under ``data.offline_data_path``, and uses the stored ``loss_mask``
+    only with ``training.answer_only_loss=true`` (else every token is supervised). ModelOpt
+    before 0.44 (NVIDIA/TensorRT-Model-Optimizer 5a4242f) also needed the conversations JSONL,
+    which it tokenised again; that layout is not written. Refused without the post-norm final
+    state.
 
 Every format also gets ``OUT/vocab_counts.safetensors`` (:func:`supervised_token_counts`).
 ``torch.save`` files are pickles: written only here, in this explicit export step; the project
@@ -54,6 +96,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -64,12 +107,22 @@ import numpy as np
 
 from core.errors import BadConfig, FidelityError
 from core.layers import eagle3_layer_ids
-from core.plan import read_batch, read_batch_list
+from core.plan import SAMPLES_JSONL, read_batch, read_batch_list
 from core.reader import IterableHiddenStatesDataset, certified_markers, quarantined_ids
 from core.runconfig import RunConfig, load_run
 from core.store import Store
 
-FORMATS = ("specforge-eagle3", "specforge-dflash", "speculators")
+FORMATS = ("specforge-eagle3", "specforge-dflash", "specforge-dspark", "speculators", "eagle-ge-data", "modelopt")
+#: the final state each format writes (what the reader is asked for).
+FORMAT_FINAL = {"specforge-eagle3": "postnorm", "specforge-dflash": "none", "specforge-dspark": "postnorm",
+                "speculators": "prenorm", "eagle-ge-data": "postnorm", "modelopt": "postnorm"}
+#: how each format's report describes that final state.
+FORMAT_FINAL_TEXT = {"specforge-eagle3": "postnorm (hidden_state)", "specforge-dflash": "none",
+                     "specforge-dspark": "postnorm (target_last_hidden_states)",
+                     "speculators": "prenorm (last of hidden_states' L axis)",
+                     "eagle-ge-data": "postnorm (hidden_state)", "modelopt": "postnorm (hidden_states)"}
+#: the folder of an ``eagle-ge-data`` export that holds the data files, and nothing else.
+GE_DATA_DIR = "ge_data"
 #: samples per ``rows_{g}-{g+G}`` folder (SpecForge ``--file-group-size`` default).
 GROUP_SIZE = 2000
 #: parallel file writes, and how many may be queued before the reader waits.
@@ -170,6 +223,16 @@ def check_exportable(config: RunConfig, fmt: str) -> list[str]:
             f"run {config.run_id} stored final={final!r}; speculators needs the final state BEFORE the norm as the last "
             "layer of hidden_states (it applies the norm itself). Extract with --final prenorm (or both)"
         )
+    needs_postnorm = {"specforge-dspark": "SpecForge DSpark needs the final state AFTER the norm (target_last_hidden_states [1, S, H])",
+                      "eagle-ge-data": "EAGLE-1/2 (ge_data) needs the final state AFTER the norm (hidden_state [S, H])",
+                      "modelopt": "ModelOpt needs the final state AFTER the norm (hidden_states [S, H])"}
+    if fmt in needs_postnorm and final not in ("postnorm", "both"):
+        raise BadConfig(f"run {config.run_id} stored final={final!r}; {needs_postnorm[fmt]}. Extract with --final postnorm (or both)")
+    if fmt == "eagle-ge-data":
+        warnings.append(f"EAGLE-1/2 reads the final state only: the {len(ids)} captured layers {ids} are not written")
+    if fmt == "modelopt" and ids != eagle3_layer_ids(N):
+        warnings.append(f"layer ids {ids} are not ModelOpt's EAGLE default {eagle3_layer_ids(N)} (--aux-layers eagle): "
+                        "set the draft's aux layer ids to match")
     return warnings
 
 
@@ -188,7 +251,7 @@ def _atomic(path: Path, write) -> int:
 
 
 class _SpecForgeWriter:
-    """``rows_{g}-{g+G}/data_{i}.ckpt`` per sample (see the module docstring)."""
+    """``rows_{g}-{g+G}/data_{i}.ckpt`` per sample, EAGLE-3 / DFlash / DSpark keys (module docstring)."""
 
     def __init__(self, out: Path, fmt: str, group_size: int):
         self.out, self.fmt, self.group_size = out, fmt, group_size
@@ -213,6 +276,8 @@ class _SpecForgeWriter:
             rec["aux_hidden_state"] = hidden_1SX
         else:
             rec["hidden_states"] = hidden_1SX
+        if self.fmt == "specforge-dspark":
+            rec["target_last_hidden_states"] = sample["final_postnorm"].to(torch.bfloat16).reshape(1, S, -1).clone()
         return rec
 
     def write(self, i: int, sample: dict) -> int:
@@ -284,13 +349,82 @@ class _SpeculatorsWriter:
             "_fingerprint": uuid.uuid4().hex[:16],
             "_format_columns": None,
             "_format_kwargs": {},
-            "_format_type": None,
+            # Rows load as torch tensors, as after speculators' own set_format("torch") + save_to_disk.
+            "_format_type": "torch",
             "_output_all_columns": False,
             "_split": None,
         }, indent=2))
         nonzero = np.flatnonzero(counts)
         freq = {int(v): int(counts[v]) for v in nonzero}
         _atomic(self.out / "token_freq.pt", lambda p: torch.save(freq, p))
+
+
+class _EagleGeDataWriter(_SpecForgeWriter):
+    """EAGLE-1/2 ``ge_data``: ``ge_data/rows_{g}-{g+G}/data_{i}.ckpt`` (module docstring)."""
+
+    def __init__(self, out: Path, group_size: int):
+        super().__init__(out / GE_DATA_DIR, "eagle-ge-data", group_size)
+        self.out.mkdir()
+
+    def record(self, sample: dict) -> dict:
+        import torch
+
+        # No batch axis: the trainer adds it ([None, :]) after slicing [:max_len].
+        return {"input_ids": sample["input_ids"].to(torch.int64).clone(),
+                "hidden_state": sample["final_postnorm"].to(torch.bfloat16).clone(),
+                "loss_mask": sample["loss_mask"].to(torch.int64).clone()}
+
+
+_UNSAFE_FILE_CHARS = re.compile(r"[^A-Za-z0-9_.-]|^\.")
+#: longest file name stem kept whole; longer ids are cut and get a hash suffix (255-byte limit).
+MAX_STEM = 200
+
+
+def file_stem(record_id: str) -> str:
+    """A file name for a record id: the id itself when it is ``[A-Za-z0-9_.-]`` only (no leading
+    ``.``), else each other byte (UTF-8) as ``%XX``, so distinct ids give distinct names; ids
+    whose name would pass ``MAX_STEM`` characters keep their first 150 and a sha256 suffix."""
+    import hashlib
+
+    stem = _UNSAFE_FILE_CHARS.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode()), record_id)
+    if len(stem) > MAX_STEM:
+        stem = f"{stem[:150]}-{hashlib.sha256(record_id.encode()).hexdigest()[:32]}"
+    return stem
+
+
+def read_record_ids(run_store: Store) -> dict[int, str]:
+    """``sample_index -> record id`` from the run's ``plan/samples.jsonl``."""
+    ids = {}
+    for line in run_store.read(SAMPLES_JSONL).decode().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            ids[int(row["sample_index"])] = str(row["record_id"])
+    return ids
+
+
+class _ModelOptWriter:
+    """ModelOpt offline: ``{conversation_id}.pt`` per sample (module docstring)."""
+
+    def __init__(self, out: Path, record_ids: dict[int, str]):
+        self.out, self.record_ids = out, record_ids
+
+    def record(self, sample: dict) -> dict:
+        import torch
+
+        return {"input_ids": sample["input_ids"].to(torch.int64).clone(),
+                "hidden_states": sample["final_postnorm"].to(torch.bfloat16).clone(),
+                "aux_hidden_states": sample["hidden_states"].to(torch.bfloat16).clone(),
+                "loss_mask": sample["loss_mask"].to(torch.int64).clone(),
+                "conversation_id": self.record_ids[sample["sample_index"]]}
+
+    def write(self, i: int, sample: dict) -> int:
+        import torch
+
+        rec = self.record(sample)
+        return _atomic(self.out / f"{file_stem(rec['conversation_id'])}.pt", lambda p: torch.save(rec, p))
+
+    def close(self, counts: np.ndarray) -> None:
+        pass
 
 
 # --- export ---------------------------------------------------------------------------------
@@ -304,7 +438,8 @@ def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP
 
     Raises:
         BadConfig: unknown format, a run that lacks the layers or final state the format needs,
-            ``out`` exists and is not empty, or the run is incomplete and ``partial`` is False.
+            ``out`` exists and is not empty, the run is incomplete and ``partial`` is False, or
+            (``modelopt``) two record ids would get the same file name.
         core.errors.FidelityError: a shard does not match its marker's sha256.
     """
     t0 = time.perf_counter()
@@ -315,13 +450,26 @@ def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise BadConfig(f"{out} exists and is not an empty directory: export into a new directory")
-    finals = {"specforge-eagle3": "postnorm", "specforge-dflash": "none", "speculators": "prenorm"}[fmt]
-    ds = IterableHiddenStatesDataset(run_store, finals=finals, settings=settings, verify=True)
+    ds = IterableHiddenStatesDataset(run_store, finals=FORMAT_FINAL[fmt], settings=settings, verify=True)
     counts, count_info = supervised_token_counts(run_store, config, partial=partial)
     if count_info["batches_missing"]:
         warnings.append(f"partial export: {count_info['batches_missing']} planned batches have no marker")
+    record_ids = read_record_ids(run_store) if fmt == "modelopt" else {}
+    stems: dict[str, int] = {}
+    for sample, rid in record_ids.items():
+        other = stems.setdefault(file_stem(rid), sample)
+        if other != sample:  # the plan refuses duplicate ids, so only a cut id's hash could collide
+            raise BadConfig(f"records {record_ids[other]!r} and {rid!r} (samples {other}, {sample}) would share the "
+                            f"file name {file_stem(rid)}.pt; give them distinct ids")
     out.mkdir(parents=True, exist_ok=True)
-    writer = _SpeculatorsWriter(out, config.run_id) if fmt == "speculators" else _SpecForgeWriter(out, fmt, group_size)
+    if fmt == "speculators":
+        writer = _SpeculatorsWriter(out, config.run_id)
+    elif fmt == "eagle-ge-data":
+        writer = _EagleGeDataWriter(out, group_size)
+    elif fmt == "modelopt":
+        writer = _ModelOptWriter(out, record_ids)
+    else:
+        writer = _SpecForgeWriter(out, fmt, group_size)
     total = count_info["samples"]
     task = progress.add_task("exporting", total=total) if progress is not None else None
     sample_index: list[int] = []
@@ -373,12 +521,13 @@ def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP
         "samples": len(sample_index),
         "supervised_tokens": supervised,
         "bytes": written_bytes,
+        "hidden_size": int(config.model["hidden_size"]),
+        "num_layers": int(layers["num_layers"]),
         "layer_ids": list(layers["layer_ids"]),
         "layer_id_convention": layers["convention"],
         "vllm_layer_ids": [i + 1 for i in layers["layer_ids"]] + ([int(layers["num_layers"])] if fmt == "speculators" else []),
-        "final": {"specforge-eagle3": "postnorm (hidden_state)", "specforge-dflash": "none",
-                  "speculators": "prenorm (last of hidden_states' L axis)"}[fmt],
-        "group_size": group_size if fmt != "speculators" else None,
+        "final": FORMAT_FINAL_TEXT[fmt],
+        "group_size": group_size if fmt not in ("speculators", "modelopt") else None,
         "hidden_dtype": "bfloat16",
         "store_dtype": config.store_dtype,
         "warnings": warnings,

@@ -1,6 +1,7 @@
 """``python -m producer export``: each format loads back with the tensor names, shapes and dtypes
 its trainer reads (producer/export.py says where each was matched), with the values the shards
-hold; ``vocab_counts.safetensors`` counts exactly the supervised tokens."""
+hold; ``vocab_counts.safetensors`` counts exactly the supervised tokens. The trainers' released
+code reads these exports in ``scripts/compat.sh`` (their own venvs; README, "Trainer compatibility")."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from smallrun import copy_run, small_run  # noqa: F401
 from core.errors import BadConfig
 from core.runconfig import load_run
 from core.store import open_store
-from producer.export import check_exportable, export_run, supervised_token_counts
+from producer.export import check_exportable, export_run, file_stem, supervised_token_counts
 
 K, H = 3, 64
 
@@ -108,7 +109,9 @@ def test_speculators_export_is_an_arrow_table_with_hs_safetensors_and_token_freq
         table = pa.ipc.open_stream(f).read_all()
     assert table.column_names == ["input_ids", "loss_mask", "seq_len"]
     assert table.schema.field("input_ids").type == pa.list_(pa.int64()) and table.schema.field("seq_len").type == pa.int64()
-    assert json.loads((out / "state.json").read_text())["_data_files"] == [{"filename": "data-00000-of-00001.arrow"}]
+    state = json.loads((out / "state.json").read_text())
+    assert state["_data_files"] == [{"filename": "data-00000-of-00001.arrow"}]
+    assert state["_format_type"] == "torch", "ArrowDataset compares rows with torch.equal: they must load as tensors"
     assert (out / "dataset_info.json").is_file()
     index = _index(out)
     assert table.num_rows == len(index) == len(stored)
@@ -130,12 +133,28 @@ def test_speculators_export_is_an_arrow_table_with_hs_safetensors_and_token_freq
 
 
 def test_speculators_export_loads_with_datasets_load_from_disk(small_run, tmp_path):
-    """When `datasets` is installed, load_from_disk reads the table as speculators does."""
+    """load_from_disk gives torch int64 rows, so speculators' ArrowDataset check
+    ``torch.equal(hs["token_ids"], data[i]["input_ids"])`` holds for every sample (speculators 0.9.0,
+    train/data.py); state.json is what datasets itself writes after set_format("torch") + save_to_disk."""
     datasets = pytest.importorskip("datasets")
     out = tmp_path / "speculators"
     export_run(open_store(small_run["address"]), "speculators", out)
     ds = datasets.load_from_disk(str(out))
     assert ds.column_names == ["input_ids", "loss_mask", "seq_len"] and len(ds) == len(_index(out))
+    for i in range(len(ds)):
+        row = ds[i]
+        hs = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))
+        assert isinstance(row["input_ids"], torch.Tensor) and row["input_ids"].dtype == torch.int64
+        assert torch.equal(hs["token_ids"], row["input_ids"]), f"sample {i}: token_ids differ from the table's input_ids"
+        assert row["loss_mask"].dtype == torch.int64 and row["loss_mask"].shape == row["input_ids"].shape
+        assert int(row["seq_len"]) == hs["hidden_states"].shape[0]
+
+    reference = tmp_path / "reference"
+    made = datasets.Dataset.from_dict({"input_ids": [[1, 2]], "loss_mask": [[0, 1]], "seq_len": [2]})
+    made.set_format("torch")
+    made.save_to_disk(str(reference))
+    ours, theirs = (json.loads((d / "state.json").read_text()) for d in (out, reference))
+    assert {k: v for k, v in ours.items() if k != "_fingerprint"} == {k: v for k, v in theirs.items() if k != "_fingerprint"}
 
 
 def test_vocab_counts_subcommand_writes_the_runs_counts(small_run, stored, tmp_path):
@@ -184,3 +203,124 @@ def test_incomplete_runs_and_non_empty_targets_are_refused_unless_partial(small_
     assert any("partial" in w for w in report["warnings"])
     with pytest.raises(BadConfig, match="not an empty directory"):
         export_run(run_store, "specforge-dflash", tmp_path / "b", partial=True)
+
+
+def test_specforge_dspark_export_adds_the_post_norm_final_state_aligned_to_input_ids(small_run, stored, tmp_path):
+    """data_{i}.ckpt with the DFlash keys plus target_last_hidden_states bf16 [1, S, H] = final post-norm
+    (SpecForge 0.2.0 normalize_dspark_offline_sample: same S as input_ids)."""
+    out = tmp_path / "dspark"
+    report = export_run(open_store(small_run["address"]), "specforge-dspark", out)
+    assert report["final"].startswith("postnorm")
+    index = _index(out)
+    assert sorted(index) == sorted(stored) and len(list(out.glob("rows_*/data_*.ckpt"))) == len(stored)
+    for i, sample in enumerate(index):
+        rec = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
+        ref = stored[sample]
+        S = ref["input_ids"].shape[0]
+        assert set(rec) == {"input_ids", "loss_mask", "hidden_states", "target_last_hidden_states"}
+        assert rec["target_last_hidden_states"].dtype == torch.bfloat16 and rec["target_last_hidden_states"].shape == (1, S, H)
+        assert torch.equal(rec["target_last_hidden_states"][0], ref["final_postnorm"])
+        assert torch.equal(rec["hidden_states"][0].view(S, K, H), ref["hidden_states"])
+        assert torch.equal(rec["input_ids"], ref["input_ids"].long()) and torch.equal(rec["loss_mask"], ref["loss_mask"].long())
+    _check_vocab_counts(out / "vocab_counts.safetensors", stored)
+
+
+def test_eagle_ge_data_export_holds_only_data_files_without_a_batch_axis(small_run, stored, tmp_path):
+    """OUT/ge_data/rows_*/data_{i}.ckpt, each {input_ids int64 [S], hidden_state bf16 [S, H] = final
+    post-norm, loss_mask int64 [S]}; EAGLE-1/2's trainer loads every file under --tmpdir, so
+    ge_data/ holds nothing else (export.json and the counts sit beside it)."""
+    out = tmp_path / "eagle"
+    report = export_run(open_store(small_run["address"]), "eagle-ge-data", out, group_size=5)
+    assert any("final state only" in w for w in report["warnings"])
+    files = sorted(p for p in (out / "ge_data").rglob("*") if p.is_file())
+    assert len(files) == len(stored) and all(f.name.startswith("data_") and f.suffix == ".ckpt" for f in files)
+    assert (out / "export.json").is_file() and (out / "vocab_counts.safetensors").is_file()
+    for i, sample in enumerate(_index(out)):
+        g = i // 5 * 5
+        rec = torch.load(out / "ge_data" / f"rows_{g}-{g + 5}" / f"data_{i}.ckpt", weights_only=True)
+        ref = stored[sample]
+        S = ref["input_ids"].shape[0]
+        assert set(rec) == {"input_ids", "hidden_state", "loss_mask"}
+        assert rec["input_ids"].dtype == torch.int64 and rec["input_ids"].shape == (S,)
+        assert rec["loss_mask"].dtype == torch.int64 and rec["loss_mask"].shape == (S,)
+        assert rec["hidden_state"].dtype == torch.bfloat16 and rec["hidden_state"].shape == (S, H)
+        assert torch.equal(rec["hidden_state"], ref["final_postnorm"])
+        assert torch.equal(rec["input_ids"], ref["input_ids"].long()) and torch.equal(rec["loss_mask"], ref["loss_mask"].long())
+
+
+def test_modelopt_export_writes_one_pt_per_conversation_named_by_its_record_id(small_run, stored, tmp_path):
+    """OUT/{conversation_id}.pt with input_ids int64 [S], hidden_states bf16 [S, H] = final post-norm,
+    aux_hidden_states bf16 [S, K*H] (layers in id order), loss_mask int64 [S] and conversation_id =
+    the record id of plan/samples.jsonl (ModelOpt 0.47.0 OfflineSupervisedDataset)."""
+    out = tmp_path / "modelopt"
+    report = export_run(open_store(small_run["address"]), "modelopt", out)
+    assert report["warnings"] == [], "the shared run has ModelOpt's default EAGLE ids"
+    plan_lines = (small_run["dir"] / "plan" / "samples.jsonl").read_text().splitlines()
+    record_id = {row["sample_index"]: row["record_id"] for row in map(json.loads, plan_lines)}
+    files = sorted(out.glob("*.pt"))
+    assert len(files) == len(stored) == len(_index(out))
+    seen = set()
+    for path in files:
+        rec = torch.load(path, weights_only=True)
+        assert set(rec) == {"input_ids", "hidden_states", "aux_hidden_states", "loss_mask", "conversation_id"}
+        sample = next(s for s, rid in record_id.items() if rid == rec["conversation_id"])
+        assert path.stem == file_stem(rec["conversation_id"]) and sample in stored
+        seen.add(sample)
+        ref = stored[sample]
+        S = ref["input_ids"].shape[0]
+        assert rec["hidden_states"].dtype == torch.bfloat16 and rec["hidden_states"].shape == (S, H)
+        assert rec["aux_hidden_states"].dtype == torch.bfloat16 and rec["aux_hidden_states"].shape == (S, K * H)
+        assert torch.equal(rec["hidden_states"], ref["final_postnorm"])
+        assert torch.equal(rec["aux_hidden_states"], torch.cat([ref["hidden_states"][:, k] for k in range(K)], dim=-1))
+        assert rec["input_ids"].dtype == torch.int64 and torch.equal(rec["input_ids"], ref["input_ids"].long())
+        assert rec["loss_mask"].dtype == torch.int64 and torch.equal(rec["loss_mask"], ref["loss_mask"].long())
+    assert seen == set(stored)
+
+
+def test_file_stems_keep_safe_ids_and_encode_the_rest_without_collisions():
+    """A record id is its own file name when it is [A-Za-z0-9_.-] without a leading dot; any other
+    character becomes %XX of its UTF-8 bytes ('%' too), so distinct ids never share a name, and
+    very long ids are cut to a bounded name with a hash of the whole id."""
+    assert file_stem("QWJhYvA_0") == "QWJhYvA_0" and file_stem("conv-12.v2") == "conv-12.v2"
+    assert file_stem("chats.jsonl:3") == "chats.jsonl%3A3"
+    assert file_stem("a/b") == "a%2Fb" and file_stem("..") == "%2E." and file_stem(".hidden") == "%2Ehidden"
+    assert file_stem("é") == "%C3%A9" and file_stem("100%") == "100%25" and file_stem("a b") == "a%20b"
+    ids = ["a/b", "a%2Fb", "a:b", "a%3Ab", "A", "a", ".a", "%2Ea", "x" * 300, "x" * 299 + "y", "é", "%C3%A9"]
+    stems = [file_stem(i) for i in ids]
+    assert len(set(stems)) == len(ids), dict(zip(ids, stems))
+    assert all(len(st) <= 200 and "/" not in st and not st.startswith(".") for st in stems)
+
+
+def test_new_formats_refuse_runs_without_the_post_norm_final_state(small_run):
+    """DSpark, ge_data and ModelOpt all read the state after the final norm; a run without it is refused
+    with the fix; ModelOpt warns when the layers are not its EAGLE default."""
+    config = load_run(open_store(small_run["address"]))
+
+    def variant(**layers):
+        return dataclasses.replace(config, layers={**config.layers, **layers})
+
+    for fmt in ("specforge-dspark", "eagle-ge-data", "modelopt"):
+        with pytest.raises(BadConfig, match="AFTER the norm.*--final postnorm"):
+            check_exportable(variant(final="prenorm"), fmt)
+        check_exportable(variant(final="postnorm"), fmt)
+    assert check_exportable(variant(final="postnorm", layer_ids=[1, 2, 3, 4, 5]), "specforge-dspark") == []
+    assert any("ModelOpt's EAGLE default" in w for w in check_exportable(variant(layer_ids=[0, 3, 4]), "modelopt"))
+
+
+def test_the_compatibility_script_checks_every_export_format():
+    """scripts/compat.sh exports every format in producer.export.FORMATS and hands each to one
+    consumer's check (README, "Trainer compatibility"), and is valid bash."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from producer.export import FORMATS
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "compat.sh"
+    text = script.read_text()
+    exported = re.search(r"^FORMATS=\((.*)\)$", text, re.M).group(1).split()
+    checked = [f for line in re.findall(r"^check (\S+) (.*)$", text, re.M) for f in line[1].split()]
+    assert sorted(exported) == sorted(FORMATS) == sorted(checked)
+    for consumer, _ in re.findall(r"^check (\S+) (.*)$", text, re.M):
+        assert (script.parent / f"compat_{consumer}.py").is_file(), consumer
+    subprocess.run(["bash", "-n", str(script)], check=True)
