@@ -99,6 +99,20 @@ class Settings(BaseSettings):
     Each thread keeps one batch of states in (pinned) host memory."""
     workers_per_node: int | None = Field(default=None, ge=1)
     """Worker processes ``python -m workers`` starts; unset: one per visible GPU (one on CPU)."""
+    worker_restart_delay_s: float = Field(default=1.0, gt=0)
+    """Seconds ``python -m workers`` waits before restarting a worker process that died (killed, or
+    exited non-zero without being asked to stop); the wait doubles with each restart of that process
+    within ``worker_restart_window_s``, up to ``worker_restart_max_delay_s``."""
+    worker_restart_max_delay_s: float = Field(default=60.0, gt=0)
+    """Longest wait before a restart (seconds)."""
+    worker_restart_limit: int = Field(default=5, ge=0)
+    """Restarts of one worker process allowed within ``worker_restart_window_s``; one more death and
+    ``python -m workers`` stops the other workers (warm shutdown) and exits 1. 0: never restart."""
+    worker_restart_window_s: float = Field(default=600.0, gt=0)
+    """Seconds over which restarts are counted (for the limit and the doubling wait)."""
+    broker_check_timeout_s: float = Field(default=5.0, gt=0, le=300)
+    """Seconds ``python -m workers`` keeps trying to reach the broker (PING) before it starts any
+    worker process; it refuses to start when the broker does not answer in that time."""
     device: str | None = None
     """Torch device of a worker; unset: ``cuda`` when available, else ``cpu``."""
     max_forward_tokens: int | None = Field(default=None, ge=1)
