@@ -110,6 +110,10 @@ class Settings(BaseSettings):
     ``python -m workers`` stops the other workers (warm shutdown) and exits 1. 0: never restart."""
     worker_restart_window_s: float = Field(default=600.0, gt=0)
     """Seconds over which restarts are counted (for the limit and the doubling wait)."""
+    worker_runs_dir: Path | None = None
+    """Set by ``python -m workers`` for its children, not by hand: a directory where each worker
+    process lists the runs it writes status records for (``<pid>.runs``, one run address a line),
+    so that the launcher can mark the records of a child that died as ``stopped``."""
     broker_check_timeout_s: float = Field(default=5.0, gt=0, le=300)
     """Seconds ``python -m workers`` keeps trying to reach the broker (PING) before it starts any
     worker process; it refuses to start when the broker does not answer in that time."""

@@ -22,15 +22,20 @@ fork+exec, never by forking after CUDA is initialised.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
 
 from core.errors import BadConfig
 from core.processes import pid_alive
@@ -40,6 +45,8 @@ log = logging.getLogger("workers.launcher")
 
 #: seconds between two looks at the children (exits, restarts due, the parent, the grace period).
 POLL_S = 0.2
+#: seconds the launcher waits at exit for the status records of dead workers to be marked.
+MARK_TIMEOUT_S = 30.0
 
 NO_BROKER = (
     "HSX_BROKER_URL is not set: python -m workers needs the broker the producer enqueues into; "
@@ -158,6 +165,43 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+def mark_dead_worker(runs_file: Path, host: str, pid: int, how: str, settings: Settings) -> list[str]:
+    """Mark the status records of worker process ``pid`` on ``host``, which died, as ``stopped``.
+
+    A worker killed outright cannot write its last record (``workers/heartbeat.py``), which would
+    then say ``working`` until someone looked at its age. ``runs_file`` lists the addresses of the
+    runs the process wrote records in (one a line, ``<HSX_WORKER_RUNS_DIR>/<pid>.runs``); each
+    ``<run>/workers/<host>-<pid>.json`` not already ``stopped`` gets ``state: "stopped"``, no
+    batches, ``exit`` (how it ended, e.g. ``killed by SIGKILL``) and ``exited_at`` (UTC ISO 8601);
+    ``updated_at`` keeps the time of its last heartbeat. Best effort: a store that fails is logged.
+    The file is removed. Returns the addresses whose record was marked.
+    """
+    from core.store import mask_url, open_store
+    from workers.heartbeat import WORKERS_PREFIX
+
+    try:
+        urls = list(dict.fromkeys(line.strip() for line in runs_file.read_text().splitlines() if line.strip()))
+    except FileNotFoundError:
+        return []
+    marked = []
+    key = f"{WORKERS_PREFIX}{host}-{pid}.json"
+    for url in urls:
+        try:
+            store = open_store(url, settings)
+            record = json.loads(store.read(key))
+            if record.get("state") == "stopped":
+                continue
+            record.update(state="stopped", batches=[], paused_reason=None, paused_since=None, exit=how,
+                          exited_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+            store.write(key, json.dumps(record, indent=1).encode())
+            marked.append(url)
+        except Exception as exc:  # the store may be down, or the record never written: nothing to correct
+            log.warning("status record %s of dead worker pid %d in %s not marked stopped: %s: %s",
+                        key, pid, mask_url(url), exc.__class__.__name__, exc)
+    runs_file.unlink(missing_ok=True)
+    return marked
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     """When a dead worker process is started again (see the module doc and settings.py).
@@ -194,11 +238,20 @@ class WorkerSlot:
     restarts: deque = field(default_factory=deque)
     """monotonic times of the deaths that were followed by a restart, oldest first."""
     restart_at: float | None = None
+    terminated: bool = False
+    """SIGTERM sent to the current process (sent once: Celery's warm shutdown needs it once)."""
 
     def start(self) -> None:
+        """Start the process. Raises OSError when it cannot be started (fork or exec failed)."""
+        self.restart_at = None
+        self.terminated = False
         self.proc = subprocess.Popen(self.cmd, env=self.env)
         self.started_at = time.monotonic()
-        self.restart_at = None
+
+    def terminate(self) -> None:
+        if self.alive() and not self.terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self.terminated = True
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
@@ -233,7 +286,18 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
     stopped as on SIGTERM (warm shutdown), so that a killed ``run`` leaves no worker behind.
     """
     policy = policy or RestartPolicy.from_settings(settings)
-    slots, gpus = plan_slots(settings, dict(os.environ), count, loglevel)
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="hsx-worker-runs-") as own_dir:
+        runs_dir = settings.worker_runs_dir or Path(own_dir)
+        env["HSX_WORKER_RUNS_DIR"] = str(runs_dir)
+        return _supervise(settings, env, runs_dir, count, loglevel, grace_s, exit_with_parent, policy)
+
+
+def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: int | None, loglevel: str, grace_s: float,
+               exit_with_parent: int | None, policy: RestartPolicy) -> int:
+    """The body of :func:`launch`: start the children, then watch them until none is left."""
+    marking: list[threading.Thread] = []
+    slots, gpus = plan_slots(settings, env, count, loglevel)
     state = {"stopping_at": None, "signals": 0, "gave_up": False}
     was_parent = exit_with_parent == os.getppid()
 
@@ -242,8 +306,7 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
             state["stopping_at"] = time.monotonic()
         for s in slots:
             s.restart_at = None  # a stop cancels pending restarts
-            if s.alive():
-                s.proc.send_signal(signal.SIGTERM)
+            s.terminate()
 
     def kill_all() -> None:
         for s in slots:
@@ -260,12 +323,19 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
     def exited(slot: WorkerSlot, now: float) -> None:
         proc, slot.proc = slot.proc, None
         how = describe_exit(proc.returncode)
-        ran_s = now - slot.started_at
-        who = f"worker {slot.name} (pid {proc.pid})"
+        if proc.returncode != 0:  # it could not write its last status record: write it for it (store I/O: a thread)
+            t = threading.Thread(target=mark_dead_worker, name=f"mark-{proc.pid}", daemon=True,
+                                 args=(runs_dir / f"{proc.pid}.runs", socket.gethostname(), proc.pid, how, settings))
+            t.start()
+            marking.append(t)
+        ended(slot, f"worker {slot.name} (pid {proc.pid})", how, proc.returncode, now - slot.started_at, now)
+
+    def ended(slot: WorkerSlot, who: str, how: str, returncode: int, ran_s: float, now: float) -> None:
+        """Log how the process ended and decide: nothing (a stop, exit 0), a restart, or giving up."""
         if state["stopping_at"] is not None:
             log.info("%s %s while stopping", who, how)
             return
-        if proc.returncode == 0:
+        if returncode == 0:
             log.warning("%s %s after %.1f s without this launcher asking it to (a SIGTERM sent to it, "
                         "'celery control shutdown'): not restarted", who, how, ran_s)
             return
@@ -286,9 +356,16 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
 
     signal.signal(signal.SIGINT, on_signal)  # before the first child: a signal now stops what was started
     signal.signal(signal.SIGTERM, on_signal)
+    def start(slot: WorkerSlot, now: float) -> None:
+        try:
+            slot.start()
+        except OSError as exc:  # fork or exec failed (memory, process limit): a death like any other
+            slot.proc = None
+            ended(slot, f"worker {slot.name}", f"could not be started ({exc})", -1, 0.0, now)
+
     for slot in slots:
         if state["stopping_at"] is None:
-            slot.start()
+            start(slot, time.monotonic())
     log.info("started %d worker process(es) on %s: %s", sum(s.alive() for s in slots),
              "GPUs " + ",".join(gpus) if gpus else "CPU", ", ".join(f"{s.name} (pid {s.proc.pid})" for s in slots if s.proc))
     while True:
@@ -298,8 +375,11 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
             if slot.proc is not None and slot.proc.poll() is not None:
                 exited(slot, now)
             if slot.restart_at is not None and now >= slot.restart_at and state["stopping_at"] is None:
-                slot.start()
-                log.info("worker %s restarted (pid %d)", slot.name, slot.proc.pid)
+                start(slot, now)
+                if slot.proc is not None:
+                    log.info("worker %s restarted (pid %d)", slot.name, slot.proc.pid)
+            if state["stopping_at"] is not None:
+                slot.terminate()  # one started while the stop came in (a signal lands between any two lines)
         if not any(s.alive() or s.restart_at is not None for s in slots):
             break
         if exit_with_parent and state["stopping_at"] is None and not _alive(exit_with_parent, was_parent):
@@ -308,6 +388,8 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
         if state["stopping_at"] is not None and time.monotonic() - state["stopping_at"] > grace_s:
             kill_all()
         time.sleep(POLL_S)
+    for t in marking:
+        t.join(MARK_TIMEOUT_S)
     return 1 if state["gave_up"] else 0
 
 
