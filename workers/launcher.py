@@ -421,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         handler.setFormatter(logging.Formatter("[%(asctime)s: %(levelname)s/launcher] workers: %(message)s"))
         log.addHandler(handler)
         log.propagate = False
-    log.setLevel(args.loglevel.upper() if isinstance(logging.getLevelName(args.loglevel.upper()), int) else logging.INFO)
+    level = logging.getLevelName(args.loglevel.upper())  # an int for a known level name, else a string
+    log.setLevel(level if isinstance(level, int) else logging.INFO)
     if args.allow_slow_kernels:
         os.environ["HSX_ALLOW_SLOW_KERNELS"] = "true"  # the children read it through Settings
         get_settings.cache_clear()
