@@ -3,16 +3,27 @@
 Every value comes from an environment variable with the prefix ``HSX_`` (for example
 ``HSX_BROKER_URL``) or from a ``.env`` file in the working directory; command-line options
 override them. No other module reads ``os.environ``: pass a :class:`Settings` around instead.
-Bad values are refused at load time, and the error names the field.
+Bad values are refused at load time: :func:`get_settings` raises :class:`core.errors.BadSettings`,
+one line per bad value with the variable, the value (secrets hidden, URL passwords masked), the
+rule and the fix, never pydantic's raw report.
 """
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from core.errors import BadSettings
+
+ENV_PREFIX = "HSX_"
+#: fields whose value is never echoed in an error (a malformed secret is still a secret).
+SECRET_FIELDS = frozenset({"s3_access_key_id", "s3_secret_access_key", "flower_basic_auth"})
+#: fields that hold URLs: echoed with any password masked (``core.store.mask_url``).
+URL_FIELDS = frozenset({"broker_url", "result_backend", "store_url", "s3_endpoint_url"})
 
 
 def _default_cache_dir() -> Path:
@@ -22,7 +33,7 @@ def _default_cache_dir() -> Path:
 class Settings(BaseSettings):
     """Configuration shared by ``python -m producer``, ``python -m workers`` and the Celery app."""
 
-    model_config = SettingsConfigDict(env_prefix="HSX_", env_file=".env", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=".env", extra="ignore")
 
     # --- broker -------------------------------------------------------------------------
     broker_url: str | None = None
@@ -97,6 +108,24 @@ class Settings(BaseSettings):
     every batch size instead of one per row count (a cold start of seconds, not minutes)."""
     workers_per_node: int | None = Field(default=None, ge=1)
     """Worker processes ``python -m workers`` starts; unset: one per visible GPU (one on CPU)."""
+    worker_restart_delay_s: float = Field(default=1.0, gt=0)
+    """Seconds ``python -m workers`` waits before restarting a worker process that died (killed, or
+    exited non-zero without being asked to stop); the wait doubles with each restart of that process
+    within ``worker_restart_window_s``, up to ``worker_restart_max_delay_s``."""
+    worker_restart_max_delay_s: float = Field(default=60.0, gt=0)
+    """Longest wait before a restart (seconds)."""
+    worker_restart_limit: int = Field(default=5, ge=0)
+    """Restarts of one worker process allowed within ``worker_restart_window_s``; one more death and
+    ``python -m workers`` stops the other workers (warm shutdown) and exits 1. 0: never restart."""
+    worker_restart_window_s: float = Field(default=600.0, gt=0)
+    """Seconds over which restarts are counted (for the limit and the doubling wait)."""
+    worker_runs_dir: Path | None = None
+    """Set by ``python -m workers`` for its children, not by hand: a directory where each worker
+    process lists the runs it writes status records for (``<pid>.runs``, one run address a line),
+    so that the launcher can mark the records of a child that died as ``stopped``."""
+    broker_check_timeout_s: float = Field(default=5.0, gt=0, le=300)
+    """Seconds ``python -m workers`` keeps trying to reach the broker (PING) before it starts any
+    worker process; it refuses to start when the broker does not answer in that time."""
     device: str | None = None
     """Torch device of a worker; unset: ``cuda`` when available, else ``cpu``."""
     max_forward_tokens: int | None = Field(default=None, ge=1)
@@ -132,7 +161,8 @@ class Settings(BaseSettings):
         if v is None or v == "":
             return None
         if not v.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
-            raise ValueError(f"{v!r} is not a Redis URL: use redis://HOST:PORT/DB or redis+socket:///PATH")
+            # The value itself is shown (masked) by settings_error; the rule here must not echo a password.
+            raise ValueError("should be a Redis URL: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... or redis+socket:///PATH")
         return v
 
     @property
@@ -146,7 +176,87 @@ class Settings(BaseSettings):
         return self.state_dir or (self.cache_dir / "broker")
 
 
+def _shown(field: str, value) -> str:
+    """``value`` as an error may print it: secrets hidden, URL passwords masked."""
+    if field in SECRET_FIELDS:
+        return "***"
+    if field in URL_FIELDS and isinstance(value, str):
+        from core.store import mask_url
+
+        return repr(mask_url(value))
+    return repr(value)
+
+
+def _rule(error: dict) -> str:
+    """pydantic's message as a rule: "Input should be ..." -> "should be ...", no "Value error, "."""
+    msg = str(error.get("msg", "invalid"))
+    for prefix, repl in (("Value error, ", ""), ("Input should", "should")):
+        if msg.startswith(prefix):
+            msg = repl + msg[len(prefix):]
+    if error.get("type") == "bool_parsing":
+        msg += " (true/false, 1/0, yes/no, on/off)"
+    return msg
+
+
+def _fix(field: str) -> str:
+    var = f"{ENV_PREFIX}{field.upper()}"
+    info = Settings.model_fields.get(field)
+    if info is None:
+        return "set a valid value"
+    if info.default_factory is not None:
+        return f"set a valid value, or unset {var} for its default"
+    if info.default is None:
+        return f"set a valid value, or unset {var}"
+    default = str(info.default).lower() if isinstance(info.default, bool) else info.default
+    return f"set a valid value, or unset {var} for the default {default}"
+
+
+def settings_error(exc: ValidationError, environ: dict[str, str] | None = None) -> BadSettings:
+    """A :class:`BadSettings` for pydantic's ``exc``: one line per bad value, as
+    ``HSX_MAX_LENGTH='4' (environment): should be greater than or equal to 8; fix: set a valid
+    value, or unset HSX_MAX_LENGTH for the default 4096``.
+
+    ``environ`` (default ``os.environ``) tells whether a value came from the environment or from
+    the ``.env`` file. Secret fields (:data:`SECRET_FIELDS`) are never echoed; URL fields are
+    masked.
+    """
+    environ = os.environ if environ is None else environ
+    env_keys = {k.upper() for k in environ}
+    problems = []
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = err.get("loc") or ()
+        field = str(loc[0]) if loc else "?"
+        var = f"{ENV_PREFIX}{field.upper()}"
+        source = "environment" if var in env_keys else ".env file or argument"
+        value = err.get("input")
+        rule = _rule(err)
+        problems.append({"field": field, "variable": var, "value": _shown(field, value), "rule": rule, "source": source})
+        lines.append(f"{var}={_shown(field, value)} ({source}): {rule}; fix: {_fix(field)}")
+    if len(lines) == 1:
+        message = f"bad setting {lines[0]}"
+    else:
+        message = f"{len(lines)} bad settings:\n" + "\n".join(f"  {line}" for line in lines)
+    return BadSettings(message, problems)
+
+
+def load_settings(**overrides) -> Settings:
+    """:class:`Settings` from the environment (and ``overrides``), with readable errors.
+
+    Raises:
+        BadSettings: a value breaks its field's rule (see :func:`settings_error`).
+    """
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise settings_error(exc) from None
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    """The process-wide settings, read once from the environment."""
-    return Settings()
+    """The process-wide settings, read once from the environment.
+
+    Raises:
+        BadSettings: a value breaks its field's rule (not cached: the next call reads again).
+    """
+    return load_settings()

@@ -29,6 +29,18 @@ class BadConfig(HsxError):
     """A setting or option is invalid; raised before any model or GPU work starts."""
 
 
+class BadSettings(BadConfig):
+    """One or more ``HSX_*`` settings break their rule (``settings.py``); raised when they are loaded.
+
+    ``problems`` holds one dict per bad value: ``field``, ``variable`` (``HSX_...``), ``value`` (as
+    printed: secrets hidden, URL passwords masked), ``rule`` and ``source`` (environment or .env).
+    """
+
+    def __init__(self, message: str, problems: list[dict]):
+        super().__init__(message)
+        self.problems = problems
+
+
 class BadDataset(HsxError):
     """The dataset as a whole cannot be read (missing path, unknown format, no usable record)."""
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from core.errors import HsxError
+from core.errors import BadSettings, HsxError
 from core.store import MissingKey, mask_url, open_store
 from producer.words import noun, plural
 from settings import Settings, get_settings
@@ -454,7 +454,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGHUP, on_sigterm)
     try:
-        settings = get_settings()
+        try:
+            settings = get_settings()
+        except BadSettings as exc:  # it echoes values: escaped, so that rich does not eat a "[...]" in one
+            from rich.markup import escape
+
+            console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+            return 2
         return {"enqueue": cmd_enqueue, "run": cmd_run, "status": cmd_status, "flower": cmd_flower, "verify": cmd_verify, "export": cmd_export,
                 "vocab-counts": cmd_vocab_counts, "reconcile": cmd_reconcile}[args.command](args, settings)
     except HsxError as exc:

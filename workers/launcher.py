@@ -1,24 +1,58 @@
 """``python -m workers``: one Celery worker process per visible GPU, each pinned with CUDA_VISIBLE_DEVICES.
 
-With no GPU it starts one CPU worker (or ``HSX_WORKERS_PER_NODE`` of them). Ctrl-C or SIGTERM
-is passed on as SIGTERM (Celery's warm shutdown: the running batch finishes, its marker is
-written, unstarted tasks stay in the queue); a second signal, or a grace period running out,
-kills what is left. Child processes are started with fork+exec, never by forking after CUDA is
-initialised.
+With no GPU it starts one CPU worker (or ``HSX_WORKERS_PER_NODE`` of them). Before it starts any,
+it loads the settings (a bad ``HSX_*`` value is refused with the variable, the value and the rule)
+and checks that ``HSX_BROKER_URL`` is set and answers a PING within ``HSX_BROKER_CHECK_TIMEOUT_S``.
+
+A worker process that dies (killed by a signal, or exiting non-zero) is logged with how it exited
+and restarted after a wait that starts at ``HSX_WORKER_RESTART_DELAY_S`` (1 s) and doubles with
+each restart of that process within ``HSX_WORKER_RESTART_WINDOW_S`` (600 s), up to
+``HSX_WORKER_RESTART_MAX_DELAY_S`` (60 s). One death more than ``HSX_WORKER_RESTART_LIMIT`` (5)
+within the window and the launcher gives up: it stops the other workers (warm shutdown) and
+exits 1, so that whatever supervises it (docker's restart policy, systemd, ``producer run``) sees
+the failure. A worker that exits 0 was asked to stop (a SIGTERM sent to it, ``celery control
+shutdown``): it is not restarted.
+
+Ctrl-C or SIGTERM is passed on as SIGTERM (Celery's warm shutdown: the running batch finishes,
+its marker is written, unstarted tasks stay in the queue) and cancels pending restarts; a second
+signal, or a grace period running out, kills what is left. Child processes are started with
+fork+exec, never by forking after CUDA is initialised.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
 
+from core.errors import BadConfig
 from core.processes import pid_alive
 from settings import Settings, get_settings
+
+log = logging.getLogger("workers.launcher")
+
+#: seconds between two looks at the children (exits, restarts due, the parent, the grace period).
+POLL_S = 0.2
+#: seconds the launcher waits at exit for the status records of dead workers to be marked.
+MARK_TIMEOUT_S = 30.0
+
+NO_BROKER = (
+    "HSX_BROKER_URL is not set: python -m workers needs the broker the producer enqueues into; "
+    "fix: export HSX_BROKER_URL=redis://:PASSWORD@HOST:6379/0 (on one machine, 'python -m producer run' "
+    "starts a broker and its own workers)"
+)
 
 
 def visible_gpus(env: dict[str, str]) -> list[str]:
@@ -42,6 +76,7 @@ def visible_gpus(env: dict[str, str]) -> list[str]:
 
 
 def worker_command(settings: Settings, name: str, loglevel: str) -> list[str]:
+    """The ``celery worker`` command line of one worker process (node name ``<name>@<host>``)."""
     return [
         sys.executable, "-m", "celery", "-A", "workers", "worker",
         "-Q", settings.queue,
@@ -53,19 +88,182 @@ def worker_command(settings: Settings, name: str, loglevel: str) -> list[str]:
     ]
 
 
-def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INFO", grace_s: float = 600.0,
-           exit_with_parent: int | None = None) -> int:
-    """Start the workers, wait until they all exit or a signal arrives; returns an exit code.
+def check_broker(url: str, timeout_s: float) -> None:
+    """PING the broker at ``url`` until it answers or ``timeout_s`` seconds have passed.
 
-    ``exit_with_parent``: a pid (``producer run``'s); when that process is gone, the workers are
-    stopped as on SIGTERM (warm shutdown), so that a killed ``run`` leaves no worker behind.
+    Connection refused or timed out is tried again (a broker started at the same moment, as
+    ``docker compose up`` does, answers within a few seconds); a refused password is not.
+
+    Raises:
+        BadConfig: no answer within ``timeout_s``, or the broker refused us; the message names the
+            URL with its password masked (``core.store.mask_url``) and the fix.
     """
-    env = dict(os.environ)
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from core.store import mask_url
+
+    shown = mask_url(url)
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while True:
+        left = max(deadline - time.monotonic(), 0.1)
+        opts = {"socket_connect_timeout": left, "socket_timeout": left, "retry": Retry(NoBackoff(), 0)}
+        try:
+            if url.startswith("redis+socket://"):
+                client = redis.Redis(unix_socket_path=url[len("redis+socket://"):].split("?", 1)[0], **opts)
+            else:
+                client = redis.Redis.from_url(url, **opts)
+            try:
+                client.ping()
+                return
+            finally:
+                client.close()
+        except (redis.AuthenticationError, redis.ResponseError) as exc:  # a retry cannot fix a refused password
+            raise BadConfig(
+                f"broker {shown} (HSX_BROKER_URL) refused us: {_scrub(exc, url)}; "
+                "fix: put the broker's password in HSX_BROKER_URL (redis://:PASSWORD@HOST:PORT/DB)"
+            ) from None
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            last = exc
+        except redis.RedisError as exc:  # something answers there, but not a Redis server
+            raise BadConfig(
+                f"broker {shown} (HSX_BROKER_URL) answers, but not as a Redis server "
+                f"({exc.__class__.__name__}: {_scrub(exc, url)}); fix: point HSX_BROKER_URL at the Redis/Valkey port"
+            ) from None
+        if time.monotonic() >= deadline:
+            raise BadConfig(
+                f"broker {shown} (HSX_BROKER_URL) does not answer within {timeout_s:g} s "
+                f"({last.__class__.__name__}: {_scrub(last, url)}); no worker was started; fix: start the broker, "
+                "or correct HSX_BROKER_URL's host and port (HSX_BROKER_CHECK_TIMEOUT_S sets the wait)"
+            )
+        time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
+
+
+def _scrub(exc: Exception, url: str) -> str:
+    """``exc``'s text with the URL's password, should a client library ever echo it, replaced."""
+    from urllib.parse import urlsplit
+
+    text = str(exc)
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        password = None
+    return text.replace(password, "***") if password else text
+
+
+def describe_exit(returncode: int) -> str:
+    """How a child ended, from ``Popen.returncode``: ``killed by SIGKILL`` or ``exited with code 1``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        why = " (sent by a person, a supervisor or the kernel's OOM killer: see dmesg)" if -returncode == signal.SIGKILL else ""
+        return f"killed by {name}{why}"
+    return f"exited with code {returncode}"
+
+
+def mark_dead_worker(runs_file: Path, host: str, pid: int, how: str, settings: Settings) -> list[str]:
+    """Mark the status records of worker process ``pid`` on ``host``, which died, as ``stopped``.
+
+    A worker killed outright cannot write its last record (``workers/heartbeat.py``), which would
+    then say ``working`` until someone looked at its age. ``runs_file`` lists the addresses of the
+    runs the process wrote records in (one a line, ``<HSX_WORKER_RUNS_DIR>/<pid>.runs``); each
+    ``<run>/workers/<host>-<pid>.json`` not already ``stopped`` gets ``state: "stopped"``, no
+    batches, ``exit`` (how it ended, e.g. ``killed by SIGKILL``) and ``exited_at`` (UTC ISO 8601);
+    ``updated_at`` keeps the time of its last heartbeat. Best effort: a store that fails is logged.
+    The file is removed. Returns the addresses whose record was marked.
+    """
+    from core.store import mask_url, open_store
+    from workers.heartbeat import WORKERS_PREFIX
+
+    try:
+        urls = list(dict.fromkeys(line.strip() for line in runs_file.read_text().splitlines() if line.strip()))
+    except FileNotFoundError:
+        return []
+    marked = []
+    key = f"{WORKERS_PREFIX}{host}-{pid}.json"
+    for url in urls:
+        try:
+            store = open_store(url, settings)
+            record = json.loads(store.read(key))
+            if record.get("state") == "stopped":
+                continue
+            record.update(state="stopped", batches=[], paused_reason=None, paused_since=None, exit=how,
+                          exited_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+            store.write(key, json.dumps(record, indent=1).encode())
+            marked.append(url)
+        except Exception as exc:  # the store may be down, or the record never written: nothing to correct
+            log.warning("status record %s of dead worker pid %d in %s not marked stopped: %s: %s",
+                        key, pid, mask_url(url), exc.__class__.__name__, exc)
+    runs_file.unlink(missing_ok=True)
+    return marked
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead worker process is started again (see the module doc and settings.py).
+
+    ``delay_s`` (seconds) doubles with each restart of the same process counted in the last
+    ``window_s`` seconds, up to ``max_delay_s``; a death when ``limit`` restarts are already
+    counted ends the launcher (exit 1).
+    """
+
+    delay_s: float = 1.0
+    max_delay_s: float = 60.0
+    limit: int = 5
+    window_s: float = 600.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "RestartPolicy":
+        return cls(settings.worker_restart_delay_s, settings.worker_restart_max_delay_s,
+                   settings.worker_restart_limit, settings.worker_restart_window_s)
+
+    def delay(self, recent_restarts: int) -> float:
+        """Seconds to wait before the restart that follows ``recent_restarts`` restarts in the window."""
+        return min(self.delay_s * 2.0 ** min(recent_restarts, 64), self.max_delay_s)
+
+
+@dataclass
+class WorkerSlot:
+    """One worker process the launcher keeps running: its name, environment, and restart history."""
+
+    name: str
+    env: dict[str, str]
+    cmd: list[str]
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: deque = field(default_factory=deque)
+    """monotonic times of the deaths that were followed by a restart, oldest first."""
+    restart_at: float | None = None
+    terminated: bool = False
+    """SIGTERM sent to the current process (sent once: Celery's warm shutdown needs it once)."""
+
+    def start(self) -> None:
+        """Start the process. Raises OSError when it cannot be started (fork or exec failed)."""
+        self.restart_at = None
+        self.terminated = False
+        self.proc = subprocess.Popen(self.cmd, env=self.env)
+        self.started_at = time.monotonic()
+
+    def terminate(self) -> None:
+        if self.alive() and not self.terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self.terminated = True
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+def plan_slots(settings: Settings, env: dict[str, str], count: int | None, loglevel: str) -> tuple[list[WorkerSlot], list[str]]:
+    """The worker processes to run (one per visible GPU unless ``count`` / HSX_WORKERS_PER_NODE) and the GPUs."""
     gpus = visible_gpus(env)
     if settings.device == "cpu":
         gpus = []
     n = count or settings.workers_per_node or max(1, len(gpus))
-    procs: list[subprocess.Popen] = []
+    slots = []
     for i in range(n):
         child_env = dict(env)
         if gpus:
@@ -73,36 +271,126 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
             name = f"gpu{gpus[i % len(gpus)]}" + (f"-{i // len(gpus)}" if n > len(gpus) else "")
         else:
             name = f"cpu{i}"
-        procs.append(subprocess.Popen(worker_command(settings, name, loglevel), env=child_env))
-    print(f"workers: started {n} worker process(es) on {'GPUs ' + ','.join(gpus) if gpus else 'CPU'}", file=sys.stderr, flush=True)
+        slots.append(WorkerSlot(name, child_env, worker_command(settings, name, loglevel)))
+    return slots, gpus
 
-    stopping = {"at": None}
+
+def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INFO", grace_s: float = 600.0,
+           exit_with_parent: int | None = None, policy: RestartPolicy | None = None) -> int:
+    """Start the workers and keep them running until a signal arrives or they exit; returns an exit code.
+
+    Returns 0 after a requested stop (a signal, the parent gone) or when every worker exited 0 by
+    itself; 1 when a worker died more often than ``policy`` allows (the others are stopped first).
+
+    ``exit_with_parent``: a pid (``producer run``'s); when that process is gone, the workers are
+    stopped as on SIGTERM (warm shutdown), so that a killed ``run`` leaves no worker behind.
+    """
+    policy = policy or RestartPolicy.from_settings(settings)
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="hsx-worker-runs-") as own_dir:
+        runs_dir = settings.worker_runs_dir or Path(own_dir)
+        env["HSX_WORKER_RUNS_DIR"] = str(runs_dir)
+        return _supervise(settings, env, runs_dir, count, loglevel, grace_s, exit_with_parent, policy)
+
+
+def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: int | None, loglevel: str, grace_s: float,
+               exit_with_parent: int | None, policy: RestartPolicy) -> int:
+    """The body of :func:`launch`: start the children, then watch them until none is left."""
+    marking: list[threading.Thread] = []
+    slots, gpus = plan_slots(settings, env, count, loglevel)
+    state = {"stopping_at": None, "signals": 0, "gave_up": False}
     was_parent = exit_with_parent == os.getppid()
 
-    def on_signal(signum, _frame):
-        if stopping["at"] is None:
-            stopping["at"] = time.monotonic()
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-        else:  # second signal: do not wait any longer
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+    def stop() -> None:
+        if state["stopping_at"] is None:
+            state["stopping_at"] = time.monotonic()
+        for s in slots:
+            s.restart_at = None  # a stop cancels pending restarts
+            s.terminate()
 
-    signal.signal(signal.SIGINT, on_signal)
+    def kill_all() -> None:
+        for s in slots:
+            if s.alive():
+                s.proc.kill()
+
+    def on_signal(signum, _frame):
+        state["signals"] += 1
+        if state["signals"] == 1:
+            stop()
+        else:  # second signal: do not wait any longer
+            kill_all()
+
+    def exited(slot: WorkerSlot, now: float) -> None:
+        proc, slot.proc = slot.proc, None
+        how = describe_exit(proc.returncode)
+        if proc.returncode != 0:  # it could not write its last status record: write it for it (store I/O: a thread)
+            t = threading.Thread(target=mark_dead_worker, name=f"mark-{proc.pid}", daemon=True,
+                                 args=(runs_dir / f"{proc.pid}.runs", socket.gethostname(), proc.pid, how, settings))
+            t.start()
+            marking.append(t)
+        ended(slot, f"worker {slot.name} (pid {proc.pid})", how, proc.returncode, now - slot.started_at, now)
+
+    def ended(slot: WorkerSlot, who: str, how: str, returncode: int, ran_s: float, now: float) -> None:
+        """Log how the process ended and decide: nothing (a stop, exit 0), a restart, or giving up."""
+        if state["stopping_at"] is not None:
+            log.info("%s %s while stopping", who, how)
+            return
+        if returncode == 0:
+            log.warning("%s %s after %.1f s without this launcher asking it to (a SIGTERM sent to it, "
+                        "'celery control shutdown'): not restarted", who, how, ran_s)
+            return
+        while slot.restarts and slot.restarts[0] <= now - policy.window_s:
+            slot.restarts.popleft()
+        if len(slot.restarts) >= policy.limit:
+            log.error("%s %s after %.1f s; giving up: %d restart(s) of it within %g s already "
+                      "(HSX_WORKER_RESTART_LIMIT=%d, HSX_WORKER_RESTART_WINDOW_S=%g); stopping the other workers",
+                      who, how, ran_s, len(slot.restarts), policy.window_s, policy.limit, policy.window_s)
+            state["gave_up"] = True
+            stop()
+            return
+        delay_s = policy.delay(len(slot.restarts))
+        slot.restarts.append(now)
+        slot.restart_at = now + delay_s
+        log.warning("%s %s after %.1f s; restarting it in %g s (restart %d of at most %d within %g s)",
+                    who, how, ran_s, delay_s, len(slot.restarts), policy.limit, policy.window_s)
+
+    signal.signal(signal.SIGINT, on_signal)  # before the first child: a signal now stops what was started
     signal.signal(signal.SIGTERM, on_signal)
-    while any(p.poll() is None for p in procs):
-        if exit_with_parent and stopping["at"] is None and not _alive(exit_with_parent, was_parent):
-            print(f"workers: the process that started us (pid {exit_with_parent}) is gone; stopping", file=sys.stderr, flush=True)
-            on_signal(signal.SIGTERM, None)
-        if stopping["at"] is not None and time.monotonic() - stopping["at"] > grace_s:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        time.sleep(0.2)
-    codes = [p.returncode for p in procs]
-    return 0 if stopping["at"] is not None or all(c == 0 for c in codes) else 1
+    def start(slot: WorkerSlot, now: float) -> None:
+        try:
+            slot.start()
+        except OSError as exc:  # fork or exec failed (memory, process limit): a death like any other
+            slot.proc = None
+            ended(slot, f"worker {slot.name}", f"could not be started ({exc})", -1, 0.0, now)
+
+    for slot in slots:
+        if state["stopping_at"] is None:
+            start(slot, time.monotonic())
+    log.info("started %d worker process(es) on %s: %s", sum(s.alive() for s in slots),
+             "GPUs " + ",".join(gpus) if gpus else "CPU", ", ".join(f"{s.name} (pid {s.proc.pid})" for s in slots if s.proc))
+    while True:
+        now = time.monotonic()
+        for slot in slots:
+            # Poll every child each time (reaping it), not only until the first live one.
+            if slot.proc is not None and slot.proc.poll() is not None:
+                exited(slot, now)
+            if slot.restart_at is not None and now >= slot.restart_at and state["stopping_at"] is None:
+                start(slot, now)
+                if slot.proc is not None:
+                    log.info("worker %s restarted (pid %d)", slot.name, slot.proc.pid)
+            if state["stopping_at"] is not None:
+                slot.terminate()  # one started while the stop came in (a signal lands between any two lines)
+        if not any(s.alive() or s.restart_at is not None for s in slots):
+            break
+        if exit_with_parent and state["stopping_at"] is None and not _alive(exit_with_parent, was_parent):
+            log.warning("the process that started us (pid %d) is gone; stopping", exit_with_parent)
+            stop()
+        if state["stopping_at"] is not None and time.monotonic() - state["stopping_at"] > grace_s:
+            kill_all()
+        time.sleep(POLL_S)
+    for t in marking:
+        t.join(MARK_TIMEOUT_S)
+    return 1 if state["gave_up"] else 0
 
 
 def _alive(pid: int, was_parent: bool) -> bool:
@@ -113,6 +401,12 @@ def _alive(pid: int, was_parent: bool) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m workers``: check the settings and the broker, then :func:`launch`.
+
+    Raises:
+        BadSettings: a bad ``HSX_*`` value (nothing was started).
+        BadConfig: no broker URL, or the broker does not answer (nothing was started).
+    """
     parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", type=int, default=None, help="worker processes (default: one per visible GPU, one on CPU)")
     parser.add_argument("--loglevel", default="INFO")
@@ -122,10 +416,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-slow-kernels", action="store_true",
                         help="run a Gated DeltaNet model on CUDA without the fla kernels (slow; refused otherwise)")
     args = parser.parse_args(argv)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)  # Celery's own line format, so that the two read alike
+        handler.setFormatter(logging.Formatter("[%(asctime)s: %(levelname)s/launcher] workers: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    level = logging.getLevelName(args.loglevel.upper())  # an int for a known level name, else a string
+    log.setLevel(level if isinstance(level, int) else logging.INFO)
     if args.allow_slow_kernels:
         os.environ["HSX_ALLOW_SLOW_KERNELS"] = "true"  # the children read it through Settings
         get_settings.cache_clear()
-    settings = get_settings()
-    import workers  # noqa: F401  (refuses to start without a broker URL, before spawning anything)
-
+    settings = get_settings()  # BadSettings names the variable, the value and the rule
+    if not settings.broker_url:
+        raise BadConfig(NO_BROKER)
+    check_broker(settings.broker_url, settings.broker_check_timeout_s)
     return launch(settings, count=args.count, loglevel=args.loglevel, grace_s=args.grace, exit_with_parent=args.exit_with_parent)

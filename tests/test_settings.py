@@ -1,0 +1,96 @@
+"""Bad ``HSX_*`` values: refused when the settings are loaded, one line per value with the variable,
+the value (secrets hidden, URL passwords masked), the rule and the fix; never pydantic's raw
+report. ``python -m workers`` (tests/test_launcher.py) and ``python -m producer`` print it as is."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from jobfixtures import clean_env, run_cli
+from core.errors import BadConfig, BadSettings
+from settings import SECRET_FIELDS, get_settings, load_settings
+
+
+@pytest.fixture
+def hsx_env(monkeypatch):
+    """This process's environment without any HSX_* variable; ``set(NAME=value)`` adds some."""
+    for key in list(os.environ):
+        if key.upper().startswith("HSX_"):
+            monkeypatch.delenv(key)
+    get_settings.cache_clear()
+
+    def set_(**values):
+        for name, value in values.items():
+            monkeypatch.setenv(f"HSX_{name.upper()}", value)
+    yield set_
+    get_settings.cache_clear()
+
+
+def test_each_bad_value_is_one_line_with_variable_value_rule_and_fix(hsx_env):
+    hsx_env(max_length="4", heartbeat_s="soon", trust_remote_code="maybe")
+    with pytest.raises(BadSettings) as caught:
+        load_settings(_env_file=None)
+    err = caught.value
+    assert isinstance(err, BadConfig)
+    assert {p["variable"]: (p["value"], p["source"]) for p in err.problems} == {
+        "HSX_MAX_LENGTH": ("'4'", "environment"),
+        "HSX_HEARTBEAT_S": ("'soon'", "environment"),
+        "HSX_TRUST_REMOTE_CODE": ("'maybe'", "environment"),
+    }
+    lines = str(err).splitlines()
+    assert lines[0] == "3 bad settings:" and len(lines) == 4, lines
+    assert ("  HSX_MAX_LENGTH='4' (environment): should be greater than or equal to 8; "
+            "fix: set a valid value, or unset HSX_MAX_LENGTH for the default 4096") in lines
+    assert any(line.startswith("  HSX_HEARTBEAT_S='soon' (environment): should be a valid number") for line in lines), lines
+    assert any("HSX_TRUST_REMOTE_CODE='maybe'" in line and "(true/false, 1/0, yes/no, on/off)" in line
+               and "for the default false" in line for line in lines), lines
+    assert "pydantic" not in str(err) and "validation error" not in str(err).lower()
+
+
+def test_one_bad_value_is_one_line(hsx_env):
+    hsx_env(workers_per_node="0")
+    with pytest.raises(BadSettings) as caught:
+        get_settings()
+    assert str(caught.value) == ("bad setting HSX_WORKERS_PER_NODE='0' (environment): should be greater than or equal "
+                                 "to 1; fix: set a valid value, or unset HSX_WORKERS_PER_NODE")
+
+
+def test_a_failed_load_is_not_cached(hsx_env, monkeypatch):
+    hsx_env(batch_tokens="lots")
+    with pytest.raises(BadSettings):
+        get_settings()
+    monkeypatch.setenv("HSX_BATCH_TOKENS", "4096")
+    assert get_settings().batch_tokens == 4096
+
+
+def test_a_url_is_shown_with_its_password_masked_and_a_secret_not_at_all(hsx_env):
+    hsx_env(broker_url="http://user:broker-pw-123@10.0.0.1:6379/0")
+    with pytest.raises(BadSettings) as caught:
+        load_settings(_env_file=None, s3_secret_access_key=12345, flower_basic_auth=["user", "flower-pw"])
+    text = str(caught.value)
+    assert "broker-pw-123" not in text and "12345" not in text and "flower-pw" not in text
+    assert "HSX_BROKER_URL='http://user:***@10.0.0.1:6379/0' (environment): should be a Redis URL" in text, text
+    secrets = {p["variable"]: p["value"] for p in caught.value.problems if p["field"] in SECRET_FIELDS}
+    assert secrets == {"HSX_S3_SECRET_ACCESS_KEY": "***", "HSX_FLOWER_BASIC_AUTH": "***"}, caught.value.problems
+
+
+def test_a_value_from_the_env_file_is_named_as_not_from_the_environment(hsx_env, tmp_path):
+    env_file = tmp_path / ".env"
+    env_file.write_text("HSX_SPOOL_MAX_FRACTION=1.5\n")
+    with pytest.raises(BadSettings) as caught:
+        load_settings(_env_file=env_file)
+    assert str(caught.value) == ("bad setting HSX_SPOOL_MAX_FRACTION='1.5' (.env file or argument): should be less than "
+                                 "or equal to 1; fix: set a valid value, or unset HSX_SPOOL_MAX_FRACTION for the default 0.8")
+
+
+def test_the_producer_cli_prints_the_bad_setting_not_a_traceback(tmp_path):
+    """``python -m producer``: exit 2 and the line, even for a value that looks like rich markup."""
+    env = clean_env(max_length="[bold]4[/bold]", cache_dir=tmp_path / "cache")
+    env["COLUMNS"] = "400"  # one line, as rich would wrap it at 80 columns on a pipe
+    proc = run_cli("producer", ["status", str(tmp_path / "no-run")], env, timeout_s=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "ValidationError" not in proc.stderr
+    assert ("error: bad setting HSX_MAX_LENGTH='[bold]4[/bold]' (environment): should be a valid integer, unable to "
+            "parse string as an integer; fix: set a valid value, or unset HSX_MAX_LENGTH for the default 4096") in proc.stderr, proc.stderr
