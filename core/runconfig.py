@@ -203,12 +203,21 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def diff_identity(old: dict, new: dict) -> list[str]:
-    """Human-readable differences between two config identities (for :class:`RunConflict`)."""
+def diff_identity(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Human-readable differences between two config identities (for :class:`RunConflict`).
+
+    Fields that are objects on both sides are compared key by key (``model.revision: stored ...``),
+    so the part that differs is named, not cut off in a long value.
+    """
     out = []
     for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            out.append(f"{key}: stored {json.dumps(old.get(key))[:120]} != requested {json.dumps(new.get(key))[:120]}")
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(diff_identity(a, b, f"{prefix}{key}."))
+        else:
+            out.append(f"{prefix}{key}: stored {json.dumps(a)[:120]} != requested {json.dumps(b)[:120]}")
     return out
 
 
