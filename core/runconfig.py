@@ -31,7 +31,7 @@ draft config it was read from (``source``): kept because version 1 hashed them. 
 Why version 2 and not only new values: a local checkpoint's revision changed how it is computed,
 so every re-planned local run gets a new run id anyway; the version says which way a run's
 ``model.revision`` was computed, so that a worker of this code can still check a version-1 run's
-checkpoint the way it was recorded (:meth:`core.models.ModelInfo.same_model`), and version-1 runs
+checkpoint the way it was recorded (:meth:`core.models.ModelInfo.differences`), and version-1 runs
 keep their ids, their markers' ``config_sha256`` and ``verify``.
 
 Adding a field to :class:`RunConfig`:
