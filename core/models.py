@@ -5,19 +5,44 @@ real Qwen3.5-27B architecture (hybrid Gated DeltaNet + gated attention, from the
 ``assets/qwen3.5-27b.json``) shrunk to 8 layers of hidden size 64, with random weights from a fixed
 seed and the real Qwen3 tokenizer. Its hidden states are synthetic: it exists so that the whole
 job runs on a fresh clone with no hub and no GPU, not to train a useful draft model.
+
+**Identity** (``ModelInfo.revision``, recorded in ``run.json`` and checked by every worker):
+
+- a hub id: the commit hash transformers resolved it to (``config._commit_hash``);
+- a local checkpoint directory: ``sha256:<hex>``, the sha256 of one line ``<file name>\t<sha256 of
+  its bytes>`` per file that decides the model (:func:`checkpoint_files`: ``config.json``, the
+  safetensors index and every ``*.safetensors`` file; the pickle weight files when there is no
+  safetensors file), in name order. A file that is a symlink into a Hugging Face cache
+  (``.../blobs/<64 hex>``) is not read: the hub cache names a weight blob by the sha256 of its
+  bytes. Any other file is read once (16 MiB chunks, the files in parallel threads) and its digest
+  cached under ``<cache_dir>/checkpoint-hashes/``, keyed by its real path, device, inode, size,
+  mtime and ctime (ctime too: no tool can set it back, while ``touch`` and ``cp -p`` set mtime), so
+  planning the same run again, or starting a worker on the same machine, costs a ``stat`` per file.
+  Processes hashing the same file at once wait on a lock and hash it once;
+- a built-in model: its generated directory, as a local checkpoint.
+
+Runs of identity version 1 (``core/runconfig.py``) recorded ``local-<16 hex>`` for a local
+directory instead (a hash of the weight files' names and sizes and of ``config.json``: other
+weights of the same shapes kept it). :attr:`ModelInfo.legacy_revision` still computes it, so a
+worker can check such a run's checkpoint the way it was recorded (:meth:`ModelInfo.differences`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.errors import BadConfig
+
+log = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 TOKENIZER_DIR = ASSETS / "qwen3-tokenizer"
@@ -26,11 +51,25 @@ _TINY_VERSION = 1  # bump when the generated checkpoint changes
 _TINY_SEED = 1234
 
 
+#: Prefix of a local checkpoint's content revision (module docstring).
+CONTENT_REVISION_PREFIX = "sha256:"
+#: Where file digests are cached, under the settings' ``cache_dir``.
+HASH_CACHE_DIR = "checkpoint-hashes"
+#: Bytes read at a time when hashing a checkpoint file.
+HASH_CHUNK_BYTES = 16 << 20
+#: Files of one checkpoint hashed at once (threads; hashlib releases the GIL on large buffers).
+HASH_THREADS = 8
+_HF_BLOB = re.compile(r"[0-9a-f]{64}")
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the planner and the run config need to know about a target model, without weights.
 
-    ``num_layers`` is the number of decoder layers N; ``hidden_size`` is H.
+    ``num_layers`` is the number of decoder layers N; ``hidden_size`` is H; ``revision`` is the
+    checkpoint's identity (module docstring): a hub commit hash, or ``sha256:<hex>`` of a local
+    checkpoint's bytes. ``legacy_revision``: what identity version 1 recorded for the same
+    checkpoint (``local-<16 hex>`` for a local directory; the same as ``revision`` for a hub id).
     """
 
     name: str
@@ -39,8 +78,10 @@ class ModelInfo:
     num_layers: int
     hidden_size: int
     revision: str
+    legacy_revision: str = field(default="", compare=False)
 
     def as_dict(self) -> dict:
+        """The ``model`` of ``run.json`` (``legacy_revision`` is not part of it)."""
         return {
             "name": self.name,
             "model_type": self.model_type,
@@ -48,6 +89,20 @@ class ModelInfo:
             "hidden_size": self.hidden_size,
             "revision": self.revision,
         }
+
+    def differences(self, recorded: dict) -> list[str]:
+        """How this checkpoint differs from a run's recorded ``model`` (``run.json``); [] when it is the same.
+
+        A recorded revision that is not a content revision (``sha256:``) comes from identity
+        version 1 (or a hub commit, where both agree): it is compared with
+        :attr:`legacy_revision`, the way it was computed.
+        """
+        mine = self.as_dict()
+        if (not str(recorded.get("revision", "")).startswith(CONTENT_REVISION_PREFIX)
+                and recorded.get("revision") == self.legacy_revision):
+            mine["revision"] = self.legacy_revision
+        return [f"{k}: recorded {recorded.get(k)!r}, this checkpoint {mine.get(k)!r}"
+                for k in sorted(set(mine) | set(recorded)) if mine.get(k) != recorded.get(k)]
 
 
 def _tiny_config() -> dict:
@@ -139,20 +194,132 @@ def looks_like_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
-def _revision(path: str, config) -> str:
+def _legacy_revision(path: str, config) -> str:
+    """The revision identity version 1 recorded (kept as it was: runs of version 1 are checked with it)."""
     commit = getattr(config, "_commit_hash", None)
     if commit:
         return commit
     p = Path(path)
     weights = sorted(p.glob("*.safetensors")) if p.is_dir() else []
     if weights:
-        # Local checkpoint: identify it by the weight files' names and sizes (cheap, stable).
         h = hashlib.sha256()
         for w in weights:
             h.update(f"{w.name}:{w.stat().st_size};".encode())
         h.update((p / "config.json").read_bytes() if (p / "config.json").exists() else b"")
         return "local-" + h.hexdigest()[:16]
     return "unknown"
+
+
+def _revision(path: str, config, cache_dir: Path) -> str:
+    """A local directory's content revision, else the hub commit hash (module docstring)."""
+    if Path(path).is_dir():
+        return content_revision(Path(path), cache_dir)
+    return getattr(config, "_commit_hash", None) or "unknown"
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The files of a local checkpoint that decide the model, in name order.
+
+    ``config.json``, ``*.safetensors.index.json`` and every top-level ``*.safetensors`` file (what
+    ``from_pretrained(use_safetensors=True)`` reads); when there is no safetensors file, the pickle
+    weight files (:data:`PICKLE_WEIGHTS`; read only with ``HSX_ALLOW_PICKLE_CHECKPOINTS``) and
+    their index.
+    """
+    weights = sorted(path.glob("*.safetensors"))
+    if weights:
+        index = sorted(path.glob("*.safetensors.index.json"))
+    else:
+        weights = sorted({f for pattern in PICKLE_WEIGHTS for f in path.glob(pattern)})
+        index = sorted(path.glob("*.bin.index.json"))
+    config = [path / "config.json"] if (path / "config.json").is_file() else []
+    return sorted(config + index + [w for w in weights if w.is_file()], key=lambda f: f.name)
+
+
+def content_revision(path: Path, cache_dir: Path) -> str:
+    """``sha256:<hex>`` of a local checkpoint's files (module docstring).
+
+    Raises:
+        BadConfig: a checkpoint file cannot be read.
+    """
+    files = checkpoint_files(path)
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(files))), thread_name_prefix="hash") as pool:
+            digests = list(pool.map(lambda f: file_sha256(f, cache_dir), files))
+    except OSError as exc:
+        raise BadConfig(f"checkpoint {path}: cannot read {exc.filename or 'a file'} to compute its identity "
+                        f"({exc.strerror or exc}); check its permissions") from None
+    manifest = "".join(f"{f.name}\t{d}\n" for f, d in zip(files, digests))
+    return CONTENT_REVISION_PREFIX + hashlib.sha256(manifest.encode()).hexdigest()
+
+
+def file_sha256(path: Path, cache_dir: Path) -> str:
+    """Hex sha256 of a file's bytes, from its Hugging Face blob name, the cache, or by reading it.
+
+    A symlink into a hub cache's ``blobs/`` whose target is named by 64 hex digits is that digest
+    (the hub names weight blobs by their sha256). Otherwise the digest is cached in
+    ``<cache_dir>/checkpoint-hashes/`` under the file's real path, device, inode, size, mtime and
+    ctime; a miss reads the file in :data:`HASH_CHUNK_BYTES` chunks while holding a lock on that
+    entry, so processes that start together hash it once. A cache that cannot be written is only
+    logged. Raises OSError when the file cannot be read.
+    """
+    real = Path(os.path.realpath(path))
+    if path.is_symlink() and real.parent.name == "blobs" and _HF_BLOB.fullmatch(real.name):
+        return real.name
+    st = os.stat(real)
+    key = hashlib.sha256(
+        f"{real}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}".encode()).hexdigest()
+    entry = Path(cache_dir) / HASH_CACHE_DIR / f"{key}.json"
+    cached = _read_entry(entry)
+    if cached:
+        return cached
+    lock = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(entry.with_suffix(".lock"), "a")
+        _flock(lock)
+        cached = _read_entry(entry)  # another process may have hashed it while we waited
+        if cached:
+            return cached
+    except OSError as exc:
+        log.warning("checkpoint hash cache %s is not usable (%s): hashing %s without it", entry.parent, exc, real)
+    try:
+        digest = _sha256_of_bytes(real)
+        try:
+            tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                                       "sha256": digest}))
+            os.replace(tmp, entry)
+        except OSError as exc:
+            log.warning("could not cache the sha256 of %s in %s (%s)", real, entry.parent, exc)
+        return digest
+    finally:
+        if lock is not None:
+            lock.close()  # releases the flock
+
+
+def _read_entry(entry: Path) -> str | None:
+    try:
+        digest = json.loads(entry.read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return digest if isinstance(digest, str) and _HF_BLOB.fullmatch(digest) else None
+
+
+def _flock(f) -> None:
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, at worst two processes hash the same file
+        return
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+
+
+def _sha256_of_bytes(path: Path) -> str:
+    h = hashlib.sha256()
+    view = memoryview(bytearray(HASH_CHUNK_BYTES))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
 #: weight files that are pickles (``torch.load`` runs code from them); never read unless allowed.
@@ -186,8 +353,11 @@ def safetensors_only(path: str, allow_pickle: bool) -> bool | None:
 def model_info(name: str, cache_dir: Path, *, trust_remote_code: bool = False) -> ModelInfo:
     """Read a target model's config (no weights) and return its identity and shape.
 
+    The identity of a local checkpoint is a hash of its bytes (module docstring): the first call
+    for a checkpoint reads every weight file once; later calls on this machine read the cache.
+
     Raises:
-        BadConfig: the model cannot be found or its config read.
+        BadConfig: the model cannot be found, its config read, or a checkpoint file read.
     """
     from transformers import AutoConfig
 
@@ -214,7 +384,8 @@ def model_info(name: str, cache_dir: Path, *, trust_remote_code: bool = False) -
         model_type=text.model_type,
         num_layers=int(text.num_hidden_layers),
         hidden_size=int(text.hidden_size),
-        revision=_revision(path, config),
+        revision=_revision(path, config, Path(cache_dir)),
+        legacy_revision=_legacy_revision(path, config),
     )
 
 

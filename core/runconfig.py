@@ -16,6 +16,7 @@ Identity versions:
 | version | fields hashed | notes |
 |---|---|---|
 | 1 | ``model``, ``model_name``, ``layers``, ``max_length``, ``batch_tokens``, ``max_batch_samples``, ``store_dtype``, ``tokenizer``, ``dataset_fingerprint``, ``limit``, ``sample_policy``, ``schema_version`` | what every run made before ``identity_version`` existed hashed (every field but ``run_id``, ``created_at``, ``dataset_source`` and ``stats``); a ``run.json`` without ``identity_version`` is version 1. ``identity_version`` itself is not hashed, so those runs keep their ids and their markers' ``config_sha256`` |
+| 2 | version 1's, ``special_tokens_in_content`` and ``identity_version`` | special-token strings inside message content are tokenised as text (``text``) unless ``special`` is asked for (``producer/masks.py``); a version-1 run.json reads as ``special``, what its code did. And ``model.revision`` of a local checkpoint directory is ``sha256:<hex>``, a hash of its weight bytes (``core/models.py``), where version 1 recorded ``local-<16 hex>``, a hash of the weight files' names and sizes and of ``config.json``: two checkpoints with weights of the same shapes had one revision. A hub id's revision is its commit hash in both |
 
 Why each version-1 field decides the bytes of the shards: ``model`` (name, type, layer count,
 hidden size, revision: which weights), ``tokenizer`` (class, vocab size, chat template sha256,
@@ -24,7 +25,14 @@ end-of-turn ids, ``enable_thinking``: which token ids and loss masks), ``dataset
 ``max_length`` (truncation), ``batch_tokens`` and ``max_batch_samples`` (which samples share a
 shard), ``layers`` (which states: ids, final states), ``store_dtype``, ``schema_version`` (the
 layout). ``model_name`` repeats ``model.name``, and ``layers`` also holds derived indices and the
-draft config it was read from (``source``): kept because version 1 hashed them.
+draft config it was read from (``source``): kept because version 1 hashed them. Version 2 adds
+``special_tokens_in_content`` (which token ids a message's text becomes).
+
+Why version 2 and not only new values: a local checkpoint's revision changed how it is computed,
+so every re-planned local run gets a new run id anyway; the version says which way a run's
+``model.revision`` was computed, so that a worker of this code can still check a version-1 run's
+checkpoint the way it was recorded (:meth:`core.models.ModelInfo.differences`), and version-1 runs
+keep their ids, their markers' ``config_sha256`` and ``verify``.
 
 Adding a field to :class:`RunConfig`:
 
@@ -56,7 +64,7 @@ RUN_JSON = "run.json"
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 #: The identity version of the runs this code creates.
-IDENTITY_VERSION = 1
+IDENTITY_VERSION = 2
 #: The version of a ``run.json`` written without ``identity_version`` (before it existed).
 LEGACY_IDENTITY_VERSION = 1
 #: Per identity version, the run.json fields hashed into the identity (see the module docstring).
@@ -64,6 +72,7 @@ IDENTITY_FIELDS: dict[int, tuple[str, ...]] = {
     1: ("model", "model_name", "layers", "max_length", "batch_tokens", "max_batch_samples", "store_dtype",
         "tokenizer", "dataset_fingerprint", "limit", "sample_policy", "schema_version"),
 }
+IDENTITY_FIELDS[2] = IDENTITY_FIELDS[1] + ("special_tokens_in_content",)
 #: Fields recorded in run.json that never change the bytes of the shards: never hashed.
 NON_IDENTITY_FIELDS = ("identity_version", "run_id", "created_at", "dataset_source", "stats")
 
@@ -78,8 +87,11 @@ class RunConfig:
     template hash, end-of-turn ids and ``enable_thinking`` (None: the template's default).
     ``sample_policy``: which records become samples and how: ``over_length`` (``truncate`` or
     ``drop``), ``allow_text`` (plain-text records used) and ``min_consecutive_supervised``; empty
-    in run.json files written before it existed. ``identity_version`` says which fields make the
-    identity (:data:`IDENTITY_FIELDS`).
+    in run.json files written before it existed. ``special_tokens_in_content``: how special-token
+    strings inside message content were tokenised, ``text`` or ``special``
+    (:data:`producer.masks.SPECIAL_TOKENS_IN_CONTENT`); ``special`` in run.json files written before
+    it existed (what that code did). ``identity_version`` says which fields make the identity
+    (:data:`IDENTITY_FIELDS`) and how ``model.revision`` was computed (module docstring).
 
     Keys of a run.json that this code does not know (written by a newer version) are kept in
     ``extra`` and written back, never hashed.
@@ -97,6 +109,7 @@ class RunConfig:
     dataset_source: str
     limit: int | None
     sample_policy: dict = field(default_factory=dict)
+    special_tokens_in_content: str = "special"
     schema_version: int = SCHEMA_VERSION
     identity_version: int = IDENTITY_VERSION
     run_id: str = ""
@@ -190,12 +203,21 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def diff_identity(old: dict, new: dict) -> list[str]:
-    """Human-readable differences between two config identities (for :class:`RunConflict`)."""
+def diff_identity(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Human-readable differences between two config identities (for :class:`RunConflict`).
+
+    Fields that are objects on both sides are compared key by key (``model.revision: stored ...``),
+    so the part that differs is named, not cut off in a long value.
+    """
     out = []
     for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            out.append(f"{key}: stored {json.dumps(old.get(key))[:120]} != requested {json.dumps(new.get(key))[:120]}")
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(diff_identity(a, b, f"{prefix}{key}."))
+        else:
+            out.append(f"{prefix}{key}: stored {json.dumps(a)[:120]} != requested {json.dumps(b)[:120]}")
     return out
 
 

@@ -83,6 +83,10 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="pass enable_thinking to the chat template (Qwen3); default: not passed (the template's default)")
     p.add_argument("--allow-text", action="store_true",
                    help="use plain-text records ({\"text\": ...}) with every token supervised (default: skip them as text_not_allowed)")
+    p.add_argument("--special-tokens-in-content", choices=["text", "special"], default="text",
+                   help="special-token strings inside messages (<|im_end|> in a reply): tokenised as plain text "
+                        "(default; only the chat template's own tokens are special) or as special tokens (for datasets "
+                        "that embed them on purpose; what runs made before this option did)")
     p.add_argument("--batch-tokens", type=int, help="token budget per batch, rows x longest row (default 32768)")
     p.add_argument("--limit", type=int, help="read at most this many usable records")
     p.add_argument("--run-id", help="run id (default: derived from the dataset and the config, so reruns resume)")
@@ -100,6 +104,7 @@ def _options(args):
         draft_layer_convention=args.draft_layer_convention, max_length=args.max_length, batch_tokens=args.batch_tokens, limit=args.limit,
         run_id=args.run_id, store_dtype=args.store_dtype,
         enable_thinking=args.enable_thinking, over_length=args.over_length, allow_text=args.allow_text,
+        special_tokens_in_content=args.special_tokens_in_content,
         command=getattr(args, "command_line", None),
     )
 

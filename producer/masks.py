@@ -27,9 +27,31 @@ t+1 from t shifts it). A token that straddles the boundary (the ``"\\n\\n"`` abo
 empty ``<think>\\n\\n</think>\\n\\n`` that the Qwen3 template puts before the final assistant reply
 (after the last user turn) is rendered after the generation prompt, so it is supervised as part of
 the reply; with ``enable_thinking=False`` the generation prompt holds it, and it is not.
-Content is tokenised with special tokens recognised (as serving stacks do): a literal
-``<|im_end|>`` inside a reply would end its supervision early (ShareGPT V3 has none; two replies
-contain ``<|endoftext|>``, which is not an end-of-turn token for Qwen3).
+**Content is text** (``special_tokens_in_content="text"``, the default). The render is one string,
+so a special-token string written *inside* a message (``<|im_end|>`` in a reply, or
+``<|im_end|>\n<|im_start|>assistant`` in a user turn) would otherwise become the special token
+itself: it would end a reply's supervision early, or forge a turn boundary in the context. Only the
+template's own special tokens are special; a special-token string in content (system, user,
+assistant, tool and reasoning text, tool calls, tool definitions) is tokenised as plain text, as
+``tokenizer(content, split_special_tokens=True)`` tokenises it. How: a conversation whose strings
+hold no special-token string (nearly all: ShareGPT V3 has two replies with ``<|endoftext|>``) takes
+the plain path, one tokenisation of the render, unchanged. Otherwise every special-token string in
+its strings is replaced by a placeholder (``hsxesc<n>q<k>q``, ASCII letters and digits, so that no
+template filter alters it; ``<n>`` is chosen so that ``hsxesc<n>`` occurs nowhere in the record)
+before the template renders it. Every special-token string left in the render is then the
+template's own; the render is cut at them (each one absorbs the whitespace its ``lstrip`` /
+``rstrip`` flags say, as the tokenizer does), the pieces between them get their placeholders
+replaced by the original strings and are tokenised with special tokens *not* recognised, and the
+template's tokens go between them as their ids. This is what the tokenizer itself does to a render
+(it cuts the text at special tokens and tokenises the pieces independently), except that the
+content's strings no longer cut it; the render boundaries are found on the placeholder renders,
+with lengths counted in the real text. A template that alters a placeholder (the record's text
+then still holds ``hsxesc<n>``) makes the record a ``template_error``. Added tokens that are not
+special (Qwen3's ``<think>``, ``<tool_call>``) keep their ids in content, as in
+``split_special_tokens=True``: the Qwen3 template itself parses inline ``<think>`` blocks out of
+the content. ``special_tokens_in_content="special"`` keeps the behaviour of runs made before
+(every special-token string in the render is special), for datasets that embed special tokens on
+purpose; ``run.json`` records the mode.
 
 Tools and reasoning are the template's business: a record's ``tools`` go to it as ``tools=``,
 ``tool_calls`` and ``reasoning_content`` stay on their messages, and what the template renders of
@@ -44,7 +66,8 @@ Other record forms (:mod:`producer.datasets`): a :class:`~producer.datasets.Pret
 is used as is (ids must be in ``[0, len(tokenizer))``); a :class:`~producer.datasets.TextRecord`
 is tokenised with ``add_special_tokens=True`` (what ``tokenizer(text)`` does: a BOS for Llama-style
 tokenizers, nothing for Qwen) and every token of the text is supervised, the tokens the tokenizer
-adds (BOS) are not; no end-of-sequence token is appended.
+adds (BOS) are not; no end-of-sequence token is appended. A plain text is not message content:
+its special-token strings are special in either mode (documents joined by ``<|endoftext|>``).
 
 All forms then follow the same rules: a row longer than ``max_length`` is cut to ``max_length``
 (``over_length="truncate"``, the mask cut the same way) or skipped as ``too_long``
@@ -56,9 +79,11 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -76,7 +101,15 @@ OVER_LENGTH_POLICIES = ("truncate", "drop")
 #: :data:`producer.datasets.SKIP_REASONS`).
 ENCODE_SKIP_REASONS = ("template_error", "bad_pretokenised", "too_long", "no_supervised_tokens")
 
+#: How special-token strings inside message content are tokenised: ``text`` (plain text; only the
+#: template's own special tokens are special) or ``special`` (as special tokens: runs made before
+#: this choice existed; for datasets that embed special tokens on purpose). Recorded in run.json.
+SPECIAL_TOKENS_IN_CONTENT = ("text", "special")
+
 _PROBE = [{"role": "user", "content": "PING"}, {"role": "assistant", "content": "PONG"}]
+#: First part of the placeholders that stand for special-token strings of content while the template
+#: renders it (see the module docstring): ``hsxesc<n>q<k>q``.
+_MARKER = "hsxesc"
 
 
 @dataclass(frozen=True)
@@ -111,11 +144,17 @@ class ChatTokeniser:
     (default) or skipped as ``too_long``. ``enable_thinking`` is passed to the template when not
     None (Qwen3 templates read it; None keeps the template's default); ``chat_template_kwargs`` are
     passed to every render. ``vocab_size`` (= ``len(tokenizer)``) bounds pre-tokenised ids.
+    ``special_tokens_in_content``: one of :data:`SPECIAL_TOKENS_IN_CONTENT` (module docstring):
+    ``text`` (default) tokenises special-token strings inside messages as plain text, ``special``
+    as special tokens (the behaviour before this option existed).
 
     Attributes: ``template_sha256`` (hex sha256 of the template text, for the run config);
     ``end_of_turn_ids`` (token ids that close an assistant reply: the special token the template
-    writes after a reply, found by rendering a probe conversation, plus ``eos_token_id``).
-    Raises BadConfig when the tokenizer has no chat template or no end-of-turn token is found.
+    writes after a reply, found by rendering a probe conversation, plus ``eos_token_id``);
+    ``special_tokens`` (special-token string -> id: the added tokens marked special, which
+    ``text`` mode keeps out of content).
+    Raises BadConfig when the tokenizer has no chat template, no end-of-turn token is found, or
+    ``special_tokens_in_content`` is not a known mode.
     """
 
     def __init__(
@@ -126,7 +165,11 @@ class ChatTokeniser:
         enable_thinking: bool | None = None,
         chat_template_kwargs: dict | None = None,
         over_length: str = "truncate",
+        special_tokens_in_content: str = "text",
     ):
+        if special_tokens_in_content not in SPECIAL_TOKENS_IN_CONTENT:
+            raise BadConfig(f"special_tokens_in_content={special_tokens_in_content!r}: choose one of "
+                            f"{', '.join(SPECIAL_TOKENS_IN_CONTENT)}")
         if max_length < MIN_CONSECUTIVE_SUPERVISED:
             raise BadConfig(f"max_length={max_length} tokens: must be at least {MIN_CONSECUTIVE_SUPERVISED}")
         if over_length not in OVER_LENGTH_POLICIES:
@@ -149,6 +192,15 @@ class ChatTokeniser:
             self._kwargs["enable_thinking"] = enable_thinking
         # The Rust tokenizer directly: one call gives ids and offsets without the Python wrapper.
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        self.special_tokens_in_content = special_tokens_in_content
+        self.special_tokens = _special_tokens(tokenizer)
+        self._special_re = (re.compile("|".join(re.escape(t) for t in sorted(self.special_tokens, key=len, reverse=True)))
+                            if self.special_tokens else None)
+        self._specials = tuple(sorted(self.special_tokens))  # placeholder k stands for _specials[k]
+        self._placeholder_of = {t: k for k, t in enumerate(self._specials)}
+        self._cut_re = _cut_pattern(tokenizer, self._specials)
+        self._text_tokenizer = None  # built on first use (module docstring: content as text)
+        self._text_lock = threading.Lock()
         self.end_of_turn_ids = self._probe_end_of_turn_ids()
         self._eot_array = np.array(sorted(self.end_of_turn_ids), dtype=np.int32)
 
@@ -167,10 +219,9 @@ class ChatTokeniser:
             return self._encode_pretokenised(record)
         if isinstance(record, TextRecord):
             return self._encode_text(record, *self._tokenise_texts([record.text])[0])
-        messages = list(record.messages)
-        full = self._render(record, messages, add_generation_prompt=False)
-        ids, ends = self._tokenise(full, with_offsets=True)
-        return self._encode_rendered(record, messages, full, ids, ends)
+        conv = self._prepare(record)
+        ids, ends = self._tokenise(conv.full, with_offsets=True, esc=conv.esc)
+        return self._encode_rendered(conv, ids, ends)
 
     def encode_many(self, records: Iterable[Record], *, chunk_records: int = 256
                     ) -> Iterator[TokenisedSample | BadRecord]:
@@ -185,32 +236,43 @@ class ChatTokeniser:
         pending: tuple[list, Future | None] | None = None
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenise") as pool:
             for chunk in _chunks(records, chunk_records):
-                # Per item: (conv, messages, full render) | BadRecord | TextRecord | PretokenisedRecord
+                # Per item: _Prepared | BadRecord | TextRecord | PretokenisedRecord
                 rendered: list = []
                 for rec in chunk:
                     if not isinstance(rec, Conversation):
                         rendered.append(rec)
                         continue
-                    messages = list(rec.messages)
                     try:
-                        rendered.append((rec, messages, self._render(rec, messages, add_generation_prompt=False)))
+                        rendered.append(self._prepare(rec))
                     except BadRecord as err:
                         rendered.append(err)
-                chat_texts = [r[2] for r in rendered if isinstance(r, tuple)]
+                chats = [r for r in rendered if isinstance(r, _Prepared)]
                 plain_texts = [r.text for r in rendered if isinstance(r, TextRecord)]
-                future = pool.submit(self._tokenise_batch, chat_texts, plain_texts)
+                future = pool.submit(self._tokenise_batch, chats, plain_texts)
                 if pending is not None:
                     yield from self._finish_chunk(*pending)
                 pending = (rendered, future)
             if pending is not None:
                 yield from self._finish_chunk(*pending)
 
-    def _tokenise_batch(self, chat_texts: list[str], plain_texts: list[str]) -> tuple[list, list]:
-        """(ids, end offsets) of each chat render, (ids, added-token flags) of each plain text."""
+    def _tokenise_batch(self, chats: list["_Prepared"], plain_texts: list[str]) -> tuple[list, list]:
+        """(ids, end offsets) or BadRecord of each chat render, (ids, added-token flags) of each plain text.
+
+        Renders whose content holds special-token strings (rare) take :meth:`_tokenise_escaped`, one
+        by one; its BadRecord is returned in place, not raised, so the rest of the chunk goes on.
+        """
+        chat: list = [None] * len(chats)
+        plain = [i for i, c in enumerate(chats) if c.esc is None]
         if self._backend is not None:
-            chat = [(e.ids, _end_offsets(e)) for e in self._backend.encode_batch(chat_texts, add_special_tokens=False)]
-        else:
-            chat = [self._tokenise(t, with_offsets=True) for t in chat_texts]
+            encs = self._backend.encode_batch([chats[i].full for i in plain], add_special_tokens=False)
+            for i, e in zip(plain, encs):
+                chat[i] = (e.ids, _end_offsets(e))
+        for i, c in enumerate(chats):
+            if chat[i] is None:
+                try:
+                    chat[i] = self._tokenise(c.full, with_offsets=True, esc=c.esc)
+                except BadRecord as err:
+                    chat[i] = err
         return chat, (self._tokenise_texts(plain_texts) if plain_texts else [])
 
     def _finish_chunk(self, rendered: list, future: Future) -> Iterator[TokenisedSample | BadRecord]:
@@ -226,16 +288,17 @@ class ChatTokeniser:
                 elif isinstance(item, TextRecord):
                     yield self._encode_text(item, *next(plain_it))
                 else:
-                    conv, messages, full = item
-                    yield self._encode_rendered(conv, messages, full, *next(chat_it))
+                    tokens = next(chat_it)
+                    if isinstance(tokens, BadRecord):
+                        raise tokens
+                    yield self._encode_rendered(item, *tokens)
             except BadRecord as err:
                 yield err
 
-    def _encode_rendered(
-        self, conv: Conversation, messages: list[dict], full: str, ids: list[int], ends: np.ndarray | None
-    ) -> TokenisedSample:
-        """The mask of a conversation whose full render ``full`` tokenised to ``ids`` (end offsets ``ends``)."""
-        rid = conv.record_id
+    def _encode_rendered(self, conv: "_Prepared", ids: list[int], ends: np.ndarray | None) -> TokenisedSample:
+        """The mask of a conversation whose full render ``conv.full`` tokenised to ``ids`` (end offsets
+        ``ends``, in the real render's characters: the placeholders replaced by their strings)."""
+        rid, messages, full, esc = conv.record_id, conv.messages, conv.full, conv.esc
         ids_S = np.asarray(ids, dtype=np.int32)
         self._check_length(rid, ids_S.shape[0])  # before the prefix renders: a dropped row costs none
         eot_pos = np.flatnonzero(np.isin(ids_S, self._eot_array))
@@ -245,12 +308,13 @@ class ChatTokeniser:
         for i, msg in enumerate(messages):
             if msg["role"] != "assistant":
                 continue
-            prompt = self._render(conv, messages[:i], add_generation_prompt=True)
+            prompt = self._render(rid, messages[:i], conv.tools, add_generation_prompt=True)
             if ends is not None and full.startswith(prompt):
                 # First token that is not entirely inside the prompt text (ends are non-decreasing).
-                start = int(np.searchsorted(ends, len(prompt), side="right"))
+                prompt_chars = len(prompt) if esc is None else len(esc.unescape(prompt))
+                start = int(np.searchsorted(ends, prompt_chars, side="right"))
             else:
-                start = self._start_by_token_ids(rid, i, prompt, ids_S, eot_pos)
+                start = self._start_by_token_ids(rid, i, prompt, ids_S, eot_pos, esc)
             if start <= prev_end:
                 raise BadRecord(rid, "template_error",
                                 f"assistant turn {i} would start at token {start}, inside the previous "
@@ -319,24 +383,126 @@ class ChatTokeniser:
 
     # ----------------------------------------------------------------------------------------
 
-    def _render(self, conv: Conversation | None, messages: list[dict], *, add_generation_prompt: bool) -> str:
-        tools = list(conv.tools) if conv is not None and conv.tools else None
+    def _prepare(self, conv: Conversation) -> "_Prepared":
+        """The messages and tools as the template gets them, and their full render.
+
+        In ``text`` mode, a conversation with a special-token string in any of its strings (all
+        message fields but ``role``, and the tool definitions) gets them replaced by placeholders
+        (:class:`_ContentEscape`); any other conversation is passed as it is.
+        Raises BadRecord ``template_error`` when the template raises.
+        """
+        messages = list(conv.messages)
+        tools = list(conv.tools) if conv.tools else None
+        esc = None
+        if self.special_tokens_in_content == "text" and self._special_re is not None:
+            strings = [s for m in messages for k, v in m.items() if k != "role" for s in _strings(v)]
+            strings += [s for s in _strings(tools)]
+            if any(self._special_re.search(s) for s in strings):
+                esc = _ContentEscape.for_strings(strings, self._specials, conv.record_id)
+                messages = [{k: (v if k == "role" else self._escape(v, esc)) for k, v in m.items()} for m in messages]
+                tools = self._escape(tools, esc)
+        full = self._render(conv.record_id, messages, tools, add_generation_prompt=False)
+        return _Prepared(conv.record_id, messages, tools, esc, full)
+
+    def _escape(self, value: Any, esc: "_ContentEscape") -> Any:
+        """``value`` with each special-token string in its strings (dict keys too) replaced by its placeholder."""
+        if isinstance(value, str):
+            return self._special_re.sub(lambda m: esc.placeholder(self._placeholder_of[m.group()]), value)
+        if isinstance(value, dict):
+            return {self._escape(k, esc): self._escape(v, esc) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._escape(v, esc) for v in value)
+        return value
+
+    def _render(self, rid: str, messages: list[dict], tools: list | None, *, add_generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **self._kwargs
             )
         except Exception as err:  # jinja raises anything (TemplateError, TypeError on None content...)
-            rid = conv.record_id if conv is not None else "<probe>"
             raise BadRecord(rid, "template_error", f"{type(err).__name__}: {err}") from None
 
-    def _tokenise(self, text: str, *, with_offsets: bool) -> tuple[list[int], np.ndarray | None]:
-        """Token ids of ``text`` (no special tokens added) and, from a fast tokenizer, end offsets."""
+    def _tokenise(self, text: str, *, with_offsets: bool, esc: "_ContentEscape | None" = None
+                  ) -> tuple[list[int], np.ndarray | None]:
+        """Token ids of the render ``text`` (no special tokens added) and, from a fast tokenizer, end offsets.
+
+        With ``esc`` (a render with placeholders), :meth:`_tokenise_escaped`.
+        """
+        if esc is not None:
+            return self._tokenise_escaped(text, esc, with_offsets=with_offsets)
         if self._backend is not None:
             enc = self._backend.encode(text, add_special_tokens=False)
             return enc.ids, (_end_offsets(enc) if with_offsets else None)
         return self.tokenizer.encode(text, add_special_tokens=False), None
 
-    def _start_by_token_ids(self, rid: str, i: int, prompt: str, ids_S: np.ndarray, eot_pos: np.ndarray) -> int:
+    def _tokenise_escaped(self, rendered: str, esc: "_ContentEscape", *, with_offsets: bool
+                          ) -> tuple[list[int], np.ndarray | None]:
+        """Ids of a render whose content's special-token strings are placeholders: only the
+        template's special tokens are special (module docstring).
+
+        The render is cut at the special-token strings it holds (all the template's), each with the
+        whitespace its ``lstrip`` / ``rstrip`` flags absorb; each piece between them, placeholders
+        replaced by their strings, is tokenised with special tokens not recognised. End offsets
+        count characters of the real render (``esc.unescape(rendered)``).
+
+        Raises BadRecord ``template_error`` when a piece still holds the placeholder marker (the
+        template altered a placeholder).
+        """
+        pieces, specials, pos = [], [], 0
+        for m in self._cut_re.finditer(rendered):
+            pieces.append(rendered[pos:m.start()])
+            specials.append((m.group(), self.special_tokens[self._specials[int(m.lastgroup[1:])]]))
+            pos = m.end()
+        pieces.append(rendered[pos:])
+        texts = [esc.unescape(p) for p in pieces]
+        marker = esc.marker.lower()
+        for text in texts:
+            if marker in text.lower():
+                raise BadRecord(esc.record_id, "template_error",
+                                f"the chat template altered the placeholder {esc.marker!r}... that stands for a "
+                                "special-token string of the content; use --special-tokens-in-content special to "
+                                "tokenise such strings as special tokens instead")
+        encoded = self._encode_as_text(texts, with_offsets=with_offsets)
+        ids: list[int] = []
+        ends: list[np.ndarray] = []
+        chars = 0
+        for k, (text, (piece_ids, piece_ends)) in enumerate(zip(texts, encoded)):
+            ids.extend(piece_ids)
+            if with_offsets:
+                ends.append(piece_ends + chars)
+            chars += len(text)
+            if k < len(specials):
+                token_text, token_id = specials[k]
+                ids.append(token_id)
+                chars += len(token_text)
+                if with_offsets:
+                    ends.append(np.array([chars], dtype=np.int64))
+        return ids, (np.concatenate(ends) if with_offsets else None)
+
+    def _encode_as_text(self, texts: list[str], *, with_offsets: bool) -> list[tuple[list[int], np.ndarray | None]]:
+        """(ids, end offsets or None) of each text, special-token strings tokenised as plain text.
+
+        A fast tokenizer: a copy of its Rust tokenizer with ``encode_special_tokens`` set, made once
+        (the shared one is never switched: the tokenising thread of :meth:`encode_many` uses it
+        meanwhile; ``tokenizer(..., split_special_tokens=True)`` on a fast tokenizer also leaves that
+        flag set on it, as measured with transformers 5.24, so this code never passes it one).
+        A slow tokenizer: ``split_special_tokens=True``, no offsets.
+        """
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return [(self.tokenizer.encode(t, add_special_tokens=False, split_special_tokens=True), None) for t in texts]
+        with self._text_lock:
+            if self._text_tokenizer is None:
+                from tokenizers import Tokenizer
+
+                text_tokenizer = Tokenizer.from_str(backend.to_str())
+                text_tokenizer.encode_special_tokens = True
+                self._text_tokenizer = text_tokenizer
+        encs = self._text_tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [(e.ids, _end_offsets(e) if with_offsets else None) for e in encs]
+
+    def _start_by_token_ids(self, rid: str, i: int, prompt: str, ids_S: np.ndarray, eot_pos: np.ndarray,
+                            esc: "_ContentEscape | None" = None) -> int:
         """First reply token of assistant turn i when the prompt render is not a text prefix.
 
         The longest common prefix of token ids is right when only the tail of the prompt differs
@@ -345,7 +511,7 @@ class ChatTokeniser:
         on the full row by its end-of-turn count: its n-th end-of-turn token is the full row's
         n-th, and what follows (the generation prompt) is matched from there.
         """
-        p_ids, _ = self._tokenise(prompt, with_offsets=False)
+        p_ids, _ = self._tokenise(prompt, with_offsets=False, esc=esc)
         p_ids_P = np.asarray(p_ids, dtype=np.int32)
         lcp = _common_prefix_len(p_ids_P, ids_S)
         p_eot = np.flatnonzero(np.isin(p_ids_P[lcp:], self._eot_array))
@@ -367,8 +533,8 @@ class ChatTokeniser:
         if isinstance(eos, int):
             found.add(eos)
         special = set(getattr(self.tokenizer, "all_special_ids", []))
-        special.update(i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if t.special)
-        text = self._render(None, _PROBE, add_generation_prompt=False)
+        special.update(self.special_tokens.values())
+        text = self._render("<probe>", _PROBE, None, add_generation_prompt=False)
         after = text.rfind("PONG") + len("PONG")
         if after >= len("PONG"):
             # Tokenise what follows the reply on its own: the first special token there closes it.
@@ -384,6 +550,91 @@ class ChatTokeniser:
                 "tokenizer.eos_token to the end-of-turn token"
             )
         return frozenset(found)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A conversation as the template got it: ``messages`` and ``tools`` (with placeholders when
+    ``esc`` is set) and ``full``, their render without generation prompt."""
+
+    record_id: str
+    messages: list[dict]
+    tools: list | None
+    esc: "_ContentEscape | None"
+    full: str
+
+
+@dataclass(frozen=True)
+class _ContentEscape:
+    """Placeholders for the special-token strings of one conversation's content (module docstring).
+
+    Placeholder k is ``f"{marker}q{k}q"`` and stands for ``specials[k]``; ``marker`` is
+    ``hsxesc<n>`` with the smallest n that occurs (case-insensitively) in none of the record's
+    strings, so every placeholder found in a render is one of ours. No proper prefix of
+    ``hsxesc<n>q`` is also its suffix, so no occurrence can start in the text before a placeholder.
+    """
+
+    record_id: str
+    marker: str
+    specials: tuple[str, ...]
+
+    @classmethod
+    def for_strings(cls, strings: list[str], specials: tuple[str, ...], record_id: str = "") -> "_ContentEscape":
+        lowered = [s.lower() for s in strings]
+        n = 0
+        while any(f"{_MARKER}{n}" in s for s in lowered):
+            n += 1
+        return cls(record_id, f"{_MARKER}{n}", specials)
+
+    def placeholder(self, k: int) -> str:
+        return f"{self.marker}q{k}q"
+
+    def unescape(self, text: str) -> str:
+        """``text`` with each placeholder replaced by the special-token string it stands for."""
+        if self.marker not in text:
+            return text
+        return re.sub(re.escape(self.marker) + r"q(\d+)q", lambda m: self.specials[int(m.group(1))], text)
+
+
+def _special_tokens(tokenizer) -> dict[str, int]:
+    """Special-token string -> id: the added tokens marked special (what ``split_special_tokens=True``
+    tokenises as text), and the tokenizer's named special tokens (bos, eos, pad...)."""
+    out = {t.content: int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    for token in getattr(tokenizer, "all_special_tokens", []):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and token not in out and token:
+            out[token] = tid
+    return out
+
+
+def _cut_pattern(tokenizer, specials: tuple[str, ...]) -> re.Pattern:
+    """A regex matching each special-token string, with the whitespace it absorbs.
+
+    An added token with ``lstrip`` (``rstrip``) takes the whitespace on its left (right) with it
+    (the ``tokenizers`` library's ``AddedToken``); group ``t<k>`` matched ``specials[k]``. Longer
+    strings first, so that one special-token string inside another is not cut out of it.
+    """
+    flags = {t.content: t for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    parts = []
+    for k in sorted(range(len(specials)), key=lambda k: -len(specials[k])):
+        token = flags.get(specials[k])
+        left = r"\s*" if getattr(token, "lstrip", False) else ""
+        right = r"\s*" if getattr(token, "rstrip", False) else ""
+        parts.append(f"(?P<t{k}>{left}{re.escape(specials[k])}{right})")
+    return re.compile("|".join(parts) if parts else r"(?!)")
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every str inside ``value`` (nested dicts, their keys, lists and tuples)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
 
 
 def _chunks(items: Iterable, n: int) -> Iterator[list]:

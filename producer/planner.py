@@ -27,7 +27,7 @@ from core.runconfig import RunConfig, check_run, check_run_id, claim_run
 from core.store import Store, open_store
 from producer.batching import cut_batches, padding_waste
 from producer.datasets import SkipCounter, dataset_files, iter_conversations
-from producer.masks import MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES, ChatTokeniser
+from producer.masks import MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES, SPECIAL_TOKENS_IN_CONTENT, ChatTokeniser
 from settings import Settings
 
 STATS_JSON = "plan/stats.json"
@@ -60,6 +60,9 @@ class PlanOptions:
     over_length: str = "truncate"
     #: Plain-text records ({"text": ...}) become samples with every token supervised; else skipped text_not_allowed.
     allow_text: bool = False
+    #: Special-token strings inside message content: "text" (plain text, the default) or "special"
+    #: (special tokens, as runs before this option; for datasets that embed them on purpose).
+    special_tokens_in_content: str = "text"
     #: The command line that asked for the plan, recorded in plan/planning.json (status shows it when planning failed).
     command: str | None = None
 
@@ -120,6 +123,9 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
     if opts.over_length not in OVER_LENGTH_POLICIES:
         raise BadConfig(f"over_length {opts.over_length!r}: choose one of {', '.join(OVER_LENGTH_POLICIES)} "
                         "(--truncate or --drop-long)")
+    if opts.special_tokens_in_content not in SPECIAL_TOKENS_IN_CONTENT:
+        raise BadConfig(f"--special-tokens-in-content {opts.special_tokens_in_content!r}: choose one of "
+                        f"{', '.join(SPECIAL_TOKENS_IN_CONTENT)}")
     if opts.run_id is not None:
         try:
             check_run_id(opts.run_id)
@@ -145,7 +151,7 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
         layers["source"] = layer_source
     tokenizer = load_tokenizer(opts.model, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     chat = ChatTokeniser(tokenizer, max_length=max_length, enable_thinking=opts.enable_thinking,
-                         over_length=opts.over_length)
+                         over_length=opts.over_length, special_tokens_in_content=opts.special_tokens_in_content)
     config = RunConfig(
         model=info.as_dict(),
         model_name=opts.model,
@@ -163,6 +169,7 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
         },
         sample_policy={"over_length": opts.over_length, "allow_text": opts.allow_text,
                        "min_consecutive_supervised": MIN_CONSECUTIVE_SUPERVISED},
+        special_tokens_in_content=opts.special_tokens_in_content,
         dataset_fingerprint=dataset_fingerprint(opts.dataset),
         dataset_source=opts.dataset if opts.dataset == "sharegpt" else str(Path(opts.dataset).resolve()),
         limit=opts.limit,

@@ -107,12 +107,61 @@ def test_version_1_hashes_exactly_what_runs_before_identity_version_hashed():
                                   "schema_version")
 
 
+def _new_config(**changes) -> RunConfig:
+    """The legacy run's options as this code's planner records them (identity version 2, content as text)."""
+    return dataclasses.replace(_legacy_config(), **{"identity_version": IDENTITY_VERSION,
+                                                    "special_tokens_in_content": "text", **changes})
+
+
 def test_new_runs_record_their_identity_version_and_it_round_trips():
-    config = _legacy_config()
+    config = _new_config()
     written = json.loads(config.to_json())
-    assert written["identity_version"] == IDENTITY_VERSION
+    assert written["identity_version"] == IDENTITY_VERSION == 2
+    assert written["special_tokens_in_content"] == "text"
     again = RunConfig.from_json(config.to_json())
-    assert again == config and again.identity_sha256() == config.identity_sha256() == LEGACY_SHA
+    assert again == config and again.identity_sha256() == config.identity_sha256() != LEGACY_SHA
+
+
+def test_a_version_1_run_json_is_written_back_as_version_1_with_its_hash():
+    legacy = _legacy_config()
+    assert json.loads(legacy.to_json())["identity_version"] == 1
+    again = RunConfig.from_json(legacy.to_json())
+    assert again.identity_sha256() == LEGACY_SHA
+
+
+# --- version 2: special tokens in content, content revisions -----------------------------------
+
+
+def test_version_2_hashes_version_1_and_how_special_tokens_in_content_were_tokenised():
+    assert IDENTITY_FIELDS[2] == IDENTITY_FIELDS[1] + ("special_tokens_in_content",)
+    identity = _new_config().identity()
+    assert set(identity) == set(IDENTITY_FIELDS[2]) | {"identity_version"}
+    assert identity["identity_version"] == 2 and identity["special_tokens_in_content"] == "text"
+
+
+def test_a_version_1_run_reads_as_special_tokens_in_content_special_and_does_not_hash_it():
+    """Runs before the option tokenised content's special-token strings as special tokens: the
+    default of the field says so, and their hash is the one their markers carry."""
+    legacy = _legacy_config()
+    assert "special_tokens_in_content" not in json.loads((LEGACY_RUN / "run.json").read_bytes())
+    assert legacy.special_tokens_in_content == "special"
+    assert "special_tokens_in_content" not in legacy.identity()
+    assert legacy.identity_sha256() == LEGACY_SHA
+
+
+def test_the_content_token_mode_decides_the_run_id():
+    text, special = _new_config(), _new_config(special_tokens_in_content="special")
+    assert text.default_run_id("chats") != special.default_run_id("chats")
+
+
+def test_the_same_options_planned_by_this_code_are_another_run_than_a_version_1_run(tmp_path):
+    """A version-1 run keeps its id; the same options now give a version-2 identity and another id,
+    and claiming the old id with it is refused, naming what differs."""
+    run_dir = _copy(tmp_path)
+    requested = _new_config()
+    assert requested.default_run_id("chats") != LEGACY_RUN.name
+    with pytest.raises(RunConflict, match="special_tokens_in_content: stored \"special\" != requested \"text\""):
+        claim_run(open_store(str(run_dir)), requested)
 
 
 def test_a_new_field_outside_the_identity_does_not_change_the_run_id():
@@ -161,6 +210,8 @@ def test_changing_an_identity_field_changes_the_run_id(name, value):
     setattr(changed, name, {**old, **value} if isinstance(old, dict) else value)
     assert changed.default_run_id("chats") != base.default_run_id("chats")
     assert changed.identity_sha256() != LEGACY_SHA
+    new_base, new_changed = _new_config(), _new_config(**{name: getattr(changed, name)})
+    assert new_changed.default_run_id("chats") != new_base.default_run_id("chats")
 
 
 @pytest.mark.parametrize("name,value", [

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.errors import BadConfig
 from core.models import model_info, resolve_model_path, safetensors_only
 from settings import Settings
 from workers.capture import capture_batch, decoder_of
@@ -270,23 +271,34 @@ def adopt_model(name: str, model: torch.nn.Module, info, *, warm_up: bool = True
 def load_target(name: str, settings: Settings) -> Target:
     """Load ``name`` on this worker's device and run one warm-up forward.
 
+    The checkpoint's identity (``info.revision``: a hash of a local checkpoint's bytes, or the hub
+    commit; ``core/models.py``) is computed before the weights are read and again after (from the
+    hash cache: a ``stat`` per file), so ``info`` names the bytes this process loaded; tasks compare
+    it with their run's ``run.json``.
+
     Raises:
-        core.errors.BadConfig: the model or its config cannot be read, or its weights are pickle
-            files and ``HSX_ALLOW_PICKLE_CHECKPOINTS`` is off.
+        core.errors.BadConfig: the model or its config cannot be read, its weights are pickle
+            files and ``HSX_ALLOW_PICKLE_CHECKPOINTS`` is off (refused before any weight file is
+            read), or the checkpoint's files changed while they were loaded.
     """
     from transformers import AutoModelForCausalLM
 
     device = pick_device(settings)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    info = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     path = resolve_model_path(name, settings.cache_dir)
+    use_safetensors = safetensors_only(path, settings.allow_pickle_checkpoints)
+    info = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=dtype,
-        use_safetensors=safetensors_only(path, settings.allow_pickle_checkpoints),
+        use_safetensors=use_safetensors,
         trust_remote_code=settings.trust_remote_code,
     )
+    after = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
+    if after.revision != info.revision:
+        raise BadConfig(f"checkpoint {path} changed while this worker loaded it (revision {info.revision} before, "
+                        f"{after.revision} after): let whatever writes it finish, then start the worker again")
     model.to(device).eval()
     model.requires_grad_(False)
     check_kernels(model, device, settings)

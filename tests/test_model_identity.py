@@ -1,0 +1,278 @@
+"""Specifications of a target model's identity (core.models): a local checkpoint is named by its bytes.
+
+Project issue 12, item 2: the revision of a local checkpoint is a hash of its weight bytes (a hub
+cache's blob names where they are sha256 already; every other file hashed once and cached); a run
+resumed with other weights is refused before any model work; a worker's loaded checkpoint is
+checked against ``run.json``. All on the real tiny-qwen3.5 checkpoint and the legacy run fixture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import core.models
+from jobfixtures import tiny_cache  # noqa: F401
+from core.errors import BadConfig, RunConflict
+from core.models import CONTENT_REVISION_PREFIX, checkpoint_files, file_sha256, model_info, resolve_model_path
+from core.runconfig import RunConfig, load_run
+from core.store import open_store
+from producer.planner import PlanOptions, plan_run
+from settings import Settings
+
+LEGACY = Path(__file__).resolve().parent / "data" / "legacy-runs"
+DATASET = LEGACY / "chats.jsonl"
+
+
+@pytest.fixture
+def ckpt(tmp_path, tiny_cache):  # noqa: F811
+    """A copy of the tiny checkpoint as a local directory (weights, config, tokenizer)."""
+    target = tmp_path / "ckpt"
+    shutil.copytree(resolve_model_path("tiny-qwen3.5", tiny_cache), target)
+    return target
+
+
+@pytest.fixture
+def hashed(monkeypatch):
+    """The names of the files whose bytes core.models reads to hash them (real paths: a blob's name), in order."""
+    seen: list[str] = []
+    real = core.models._sha256_of_bytes
+
+    def counting(path):
+        seen.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(core.models, "_sha256_of_bytes", counting)
+    return seen
+
+
+def _other_weights_of_the_same_shapes(ckpt: Path) -> None:
+    """Replace model.safetensors by other weights: same names, shapes, dtypes and file size."""
+    path = ckpt / "model.safetensors"
+    size = path.stat().st_size
+    state = load_file(path)
+    save_file({k: v + 0.5 for k, v in state.items()}, path, metadata={"format": "pt"})
+    assert path.stat().st_size == size
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- the revision is a hash of the bytes ----------------------------------------------------------
+
+
+def test_other_weights_of_the_same_shapes_give_another_revision(ckpt, tmp_path):
+    """The measured case: replacing model.safetensors by other weights of the same shapes kept the
+    version-1 revision (names, sizes, config.json); the content revision changes."""
+    before = model_info(str(ckpt), tmp_path / "cache")
+    _other_weights_of_the_same_shapes(ckpt)
+    after = model_info(str(ckpt), tmp_path / "cache")
+    assert before.revision.startswith(CONTENT_REVISION_PREFIX) and len(before.revision) == len("sha256:") + 64
+    assert after.revision != before.revision
+    assert after.legacy_revision == before.legacy_revision  # what version 1 could not tell apart
+
+
+def test_the_revision_is_the_sha256_of_each_files_digest_by_name(ckpt, tmp_path):
+    """``sha256:`` of one ``name<TAB>sha256`` line per file that decides the model, in name order."""
+    files = checkpoint_files(ckpt)
+    assert [f.name for f in files] == ["config.json", "model.safetensors"]  # not the tokenizer, not README.md
+    manifest = "".join(f"{f.name}\t{_sha256(f)}\n" for f in files)
+    assert model_info(str(ckpt), tmp_path / "cache").revision == "sha256:" + hashlib.sha256(manifest.encode()).hexdigest()
+
+
+def test_the_files_that_decide_a_checkpoint_are_its_config_index_and_weights(tmp_path):
+    """Sharded safetensors with their index; pickle weights only where there is no safetensors file."""
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for name in ("config.json", "model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors",
+                 "model.safetensors.index.json", "tokenizer.json", "pytorch_model.bin", "generation_config.json"):
+        (sharded / name).write_text("x")
+    assert [f.name for f in checkpoint_files(sharded)] == [
+        "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    pickles = tmp_path / "pickles"
+    pickles.mkdir()
+    for name in ("config.json", "pytorch_model.bin", "tokenizer.json"):
+        (pickles / name).write_text("x")
+    assert [f.name for f in checkpoint_files(pickles)] == ["config.json", "pytorch_model.bin"]
+
+
+def test_a_config_change_alone_changes_the_revision(ckpt, tmp_path):
+    config = json.loads((ckpt / "config.json").read_text())
+    before = model_info(str(ckpt), tmp_path / "cache").revision
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 10
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert model_info(str(ckpt), tmp_path / "cache").revision != before
+
+
+# --- the cache: hashed once ------------------------------------------------------------------------
+
+
+def test_a_re_plan_reads_no_weight_bytes_and_a_touched_file_is_hashed_again(ckpt, tmp_path, hashed):
+    """First model_info reads each file once; the next reads none (cache by path, inode, size, mtime,
+    ctime); a file whose mtime changed is read again, with the same digest when its bytes are the same."""
+    cache = tmp_path / "cache"
+    first = model_info(str(ckpt), cache).revision
+    assert sorted(hashed) == ["config.json", "model.safetensors"]
+    hashed.clear()
+    t0 = time.perf_counter()
+    assert model_info(str(ckpt), cache).revision == first
+    assert hashed == [] and time.perf_counter() - t0 < 2.0
+    os.utime(ckpt / "model.safetensors", ns=(1, 1))
+    assert model_info(str(ckpt), cache).revision == first
+    assert hashed == ["model.safetensors"]
+    assert len(list((cache / "checkpoint-hashes").glob("*.json"))) == 3  # one entry per (file, stat) seen
+
+
+def test_a_file_replaced_with_the_same_size_and_mtime_is_hashed_again(ckpt, tmp_path, hashed):
+    """``cp`` of other bytes over the file, then its old mtime set back (``touch -d``): the ctime (or the
+    inode of a new file) still differs, so the cached digest is not used."""
+    cache = tmp_path / "cache"
+    first = model_info(str(ckpt), cache).revision
+    st = (ckpt / "model.safetensors").stat()
+    _other_weights_of_the_same_shapes(ckpt)
+    os.utime(ckpt / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (ckpt / "model.safetensors").stat().st_mtime_ns == st.st_mtime_ns
+    hashed.clear()
+    assert model_info(str(ckpt), cache).revision != first
+    assert hashed == ["model.safetensors"]
+
+
+def test_two_threads_hashing_the_same_file_read_it_once(ckpt, tmp_path, monkeypatch):
+    """The cache entry's lock makes a second hasher wait and read the first one's digest (as 8 workers
+    starting on one node do)."""
+    reads = []
+    real = core.models._sha256_of_bytes
+
+    def slow(path):
+        reads.append(path)
+        time.sleep(0.3)
+        return real(path)
+
+    monkeypatch.setattr(core.models, "_sha256_of_bytes", slow)
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(file_sha256(ckpt / "model.safetensors", tmp_path / "c")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(reads) == 1 and out == [_sha256(ckpt / "model.safetensors")] * 2
+
+
+def test_a_hub_cache_snapshot_is_identified_by_its_blob_names_without_reading_the_weights(ckpt, tmp_path, hashed):
+    """In a Hugging Face cache, snapshot files link to ``blobs/<sha256>``: that name is the digest, the
+    blob is not read. The revision equals the one of a plain copy of the same files."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / ("c0ffee" * 6 + "c0ff")
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in ckpt.iterdir():
+        blob = repo / "blobs" / (_sha256(f) if f.suffix == ".safetensors" else hashlib.sha1(f.read_bytes()).hexdigest())
+        shutil.copyfile(f, blob)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    plain = model_info(str(ckpt), tmp_path / "cache-a").revision
+    hashed.clear()
+    assert model_info(str(snapshot), tmp_path / "cache-b").revision == plain
+    # Only config.json is read: a small file, named by its git sha1 in the hub cache.
+    assert hashed == [hashlib.sha1((ckpt / "config.json").read_bytes()).hexdigest()]
+
+
+def test_a_snapshot_file_replaced_by_a_plain_file_is_hashed(ckpt, tmp_path):
+    """The blob name is trusted only for a link into blobs/: a weight file put in its place is read."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / ("ab" * 20)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in ckpt.iterdir():
+        blob = repo / "blobs" / _sha256(f)
+        shutil.copyfile(f, blob)
+        (snapshot / f.name).symlink_to(blob)
+    before = model_info(str(snapshot), tmp_path / "cache").revision
+    (snapshot / "model.safetensors").unlink()
+    shutil.copyfile(ckpt / "model.safetensors", snapshot / "model.safetensors")
+    _other_weights_of_the_same_shapes(snapshot)
+    assert model_info(str(snapshot), tmp_path / "cache").revision != before
+
+
+# --- runs: refused before any work, checked by every worker ---------------------------------------------
+
+
+def _plan(ckpt: Path, tmp_path: Path, **kw):
+    settings = Settings(_env_file=None, cache_dir=tmp_path / "cache")
+    opts = PlanOptions(dataset=str(DATASET), model=str(ckpt), output=str(tmp_path / "out"), max_length=64,
+                       batch_tokens=128, **kw)
+    return plan_run(opts, settings)
+
+
+def test_a_resumed_run_with_other_weights_is_refused_before_any_model_work(ckpt, tmp_path):
+    """The same --run-id after the weights changed: RunConflict naming the revision, nothing written;
+    without --run-id the new weights are another run."""
+    first = _plan(ckpt, tmp_path, run_id="swap")
+    assert first.config.model["revision"].startswith("sha256:")
+    assert _plan(ckpt, tmp_path, run_id="swap").reused
+    default_id = _plan(ckpt, tmp_path).config.run_id
+    before = (tmp_path / "out" / "swap" / "run.json").read_bytes()
+    _other_weights_of_the_same_shapes(ckpt)
+    with pytest.raises(RunConflict, match=r'model.revision: stored "sha256:[0-9a-f]{64}" != requested "sha256:'):
+        _plan(ckpt, tmp_path, run_id="swap")
+    assert (tmp_path / "out" / "swap" / "run.json").read_bytes() == before
+    other = _plan(ckpt, tmp_path)
+    assert not other.reused and other.config.run_id != default_id
+    assert other.config.model["revision"] != first.config.model["revision"]
+
+
+def test_the_worker_checks_the_checkpoint_it_loaded_against_run_json(ckpt, tmp_path):
+    """A worker's ``info`` equals the run's ``model`` for the same bytes (the check extract.py makes) and
+    differs, naming the revision, once the weights were replaced."""
+    from workers.target import load_target
+
+    planned = _plan(ckpt, tmp_path)
+    recorded = load_run(open_store(str(tmp_path / "out" / planned.config.run_id))).model
+    settings = Settings(_env_file=None, cache_dir=tmp_path / "cache", device="cpu")
+    target = load_target(str(ckpt), settings)
+    assert target.info.as_dict() == recorded and target.info.differences(recorded) == []
+    _other_weights_of_the_same_shapes(ckpt)
+    swapped = load_target(str(ckpt), settings)
+    assert swapped.info.as_dict() != recorded
+    (difference,) = swapped.info.differences(recorded)
+    assert difference.startswith(f"revision: recorded {recorded['revision']!r}, this checkpoint 'sha256:")
+    assert not torch.equal(next(swapped.model.parameters()), next(target.model.parameters()))
+
+
+def test_a_checkpoint_that_changes_while_a_worker_loads_it_is_refused(ckpt, tmp_path, monkeypatch):
+    """The identity is taken before the weights are read and again after: a copy still being written is refused."""
+    import transformers
+
+    from workers.target import load_target
+
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def load_then_change(*args, **kwargs):
+        model = real(*args, **kwargs)
+        _other_weights_of_the_same_shapes(ckpt)
+        return model
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_then_change)
+    with pytest.raises(BadConfig, match="changed while this worker loaded it"):
+        load_target(str(ckpt), Settings(_env_file=None, cache_dir=tmp_path / "cache", device="cpu"))
+
+
+def test_a_version_1_run_is_still_checked_the_way_its_revision_was_recorded(tiny_cache):  # noqa: F811
+    """The legacy run recorded ``local-<16 hex>`` for tiny-qwen3.5: the same checkpoint now has a content
+    revision (so as_dict() differs) and still matches that record through its legacy revision."""
+    recorded = RunConfig.from_json((LEGACY / "chats-307617162427" / "run.json").read_bytes()).model
+    assert recorded["revision"].startswith("local-")
+    info = model_info("tiny-qwen3.5", tiny_cache)
+    assert info.as_dict() != recorded
+    assert info.legacy_revision == recorded["revision"] and info.differences(recorded) == []
+    assert info.differences({**recorded, "revision": "local-0000000000000000"}) != []
