@@ -15,6 +15,7 @@ Marker fields (JSON, written by ``workers/extract.py``):
 | ``planned_samples``, ``planned_tokens`` | what the plan's batch held |
 | ``quarantined`` | ``[{"sample_index": i, "reason": "nonfinite hidden states (layers 3, 4, final_postnorm)"}]``: planned samples left out of the shard, with the captured parts that held NaN/Inf |
 | ``num_quarantined`` | ``len(quarantined)`` |
+| ``model_revision`` | the revision of the checkpoint the worker loaded and checked against ``run.json`` (``core/models.py``: a hash of its bytes for a local directory, the commit for a hub id) |
 | ``worker``, ``seconds``, ``finished_at`` | who, how long the task took (seconds), when (UTC) |
 | ``forwards`` | forwards the batch ran in (more than 1 when it exceeded the worker's padded-token limit, ``HSX_MAX_FORWARD_TOKENS`` or measured) |
 | ``finished_unix`` | when the marker was made, Unix seconds with milliseconds (for rates over short windows) |

@@ -388,9 +388,10 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
     summary: dict = {"samples": [], "rtol": rtol, "values_compared": 0, "worst_ratio": 0.0}
     problems: list[Problem] = []
     info = model_info(config.model_name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
-    if info.as_dict() != config.model:
-        problems.append(Problem("-", "recompute_error", f"model {config.model_name!r} now resolves to {info.as_dict()}, "
-                                                        f"but the run was extracted from {config.model}: cannot recompute"))
+    differences = info.differences(config.model)
+    if differences:
+        problems.append(Problem("-", "recompute_error", f"model {config.model_name!r} is no longer the checkpoint the run was "
+                                                        f"extracted from ({'; '.join(differences)}): cannot recompute"))
         return summary, problems
     t0 = time.perf_counter()
     path = resolve_model_path(config.model_name, settings.cache_dir)

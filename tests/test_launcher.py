@@ -236,24 +236,28 @@ def test_a_broker_that_refuses_the_password_is_refused_at_once(clean_broker, lau
     assert "(HSX_BROKER_URL) refused us" in line and "redis://:***@127.0.0.1" in line, line
 
 
-def test_the_status_record_of_a_dead_worker_is_marked_stopped_with_how_it_ended(tmp_path):
-    """A record written by the real Heartbeat says ``working``; marked for a worker killed by SIGKILL
-    it says ``stopped``, with no batch, the exit and the time of its last heartbeat kept.
+def test_the_status_record_of_a_dead_worker_is_marked_stopped_with_how_it_ended(tmp_path, monkeypatch):
+    """A record written by the real Heartbeat says ``working``, and the Heartbeat lists its run in
+    ``<HSX_WORKER_RUNS_DIR>/<pid>.runs`` (once); marked for a worker killed by SIGKILL it says
+    ``stopped``, with no batch, the exit and the time of its last heartbeat kept."""
+    from settings import get_settings
 
-    The ``<pid>.runs`` list is written here by hand: workers/heartbeat.py does not write it yet
-    (see the README, "Failure and recovery")."""
+    monkeypatch.setenv("HSX_WORKER_RUNS_DIR", str(tmp_path))
+    get_settings.cache_clear()
     settings = Settings(_env_file=None)
     run_url = str(tmp_path / "run")
     store = open_store(run_url, settings)
     beat = Heartbeat(interval_s=3600)  # one write for the change, then quiet for the test's length
     beat.phase(run_url, store, "b000003", "forward")
+    beat.phase(run_url, store, "b000004", "forward")
+    get_settings.cache_clear()
     key = f"workers/{worker_name()}.json"
     wait_until(lambda: store.exists(key), 10, "the record")
     time.sleep(1.0)
     before = json.loads(store.read(key))
     assert before["state"] == "working" and before["batches"][0]["batch"] == "b000003", before
     runs = tmp_path / f"{os.getpid()}.runs"
-    runs.write_text(f"{run_url}\n{run_url}\n")
+    assert runs.read_text() == f"{run_url}\n", "the heartbeat lists the run once, when it first writes there"
     assert mark_dead_worker(runs, socket.gethostname(), os.getpid(), describe_exit(-signal.SIGKILL), settings) == [run_url]
     after = json.loads(store.read(key))
     assert after["state"] == "stopped" and after["batches"] == [] and after["exit"].startswith("killed by SIGKILL"), after

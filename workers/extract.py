@@ -155,10 +155,12 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     job.phase("loading")
     target = get_target(config.model_name, settings)
     job.heartbeat.device = target.engine.get("device")
-    if target.info.as_dict() != config.model:
+    differences = target.info.differences(config.model)
+    if differences:
         raise FidelityError(
-            f"batch {batch}: this worker loaded {target.info.as_dict()} but run {config.run_id} was planned for "
-            f"{config.model}; the checkpoint changed since planning. Re-plan the run or point the worker at the same checkpoint."
+            f"batch {batch}: this worker's checkpoint is not the one run {config.run_id} was planned for "
+            f"({'; '.join(differences)}); the checkpoint changed since planning. Re-plan the run or point the worker at "
+            "the same checkpoint."
         )
     layers = config.layers
     selection = LayerSelection(tuple(layers["layer_ids"]), layers["final"], layers.get("preset"), layers["num_layers"])
@@ -296,6 +298,7 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         "quarantined": quarantined,
         "num_quarantined": len(quarantined),
         "worker": {"host": socket.gethostname(), "pid": os.getpid(), "device": target.engine["device"]},
+        "model_revision": target.info.revision,
         "forward_s": round(forward_s, 4),
         "launch_s": round(launch_s, 4),
         "forwards": len(ranges),

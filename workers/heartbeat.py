@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,20 @@ WORKERS_PREFIX = "workers/"
 SCHEMA_VERSION = 1
 #: shortest gap between two writes of one run's record (seconds).
 MIN_WRITE_GAP_S = 1.0
+
+
+def _list_run(run_url: str) -> None:
+    """Add ``run_url`` to ``<HSX_WORKER_RUNS_DIR>/<pid>.runs``, where ``python -m workers`` finds the
+    runs whose record of this process to mark ``stopped`` if the process dies (``workers/launcher.py``)."""
+    from settings import get_settings
+
+    try:
+        runs_dir = get_settings().worker_runs_dir
+        if runs_dir is not None:
+            with open(Path(runs_dir) / f"{os.getpid()}.runs", "a") as f:
+                f.write(run_url + "\n")
+    except Exception as exc:  # best effort: a status record is not worth a failed batch
+        log.debug("runs list not written: %s", exc)
 
 
 def _utc(ts: float | None) -> str | None:
@@ -67,6 +82,7 @@ class Heartbeat:
         run = self._runs.get(run_url)
         if run is None:
             run = self._runs[run_url] = {"store": store, "batches": {}, "done": 0, "dirty": True, "last": 0.0, "final": None}
+            _list_run(run_url)
         return run
 
     def phase(self, run_url: str, store, batch: str, phase: str) -> None:
