@@ -51,8 +51,8 @@ class _Progress(Progress):
             parts = []
             if samples is not None:
                 parts.append(plural(samples, "sample"))
-            if tok_s is not None:
-                parts.append(f"{tok_s:,.0f} tok/s")
+            if tok_s is not None:  # the recent rate (producer/status.py recent_rate); nan: too few markers yet
+                parts.append("measuring tok/s" if tok_s != tok_s else f"{tok_s:,.0f} tok/s now")
             kwargs["info"] = "  ".join(parts)
         kwargs.pop("tokens", None)
         return super().update(task_id, **kwargs)

@@ -19,7 +19,7 @@ from core.marker import done_batches
 from producer.enqueue import enqueue_batches
 from producer.reconcile import RunReconciler
 from producer.planner import PlanOptions, PlannedRun, plan_run
-from producer.status import read_failures
+from producer.status import read_failures, recent_rate
 from settings import Settings
 
 
@@ -100,18 +100,23 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
     failed: dict = {}
     last_fail_check = 0.0
     last_progress = time.monotonic()
+    arrivals: list[tuple[float, int]] = []  # (when this loop saw the marker, tokens): the recent rate
     while True:
         done = done_batches(run_store) & set(by_name)
+        now = time.monotonic()
         for b in done - seen:
             tokens += by_name[b]["num_tokens"]
             samples += by_name[b]["num_samples"]
+            arrivals.append((now, by_name[b]["num_tokens"]))
         new_done = len(done - seen)
         seen |= done
         if new_done:
-            last_progress = time.monotonic()
+            last_progress = now
         if progress and new_done:
-            elapsed = max(time.monotonic() - started, 1e-6)
-            progress.update(task, advance=new_done, samples=samples, tok_s=tokens / elapsed)
+            # The rate of the last markers, not an average since the start: that would count planning,
+            # the model load and the warm-up (producer/status.py recent_rate).
+            rate = recent_rate(arrivals, now)
+            progress.update(task, advance=new_done, samples=samples, tok_s=rate if rate is not None else float("nan"))
         remaining = set(by_name) - seen
         if not remaining:
             break

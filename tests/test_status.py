@@ -4,6 +4,8 @@ terminal view. The live cases (a running job, Flower, gpu_stats) are in test_mon
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import time
 from datetime import datetime, timezone
@@ -118,3 +120,18 @@ def test_status_view_shows_gpu_readings_and_eta_of_a_running_run():
     for expected in ("50 / 200 batches (25.0%)", "9,000 tok/s", "eta", "11m07s", "gpu0@node1", "NVIDIA H200", "97%",
                      "100.0 GiB / 141.0 GiB", "61C 650W", "b000051 (forward)", "148 waiting", "too_long 3"):
         assert expected in text, f"{expected!r} not in the view:\n{text}"
+
+
+def test_the_rate_on_screen_is_the_recent_one_not_an_average_that_counts_the_warm_up():
+    """A run that spent 300 s loading and warming up, then certified a 30,000-token batch every 4 s:
+    the rate is 7,500 tok/s (the steady one), while tokens over time since the start would say ~2,800."""
+    from producer.status import recent_rate
+
+    arrivals = [(300.0 + 4 * i, 30_000) for i in range(50)]  # markers at 300, 304, ..., 496 s
+    now = 497.0
+    assert recent_rate(arrivals, now) == pytest.approx(7_500, rel=0.03)
+    assert sum(n for _, n in arrivals) / now < 3_100
+    # A stall shows: no marker for 60 s after the last one, the rate falls.
+    assert recent_rate(arrivals, 556.0) < 0.7 * recent_rate(arrivals, now)
+    # One marker is not a rate.
+    assert recent_rate(arrivals[:1], 301.0) is None and recent_rate([], 1.0) is None
