@@ -2,7 +2,7 @@
 
 Started only when no broker URL is configured (``producer run`` on one machine). It listens on a
 unix socket with owner-only permissions (no TCP port), keeps an append-only file (AOF) under the
-state dir so that a restart keeps the queue, and never evicts keys (FIELD-NOTES sections 5, 6).
+state dir so that a restart keeps the queue, and never evicts keys (docs/FACTS.md §5, §6).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Our convention (also SpecForge's and DFlash's ``target_layer_ids``): id ``i`` is
 decoder layer i**, 0-based, i.e. the residual stream after layer ``i``. The same state is
 HF ``output_hidden_states`` index ``i + 1`` (index 0 is the embeddings, index N is the final state
 *after* the norm) and vLLM / speculators id ``i + 1`` ("input to layer i+1"; id N is the final
-state *before* the norm). See FIELD-NOTES section 1 for the off-by-one bugs this avoids.
+state *before* the norm). See docs/FACTS.md §1 for the off-by-one bugs this avoids.
 
 Final states are separate from layer ids: ``postnorm`` is what ``lm_head`` consumes (computed with
 the model's own final norm module), ``prenorm`` is the raw output of the last layer.
@@ -28,7 +28,7 @@ def eagle3_layer_ids(num_layers: int) -> list[int]:
 def dflash_layer_ids(num_layers: int, num_draft_layers: int = 5) -> list[int]:
     """DFlash target layers: K ids spread evenly from 1 to N-3, rounded with Python's ``round``.
 
-    With one draft layer DFlash takes ``N // 2`` (FIELD-NOTES section 1).
+    With one draft layer DFlash takes ``N // 2`` (docs/FACTS.md §1).
 
     Raises:
         BadConfig: K < 1.

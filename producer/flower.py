@@ -6,7 +6,7 @@ tokens=<n>``, state, worker, runtime, result) and every worker, from the events 
 this process with a Celery app built from the settings, so the broker password never appears on a
 command line.
 
-Exposure rules (FIELD-NOTES section 6):
+Exposure rules (docs/FACTS.md §6):
 
 - It binds to 127.0.0.1 unless told otherwise; any other address needs basic auth
   (``HSX_FLOWER_BASIC_AUTH=user:password``), or it refuses to start.

@@ -5,7 +5,7 @@ trained to predict: every assistant reply, from its first token to its end-of-tu
 (inclusive); nothing of system, user or tool turns, nor of the role headers.
 
 Why not ``return_assistant_tokens_mask``: the Qwen3 template has no ``{% generation %}`` markers,
-and then transformers silently returns an all-zero mask (FIELD-NOTES 3). The method here works
+and then transformers silently returns an all-zero mask (docs/FACTS.md §3). The method here works
 with any template ("render boundary", as in speculators and NeMo Automodel):
 
 1. render the whole conversation once and tokenise it once (``add_special_tokens=False``);
@@ -91,7 +91,7 @@ from core.errors import BadConfig, BadRecord
 from producer.datasets import Conversation, PretokenisedRecord, Record, TextRecord
 
 #: A sample needs at least this many supervised tokens, consecutive: DFlash trains on blocks of
-#: consecutive targets and skips samples without two (FIELD-NOTES 8).
+#: consecutive targets and skips samples without two (docs/FACTS.md §8).
 MIN_CONSECUTIVE_SUPERVISED = 2
 
 #: What to do with a row longer than ``max_length`` tokens: cut it, or skip it (``too_long``).

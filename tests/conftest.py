@@ -5,7 +5,7 @@ loopback ports, open (no credentials) because the ``AWS_*`` variables are remove
 environment; if it is not ready within ``SEAWEED_START_TIMEOUT_S`` the fixture falls back to moto's
 ``ThreadedMotoServer`` (``.kind`` says which). It has ``.stop()`` / ``.start()`` for fault
 injection; ``start()`` reuses the same ports and data, and waits until an object written before
-the stop reads back (FIELD-NOTES 6: after a restart old objects answer 500 for ~0.6 s).
+the stop reads back (docs/FACTS.md §6: after a restart old objects answer 500 for ~0.6 s).
 
 Nothing here reads the machine's ``HSX_*`` / ``AWS_*`` settings: endpoint, region and keys are
 passed explicitly.

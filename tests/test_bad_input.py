@@ -24,7 +24,7 @@ def env(tmp_path, tiny_cache):
 
 
 def test_a_file_of_pathological_records_finishes_with_each_skip_counted(tmp_path, env):
-    """Every FIELD-NOTES section 4 pathology is skipped under its own reason; all good records are extracted."""
+    """Every docs/FACTS.md §4 pathology is skipped under its own reason; all good records are extracted."""
     lines = [json.dumps(_good(i)) for i in range(6)]
     lines += [
         '{"id": "broken", "conversations": [',                                              # malformed JSON

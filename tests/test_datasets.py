@@ -21,7 +21,7 @@ from producer.datasets import (
     sharegpt_path,
 )
 
-SHAREGPT_COMPLETE_RECORDS = 17_671  # FIELD-NOTES 4
+SHAREGPT_COMPLETE_RECORDS = 17_671  # docs/FACTS.md §4
 
 
 def _write_lines(path: Path, lines: list[bytes | str | object]) -> Path:

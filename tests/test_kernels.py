@@ -16,7 +16,7 @@ def test_a_gdn_model_on_cuda_without_fla_is_refused_unless_allowed(tiny_model):
     """fla is absent on CPU CI: on a (pretended) CUDA device the check refuses, and names the fix; the override lets it run."""
     assert is_gdn(tiny_model.config)
     report = check_kernels(tiny_model, torch.device("cpu"), Settings(_env_file=None))
-    assert report["fla"] is False  # never installed on CPU boxes (FIELD-NOTES section 2)
+    assert report["fla"] is False  # never installed on CPU boxes (docs/FACTS.md §2)
     with pytest.raises(BadConfig, match="HSX_ALLOW_SLOW_KERNELS"):
         check_kernels(tiny_model, torch.device("cuda"), Settings(_env_file=None))
     assert check_kernels(tiny_model, torch.device("cuda"), Settings(_env_file=None, allow_slow_kernels=True))["fla"] is False

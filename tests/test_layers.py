@@ -29,8 +29,8 @@ def test_the_real_configs_have_the_layer_counts_the_presets_are_checked_on():
 
 
 @pytest.mark.parametrize("name, dflash, eagle3", [
-    ("qwen3.5", [1, 16, 31, 46, 61], [1, 31, 60]),   # Qwen3.5-27B / Qwen3.6-27B (FIELD-NOTES 1)
-    ("qwen3", [1, 9, 17, 25, 33], [1, 17, 32]),      # Qwen3-8B (FIELD-NOTES 1)
+    ("qwen3.5", [1, 16, 31, 46, 61], [1, 31, 60]),   # Qwen3.5-27B / Qwen3.6-27B (docs/FACTS.md §1)
+    ("qwen3", [1, 9, 17, 25, 33], [1, 17, 32]),      # Qwen3-8B (docs/FACTS.md §1)
     ("llama-3.1", [1, 8, 15, 22, 29], [1, 15, 28]),
     ("qwen3-next", [1, 12, 23, 34, 45], [1, 23, 44]),
 ])

@@ -5,7 +5,7 @@ The configs are the real ``config.json`` files in ``tests/data/configs/`` (byte 
 kind, ``layer_types`` pattern, Gated DeltaNet, MoE routing, zero-centred norms, rope variant) and
 shrinks the sizes: hidden 64, 6 layers, 4 heads, a 512-token vocab, 4 experts for Qwen3-Next,
 ``initializer_range=0.1`` so that contamination between samples shows, fp32, fixed seed
-(FIELD-NOTES section 2). Weights are random: the states are synthetic.
+(docs/FACTS.md §2). Weights are random: the states are synthetic.
 """
 
 from __future__ import annotations

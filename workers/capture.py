@@ -15,10 +15,10 @@ hold its output: transformers overwrites ``hidden_states[-1]`` with the post-nor
 raw output of layer ``N - 1`` is ``final_prenorm`` (and the slot of id ``N - 1``).
 ``final_postnorm`` is the model's own final norm module's output (what ``lm_head`` consumes;
 Qwen3.5 / Qwen3-Next use a zero-centred ``(1 + w)`` norm, so it must be the model's module,
-FIELD-NOTES section 1). Rows are right-padded and run without an attention mask: every layer is
+docs/FACTS.md §1). Rows are right-padded and run without an attention mask: every layer is
 causal, so padding after a sample's last token never reaches it (see :func:`launch_capture`; the
 tests compare every family against unpadded per-sample forwards). Left padding without a mask, or
-packing without boundary-aware kernels, is wrong (FIELD-NOTES section 2) and is not used.
+packing without boundary-aware kernels, is wrong (docs/FACTS.md §2) and is not used.
 
 A worker splits a batch in two steps: :func:`launch_capture` (under the GPU lock) only queues the
 forward, the gathers and the copies, with no host sync; ``PendingCapture.wait()`` (after the lock
@@ -205,7 +205,7 @@ def launch_capture(
     padding placed after the last valid token can never reach a valid one. This keeps the
     base model's fastest path (flash sdpa, fla kernels without a mask), the ceiling's path; the
     padded positions' outputs are garbage and are never gathered. Left padding or packing would
-    need a mask or boundary-aware kernels (FIELD-NOTES section 2) and are not used.
+    need a mask or boundary-aware kernels (docs/FACTS.md §2) and are not used.
 
     Args:
         model: a ``*ForCausalLM`` (or a bare decoder) on its device, in eval mode.

@@ -1,6 +1,6 @@
 """The target model inside a worker process: loaded once, warmed up, reused by every task.
 
-Loading follows FIELD-NOTES section 2: ``AutoModelForCausalLM`` (a Qwen3.5 / 3.6 multimodal
+Loading follows docs/FACTS.md §2: ``AutoModelForCausalLM`` (a Qwen3.5 / 3.6 multimodal
 checkpoint loads as the text-only model), ``use_safetensors=True`` (no pickle checkpoints),
 ``trust_remote_code`` only when the settings allow it, bf16 on CUDA and fp32 on the CPU.
 """
@@ -76,7 +76,7 @@ GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen
 
 
 def is_gdn(config) -> bool:
-    """True for Gated DeltaNet (linear-attention hybrid) models (FIELD-NOTES section 2)."""
+    """True for Gated DeltaNet (linear-attention hybrid) models (docs/FACTS.md §2)."""
     text = config.get_text_config()
     return text.model_type in GDN_MODEL_TYPES or "linear_attention" in (getattr(text, "layer_types", None) or [])
 
@@ -320,7 +320,7 @@ def load_target(name: str, settings: Settings) -> Target:
 #: specialisation of its integer arguments (value 1, multiple of 16), and fla's chunked kernels
 #: see the row length and the number of 64-token chunks: rows of 16k and 16k+r tokens, one row and
 #: several, one chunk and more than 16 compile every variant a real run meets, so that no task
-#: stalls on a JIT compile mid-run (FIELD-NOTES section 7: ~50 s cold for a GDN model).
+#: stalls on a JIT compile mid-run (docs/FACTS.md §7: ~50 s cold for a GDN model).
 WARM_UP_LENGTHS = ((32, 16), (33,), (80, 47, 5), (1024,), (1041, 700))
 
 
