@@ -85,3 +85,16 @@ def test_soak_bench_runs_tasks_over_several_workers_and_finds_the_output_exactly
     assert once["verify_ok"] and once["orphan_shards"] == 0, once
     assert once["samples_stored"] + once["samples_quarantined"] == once["samples_planned"]
     assert "exactly once" in proc.stdout
+
+
+def test_s3_host_cost_bench_sends_the_same_bytes_three_ways(tmp_path, tiny_cache):  # noqa: F811
+    """bench/s3_host_cost.py on a small shard: ours (write_stream), plain upload_fileobj and the spool hop each
+    report GB/s and CPU s per GB against a real loopback SeaweedFS."""
+    out = tmp_path / "s3.json"
+    _run_bench("s3_host_cost.py", ["--tokens", "512", "--hidden", "256", "--repeats", "1", "--json", str(out)], tiny_cache,
+               timeout_s=180)
+    report = json.loads(out.read_text())
+    assert report["shard_bytes"] > 512 * 5 * 256 * 2
+    for way in ("ours", "plain", "spool_hop"):
+        assert report[way]["gb_s_median"] > 0 and report[way]["cpu_s_per_gb"] >= 0, report[way]
+    assert report["ours_over_plain"] > 0
