@@ -274,10 +274,12 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     num_samples, num_tokens = int(tensors["sample_index"].shape[0]), int(tensors["input_ids"].shape[0])
     metadata = shard_metadata(config.run_id, batch, layers, config.model, target.engine, store_dtype=config.store_dtype)
     pieces = serialize_shard(tensors, metadata)
-    key = shard_key(batch, uuid.uuid4().hex[:12])
+    attempt = uuid.uuid4().hex[:12]
+    key = shard_key(batch, attempt)
     faults.pause(settings.faults, "upload", batch)
     t_write = time.perf_counter()
-    nbytes, sha256, path = _write_shard(run_store, key, pieces, config.run_id, batch, expected, spool, settings, job)
+    nbytes, sha256, path = _write_shard(run_store, key, pieces, spool.directory / spool_file_name(config.run_id, batch, attempt),
+                                        batch, expected, spool, settings, job)
     job.release_buffer()
     t_done = time.perf_counter()
     faults.pause(settings.faults, "marker", batch)
@@ -327,7 +329,7 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     return {"status": "done", "batch": batch, "num_tokens": num_tokens, "num_quarantined": len(quarantined), "seconds": seconds}
 
 
-def _write_shard(run_store, key: str, pieces: list, run_id: str, batch: str, expected: int, spool, settings: Settings,
+def _write_shard(run_store, key: str, pieces: list, spool_path, batch: str, expected: int, spool, settings: Settings,
                  job: _Job) -> tuple[int, str, str]:
     """Put the serialised shard ``pieces`` under ``key``: (bytes, sha256 hex, path taken).
 
@@ -350,7 +352,6 @@ def _write_shard(run_store, key: str, pieces: list, run_id: str, batch: str, exp
         nbytes, sha256 = _retry(settings, f"store shard {key} of batch {batch}",
                                 lambda: run_store.write_stream(key, pieces))
         return nbytes, sha256, "memory"
-    spool_path = spool.directory / spool_file_name(run_id, batch, key.rsplit("-", 1)[-1].split(".")[0])
     try:
         job.phase("spooling")
         try:
