@@ -77,6 +77,18 @@ class Settings(BaseSettings):
     of botocore's own retries; the batch fails after that. 0: no retry beyond botocore's."""
     heartbeat_s: float = Field(default=5.0, gt=0)
     """Seconds between a worker's status records (``<run>/workers/<host>-<pid>.json``)."""
+    lease_s: float = Field(default=120.0, gt=0)
+    """Seconds a claimed batch stays held without a heartbeat of its worker (``workers/lease.py``):
+    after that, any live worker enqueues it again (a SIGKILLed worker, a lost node). Keep it several
+    times ``HSX_HEARTBEAT_S``; a lease that expires under a live worker only causes a duplicate run,
+    which the marker settles."""
+    reclaim_interval_s: float = Field(default=30.0, gt=0)
+    """Seconds between two looks of a worker for batches whose lease expired."""
+    task_retry_base_s: float = Field(default=5.0, gt=0)
+    """First wait (seconds) before a task that failed for a transient reason is delivered again; it
+    doubles with each retry of that task, up to ``HSX_TASK_RETRY_MAX_S``."""
+    task_retry_max_s: float = Field(default=300.0, gt=0)
+    """Longest wait between two retries of a task (seconds)."""
     faults: str | None = None
     """Fault injection, for the recovery tests only; never set it in production. Comma-separated:
     ``pause_<point>=S`` sleeps S seconds at that point of every batch (``forward``, ``upload``,

@@ -151,12 +151,20 @@ class BrokerProbe:
                     out[name] = body
         return out
 
+    def refusing(self) -> dict[str, dict]:
+        """Celery node name -> its ``hsx_refusing`` reply (``workers/app.py``), for every worker that answers."""
+        replies = self.app.control.broadcast("hsx_refusing", reply=True, timeout=self.settings.inspect_timeout_s)
+        return {name: body for reply in replies or [] for name, body in reply.items()
+                if isinstance(body, dict) and "error" not in body}
+
     def poll(self) -> dict:
-        """``{"url", "queue", "workers"}`` or ``{"url", "error"}`` when the broker does not answer."""
+        """``{"url", "queue", "workers", "refusing"}`` or ``{"url", "error"}`` when the broker does not answer."""
         out = {"url": mask_url(self.broker_url), "queue_name": self.settings.queue}
         try:
             out["queue"] = queue_length(self.broker_url, self.settings.queue)
-            out["workers"] = self.workers()
+            with ThreadPoolExecutor(2) as pool:  # two broadcasts, one wait
+                workers, refusing = pool.submit(self.workers), pool.submit(self.refusing)
+                out["workers"], out["refusing"] = workers.result(), refusing.result()
         except Exception as exc:
             out["error"] = f"{exc.__class__.__name__}: {exc}"
         return out
@@ -265,16 +273,19 @@ class RunWatch:
 
         broker = self.probe.poll() if self.probe is not None else None
         workers = self._workers(now, broker)
-        if state == "running" and any(w["online"] is False for w in workers) and not any(w["online"] for w in workers):
-            # Every worker that reported has gone quiet (stopped, killed, or its node lost): nothing
-            # is being done, so no ETA. Workers that start again (or the same `run` command) resume it.
+        stalled_reason = restart = None
+        if state == "running" and workers and not any(self._works_on_it(w, now) for w in workers):
+            # Workers reported, but no live one works on the run now (dead, lost, refusing, idle): no ETA.
             state, eta = "stalled", None
+            stalled_reason, restart = self._stalled(workers)
         skipped = (self.stats.get("skipped") or {}).get("counts", {})
         return {
             "run_id": self.config.run_id,
             "address": store.url,
             "model": self.config.model_name,
             "state": state,
+            "stalled_reason": stalled_reason,
+            "restart": restart,
             "planned": bool(self.batches),
             "plan_error": plan_error,
             "planner": planner,
@@ -299,6 +310,34 @@ class RunWatch:
             "failures": failures,
             "at": _iso(now),
         }
+
+    @staticmethod
+    def _works_on_it(w: dict, now: float) -> bool:
+        """A live worker row that runs a batch of the run, or certified one within three heartbeats
+        (the moment between two batches is not a stall)."""
+        if not w["online"] or w.get("refusing"):
+            return False
+        last = _ts(w.get("last_batch_at"))
+        return bool(w["running"]) or (last is not None and now - last <= HEARTBEAT_STALE_BEATS * HEARTBEAT_DEFAULT_S)
+
+    def _stalled(self, workers: list[dict]) -> tuple[str, str]:
+        """(why no worker works on the run, the command that restarts it)."""
+        refusing = [w for w in workers if w.get("refusing") and w["online"]]
+        lost = [w for w in workers if w.get("state") == "lost"]
+        live = [w for w in workers if w["online"] and not w.get("refusing")]
+        parts = []
+        if refusing:
+            parts.append("; ".join(f"{w.get('name') or w['host']}-{w['pid']} refuses tasks: {w['refusing']}" for w in refusing))
+        if lost:
+            parts.append(f"{len(lost)} lost (no heartbeat): " + ", ".join(f"{w['host']}-{w['pid']}" for w in lost))
+        if live:
+            parts.append(f"{len(live)} live but idle (is anything queued? `python -m producer reconcile {self.run_store.url}`)")
+        if not parts:
+            parts.append("every worker that served it has stopped")
+        restart = ("start workers on the run's broker: `HSX_BROKER_URL=redis://... python -m workers` (fix the refusal's "
+                   f"cause first), or run the same `python -m producer run` command again; then `python -m producer reconcile "
+                   f"{self.run_store.url}` if batches are neither queued nor running")
+        return "no live worker works on the run: " + "; ".join(parts), restart
 
     def _rate(self, now: float) -> dict:
         """Tokens/s over the recent window (the current rate, for the ETA) and over the whole run so far."""
@@ -329,7 +368,7 @@ class RunWatch:
                 rows[key] = {"name": None, "host": host, "pid": pid, "device": None, "gpu": None, "no_gpu": None,
                              "state": None, "running": [], "tokens_per_s": None, "batches_done": 0, "tokens_done": 0,
                              "last_batch_at": None, "last_heartbeat": None, "heartbeat_age_s": None, "paused": None,
-                             "paused_since": None, "spool": None, "online": None, "sources": []}
+                             "paused_since": None, "spool": None, "online": None, "refusing": None, "sources": []}
             return rows[key]
 
         recent: dict[tuple, list] = {}
@@ -364,6 +403,12 @@ class RunWatch:
                 r["heartbeat_age_s"] = round(max(now - beat, 0.0), 1)
                 stale_s = HEARTBEAT_STALE_BEATS * float(h.get("heartbeat_s") or HEARTBEAT_DEFAULT_S)
                 r["online"] = h.get("state") != "stopped" and now - beat <= stale_s
+                if h.get("state") not in ("stopped", "idle") and not r["online"]:
+                    r["state"] = "lost"  # killed, or cut off from the store: its batches are reclaimed after the lease
+            if h.get("state") == "stopped" and h.get("exit"):
+                r["state"] = "lost"  # python -m workers found it dead (killed, non-zero exit) and marked its record
+            if h.get("state") == "refusing" and r["online"]:
+                r["refusing"] = h.get("refusing_reason")
 
         for name, reply in ((broker or {}).get("workers") or {}).items():
             r = row(reply.get("host"), reply.get("pid"))
@@ -377,9 +422,18 @@ class RunWatch:
             if reply.get("tokens_per_s") is not None:
                 r["tokens_per_s"] = reply["tokens_per_s"]
             r["online"] = True
+            if r["state"] == "lost":  # alive after all (its records are late: the store is slow or down)
+                r["state"] = "working" if r["running"] else "idle"
             if r["last_heartbeat"] is None:
                 r["last_heartbeat"] = reply.get("at")
                 r["heartbeat_age_s"] = 0.0
+        for name, reply in ((broker or {}).get("refusing") or {}).items():
+            if reply.get("refusing"):  # a worker that cannot write its records (credentials refused) still answers
+                r = row(reply.get("host"), reply.get("pid"))
+                r["name"], r["online"], r["state"] = name, True, "refusing"
+                r["refusing"] = reply["refusing"].get("error")
+                if "inspect" not in r["sources"]:
+                    r["sources"].append("inspect")
         return sorted(rows.values(), key=lambda r: (str(r["host"]), str(r["name"]), r["pid"] or 0))
 
 

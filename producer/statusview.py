@@ -48,6 +48,9 @@ def progress_table(status: dict) -> Table:
     state_style = {"done": "green", "failed": "red", "plan_failed": "red", "running": "cyan", "stalled": "yellow",
                    "planning": "yellow"}.get(status["state"], "")
     t.add_row("state", Text(status["state"], style=state_style))
+    if status.get("stalled_reason"):
+        t.add_row("stalled", Text(status["stalled_reason"], style="yellow"))
+        t.add_row("to restart", Text(status.get("restart") or ""))
     t.add_row("address", Text(status["address"]))
     t.add_row("model", Text(status["model"]))
     if status["planned"]:
@@ -118,7 +121,8 @@ def workers_table(status: dict) -> Table | Text:
         style = "dim" if r.get("online") is False else ""
         t.add_row(who, device, util, mem, temp, ", ".join(map(str, r.get("running") or [])) or "-",
                   _rate(r.get("tokens_per_s"), ""), f"{r.get('batches_done', 0):,}", beat,
-                  Text(r["paused"], style="yellow") if r.get("paused") else "-", style=style)
+                  Text(f"refusing tasks: {r['refusing']}", style="red") if r.get("refusing")
+                  else Text(r["paused"], style="yellow") if r.get("paused") else "-", style=style)
     return t
 
 

@@ -1,7 +1,10 @@
 """The workers' Celery app: ``celery -A workers worker -Q gpu`` runs one worker on one device.
 
 The broker URL comes from ``HSX_BROKER_URL`` (see settings.py); when ``HSX_MODEL`` is set the
-model is loaded and warmed up as the worker starts, before it takes its first task.
+model is loaded and warmed up as the worker starts, before it takes its first task. Each worker
+process also runs the reclaimer (``workers/lease.py``): batches of dead workers are enqueued again
+once their lease expires. ``celery -A workers inspect hsx_refusing`` (``status`` asks it) tells
+whether a process refuses tasks after a permanent error, and why (``workers/tasks.py``).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from celery.signals import worker_ready
+from celery.worker.control import inspect_command
 
 from core.errors import BadConfig
 from core.queue import make_celery
@@ -35,3 +39,23 @@ def _preload(**_kwargs) -> None:
         from workers.target import get_target
 
         get_target(_settings.model, _settings)
+
+
+@worker_ready.connect
+def _start_reclaimer(**_kwargs) -> None:
+    from workers.lease import Reclaimer
+
+    Reclaimer(_settings, _settings.broker_url).start()
+
+
+@inspect_command()
+def hsx_refusing(state) -> dict:
+    """``{"host", "pid", "refusing"}``: ``refusing`` is None, or ``{"error", "since", "batch", "run"}``
+    once this process stopped taking tasks after a permanent error (``workers/tasks.py``)."""
+    import os
+    import socket
+
+    from workers.tasks import refusal
+
+    r = refusal()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "refusing": None if r is None else dict(r)}

@@ -13,9 +13,10 @@ Record (JSON, ``schema_version`` 1):
 |---|---|
 | ``host``, ``pid``, ``worker`` | the process; ``worker`` is ``<host>-<pid>``, the file's name |
 | ``device`` | torch device of its model (``cpu``, ``NVIDIA H200``...), None before one is loaded |
-| ``state`` | ``working`` (a batch of this run in progress), ``paused`` (a batch of this run waits for the spool), ``idle`` (none), ``stopped`` (the process exited normally) |
+| ``state`` | ``working`` (a batch of this run in progress), ``paused`` (a batch of this run waits for the spool), ``idle`` (none), ``refusing`` (the process stopped taking tasks after a permanent error: ``workers/causes.py``), ``stopped`` (the process exited normally) |
+| ``refusing_reason``, ``refusing_since`` | the error that made it refuse tasks, and since when; None otherwise |
 | ``paused_reason``, ``paused_since`` | why extraction waits (``"spool 85% full, ... (limit 80%, HSX_SPOOL_MAX_FRACTION) in /dev/shm/hsx-spool"``, ``"2 shards waiting to be stored (limit 2, HSX_MAX_PENDING_UPLOADS)"``) and since when; None when not paused |
-| ``batches`` | ``[{"batch", "phase", "since"}]``; ``phase`` is ``paused``, ``waiting_gpu``, ``forward``, ``writing``, ``storing``, ``verifying`` or ``marker`` |
+| ``batches`` | ``[{"batch", "phase", "since"}]``; these are the batches whose lease the process holds (``workers/lease.py``); ``phase`` is ``claimed`` (the task started), ``paused``, ``waiting_gpu``, ``forward``, ``writing``, ``storing``, ``verifying`` or ``marker`` |
 | ``batches_done`` | batches of this run the process certified (marker written) since it started |
 | ``spool`` | ``{dir, used_bytes, total_bytes, reserved_bytes, used_fraction, uploads_pending, max_fraction, max_pending_uploads}`` |
 | ``started_at``, ``updated_at`` | UTC ISO 8601 |
@@ -77,6 +78,7 @@ class Heartbeat:
         self._wake = threading.Event()
         self._runs: dict[str, dict] = {}  # run_url -> {"store", "batches", "done", "dirty", "last", "final"}
         self._thread: threading.Thread | None = None
+        self.refusing: dict | None = None  # {"reason", "since"} once the process refuses tasks
 
     def _run(self, run_url: str, store) -> dict:
         run = self._runs.get(run_url)
@@ -105,6 +107,17 @@ class Heartbeat:
             run["dirty"] = True
         self._wake.set()
 
+    def refuse(self, reason: str) -> None:
+        """The process stops taking tasks because of ``reason``: every record says ``refusing`` from now
+        on, and keeps being written every interval so that ``status`` sees a live, refusing worker."""
+        with self._lock:
+            if self.refusing is None:
+                self.refusing = {"reason": reason, "since": time.time()}
+            for run in self._runs.values():
+                run["dirty"], run["final"] = True, None
+            self._ensure_thread()
+        self._wake.set()
+
     def record(self, run_url: str, state_override: str | None = None) -> dict:
         """The record of ``run_url`` as it would be written now (see the module doc)."""
         with self._lock:
@@ -113,7 +126,8 @@ class Heartbeat:
             done = run["done"]
         spool = self.spool
         paused = any(b["phase"] == "paused" for b in batches)
-        state = state_override or ("paused" if paused else "working" if batches else "idle")
+        refusing = self.refusing
+        state = state_override or ("refusing" if refusing else "paused" if paused else "working" if batches else "idle")
         usage = None
         if spool is not None:
             try:
@@ -130,6 +144,8 @@ class Heartbeat:
             "state": state,
             "paused_reason": (spool.paused_reason if spool is not None else None) if paused else None,
             "paused_since": _utc(spool.paused_since if spool is not None else None) if paused else None,
+            "refusing_reason": refusing["reason"] if refusing else None,
+            "refusing_since": _utc(refusing["since"]) if refusing else None,
             "batches": [{"batch": b["batch"], "phase": b["phase"], "since": _utc(b["since"])} for b in batches],
             "batches_done": done,
             "spool": usage,
@@ -151,7 +167,7 @@ class Heartbeat:
         try:
             store.write(f"{WORKERS_PREFIX}{worker_name()}.json", json.dumps(body, indent=1).encode())
             with self._lock:
-                if not body["batches"]:
+                if not body["batches"] and self.refusing is None:
                     run["final"] = body["state"]
         except Exception as exc:  # the store may be down: the next beat tries again
             with self._lock:

@@ -1,0 +1,206 @@
+"""Leases and retries by cause, with real processes (the embedded valkey broker, real ``celery -A
+workers worker`` processes, the tiny target, real ShareGPT records, the S3 server fixture) and no
+command typed to recover: every scenario ends with ``verify`` and each planned sample stored once.
+
+The lease time and the reclaim interval are settings (``HSX_LEASE_S``, ``HSX_RECLAIM_INTERVAL_S``),
+so these tests use seconds where production uses minutes; the default target (every stranded batch
+queued again within ``HSX_LEASE_S + HSX_RECLAIM_INTERVAL_S`` = 2 min 30 s) scales the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from jobfixtures import WorkerProcess, tiny_cache, wait_until  # noqa: F401
+from test_recovery import (HOLD_S, Cluster, assert_complete, cluster, copy_run, held_batch, template,  # noqa: F401
+                           wait_done, wait_log)
+
+from core.broker import redis_client
+from core.errors import FidelityError, SpoolFull, StoreError
+from core.marker import done_batches
+from core.store import MissingKey
+from settings import Settings
+from workers.causes import DATA, PERMANENT, TRANSIENT, UNKNOWN, classify
+from workers.lease import lease_holders
+
+#: lease and reclaim interval of the workers here (seconds).
+LEASE = dict(lease_s=6, reclaim_interval_s=1, task_retry_base_s=0.5, task_retry_max_s=2)
+
+
+def _reclaims(run_store) -> list[dict]:
+    return [json.loads(run_store.read(k)) for k in run_store.list("reclaims/")]
+
+
+@pytest.mark.timeout(150)
+def test_a_sigkilled_worker_s_batch_is_reclaimed_by_a_live_worker_with_no_command_typed(template, cluster, tmp_path):
+    """SIGKILL a worker holding a batch: after its lease (6 s) a live worker enqueues the batch again, once (one
+    reclaim record), the stale claim leaves the broker, and the run completes exactly once; status shows the dead
+    worker ``lost``."""
+    from producer.status import RunWatch
+
+    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    doomed = cluster.worker("doomed", wait=False, faults=f"pause_forward={HOLD_S}", **LEASE)
+    cluster.worker("rescuer", **LEASE)
+    doomed.wait_ready()
+    cluster.enqueue_all(run_store)
+    victim = held_batch(wait_log(doomed, "fault injection: pausing"))
+    time.sleep(1.5)  # a heartbeat with the batch listed
+    killed_at = time.monotonic()
+    doomed.kill()
+    wait_done(run_store, 90)
+    took = time.monotonic() - killed_at
+    reclaims = _reclaims(run_store)
+    assert [r["batch"] for r in reclaims] == [victim], reclaims
+    assert reclaims[0]["attempt"] == 1 and reclaims[0]["by"].endswith(str(cluster.workers[1].proc.pid))
+    assert took >= LEASE["lease_s"] - 2, f"reclaimed after {took:.1f} s, before the lease expired"
+    assert_complete(run_store)
+    wait_until(lambda: redis_client(cluster.broker.url).hlen("unacked") == 0, 10, "the stale claim to be removed")
+    rows = {r["pid"]: r for r in RunWatch(run_store).poll()["workers"]}
+    assert rows[doomed.proc.pid]["state"] == "lost" and rows[doomed.proc.pid]["online"] is False
+
+
+@pytest.mark.timeout(180)
+def test_every_worker_of_a_node_killed_while_another_node_lives_completes_the_run(template, cluster, tmp_path):
+    """Two workers of one "node" SIGKILLed together, each holding a batch; the third lives: both batches are
+    reclaimed (one record each) and done, with no command typed."""
+    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    node = [cluster.worker(f"node1-{i}", wait=False, faults=f"pause_forward={HOLD_S}", **LEASE) for i in (0, 1)]
+    cluster.worker("node2", **LEASE)
+    for w in node:
+        w.wait_ready()
+    cluster.enqueue_all(run_store)
+    victims = {held_batch(wait_log(w, "fault injection: pausing")) for w in node}
+    time.sleep(1.5)
+    for w in node:
+        w.kill()
+    wait_done(run_store, 120)
+    assert sorted(r["batch"] for r in _reclaims(run_store)) == sorted(victims)
+    assert_complete(run_store)
+
+
+@pytest.mark.timeout(150)
+def test_a_live_worker_s_long_batch_keeps_its_lease(template, cluster, tmp_path):
+    """A batch that runs three times the lease on a live worker is renewed by its heartbeats: nobody reclaims it."""
+    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    slow = cluster.worker("slow", faults="pause_forward=18", **LEASE)
+    cluster.worker("other", **LEASE)
+    first = template.batches[0]
+    cluster.enqueue(run_store, [first])
+    wait_log(slow, f"at forward of batch {first['batch']}")
+    wait_until(lambda: first["batch"] in done_batches(run_store), 60, "the long batch's marker")
+    assert _reclaims(run_store) == [] and "Task hsx.extract_batch" not in cluster.workers[1].log()
+
+
+@pytest.fixture(scope="module")
+def guarded_s3(tmp_path_factory):
+    """SeaweedFS that checks credentials (moto accepts any secret)."""
+    from conftest import SeaweedServer, _weed_binary, s3_client
+
+    binary = _weed_binary()
+    if not binary:
+        pytest.skip("SeaweedFS (weed) is not installed: moto cannot refuse credentials")
+    server = SeaweedServer(binary, tmp_path_factory.mktemp("seaweed-leases") / "data", secured=True)
+    server.start()
+    s3_client(server.endpoint_url).create_bucket(Bucket="guarded")
+    yield server
+    server.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_with_a_wrong_s3_secret_refuses_tasks_and_the_healthy_one_does_them(template, guarded_s3, tmp_path,
+                                                                                       tiny_cache):
+    """A worker started with a wrong secret takes a task, finds its credentials refused, stops taking tasks, logs
+    why and answers ``refusing`` to status; the batch goes back to the queue and a healthy worker does every batch."""
+    from producer.status import BrokerProbe, RunWatch
+
+    settings = Settings(_env_file=None, s3_endpoint_url=guarded_s3.endpoint_url, s3_region="us-east-1",
+                        s3_access_key_id=guarded_s3.access_key, s3_secret_access_key=guarded_s3.secret_key)
+    s3 = SimpleNamespace(settings=settings, url=f"s3://guarded/{uuid.uuid4().hex[:8]}")
+    c = Cluster(tmp_path, tiny_cache, s3=s3)
+    try:
+        run_store = copy_run(template, s3.url, c.settings)
+        env = c.env(**LEASE)
+        env["HSX_S3_SECRET_ACCESS_KEY"] = "wrong-secret"
+        bad = WorkerProcess(env, "bad", tmp_path / "bad.log")
+        c.workers.append(bad)
+        bad.wait_ready()
+        c.enqueue_all(run_store)
+        line = wait_log(bad, "refuses tasks from now on", 60)
+        assert "credentials refused" in line and "fix the cause and restart this worker" in line
+        assert bad.proc.poll() is None, "a refusing worker stays up, to be seen"
+        assert not done_batches(run_store)
+        client = redis_client(c.broker.url)
+        wait_until(lambda: client.llen("gpu") == len(template.batches) and client.hlen("unacked") == 0, 20,
+                   "every message back in the queue")
+
+        probe = BrokerProbe(c.settings, c.broker.url)
+        try:
+            status = RunWatch(run_store, probe).poll()
+        finally:
+            probe.close()
+        row = next(r for r in status["workers"] if r["pid"] == bad.proc.pid)
+        assert row["state"] == "refusing" and "credentials refused" in row["refusing"]
+        assert status["state"] == "stalled" and "refuses tasks" in status["stalled_reason"] and status["restart"]
+        assert status["batches_failed"] == 0 and status["broker"]["queue"]["waiting"] == len(template.batches)
+
+        c.worker("good", **LEASE)
+        wait_done(run_store, 120)
+        assert "Task hsx.extract_batch" in bad.log() and "succeeded" not in bad.log()
+        assert_complete(run_store)
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(150)
+def test_a_transient_error_that_outlasts_the_in_task_retries_goes_back_through_the_queue(template, cluster, tmp_path):
+    """The store's disk full on the first shard write (ENOSPC), no in-task retry (HSX_STORE_RETRY_S=0): the task
+    is retried through Celery with backoff (no failure record, never dropped) and the run completes by itself."""
+    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    worker = cluster.worker("cramped", faults="store_full=1", store_retry_s=0, **LEASE)
+    cluster.enqueue_all(run_store)
+    wait_done(run_store, 90)
+    line = wait_log(worker, "transient error, retrying through the queue")
+    assert "No space left on device" in line, line
+    assert not run_store.list("failures/") and not _reclaims(run_store)
+    assert_complete(run_store)
+
+
+def test_errors_are_sorted_by_cause():
+    """Store outages and full disks are waited for; refused credentials, a model mismatch and a missing plan are
+    the worker's to refuse; only every sample non-finite fails the batch; a bug is of no known cause."""
+    import errno
+
+    import redis.exceptions
+
+    full = StoreError("write shards/x: [Errno 28] No space left on device")
+    try:
+        raise StoreError("write x failed") from OSError(errno.ENOSPC, "No space left on device")
+    except StoreError as exc:
+        chained = exc
+    assert [classify(e) for e in (StoreError("timeout", transient=True), full, chained, SpoolFull("spool full"),
+                                  redis.exceptions.ConnectionError("reset"))] == [TRANSIENT] * 5
+    assert [classify(e) for e in (StoreError("s3://b: credentials refused (HTTP 403)"), MissingKey("plan/b000001.npz"),
+                                  FidelityError("batch b1: this worker's checkpoint is not the one run r was planned for"))
+            ] == [PERMANENT] * 3
+    assert classify(FidelityError("batch b1 of run r: all 3 samples have NaN/Inf hidden states (first: ...)")) == DATA
+    assert classify(KeyError("layer_ids")) == UNKNOWN
+
+
+def test_a_lease_is_held_by_a_fresh_record_that_lists_the_batch():
+    """Held: listed in a record updated within the lease and not stopped. Expired: stale, stopped, or not listed."""
+    now = 1_000_000.0
+
+    def rec(worker, age, state="working", batches=("b1",)):
+        from datetime import datetime, timezone
+
+        return {"worker": worker, "state": state, "batches": [{"batch": b, "phase": "forward"} for b in batches],
+                "updated_at": datetime.fromtimestamp(now - age, timezone.utc).isoformat(timespec="seconds")}
+
+    assert lease_holders([rec("a", 5), rec("b", 200)], "b1", 120, now) == ["a"]
+    assert lease_holders([rec("a", 5, state="stopped"), rec("b", 5, batches=("b2",))], "b1", 120, now) == []
+    assert lease_holders([rec("a", 121)], "b1", 120, now) == []

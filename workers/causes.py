@@ -1,0 +1,68 @@
+"""What a failed task does, by the cause of its error (``workers/tasks.py`` acts on it).
+
+| cause | examples | what happens |
+|---|---|---|
+| ``transient`` | a store timeout, refused connection, HTTP 5xx or throttling that outlasted ``HSX_STORE_RETRY_S``; a full store disk or spool (ENOSPC); a broker hiccup; CUDA out of memory | the task goes back to the queue through Celery (``Task.retry``) after ``HSX_TASK_RETRY_BASE_S`` doubling up to ``HSX_TASK_RETRY_MAX_S``, for as long as it takes; no failure record |
+| ``permanent`` | credentials refused, bucket missing (a non-transient ``StoreError``), a bad setting (``BadConfig``), a checkpoint that is not the run's model, a run or plan the worker cannot read (``MissingKey``, ``RunFormatError``) | this worker stops taking tasks (``refusing``, the error in its log and in ``status``); the message goes back to the queue for healthy workers |
+| ``data`` | every sample of the batch had NaN/Inf hidden states (``FidelityError``) | the batch is failed: ``failures/<batch>.json``, the message acknowledged |
+| ``unknown`` | anything else (a bug) | retried like a transient error :data:`UNKNOWN_RETRIES` times, then failed like a data error |
+"""
+
+from __future__ import annotations
+
+import errno
+
+from core.errors import BadConfig, FidelityError, RunConflict, RunFormatError, SpoolFull, StoreError
+from core.store import MissingKey
+
+TRANSIENT, PERMANENT, DATA, UNKNOWN = "transient", "permanent", "data", "unknown"
+#: Retries through Celery of a task whose error is of no known cause, before it is failed.
+UNKNOWN_RETRIES = 2
+#: The text by which the one data error is told from the other ``FidelityError`` (the model
+#: mismatch, a worker's fault): workers/extract.py raises it when every sample is non-finite.
+NONFINITE_TEXT = "NaN/Inf hidden states"
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _disk_full(exc: BaseException) -> bool:
+    return any(isinstance(e, OSError) and e.errno in _DISK_FULL for e in _chain(exc)) \
+        or "No space left on device" in str(exc)
+
+
+def _broker_error(exc: BaseException) -> bool:
+    import kombu.exceptions
+    import redis.exceptions
+
+    return isinstance(exc, (kombu.exceptions.OperationalError, redis.exceptions.ConnectionError,
+                            redis.exceptions.TimeoutError, ConnectionError, TimeoutError))
+
+
+def classify(exc: BaseException) -> str:
+    """The cause of a task's error: :data:`TRANSIENT`, :data:`PERMANENT`, :data:`DATA` or :data:`UNKNOWN` (table above)."""
+    if isinstance(exc, SpoolFull):
+        return TRANSIENT
+    if isinstance(exc, StoreError):
+        # A full store disk is freed by someone (or the spool drains): it is waited for, not refused.
+        return TRANSIENT if exc.transient or _disk_full(exc) else PERMANENT
+    if isinstance(exc, FidelityError):
+        return DATA if NONFINITE_TEXT in str(exc) else PERMANENT
+    if isinstance(exc, (BadConfig, RunFormatError, RunConflict, MissingKey)):
+        return PERMANENT
+    if _broker_error(exc) or _disk_full(exc):
+        return TRANSIENT
+    if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError: another process may hold the GPU
+        return TRANSIENT
+    return UNKNOWN
+
+
+def retry_countdown(retries: int, base_s: float, max_s: float) -> float:
+    """Seconds before retry number ``retries + 1``: ``base_s * 2**retries``, at most ``max_s``."""
+    return min(max_s, base_s * (2 ** min(retries, 30)))
