@@ -184,10 +184,12 @@ def test_errors_are_sorted_by_cause():
         chained = exc
     assert [classify(e) for e in (StoreError("timeout", transient=True), full, chained, SpoolFull("spool full"),
                                   redis.exceptions.ConnectionError("reset"))] == [TRANSIENT] * 5
-    assert [classify(e) for e in (StoreError("s3://b: credentials refused (HTTP 403)"), MissingKey("plan/b000001.npz"),
+    assert [classify(e) for e in (StoreError("s3://b: credentials refused (HTTP 403)"),
                                   FidelityError("batch b1: this worker's checkpoint is not the one run r was planned for"))
-            ] == [PERMANENT] * 3
+            ] == [PERMANENT] * 2
     assert classify(FidelityError("batch b1 of run r: all 3 samples have NaN/Inf hidden states (first: ...)")) == DATA
+    # A message naming a run or plan that is not in the store fails that batch; it never makes a worker refuse.
+    assert classify(MissingKey("plan/b000001.npz")) == DATA
     assert classify(KeyError("layer_ids")) == UNKNOWN
 
 

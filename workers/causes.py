@@ -3,8 +3,8 @@
 | cause | examples | what happens |
 |---|---|---|
 | ``transient`` | a store timeout, refused connection, HTTP 5xx or throttling that outlasted ``HSX_STORE_RETRY_S``; a full store disk or spool (ENOSPC); a broker hiccup; CUDA out of memory | the task goes back to the queue through Celery (``Task.retry``) after ``HSX_TASK_RETRY_BASE_S`` doubling up to ``HSX_TASK_RETRY_MAX_S``, for as long as it takes; no failure record |
-| ``permanent`` | credentials refused, bucket missing (a non-transient ``StoreError``), a bad setting (``BadConfig``), a checkpoint that is not the run's model, a run or plan the worker cannot read (``MissingKey``, ``RunFormatError``) | this worker stops taking tasks (``refusing``, the error in its log and in ``status``); the message goes back to the queue for healthy workers |
-| ``data`` | every sample of the batch had NaN/Inf hidden states (``FidelityError``) | the batch is failed: ``failures/<batch>.json``, the message acknowledged |
+| ``permanent`` | credentials refused, bucket missing (a non-transient ``StoreError``), a bad setting (``BadConfig``), a checkpoint that is not the run's model, a ``run.json`` this code cannot read (``RunFormatError``, written by a newer hsx) | this worker stops taking tasks (``refusing``, the error in its log and in ``status``); the message goes back to the queue for healthy workers |
+| ``data`` | every sample of the batch had NaN/Inf hidden states (``FidelityError``); the run or the batch's plan is not in the store (``MissingKey``: the run was deleted, or the message names a batch that was never planned) | the batch is failed: ``failures/<batch>.json`` (best effort: the run may be gone), the message acknowledged. A message that names what is not there is that message's problem, not the worker's: refusing would let one deleted run idle every worker |
 | ``unknown`` | anything else (a bug) | retried like a transient error :data:`UNKNOWN_RETRIES` times, then failed like a data error |
 """
 
@@ -54,7 +54,9 @@ def classify(exc: BaseException) -> str:
         return TRANSIENT if exc.transient or _disk_full(exc) else PERMANENT
     if isinstance(exc, FidelityError):
         return DATA if NONFINITE_TEXT in str(exc) else PERMANENT
-    if isinstance(exc, (BadConfig, RunFormatError, RunConflict, MissingKey)):
+    if isinstance(exc, MissingKey):
+        return DATA
+    if isinstance(exc, (BadConfig, RunFormatError, RunConflict)):
         return PERMANENT
     if _broker_error(exc) or _disk_full(exc):
         return TRANSIENT
