@@ -75,3 +75,10 @@ class RunFormatError(HsxError):
 
 class FidelityError(HsxError):
     """Data would be wrong if we went on (shard does not match its marker, ids do not echo the plan)."""
+
+
+class NonFiniteBatch(FidelityError):
+    """Every sample of a batch has NaN or Inf hidden states: nothing to write, no shard, no marker.
+
+    A data error of that batch (the worker and its store are fine): the batch is failed, and the
+    worker goes on (``workers/causes.py``)."""

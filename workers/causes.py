@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import errno
 
-from core.errors import BadConfig, FidelityError, RunConflict, RunFormatError, SpoolFull, StoreError
+from core.errors import BadConfig, FidelityError, NonFiniteBatch, RunConflict, RunFormatError, SpoolFull, StoreError
 from core.store import MissingKey
 
 TRANSIENT, PERMANENT, DATA, UNKNOWN = "transient", "permanent", "data", "unknown"
@@ -52,8 +52,10 @@ def classify(exc: BaseException) -> str:
     if isinstance(exc, StoreError):
         # A full store disk is freed by someone (or the spool drains): it is waited for, not refused.
         return TRANSIENT if exc.transient or _disk_full(exc) else PERMANENT
+    if isinstance(exc, NonFiniteBatch) or (isinstance(exc, FidelityError) and NONFINITE_TEXT in str(exc)):
+        return DATA
     if isinstance(exc, FidelityError):
-        return DATA if NONFINITE_TEXT in str(exc) else PERMANENT
+        return PERMANENT
     if isinstance(exc, MissingKey):
         return DATA
     if isinstance(exc, (BadConfig, RunFormatError, RunConflict)):

@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from core.errors import FidelityError
+from core.errors import FidelityError, NonFiniteBatch
 from core.fp8 import FP8_DTYPE, SCALE_BYTES
 from core.retry import retry_transient
 from core.layers import LayerSelection
@@ -261,7 +261,7 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     ]
     if quarantined:
         if len(quarantined) == plan.num_samples:
-            raise FidelityError(
+            raise NonFiniteBatch(
                 f"batch {batch} of run {config.run_id}: all {plan.num_samples} samples have NaN/Inf hidden states "
                 f"(first: {quarantined[0]}); nothing to write, so no shard and no marker. Every sample failing points at "
                 f"the model or the kernels ({target.engine.get('compute_dtype')} on {target.engine.get('device')}), "
