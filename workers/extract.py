@@ -37,14 +37,13 @@ from datetime import datetime, timezone
 
 import torch
 
-from core.errors import FidelityError, NonFiniteBatch
+from core.errors import FidelityError, NonFiniteBatch, StoreError
 from core.fp8 import FP8_DTYPE, SCALE_BYTES
 from core.retry import retry_transient
 from core.layers import LayerSelection
 from core.marker import read_marker, shard_key, write_marker
 from core.plan import read_batch
 from core.runconfig import load_run
-from core.errors import StoreError
 from core.shard import select_samples, serialize_shard, shard_metadata
 from core.store import open_store
 from settings import Settings
