@@ -490,7 +490,7 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
 
 
 def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None, rtol: float | None = None,
-               settings=None, progress=None, threads: int | None = None, retry_s: float = VERIFY_RETRY_S) -> dict:
+               settings=None, progress=None, threads: int | None = None, retry_s: float | None = None) -> dict:
     """Check the run at ``run_store`` (see the module docstring) and return the report.
 
     Report keys: ``ok`` (no problem), ``problems`` (list of ``{batch, kind, detail}``), ``orphans``
@@ -505,6 +505,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
         core.errors.StoreError: run.json, the plan's batch list or the markers' listing cannot be read.
     """
     t0 = time.perf_counter()
+    retry_s = VERIFY_RETRY_S if retry_s is None else retry_s
     config = load_run(run_store)
     config_sha = config.identity_sha256()
     problems: list[Problem] = []
