@@ -116,7 +116,8 @@ def check_run_allowed(run_url: str, settings: "Settings") -> None:
         root = normalise(run_url)
     except BadConfig as exc:
         raise Refused(f"task run address {mask_url(str(run_url))!r} refused: {exc}; this worker serves runs under "
-                      f"{shown} only") from None
+                      f"{shown} only (HSX_STORE_URL plus HSX_ALLOWED_STORES). Fix: send the run's address as "
+                      "producer enqueue writes it; nothing was read or created") from None
     if not any(r.contains(root) for r in roots):
         raise Refused(
             f"task run address {mask_url(run_url)!r} (resolved: {root}) refused: this worker serves runs under "
