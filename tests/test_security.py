@@ -176,7 +176,7 @@ def test_secrets_never_appear_in_output_logs_or_the_store(tmp_path, tiny_cache, 
     st = s3_bucket.settings
     env = clean_env(broker_url=broker.url, cache_dir=tiny_cache, spool_dir=tmp_path / "spool", s3_endpoint_url=st.s3_endpoint_url,
                     s3_region=st.s3_region, s3_access_key_id=st.s3_access_key_id, s3_secret_access_key=st.s3_secret_access_key,
-                    model="tiny-qwen3.5", heartbeat_s=1)
+                    model="tiny-qwen3.5", heartbeat_s=1, store_url=s3_bucket.url)
     secrets = [broker.password, st.s3_secret_access_key]
     worker = WorkerProcess(env, "discreet", tmp_path / "worker.log")
     outputs = []
