@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     # --- store --------------------------------------------------------------------------
     store_url: str = "./out"
     """Where runs are written: a local directory or ``s3://bucket/prefix``."""
+    allowed_stores: str | None = None
+    """Store roots a worker serves besides ``store_url``: comma-separated local paths or
+    ``s3://bucket/prefix`` URLs. A task whose run lies under none of them (compared by whole path
+    segments after resolving links, ``core/access.py``) is refused before the worker touches it."""
     s3_endpoint_url: str | None = None
     """S3 endpoint (SeaweedFS, MinIO, moto...). Unset: boto3's default (AWS or ``AWS_ENDPOINT_URL``)."""
     s3_region: str | None = None
@@ -105,8 +109,10 @@ class Settings(BaseSettings):
 
     # --- workers ------------------------------------------------------------------------
     model: str | None = None
-    """Target model a worker loads at start (hub id, local checkpoint or ``tiny-qwen3.5``).
-    Unset: the worker loads the model named by the first run it serves."""
+    """Target model a worker loads at start (hub id, local checkpoint or ``tiny-qwen3.5``); the worker
+    then serves only runs planned for this checkpoint (same identity as ``run.json``'s ``model``)
+    and refuses the others without loading anything. Unset: the worker loads the model named by
+    the run it serves."""
     worker_concurrency: int = Field(default=3, ge=1)
     """Batches in flight per worker process (one GPU each): its pinned host buffers, each holding one
     batch's states from the device-to-host copy until its shard is in the store. They share one GPU

@@ -103,7 +103,12 @@ class Store(Protocol):
         ...
 
     def create(self, key: str, data: bytes) -> bool:
-        """Create ``key`` only if absent: True if this call created it, False if it existed."""
+        """Create ``key`` only if absent: True if this call created it, False if it existed.
+
+        False is a settled outcome only: another writer's object is there. When the backend cannot
+        say (S3: 409 ConditionalRequestConflict that never settles), this raises
+        :class:`~core.errors.StoreError` with ``transient=True``, never False.
+        """
         ...
 
     def write_stream(self, key: str, pieces: Iterable[memoryview]) -> tuple[int, str]:
@@ -118,6 +123,17 @@ class Store(Protocol):
         """
         ...
 
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of ``key`` (fewer at the end of the object, ``b""`` past
+        it). Raises :class:`MissingKey` if it is absent."""
+        ...
+
+    def sha256(self, key: str) -> tuple[int, str]:
+        """(bytes, sha256 hex) of ``key``'s stored bytes, streamed in ``CHUNK_BYTES`` reads (never whole
+        in memory). Raises :class:`MissingKey` if it is absent; :class:`~core.errors.StoreError`
+        (``transient`` for a network error) if it cannot be read to the end."""
+        ...
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists."""
@@ -157,8 +173,10 @@ class Store(Protocol):
         """A store rooted at ``root/prefix`` (a run is ``store.child(run_id)``)."""
         ...
 
-    def check(self) -> None:
-        """Probe the backend once; raise :class:`~core.errors.StoreError` with the fix if unusable."""
+    def check(self, create: bool = True) -> None:
+        """Probe the backend once; raise :class:`~core.errors.StoreError` with the fix if unusable.
+
+        ``create=False``: a local root that does not exist is refused, not made (read-only opens)."""
         ...
 
 
@@ -224,19 +242,23 @@ def mask_url(url: str) -> str:
 
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_ONE_SLASH = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/(?!/)")
 
 
-def open_store(url: str, settings: "Settings | None" = None) -> Store:
+def open_store(url: str, settings: "Settings | None" = None, *, create: bool = True) -> Store:
     """Open the store at ``url`` and probe it once (:meth:`Store.check`).
 
-    ``url``: a local path (relative paths are made absolute; the directory is created),
+    ``url``: a local path (relative paths are made absolute; the directory is created unless
+    ``create=False``, which the read-only commands and the workers use: a missing directory is
+    then refused and nothing is made),
     ``file:///abs/path``, ``s3://bucket`` or ``s3://bucket/prefix``. S3 endpoint, region and
     credentials come from ``settings`` (``HSX_S3_*``) when set, else from boto3's default chain
     (``AWS_*`` variables, ``AWS_ENDPOINT_URL``, profiles).
 
     Raises :class:`~core.errors.BadConfig` for a URL of another form, and
     :class:`~core.errors.StoreError` (within ~10 s) when the endpoint is unreachable, the bucket
-    is missing, the credentials are refused, or the directory cannot be created.
+    is missing, the credentials are refused, or the directory cannot be created (or, with
+    ``create=False``, does not exist).
     """
     if not isinstance(url, str) or not url.strip():
         raise BadConfig(f"store URL {url!r} is empty: use {ACCEPTED_FORMS}")
@@ -252,9 +274,13 @@ def open_store(url: str, settings: "Settings | None" = None) -> Store:
         store = LocalStore(Path(unquote(parts.path)))
     elif scheme:
         raise BadConfig(f"store URL {mask_url(url)!r} has unsupported scheme {scheme!r}: use {ACCEPTED_FORMS}")
+    elif _ONE_SLASH.match(url):
+        # 's3:/bucket' is a typo of 's3://bucket', not a directory named 's3:' to create
+        raise BadConfig(f"store URL {mask_url(url)!r} is a scheme with one slash: use {ACCEPTED_FORMS} "
+                        f"(for a local directory whose name ends in ':', write ./{mask_url(url)})")
     else:
         store = LocalStore(Path(url).expanduser())
-    store.check()
+    store.check(create=create)
     return store
 
 
@@ -348,8 +374,17 @@ class LocalStore:
     def _tmp_for(self, final: Path) -> Path:
         return final.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}-{final.name}")
 
-    def check(self) -> None:
-        """Create the root directory if needed; raise StoreError if that fails or it is not writable."""
+    def check(self, create: bool = True) -> None:
+        """Create the root directory if needed; raise StoreError if that fails or it is not writable.
+
+        ``create=False``: a root that does not exist is refused (StoreError naming it), nothing is
+        made; an existing root need not be writable (read-only commands)."""
+        if not create:
+            if self.root.is_dir():
+                return
+            what = "is not a directory" if self.root.exists() else "does not exist"
+            raise StoreError(f"store {self.url}: {self.root} {what}; nothing was created. Fix: give the "
+                             "directory of an existing run, <output>/<run_id>")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -502,6 +537,26 @@ class LocalStore:
             os.fsync(f.fileno())
         _fsync_dir(final.parent)
         return True
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of the file from ``offset`` (fewer at its end); :class:`MissingKey` if absent."""
+        path = self._path(key)
+        with self._os_errors("read", key):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    return f.read(length)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise MissingKey(f"{key!r} not found in {self.url}") from None
+
+    def sha256(self, key: str) -> tuple[int, str]:
+        """(bytes, sha256 hex) of the file, read in ``CHUNK_BYTES`` steps; :class:`MissingKey` if absent."""
+        path = self._path(key)
+        with self._os_errors("read", key):
+            try:
+                return sha256_file(path)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise MissingKey(f"{key!r} not found in {self.url}") from None
 
     def exists(self, key: str) -> bool:
         """Whether the file exists (a directory is not a key)."""
@@ -762,7 +817,7 @@ class S3Store:
                                  transient=True) from e
             raise
 
-    def check(self) -> None:
+    def check(self, create: bool = True) -> None:
         """One ``head_bucket`` with short timeouts (3 s connect, 2 attempts); StoreError naming the
         URL, the endpoint, the error and the fix when the endpoint is unreachable, the bucket is
         missing or the credentials are refused."""
@@ -965,9 +1020,11 @@ class S3Store:
 
         A 409 ConditionalRequestConflict (AWS: a racing conditional write is in flight) is retried
         ``CONFLICT_RETRIES`` times so the outcome settles (412 -> False, or 200 if the other writer
-        failed); if it never settles, False. If botocore had to retry our PUT and then got 412, the
-        first attempt may have landed: the object is read back and True returned when it holds our
-        bytes.
+        failed). If it never settles, the outcome is unknown, not lost: StoreError with
+        ``transient=True`` (the caller's retries, ``core/retry.py``, try again; a worker must not
+        take it for another worker's marker and delete its own shard). If botocore had to retry our
+        PUT and then got 412, the first attempt may have landed: the object is read back and True
+        returned when it holds our bytes.
         """
         from botocore.exceptions import ClientError
 
@@ -991,9 +1048,55 @@ class S3Store:
                         if attempt < CONFLICT_RETRIES:
                             time.sleep(CONFLICT_BACKOFF_S * (attempt + 1))
                             continue
-                        return False
+                        raise StoreError(
+                            f"S3 create {self.url}/{key} at {self.endpoint}: {CONFLICT_RETRIES + 1} answers of HTTP 409 "
+                            f"{code or 'ConditionalRequestConflict'} (another conditional write to the key in flight) "
+                            "and none settled whether the object exists; not created. Fix: none needed, try again "
+                            "(transient)", transient=True) from e
                     raise
-        return False  # unreachable
+        raise AssertionError("unreachable")
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """One ranged GET (``Range: bytes=offset-end``); fewer bytes at the object's end, ``b""`` past it
+        (HTTP 416) or for ``length`` 0; :class:`MissingKey` if absent."""
+        from botocore.exceptions import ClientError
+
+        full = self._key(key)
+        if length <= 0:
+            if self.size(key) is None:
+                raise MissingKey(f"{key!r} not found in {self.url}")
+            return b""
+        with self._errors("read", key):
+            try:
+                return self.client.get_object(Bucket=self.bucket, Key=full,
+                                              Range=f"bytes={offset}-{offset + length - 1}")["Body"].read()
+            except ClientError as e:
+                if _is_not_found(e):
+                    raise MissingKey(f"{key!r} not found in {self.url}") from None
+                code, status = _error_code(e)
+                if status == 416 or code == "InvalidRange":
+                    return b""
+                raise
+
+    def sha256(self, key: str) -> tuple[int, str]:
+        """(bytes, sha256 hex) of the object's body, streamed in ``CHUNK_BYTES`` chunks; :class:`MissingKey`
+        if absent; StoreError (``transient``) when the body cannot be read to its end."""
+        from botocore.exceptions import ClientError
+
+        full = self._key(key)
+        h = hashlib.sha256()
+        n = 0
+        with self._errors("read", key):
+            try:
+                body = self.client.get_object(Bucket=self.bucket, Key=full)["Body"]
+            except ClientError as e:
+                if _is_not_found(e):
+                    raise MissingKey(f"{key!r} not found in {self.url}") from None
+                raise
+            for chunk in body.iter_chunks(CHUNK_BYTES):
+                h.update(chunk)
+                n += len(chunk)
+        return n, h.hexdigest()
 
     def size(self, key: str) -> int | None:
         """``ContentLength`` from a HEAD, None if absent."""

@@ -132,6 +132,10 @@ def _plan_table(title: str, report: dict) -> Table:
         t.add_row("plan", "reused (already in the store)")
     t.add_row("already done", plural(report.get("batches_already_done", 0), "batch"))
     t.add_row("enqueued", plural(report.get("batches_enqueued", 0), "batch"))
+    in_flight = report.get("batches_in_flight") or {}
+    if in_flight:
+        queued = sum(1 for v in in_flight.values() if v == "queued")
+        t.add_row("not sent again", f"{plural(queued, 'batch')} queued, {plural(len(in_flight) - queued, 'batch')} running")
     return t
 
 
@@ -152,7 +156,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
     del done_batches
     report = {"run_id": planned.config.run_id, "address": planned.run_url, "plan": planned.stats,
               "plan_reused": planned.reused, "batches_already_done": len(result.already_done),
-              "batches_enqueued": len(result.enqueued)}
+              "batches_enqueued": len(result.enqueued), "batches_in_flight": result.in_flight}
     if args.json:
         out.print_json(json.dumps(report))
     else:
@@ -164,6 +168,8 @@ def cmd_enqueue(args, settings: Settings) -> int:
 def cmd_run(args, settings: Settings) -> int:
     from producer.run import run_job
 
+    if args.output:  # the workers this starts serve the --output root (core/access.py: HSX_STORE_URL)
+        settings = settings.model_copy(update={"store_url": args.output})
     code, report = run_job(_options(args), settings, console, workers=args.workers, progress_factory=progress_factory)
     if args.json:
         out.print_json(json.dumps(report))
@@ -190,7 +196,7 @@ def cmd_status(args, settings: Settings) -> int:
     from producer.status import BrokerProbe, RunWatch
     from producer.statusview import status_view
 
-    run_store = open_store(args.run_address, settings)
+    run_store = open_store(args.run_address, settings, create=False)  # read-only: makes nothing
     broker_url = None if args.no_broker else resolve_broker_url(settings)
     probe = BrokerProbe(settings, broker_url) if broker_url else None
     try:
@@ -237,7 +243,7 @@ def cmd_flower(args, settings: Settings) -> int:
 def cmd_verify(args, settings: Settings) -> int:
     from producer.verify import problem_batches, verify_run
 
-    run_store = open_store(args.run_address, settings)
+    run_store = open_store(args.run_address, settings, create=False)  # read-only: makes nothing
     try:
         with progress_factory() as progress:
             report = verify_run(run_store, recompute=args.recompute, seed=args.seed, rtol=args.rtol, settings=settings,
@@ -274,6 +280,10 @@ def cmd_verify(args, settings: Settings) -> int:
         batches = problem_batches(report)
         out.print(f"[red]verify FAILED[/]: {plural(len(problems), 'problem')} in {plural(len(batches), 'batch')}: "
                   + ", ".join(batches[:20]) + (" ..." if len(batches) > 20 else ""), highlight=False)
+        if report.get("unverified"):
+            out.print(f"[yellow]unverified[/] {plural(len(report['unverified']), 'batch')}: the store did not answer; "
+                      "nothing is known to be wrong with them (reconcile --repair leaves them alone): verify again",
+                      highlight=False)
     else:
         out.print("[green]verify passed[/]: every marker matches its shard and every planned sample is stored once")
     return code
@@ -285,7 +295,7 @@ def cmd_export(args, settings: Settings) -> int:
 
     from producer.export import export_run
 
-    run_store = open_store(args.run_address, settings)
+    run_store = open_store(args.run_address, settings, create=False)  # read-only: makes nothing
     target = Path(args.out)
     created = not target.exists()
     try:
@@ -321,7 +331,7 @@ def cmd_vocab_counts(args, settings: Settings) -> int:
 
     from producer.export import VOCAB_COUNTS, supervised_token_counts, vocab_counts_bytes
 
-    run_store = open_store(args.run_address, settings)
+    run_store = open_store(args.run_address, settings, create=False)  # read-only: makes nothing
     try:
         with progress_factory() as progress:
             counts, info = supervised_token_counts(run_store, partial=args.partial, progress=progress)
@@ -346,7 +356,7 @@ def cmd_vocab_counts(args, settings: Settings) -> int:
 def cmd_reconcile(args, settings: Settings) -> int:
     from producer.reconcile import reconcile_broker, reconcile_run
 
-    run_store = open_store(args.run_address, settings)
+    run_store = open_store(args.run_address, settings, create=False)  # read-only: makes nothing
     try:
         with reconcile_broker(settings) as broker_url:
             report = reconcile_run(run_store, settings, broker_url, grace_s=args.grace, repair=args.repair, dry_run=args.dry_run)
@@ -365,11 +375,15 @@ def cmd_reconcile(args, settings: Settings) -> int:
     for item in report["lost"]:
         sent = args.dry_run or item["batch"] in report["enqueued"]
         out.print(f"{verb if sent else 'not enqueued (no broker)'} {item['batch']}: {item['why']}", highlight=False)
+    if report.get("cleared_unacked"):
+        out.print(f"{'would clear' if args.dry_run else 'cleared'} {plural(len(report['cleared_unacked']), 'stale unacknowledged message')} "
+                  f"of finished batches: {', '.join(sorted(set(report['cleared_unacked']))[:20])}", highlight=False)
     for key in report["removed_shards"]:
         out.print(f"{'would remove' if args.dry_run else 'removed'} {key} (no marker names it)", highlight=False)
     for key in report["removed_incomplete"]:
         out.print(f"removed unfinished upload {key}", highlight=False)
-    if not (report["lost"] or report["removed_shards"] or report["removed_incomplete"] or report["repaired"]):
+    if not (report["lost"] or report["removed_shards"] or report["removed_incomplete"] or report["repaired"]
+            or report.get("cleared_unacked")):
         out.print("nothing to do")
     return 0
 

@@ -1,8 +1,11 @@
 """Enqueueing: one Celery task per planned batch that has no marker yet, on the ``gpu`` queue.
 
 Messages carry ids only (the run's store URL and the batch name); the worker reads the batch
-from the plan. Re-enqueueing a batch that is queued or running already is harmless: the second
-delivery finds the marker and does nothing.
+from the plan. A batch that is queued (a message of it waits in the broker's queue) or running (a
+live worker holds its delivery: ``inspect active`` / ``reserved``) is not sent again, so a second
+``enqueue`` of a run still in progress sends only what is lost (``producer/reconcile.py``'s
+``broker_view`` decides). A duplicate that slips through a race (a message claimed between the
+looks) is still harmless: the second delivery finds the marker and does nothing.
 """
 
 from __future__ import annotations
@@ -17,8 +20,13 @@ from settings import Settings
 
 @dataclass
 class EnqueueResult:
+    """What :func:`enqueue_batches` did, by batch name."""
+
     enqueued: list[str] = field(default_factory=list)
     already_done: list[str] = field(default_factory=list)
+    """Batches with a marker: nothing sent."""
+    in_flight: dict[str, str] = field(default_factory=dict)
+    """Batches not sent because the broker holds them: ``{batch: "queued" | "running"}``."""
     task_ids: dict[str, str] = field(default_factory=dict)
 
 
@@ -30,14 +38,34 @@ def task_argsrepr(run_id: str, batch: dict) -> str:
     return f"run={run_id} batch={batch['batch']} samples={batch['num_samples']} tokens={batch['num_tokens']}"
 
 
-def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None) -> EnqueueResult:
-    """Send one task per batch of ``planned`` (a :class:`producer.planner.PlannedRun`) without a marker."""
+def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None, *, skip_in_flight: bool = True,
+                    inspect_timeout_s: float | None = None) -> EnqueueResult:
+    """Send one task per batch of ``planned`` (a :class:`producer.planner.PlannedRun`) that has no
+    marker and, with ``skip_in_flight``, is neither queued nor running on the broker.
+
+    The workers are asked (``inspect``, up to ``inspect_timeout_s``, default
+    ``HSX_INSPECT_TIMEOUT_S``) only when a batch to send has a delivered, unacknowledged message,
+    so enqueueing a fresh run costs no wait. Raises whatever redis raises when the broker does not
+    answer.
+    """
+    from producer.reconcile import broker_view
+
     done = done_batches(planned.run_store)
     result = EnqueueResult()
     todo = []
     for b in planned.batches:
         (result.already_done if b["batch"] in done else todo).append(b["batch"])
     by_name = {b["batch"]: b for b in planned.batches}
+    if todo and skip_in_flight:
+        timeout = settings.inspect_timeout_s if inspect_timeout_s is None else inspect_timeout_s
+        view = broker_view(settings, broker_url, planned.config.run_id, planned.run_url, inspect_timeout_s=timeout,
+                           only=set(todo))
+        for batch in todo:
+            if batch in view.queued:
+                result.in_flight[batch] = "queued"
+            elif batch in view.running:
+                result.in_flight[batch] = "running"
+        todo = [b for b in todo if b not in result.in_flight]
     if not todo:
         return result
     app = make_celery(settings, broker_url, name="producer")

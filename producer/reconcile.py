@@ -7,13 +7,16 @@ failure (the task raised; ``failures/<batch>.json`` says why), or it was claimed
 process that died (the message sits in kombu's ``unacked`` hash, and Redis would only hand it out
 again after the visibility timeout, hours later), or the broker lost it (a restart without AOF).
 Reconcile enqueues every lost batch again, and removes its failure record so that ``run`` and
-``status`` wait for the new attempt.
+``status`` wait for the new attempt. Unacknowledged deliveries of batches that have their marker
+are stale (a dead worker's, or a duplicate's): they are removed from the broker.
 
 It also removes what dead attempts left in the store, once older than a grace period (default
 one hour, far above the time between a shard's upload and its marker): shards that no marker
 names, unfinished multipart uploads (S3) and temp files (local). With ``repair`` it first runs
-``verify`` and, for every batch whose stored shard is bad (altered, missing, unreadable, wrong
-schema, wrong counts or tokens), deletes the marker and the shard so that the batch is redone.
+``verify`` and, for every batch whose stored shard was read and found bad (altered, missing,
+malformed, wrong schema, wrong counts or tokens), deletes the marker and the shard so that the
+batch is redone; a batch verify could not read (``unverified``: the store did not answer) is left
+as it is.
 
 Looking at the broker: the queue's Redis lists are read with ``LRANGE`` and the ``unacked`` hash
 with ``HGETALL``; message bodies are decoded only when their content type is JSON (never
@@ -48,7 +51,11 @@ DEFAULT_GRACE_S = 3600.0
 #: of delivered, unacknowledged messages.
 PRIORITY_SEP = "\x06\x16"
 UNACKED_KEY = "unacked"
-#: verify problem kinds that mean the batch's stored shard (or its marker) is bad: redo the batch.
+#: kombu's sorted set of the same delivery tags, scored by delivery time (its restore sweep reads it).
+UNACKED_INDEX_KEY = "unacked_index"
+#: verify problem kinds that mean the batch's stored shard (or its marker) was read and found bad:
+#: redo the batch. ``unverified`` (the store did not answer) is not one of them: nothing is known
+#: to be wrong, and deleting a good marker and shard would lose finished work.
 REPAIRABLE = {"shard_altered", "shard_missing", "shard_unreadable", "schema", "counts", "token_echo",
               "loss_mask_echo", "missing_samples", "unplanned_sample", "marker_unreadable", "marker_mismatch",
               "config_mismatch", "recompute"}
@@ -121,8 +128,30 @@ def _is_connection_error(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, OSError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError))
 
 
-def broker_view(settings: Settings, broker_url: str, run_id: str, run_url: str, *, inspect_timeout_s: float = 1.0) -> BrokerView:
+def _unacked_of_run(client, run_id: str, run_url: str) -> list[tuple[bytes, str, str | None]]:
+    """(delivery tag, batch, task id) of every delivered, unacknowledged message of this run in kombu's
+    ``unacked`` hash (its value is ``[message, exchange, routing_key]``; JSON messages only)."""
+    out = []
+    for tag, raw in client.hgetall(UNACKED_KEY).items():
+        try:
+            message = json.loads(raw)[0]
+        except (ValueError, TypeError, IndexError, KeyError):
+            continue
+        task, task_id, args = _decode(json.dumps(message))
+        batch = _batch_of(task, task_id, args, run_id, run_url)
+        if batch:
+            out.append((tag, batch, task_id))
+    return out
+
+
+def broker_view(settings: Settings, broker_url: str, run_id: str, run_url: str, *, inspect_timeout_s: float = 1.0,
+                only: set[str] | None = None) -> BrokerView:
     """Read the queue, the unacknowledged messages and the live workers' active/reserved tasks.
+
+    ``only``: the batches the caller asks about. The workers are then asked (``inspect``, which
+    waits ``inspect_timeout_s`` for replies) only when one of them has a delivered, unacknowledged
+    message: a batch a live worker runs always has one (kombu keeps a message in ``unacked`` from
+    delivery to acknowledgement), so without one nothing of ``only`` can be running.
 
     Raises whatever redis raises when the broker does not answer.
     """
@@ -138,8 +167,10 @@ def broker_view(settings: Settings, broker_url: str, run_id: str, run_url: str, 
             if batch:
                 view.queued[batch] = view.queued.get(batch, 0) + 1
 
+    unacked = _unacked_of_run(client, run_id, run_url)
     held: set[str] = set()  # task ids live workers hold
-    for reply in _inspect(settings, broker_url, inspect_timeout_s):
+    ask = only is None or any(b in only for _, b, _ in unacked)
+    for reply in (_inspect(settings, broker_url, inspect_timeout_s) if ask else []):
         for worker, tasks in reply.items():
             if worker not in view.workers:
                 view.workers.append(worker)
@@ -149,16 +180,33 @@ def broker_view(settings: Settings, broker_url: str, run_id: str, run_url: str, 
                 if batch:
                     view.running.setdefault(batch, []).append(worker)
 
-    for raw in client.hgetall(UNACKED_KEY).values():
-        try:
-            message = json.loads(raw)[0]
-        except (ValueError, TypeError, IndexError, KeyError):
-            continue
-        task, task_id, args = _decode(json.dumps(message))
-        batch = _batch_of(task, task_id, args, run_id, run_url)
-        if batch and task_id not in held:
+    for _tag, batch, task_id in unacked:
+        if task_id not in held:
             view.orphaned[batch] = view.orphaned.get(batch, 0) + 1
     return view
+
+
+def clear_finished_unacked(broker_url: str, run_id: str, run_url: str, done: set[str], *, dry_run: bool = False) -> list[str]:
+    """Remove from kombu's ``unacked`` hash and ``unacked_index`` set the deliveries of this run whose
+    batch has its marker; returns those batches (one entry per message, sorted).
+
+    Such an entry is stale: a worker that died after the marker (or a message delivered twice)
+    leaves it, and kombu would hand it out again after the visibility timeout only to find the
+    marker; meanwhile it inflates ``status``'s ``unacked``. Removing it is safe even if a live
+    worker still holds the message: its acknowledgement is the same ``HDEL`` / ``ZREM``, which
+    does nothing on a missing entry, and the batch is done either way.
+    """
+    from core.broker import redis_client
+
+    client = redis_client(broker_url)
+    stale = [(tag, batch) for tag, batch, _ in _unacked_of_run(client, run_id, run_url) if batch in done]
+    if stale and not dry_run:
+        pipe = client.pipeline()  # MULTI/EXEC: both structures change together
+        for tag, _ in stale:
+            pipe.hdel(UNACKED_KEY, tag)
+            pipe.zrem(UNACKED_INDEX_KEY, tag)
+        pipe.execute()
+    return sorted(batch for _, batch in stale)
 
 
 def _enqueue(run_store: Store, run_url: str, config, batches: list[dict], settings: Settings, broker_url: str) -> list[str]:
@@ -168,13 +216,13 @@ def _enqueue(run_store: Store, run_url: str, config, batches: list[dict], settin
     import kombu.pools
 
     planned = SimpleNamespace(run_store=run_store, batches=batches, config=config, run_url=run_url)
-    try:
-        return enqueue_batches(planned, settings, broker_url).enqueued
+    try:  # reconcile has just read the broker: the batches are neither queued nor running
+        return enqueue_batches(planned, settings, broker_url, skip_in_flight=False).enqueued
     except Exception as exc:  # a pooled connection from before a broker restart: once more, fresh
         if not _is_connection_error(exc):
             raise
         kombu.pools.reset()
-        return enqueue_batches(planned, settings, broker_url).enqueued
+        return enqueue_batches(planned, settings, broker_url, skip_in_flight=False).enqueued
 
 
 def repair_bad_batches(run_store: Store, settings: Settings | None = None) -> dict[str, list[str]]:
@@ -216,7 +264,9 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
     Returns the report: ``run_id``, ``address``, ``batches_total``, ``batches_done``,
     ``repaired`` ({batch: kinds}), ``queued``, ``running``, ``orphaned_deliveries`` (batch lists),
     ``lost`` (``[{batch, why}]``: neither queued nor running), ``enqueued`` (the lost batches sent
-    again; none without a broker or with ``dry_run``), ``removed_shards``, ``removed_incomplete``,
+    again; none without a broker or with ``dry_run``), ``cleared_unacked`` (batches with a marker
+    whose stale unacknowledged deliveries were removed from the broker, one entry per message;
+    :func:`clear_finished_unacked`), ``removed_shards``, ``removed_incomplete``,
     ``workers`` (that answered ``inspect``), ``dry_run``, ``broker``, ``seconds``.
 
     Raises:
@@ -250,6 +300,9 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
             why[name] = "failed: " + str(failures[name].get("error", ""))[:200]
         else:
             why[name] = "not queued and not running"
+    cleared: list[str] = []
+    if broker_url:
+        cleared = clear_finished_unacked(broker_url, config.run_id, run_url, done, dry_run=dry_run)
     enqueued: list[str] = []
     todo = [b for b in lost if b["batch"] not in skip]
     if todo and not dry_run and broker_url:
@@ -291,6 +344,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         "orphaned_deliveries": sorted(view.orphaned),
         "lost": [{"batch": b["batch"], "why": why[b["batch"]]} for b in lost],
         "enqueued": enqueued,
+        "cleared_unacked": cleared,
         "removed_shards": removed_shards,
         "removed_incomplete": removed_incomplete,
         "workers": view.workers,
@@ -346,4 +400,5 @@ def reconcile_broker(settings: Settings):
         broker.stop()
 
 
-__all__ = ["reconcile_run", "reconcile_broker", "RunReconciler", "broker_view", "repair_bad_batches", "BrokerView", "DEFAULT_GRACE_S"]
+__all__ = ["reconcile_run", "reconcile_broker", "RunReconciler", "broker_view", "clear_finished_unacked", "repair_bad_batches",
+           "BrokerView", "DEFAULT_GRACE_S"]

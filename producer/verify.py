@@ -35,7 +35,9 @@ bf16's ``1e-2 * (|ref| + rms)`` of the reference (a bf16 forward on GPU) and e4m
 is covered by the ``rms(ref)`` term unless a token's largest value is ~30,000x the part's rms.
 
 The report names each bad batch and why; :func:`verify_run` never raises for a problem in the
-data, only for a run that cannot be read at all (no ``run.json``, store unreachable).
+data, only for a run that cannot be read at all (no ``run.json``, store unreachable). Every read
+goes through the store's interface with retries of transient errors (``VERIFY_RETRY_S``); a batch
+whose objects still cannot be read is ``unverified``: not known to be bad, so never repaired.
 """
 
 from __future__ import annotations
@@ -50,12 +52,13 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from core.errors import HsxError
+from core.errors import HsxError, StoreError
 from core.fp8 import E4M3_REL_ERR
 from core.plan import BatchPlan, read_batch, read_batch_list
-from core.reader import quarantined_ids, read_markers, read_sample, s3_object_key
+from core.reader import quarantined_ids, read_markers, read_sample
+from core.retry import retry_transient
 from core.runconfig import RunConfig, load_run
-from core.store import CHUNK_BYTES, MissingKey, S3Store, Store, sha256_file
+from core.store import MissingKey, Store
 
 #: relative tolerance of ``--recompute`` by stored dtype (bf16 keeps 8 bits of mantissa).
 #: fp8: e4m3's relative rounding bound 2**-4 on top of bf16's 1e-2, rounded up (the module docstring says why).
@@ -72,6 +75,12 @@ S3_THREADS = 16
 LOCAL_THREADS = 8
 #: largest safetensors header we accept (bytes); real shard headers are a few KB.
 MAX_HEADER_BYTES = 100 << 20
+#: seconds each store call of ``verify`` retries a transient error (``core/retry.py``) before the
+#: batch is reported ``unverified`` (not bad: ``reconcile --repair`` leaves it alone).
+VERIFY_RETRY_S = 60.0
+#: problem kind of a batch whose marker, plan or shard could not be read for a store error
+#: (network, throttling, credentials): nothing is known to be wrong; verify again.
+UNVERIFIED = "unverified"
 
 
 @dataclass
@@ -102,38 +111,25 @@ class _BatchResult:
 
 
 class _ObjectReader:
-    """Byte ranges of one stored object: a local file or ranged GETs on S3."""
+    """Byte ranges and the sha256 of one stored object, through the store's interface
+    (``Store.read_range`` / ``Store.sha256``), each call retried on a transient error for up to
+    ``retry_s`` seconds (``core/retry.py``). A :class:`~core.errors.StoreError` that outlasts the
+    retries propagates: the caller reports the batch ``unverified``, never bad."""
 
-    def __init__(self, run_store: Store, key: str):
+    def __init__(self, run_store: Store, key: str, retry_s: float):
         self.store = run_store
         self.key = key
-        self.path = run_store.local_path(key)
+        self.retry_s = retry_s
 
     def read(self, offset: int, length: int) -> bytes:
         if length == 0:
             return b""
-        if self.path is not None:
-            with open(self.path, "rb") as f:
-                f.seek(offset)
-                return f.read(length)
-        assert isinstance(self.store, S3Store)
-        resp = self.store.client.get_object(Bucket=self.store.bucket, Key=s3_object_key(self.store, self.key),
-                                            Range=f"bytes={offset}-{offset + length - 1}")
-        return resp["Body"].read()
+        return retry_transient(lambda: self.store.read_range(self.key, offset, length),
+                               f"verify: read {self.key}", total_s=self.retry_s)
 
     def sha256(self) -> tuple[int, str]:
         """(bytes, sha256) of the whole object, streamed in ``CHUNK_BYTES`` pieces."""
-        if self.path is not None:
-            return sha256_file(self.path)
-        import hashlib
-
-        h = hashlib.sha256()
-        n = 0
-        body = self.store.client.get_object(Bucket=self.store.bucket, Key=s3_object_key(self.store, self.key))["Body"]
-        for chunk in body.iter_chunks(CHUNK_BYTES):
-            h.update(chunk)
-            n += len(chunk)
-        return n, h.hexdigest()
+        return retry_transient(lambda: self.store.sha256(self.key), f"verify: hash {self.key}", total_s=self.retry_s)
 
 
 def _read_header(reader: _ObjectReader, size: int) -> tuple[dict, int]:
@@ -220,13 +216,34 @@ def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
 
 
 def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: str, marker: dict | Exception,
-                 planned: set[str]) -> _BatchResult:
-    """Every per-batch check of the module docstring, for the marker file ``markers/<batch>.json``."""
+                 planned: set[str], retry_s: float = VERIFY_RETRY_S) -> _BatchResult:
+    """Every per-batch check of the module docstring, for the marker file ``markers/<batch>.json``.
+
+    A store error (after ``retry_s`` seconds of retries of a transient one) is reported as
+    ``unverified`` with the error, and the batch's samples are taken from the plan: only what was
+    read and found wrong is reported as bad."""
     res = _BatchResult(batch)
 
     def problem(kind: str, detail: str) -> None:
         res.problems.append(Problem(batch, kind, detail))
 
+    def unverified(what: str, exc: StoreError) -> _BatchResult:
+        problem(UNVERIFIED, f"{what} could not be read ({exc}); nothing is known to be wrong with it: verify again "
+                            "once the store answers")
+        return res
+
+    def store_call(fn, what: str):
+        return retry_transient(fn, f"verify {batch}: {what}", total_s=retry_s)
+
+    if isinstance(marker, StoreError):  # read_markers' one attempt failed: read it again, with retries
+        try:
+            marker = store_call(lambda: json.loads(run_store.read(f"markers/{batch}.json")), "read its marker")
+        except StoreError as exc:
+            return unverified(f"markers/{batch}.json", exc)
+        except (ValueError, MissingKey) as exc:
+            marker = exc
+        if not isinstance(marker, (dict, Exception)):
+            marker = ValueError(f"expected a JSON object, got {type(marker).__name__}")
     if isinstance(marker, Exception):
         problem("marker_unreadable", f"markers/{batch}.json cannot be read: {marker}")
         return res
@@ -245,9 +262,12 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
         problem("not_planned", f"{batch} is not a batch of the plan (plan/batches.json)")
     else:
         try:
-            plan = read_batch(run_store, batch)
+            plan = store_call(lambda: read_batch(run_store, batch), "read its plan")
         except MissingKey:
             problem("plan_missing", f"plan/batches/{batch}.safetensors is missing")
+        except StoreError as exc:
+            res.certified = own_batch and marker.get("config_sha256") == config_sha
+            return unverified(f"plan/batches/{batch}.safetensors", exc)
     plan_samples = [] if plan is None else plan.sample_index_N.tolist()
 
     shard = marker.get("shard") or {}
@@ -257,18 +277,19 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
         problem("marker_unreadable", "marker has no shard key")
         res.samples = [s for s in plan_samples if s not in res.quarantined]
         return res
-    size = run_store.size(key)
+    from_plan = [s for s in plan_samples if s not in res.quarantined]
+    reader = _ObjectReader(run_store, key, retry_s)
+    try:
+        size = store_call(lambda: run_store.size(key), f"size of {key}")
+        n, digest = (0, "") if size is None else reader.sha256()
+    except MissingKey:
+        size = None  # deleted between the HEAD and the GET
+    except StoreError as exc:  # the store did not answer: nothing is known about the shard
+        res.samples = from_plan
+        return unverified(f"shard {key}", exc)
     if size is None:
         problem("shard_missing", f"shard {key} named by the marker is missing")
-        res.samples = [s for s in plan_samples if s not in res.quarantined]
-        return res
-
-    reader = _ObjectReader(run_store, key)
-    try:
-        n, digest = reader.sha256()
-    except Exception as exc:  # a read error on one object is that batch's problem, not the run's
-        problem("shard_unreadable", f"shard {key}: cannot be read: {type(exc).__name__}: {exc}")
-        res.samples = [s for s in plan_samples if s not in res.quarantined]
+        res.samples = from_plan
         return res
     res.bytes_hashed = n
     altered = n != int(shard.get("bytes", -1)) or digest != str(shard.get("sha256", "")).lower()
@@ -286,10 +307,15 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
         cu_N1 = _small_tensor(reader, header, data_start, "cu_seqlens").astype(np.int64)
         input_ids_T = _small_tensor(reader, header, data_start, "input_ids")
         loss_mask_T = _small_tensor(reader, header, data_start, "loss_mask")
-    except Exception as exc:
+    except StoreError as exc:
+        res.samples = from_plan
+        if not altered:
+            return unverified(f"shard {key}", exc)
+        return res
+    except Exception as exc:  # read whole and hashed: the bytes themselves are malformed
         if not altered and str(exc) != "schema":
             problem("shard_unreadable", f"shard {key}: {type(exc).__name__}: {exc}")
-        res.samples = [s for s in plan_samples if s not in res.quarantined]
+        res.samples = from_plan
         return res
 
     T = int(input_ids_T.shape[0])
@@ -464,18 +490,22 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
 
 
 def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None, rtol: float | None = None,
-               settings=None, progress=None, threads: int | None = None) -> dict:
+               settings=None, progress=None, threads: int | None = None, retry_s: float | None = None) -> dict:
     """Check the run at ``run_store`` (see the module docstring) and return the report.
 
     Report keys: ``ok`` (no problem), ``problems`` (list of ``{batch, kind, detail}``), ``orphans``
     (shard keys no marker names), counts (``batches_planned``, ``batches_done``,
     ``samples_planned``, ``samples_stored``, ``samples_quarantined``, ``bytes_hashed``) and
-    ``recompute`` (when asked).
+    ``recompute`` (when asked), ``unverified`` (batches whose marker, plan or shard could not be
+    read for a store error after ``retry_s`` seconds of retries: problem kind ``unverified``, which
+    ``reconcile --repair`` never acts on).
 
     Raises:
         core.store.MissingKey: no run.json at ``run_store``.
+        core.errors.StoreError: run.json, the plan's batch list or the markers' listing cannot be read.
     """
     t0 = time.perf_counter()
+    retry_s = VERIFY_RETRY_S if retry_s is None else retry_s
     config = load_run(run_store)
     config_sha = config.identity_sha256()
     problems: list[Problem] = []
@@ -493,7 +523,8 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
     results: list[_BatchResult] = []
     hashed = 0
     with ThreadPoolExecutor(threads) as pool:
-        futures = [pool.submit(_check_batch, run_store, config, config_sha, b, markers[b], set(planned)) for b in names]
+        futures = [pool.submit(_check_batch, run_store, config, config_sha, b, markers[b], set(planned), retry_s)
+                   for b in names]
         for fut in futures:
             res = fut.result()
             results.append(res)
@@ -570,6 +601,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
         report["recompute"] = summary
         problems.extend(rproblems)
 
+    report["unverified"] = sorted({p.batch for p in problems if p.kind == UNVERIFIED})
     report["problems"] = [asdict(p) for p in problems]
     report["ok"] = not problems
     report["seconds"] = round(time.perf_counter() - t0, 2)
@@ -585,4 +617,4 @@ def problem_batches(report: dict) -> list[str]:
     return sorted(out)
 
 
-__all__ = ["verify_run", "recompute_samples", "problem_batches", "Problem", "RTOL_BY_DTYPE"]
+__all__ = ["verify_run", "recompute_samples", "problem_batches", "Problem", "RTOL_BY_DTYPE", "UNVERIFIED", "VERIFY_RETRY_S"]

@@ -6,6 +6,7 @@ the built-in tiny-qwen3.5 target and real ShareGPT records.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import threading
 
 import numpy as np
@@ -118,7 +119,7 @@ def test_enqueue_with_a_redis_url_and_a_separate_worker_on_s3_gives_the_same_sha
     env = clean_env(
         cache_dir=local_run["env"]["HSX_CACHE_DIR"], broker_url=tcp_broker.url, spool_dir=tmp_path / "spool",
         s3_endpoint_url=s3_bucket.settings.s3_endpoint_url, s3_access_key_id=s3_bucket.settings.s3_access_key_id,
-        s3_secret_access_key=s3_bucket.settings.s3_secret_access_key, s3_region="us-east-1",
+        s3_secret_access_key=s3_bucket.settings.s3_secret_access_key, s3_region="us-east-1", store_url=s3_bucket.url,
     )
     worker = WorkerProcess(env, "gpu0", tmp_path / "worker.log")
     try:
@@ -148,7 +149,8 @@ def test_the_same_task_delivered_twice_at_once_leaves_one_marker_and_a_valid_sha
     for key in run_store.list("shards/"):
         if key.rsplit("/", 1)[-1].startswith(victim + "-"):
             run_store.delete(key)
-    settings = Settings(cache_dir=local_run["env"]["HSX_CACHE_DIR"], spool_dir=tmp_path / "spool", device="cpu")
+    settings = Settings(cache_dir=local_run["env"]["HSX_CACHE_DIR"], spool_dir=tmp_path / "spool", device="cpu",
+                        store_url=str(Path(local_run["report"]["address"]).parent))
     barrier = threading.Barrier(2)
     results = []
 

@@ -28,7 +28,7 @@ def planned(tmp_path_factory, tiny_cache):
     from producer.planner import PlanOptions, plan_run
 
     tmp = tmp_path_factory.mktemp("extract")
-    settings = Settings(_env_file=None, cache_dir=tiny_cache, spool_dir=tmp / "spool", device="cpu")
+    settings = Settings(_env_file=None, cache_dir=tiny_cache, spool_dir=tmp / "spool", device="cpu", store_url=str(tmp / "out"))
     opts = PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp / "out"), limit=16, max_length=256,
                        batch_tokens=1024, store_dtype="float32")
     run = plan_run(opts, settings)

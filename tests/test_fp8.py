@@ -175,7 +175,7 @@ def fp8_planned(tmp_path_factory, tiny_cache):
     from settings import Settings
 
     tmp = tmp_path_factory.mktemp("fp8-extract")
-    settings = Settings(_env_file=None, cache_dir=tiny_cache, spool_dir=tmp / "spool", device="cpu")
+    settings = Settings(_env_file=None, cache_dir=tiny_cache, spool_dir=tmp / "spool", device="cpu", store_url=str(tmp / "out"))
     opts = PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp / "out"), limit=16, max_length=256,
                        batch_tokens=1024, store_dtype="fp8")
     run = plan_run(opts, settings)

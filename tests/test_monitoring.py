@@ -193,7 +193,7 @@ def test_status_json_of_a_running_job_counts_what_is_done_and_the_live_worker(fl
     """Enqueued with no worker: 0 of N done, N waiting. Frozen mid-run: done counts equal the markers and the plan's
     samples and tokens of those batches, with a rate and an ETA. Done: the live worker's row comes from gpu_stats (no GPU here)."""
     broker = flower_job["broker"]
-    env = clean_env(cache_dir=flower_job["env"]["HSX_CACHE_DIR"], broker_url=broker.url, spool_dir=tmp_path / "spool",
+    env = clean_env(cache_dir=flower_job["env"]["HSX_CACHE_DIR"], broker_url=broker.url, spool_dir=tmp_path / "spool", store_url=tmp_path / "out",
                     worker_concurrency=1)
     job = [a if a != "768" else "512" for a in JOB]  # other batches: another run
     enq = cli_json(run_cli("producer", ["enqueue", *job, "--output", str(tmp_path / "out"), "--json"], env))

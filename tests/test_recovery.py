@@ -71,7 +71,8 @@ class Cluster:
     def env(self, **extra) -> dict[str, str]:
         s3 = self.s3
         return clean_env(broker_url=self.broker.url, cache_dir=self.cache, spool_dir=self.tmp / "spool", model="tiny-qwen3.5",
-                         device="cpu", heartbeat_s=1, **(_s3_fields(s3) if s3 else {}), **extra)
+                         device="cpu", heartbeat_s=1, store_url=s3.url if s3 else self.tmp / "out",
+                         **(_s3_fields(s3) if s3 else {}), **extra)
 
     def worker(self, name: str, concurrency: int = 1, wait: bool = True, **extra) -> WorkerProcess:
         """Start a worker process (its model loaded at start); ``wait``: until it is ready."""

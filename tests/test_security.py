@@ -176,7 +176,7 @@ def test_secrets_never_appear_in_output_logs_or_the_store(tmp_path, tiny_cache, 
     st = s3_bucket.settings
     env = clean_env(broker_url=broker.url, cache_dir=tiny_cache, spool_dir=tmp_path / "spool", s3_endpoint_url=st.s3_endpoint_url,
                     s3_region=st.s3_region, s3_access_key_id=st.s3_access_key_id, s3_secret_access_key=st.s3_secret_access_key,
-                    model="tiny-qwen3.5", heartbeat_s=1)
+                    model="tiny-qwen3.5", heartbeat_s=1, store_url=s3_bucket.url)
     secrets = [broker.password, st.s3_secret_access_key]
     worker = WorkerProcess(env, "discreet", tmp_path / "worker.log")
     outputs = []
@@ -209,3 +209,92 @@ def test_secrets_never_appear_in_output_logs_or_the_store(tmp_path, tiny_cache, 
             assert secret not in text, f"secret printed:\n{text[-1500:]}"
         for key, data in blobs.items():
             assert secret.encode() not in data, f"secret stored in {key}"
+
+
+# --- what a worker serves, and read-only commands ------------------------------------------------
+
+
+def test_the_allow_list_compares_resolved_roots_by_whole_segments(tmp_path):
+    """/data/out serves /data/out/run, not /data/out2 or a link inside it that points outside; S3 by bucket and prefix
+    segments; every refusal names the value, the rule and the fix."""
+    from core.access import Refused, check_run_allowed
+
+    root, outside = tmp_path / "out", tmp_path / "elsewhere"
+    root.mkdir()
+    outside.mkdir()
+    (root / "link").symlink_to(outside)
+    settings = Settings(_env_file=None, store_url=str(root), allowed_stores="s3://bkt/runs, file:///srv/extra")
+    for ok in (root / "run1", f"{root}/a/../run2", "s3://bkt/runs/r1", "s3://bkt/runs", "/srv/extra/r"):
+        check_run_allowed(str(ok), settings)
+    for bad in (f"{root}2/run", str(outside / "r"), str(root / "link" / "r"), f"{root}/../elsewhere/r", "s3://bkt/runs2/r",
+                "s3://other/runs/r", "s3://bkt/runs/../x", "s3://bkt", "relative/run", "http://host/x"):
+        with pytest.raises(Refused) as info:
+            check_run_allowed(bad, settings)
+        msg = str(info.value)
+        assert "refused" in msg and str(root) in msg and "s3://bkt/runs" in msg, msg
+        if "://" not in bad or bad.startswith("s3://bkt") or bad.startswith("s3://other"):
+            assert "HSX_ALLOWED_STORES" in msg, msg
+
+
+@pytest.mark.parametrize("command", [["status", "--no-broker"], ["verify"], ["reconcile", "--dry-run"], ["vocab-counts"],
+                                     ["export", "--format", "speculators", "OUT"]])
+@pytest.mark.parametrize("address", ["s3:/bad", "missing/run"])
+def test_read_only_commands_create_nothing_for_an_address_that_is_not_a_run(tmp_path, monkeypatch, command, address):
+    """status, verify, reconcile, vocab-counts and export on a typo or a missing directory: exit 2, and the working
+    directory stays empty (they used to make ./s3:/bad)."""
+    from producer.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = [command[0], address, *[a for a in command[1:] if a != "OUT"]]
+    if "OUT" in command:
+        args.insert(2, str(tmp_path.parent / f"{tmp_path.name}-export"))
+    assert main(args) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_worker_refuses_runs_outside_its_roots_and_runs_for_another_model_without_touching_them(tmp_path, tiny_cache):
+    """A real worker (HSX_STORE_URL=<tmp>/allowed, HSX_MODEL=tiny-qwen3.5): a task naming a path outside, a sibling
+    prefix or a bad batch name is refused and nothing is created there; a run in its root planned for another checkpoint
+    is refused with both models named and gets no marker."""
+    from core.queue import EXTRACT_TASK, make_celery
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    state = Path(tempfile.mkdtemp(prefix="hsx-"))
+    broker = EmbeddedBroker(state).start()
+    env = clean_env(broker_url=broker.url, cache_dir=tiny_cache, store_url=allowed, model="tiny-qwen3.5", device="cpu",
+                    spool_dir=tmp_path / "spool")
+    worker = WorkerProcess(env, "guarded", tmp_path / "guarded.log")
+    try:
+        # a run planned for another checkpoint: the planner's own run.json, its model identity changed
+        from producer.planner import PlanOptions, plan_run
+
+        settings = Settings(_env_file=None, cache_dir=tiny_cache)
+        planned = plan_run(PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(allowed), limit=2,
+                                       max_length=64, batch_tokens=256), settings)
+        config = json.loads(planned.run_store.read("run.json"))
+        config["model"]["revision"] = "sha256:" + "0" * 64
+        config["model"]["name"] = config["model_name"] = "someone/else"
+        planned.run_store.write("run.json", json.dumps(config).encode())
+        batch = planned.batches[0]["batch"]
+        worker.wait_ready()
+        app = make_celery(Settings(_env_file=None), broker.url, name="attacker")
+        victims = [tmp_path / "outside" / "run", Path(f"{allowed}2") / "run"]
+        for v in victims:
+            app.send_task(EXTRACT_TASK, args=[str(v), "b000000"], queue="gpu")
+        app.send_task(EXTRACT_TASK, args=[planned.run_url, "../../escape"], queue="gpu")
+        app.send_task(EXTRACT_TASK, args=[planned.run_url, batch], queue="gpu")
+        app.close()
+        wait_until(lambda: worker.log().count("Refused") >= 4, 60, "the worker to refuse the four tasks")
+        log = worker.log()
+        assert all(f"task run address {str(v)!r}" in log for v in victims), log[-3000:]
+        assert "HSX_ALLOWED_STORES" in log and "task batch '../../escape' refused" in log
+        assert "was planned for model 'someone/else'" in log and "HSX_MODEL='tiny-qwen3.5'" in log, log[-3000:]
+        assert not (tmp_path / "outside").exists() and not Path(f"{allowed}2").exists()
+        assert not planned.run_store.exists(f"markers/{batch}.json")
+        assert planned.run_store.list("workers/") == [], "a refused run got a worker status record"
+    finally:
+        worker.kill()
+        worker._log.close()
+        broker.stop()
+        shutil.rmtree(state, ignore_errors=True)

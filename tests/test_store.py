@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -403,3 +404,103 @@ def test_s3_server_fixture_survives_stop_and_start_with_its_data(s3_server, s3_b
     finally:
         s3_server.start()
     assert store.read("before") == b"kept"
+
+
+# --- ranged reads and streamed hashes (verify reads through these) --------------------------
+
+
+def test_read_range_returns_the_bytes_asked_for_fewer_at_the_end_and_none_past_it(store):
+    """read_range(key, offset, length): exact slices, a short slice at the end, b'' past the end, MissingKey if absent."""
+    data = bytes(range(256)) * 40
+    store.write("obj/range.bin", data)
+    assert store.read_range("obj/range.bin", 0, 8) == data[:8]
+    assert store.read_range("obj/range.bin", 1000, 333) == data[1000:1333]
+    assert store.read_range("obj/range.bin", len(data) - 5, 100) == data[-5:]
+    assert store.read_range("obj/range.bin", len(data) + 10, 4) == b""
+    with pytest.raises(MissingKey):
+        store.read_range("obj/absent.bin", 0, 4)
+
+
+def test_sha256_streams_the_stored_bytes_and_names_an_absent_key(store):
+    """sha256(key) is (bytes, hex digest) of what is stored; MissingKey when it is absent."""
+    import hashlib
+
+    data = os.urandom(3 * (1 << 20) + 17)  # more than one CHUNK_BYTES read
+    store.write("obj/hash.bin", data)
+    assert store.sha256("obj/hash.bin") == (len(data), hashlib.sha256(data).hexdigest())
+    with pytest.raises(MissingKey):
+        store.sha256("obj/absent.bin")
+
+
+# --- read-only opens --------------------------------------------------------------------------
+
+
+def test_open_store_without_create_refuses_a_missing_directory_and_makes_nothing(tmp_path, monkeypatch):
+    """create=False (read-only commands, workers): a missing root is a StoreError naming it and the fix; no directory appears."""
+    from core.errors import StoreError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreError) as info:
+        open_store(str(tmp_path / "no" / "such" / "run"), create=False)
+    assert "does not exist" in str(info.value) and "nothing was created" in str(info.value)
+    assert not (tmp_path / "no").exists()
+    (tmp_path / "run").mkdir()
+    assert open_store("run", create=False).root == tmp_path / "run"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_scheme_with_one_slash_is_refused_as_a_typo_not_made_a_directory(tmp_path, monkeypatch):
+    """'s3:/bad' (one slash) is refused naming the accepted forms, with or without create; './s3:/bad' stays a local path."""
+    monkeypatch.chdir(tmp_path)
+    for create in (True, False):
+        with pytest.raises(BadConfig, match="one slash"):
+            open_store("s3:/bad", create=create)
+    assert list(tmp_path.iterdir()) == []
+    assert open_store("./s3:/bad").root == tmp_path / "s3:" / "bad"
+
+
+# --- an unsettled conditional create (a misbehaving server: tests/faultproxy.py) -------------------
+
+
+def _conflicts(times):
+    from faultproxy import Rule
+
+    return Rule(lambda method, path, headers: method == "PUT" and headers.get("If-None-Match") == "*",
+                ("error", 409, "ConditionalRequestConflict"), times=times)
+
+
+def test_s3_create_that_never_settles_is_a_transient_error_not_a_lost_race(s3_bucket, monkeypatch):
+    """409 on every attempt: create raises a transient StoreError naming the key and the 409s; it never returns False,
+    and the object is not there."""
+    import core.store as core_store
+    from core.errors import StoreError
+    from faultproxy import FaultProxy, proxied_settings
+
+    monkeypatch.setattr(core_store, "CONFLICT_BACKOFF_S", 0.01)
+    proxy = FaultProxy(s3_bucket.settings.s3_endpoint_url, [_conflicts(None)]).start()
+    try:
+        store = open_store(s3_bucket.url, proxied_settings(s3_bucket, proxy))
+        with pytest.raises(StoreError) as info:
+            store.create("markers/b000001.json", b"{}")
+        assert info.value.transient
+        assert "markers/b000001.json" in str(info.value) and "409" in str(info.value)
+        assert proxy.rules[0].hits == core_store.CONFLICT_RETRIES + 1
+        assert not open_store(s3_bucket.url, s3_bucket.settings).exists("markers/b000001.json")
+    finally:
+        proxy.stop()
+
+
+def test_s3_create_after_conflicts_that_settle_creates_once(s3_bucket, monkeypatch):
+    """Two 409s, then the real server answers: create returns True and the object holds our bytes."""
+    import core.store as core_store
+    from faultproxy import FaultProxy, proxied_settings
+
+    monkeypatch.setattr(core_store, "CONFLICT_BACKOFF_S", 0.01)
+    proxy = FaultProxy(s3_bucket.settings.s3_endpoint_url, [_conflicts(2)]).start()
+    try:
+        store = open_store(s3_bucket.url, proxied_settings(s3_bucket, proxy))
+        assert store.create("markers/b000002.json", b"mine") is True
+        assert store.create("markers/b000002.json", b"theirs") is False  # a real 412: settled
+        assert store.read("markers/b000002.json") == b"mine"
+    finally:
+        proxy.stop()

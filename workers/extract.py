@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -45,6 +46,7 @@ from core.marker import read_marker, shard_key, write_marker
 from core.plan import read_batch
 from core.runconfig import load_run
 from core.shard import select_samples, serialize_shard, shard_metadata
+from core.access import Refused, check_run_allowed
 from core.store import open_store
 from settings import Settings
 from workers.capture import launch_capture, merge_captured, right_padded_rows, split_by_tokens
@@ -56,13 +58,18 @@ from workers.target import get_target
 
 log = logging.getLogger(__name__)
 
+#: a task's batch argument: one key segment (core/plan.py names batches b000000, b000001, ...).
+_BATCH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16, "fp8": FP8_DTYPE}
 _stores: dict[str, object] = {}
 
 
 def _run_store(run_url: str, settings: Settings):
+    # The allow-list first, before any store call: a task may name any path or bucket, and opening
+    # it would already create a local directory (record_failure goes through here too).
+    check_run_allowed(run_url, settings)
     if run_url not in _stores:
-        _stores[run_url] = open_store(run_url, settings)
+        _stores[run_url] = open_store(run_url, settings, create=False)
     return _stores[run_url]
 
 
@@ -117,6 +124,8 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
     (a marker existed, no work), or ``lost_race`` (another worker wrote the marker first).
 
     Raises:
+        core.access.Refused: the run lies outside this worker's store roots, the batch is not a batch
+            name, or (``HSX_MODEL`` set) the run was planned for another checkpoint; nothing touched.
         core.store.MissingKey: the run or the batch is not in the store.
         FidelityError: the loaded model is not the run's model, or every sample of the batch
             had NaN/Inf states (nothing to write; no shard, no marker).
@@ -141,7 +150,12 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
 def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> dict:
     """The body of :func:`extract_batch` (same result and errors); ``job`` tracks what its wrapper releases."""
     t0 = time.perf_counter()
-    # claim
+    # claim: the run's address must lie under this worker's store roots and the batch be one name,
+    # checked before any store call (core/access.py)
+    check_run_allowed(run_url, settings)
+    if not isinstance(batch, str) or not _BATCH_NAME.fullmatch(batch):
+        raise Refused(f"task batch {str(batch)[:80]!r} refused: a batch is one name of letters, digits, '-' and '_' "
+                      "(such as b000012, from plan/batches.json); this task was not sent by producer enqueue")
     run_store = _retry(settings, f"open the store of batch {batch}", lambda: _run_store(run_url, settings))
     if _retry(settings, f"read the marker of batch {batch}", lambda: read_marker(run_store, batch)) is not None:
         log.info("batch %s of %s already has its marker: nothing to do", batch, run_url)
@@ -150,9 +164,19 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     # plan
     config = _retry(settings, f"read run.json of batch {batch}", lambda: _run_config(run_url, run_store))
     plan = _retry(settings, f"read the plan of batch {batch}", lambda: read_batch(run_store, batch))
+    if settings.model:
+        # HSX_MODEL: this worker serves its own checkpoint only; a run planned for another is refused
+        # before anything is loaded (get_target of the run's name would replace the loaded model).
+        target = get_target(settings.model, settings)
+        differences = target.info.differences(config.model)
+        if differences:
+            raise Refused(
+                f"batch {batch}: run {config.run_id} was planned for model {config.model_name!r}, and this worker serves "
+                f"HSX_MODEL={settings.model!r}, another checkpoint ({'; '.join(differences)}). Fix: send the run to "
+                "workers started with its model, or plan it with this worker's model")
     job.store = run_store
     job.phase("loading")
-    target = get_target(config.model_name, settings)
+    target = get_target(settings.model or config.model_name, settings)
     job.heartbeat.device = target.engine.get("device")
     differences = target.info.differences(config.model)
     if differences:
@@ -309,13 +333,23 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "finished_unix": round(time.time(), 3),
     }
-    if not _retry(settings, f"write the marker of batch {batch}", lambda: write_marker(run_store, batch, marker)):
-        # A retried create can find its own first attempt: the marker names our shard, so we won.
-        existing = _retry(settings, f"read the marker of batch {batch}", lambda: read_marker(run_store, batch))
-        if not existing or (existing.get("shard") or {}).get("key") != key:
-            _retry(settings, f"delete shard {key}", lambda: run_store.delete(key))  # another worker certified its own shard first
-            log.info("batch %s: another worker wrote the marker first; removed our shard %s", batch, key)
-            return {"status": "lost_race", "batch": batch}
+    def certify() -> bool:
+        """True when the marker that exists names our shard. A lost race is only a settled one: the
+        store's create said the marker exists (an unsettled create raises a transient StoreError)
+        and a read finds it naming another shard; a marker that cannot be read back is not settled
+        either, and the pair is tried again."""
+        if write_marker(run_store, batch, marker):
+            return True
+        existing = read_marker(run_store, batch)
+        if existing is None:
+            raise StoreError(f"marker of batch {batch}: the conditional create found one, a read finds none "
+                             "(deleted meanwhile, or a store that is not yet consistent); not settled", transient=True)
+        return (existing.get("shard") or {}).get("key") == key  # a retried create can find its own first attempt
+
+    if not _retry(settings, f"write the marker of batch {batch}", certify):
+        _retry(settings, f"delete shard {key}", lambda: run_store.delete(key))  # another worker certified its own shard first
+        log.info("batch %s: another worker wrote the marker first; removed our shard %s", batch, key)
+        return {"status": "lost_race", "batch": batch}
     seconds = marker["seconds"]
     log.info(
         "batch done %s",

@@ -1,0 +1,129 @@
+"""Which store roots a worker serves: ``HSX_STORE_URL`` plus the allow-list ``HSX_ALLOWED_STORES``.
+
+A task message names the run it is for by its store URL (``producer/enqueue.py``); anyone who can
+write to the broker can send one. A worker therefore checks that URL against the roots it is
+configured for **before any store call** (``workers/extract.py``), so a task naming another
+directory or bucket creates nothing, reads nothing and loads no model there.
+
+Comparison is of normalised, resolved roots, segment by segment:
+
+- local: ``os.path.realpath`` of both (``~`` expanded, relative paths against the worker's
+  working directory, symlinks followed, so a link inside a root that points outside it is
+  outside), then a path-prefix test by whole components (``/data/out2`` is not under
+  ``/data/out``);
+- S3: the same bucket, and the root's prefix segments a prefix of the URL's (``s3://b/runs2`` is not
+  under ``s3://b/runs``); a URL with an empty, ``.`` or ``..`` segment is refused outright. The
+  endpoint is the worker's own (``HSX_S3_ENDPOINT_URL``), never the message's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlsplit
+
+from core.errors import BadConfig
+from core.store import mask_url
+
+if TYPE_CHECKING:
+    from settings import Settings
+
+
+class Refused(BadConfig):
+    """A worker refuses a task: its run is outside the store roots the worker serves, or it was planned
+    for another model than the worker's ``HSX_MODEL``. Raised before anything is touched."""
+
+
+@dataclass(frozen=True)
+class Root:
+    """A normalised store root: ``kind`` ``local`` (``path`` absolute, resolved) or ``s3`` (``bucket``,
+    ``segments`` of the prefix)."""
+
+    kind: str
+    path: str = ""
+    bucket: str = ""
+    segments: tuple[str, ...] = ()
+
+    def contains(self, other: "Root") -> bool:
+        """Whether ``other`` is this root or inside it (by whole path segments)."""
+        if self.kind != other.kind:
+            return False
+        if self.kind == "local":
+            return other.path == self.path or other.path.startswith(self.path.rstrip(os.sep) + os.sep)
+        return other.bucket == self.bucket and other.segments[:len(self.segments)] == self.segments
+
+    def __str__(self) -> str:
+        if self.kind == "local":
+            return self.path
+        return "s3://" + "/".join((self.bucket, *self.segments))
+
+
+def normalise(url: str) -> Root:
+    """The :class:`Root` of a store URL in any form ``open_store`` accepts (a path, ``file:///``,
+    ``s3://bucket[/prefix]``), without touching the filesystem beyond resolving symlinks.
+
+    Raises:
+        BadConfig: an empty URL, another scheme, or an S3 prefix with an empty, ``.`` or ``..`` segment.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise BadConfig(f"store URL {url!r} is empty")
+    url = url.strip()
+    if "://" in url:
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme == "s3":
+            if not parts.netloc or "@" in parts.netloc or parts.query or parts.fragment:
+                raise BadConfig(f"store URL {mask_url(url)!r} is not s3://BUCKET or s3://BUCKET/PREFIX")
+            segs = tuple(parts.path.strip("/").split("/")) if parts.path.strip("/") else ()
+            if any(s in ("", ".", "..") for s in segs):
+                raise BadConfig(f"store URL {url!r}: empty, '.' and '..' segments are not allowed in an S3 prefix")
+            return Root("s3", bucket=parts.netloc, segments=segs)
+        if scheme == "file":
+            if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+                raise BadConfig(f"store URL {mask_url(url)!r} is not a local file URL: use file:///ABS/PATH")
+            return Root("local", path=os.path.realpath(unquote(parts.path)))
+        raise BadConfig(f"store URL {mask_url(url)!r} has unsupported scheme {scheme!r}")
+    return Root("local", path=os.path.realpath(os.path.expanduser(url)))
+
+
+def allowed_roots(settings: "Settings") -> list[Root]:
+    """The roots a worker serves: ``HSX_STORE_URL`` and each entry of ``HSX_ALLOWED_STORES``
+    (comma-separated), normalised. Raises BadConfig naming an entry that is not a store URL."""
+    urls = [settings.store_url, *[u.strip() for u in (settings.allowed_stores or "").split(",") if u.strip()]]
+    roots = []
+    for u in urls:
+        try:
+            roots.append(normalise(u))
+        except BadConfig as exc:
+            raise BadConfig(f"HSX_STORE_URL / HSX_ALLOWED_STORES entry {mask_url(u)!r}: {exc}") from None
+    return roots
+
+
+def check_run_allowed(run_url: str, settings: "Settings") -> None:
+    """Refuse ``run_url`` (a task's run address) unless it lies under one of :func:`allowed_roots`.
+
+    Pure: reads nothing from the store and creates nothing (``realpath`` only resolves the links
+    that exist).
+
+    Raises:
+        Refused: the URL is outside every root, or is not a store URL at all; the message names
+            the value, the roots and the fix.
+    """
+    roots = allowed_roots(settings)
+    shown = ", ".join(str(r) for r in roots)
+    try:
+        root = normalise(run_url)
+    except BadConfig as exc:
+        raise Refused(f"task run address {mask_url(str(run_url))!r} refused: {exc}; this worker serves runs under "
+                      f"{shown} only (HSX_STORE_URL plus HSX_ALLOWED_STORES). Fix: send the run's address as "
+                      "producer enqueue writes it; nothing was read or created") from None
+    if not any(r.contains(root) for r in roots):
+        raise Refused(
+            f"task run address {mask_url(run_url)!r} (resolved: {root}) refused: this worker serves runs under "
+            f"{shown} only (HSX_STORE_URL plus HSX_ALLOWED_STORES, compared by whole path segments after "
+            "resolving links). Fix: if the run is yours, add its store root to HSX_ALLOWED_STORES "
+            "(comma-separated) on the workers and restart them; nothing was read or created there")
+
+
+__all__ = ["Refused", "Root", "normalise", "allowed_roots", "check_run_allowed"]

@@ -1,0 +1,99 @@
+"""Idempotent enqueue on the embedded valkey broker: a batch queued already is not sent again, a
+batch whose delivery a dead consumer left unacknowledged is (it is lost), and once that batch has
+its marker, reconcile clears the stale delivery from kombu's ``unacked`` hash and index.
+
+The run is a copy of the shared small run (tests/smallrun.py) with its markers and shards removed:
+a planned run with nothing done. The dead consumer is a real kombu consumer in a child process that
+takes one message and is SIGKILLed before acknowledging it, as a worker killed mid-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from smallrun import copy_run, small_run  # noqa: F401
+
+from core.broker import EmbeddedBroker, redis_client
+from core.runconfig import load_run
+from core.store import open_store
+from producer.enqueue import enqueue_batches
+from producer.reconcile import UNACKED_INDEX_KEY, UNACKED_KEY, reconcile_run
+from settings import Settings
+
+pytestmark = pytest.mark.timeout(120)
+
+TAKE_ONE_AND_DIE = """
+import os, signal, sys
+from kombu import Connection
+with Connection(sys.argv[1]) as conn:
+    q = conn.SimpleQueue(sys.argv[2])
+    msg = q.get(timeout=10)
+    print(msg.headers["id"], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # dies holding the delivery, unacknowledged
+"""
+
+
+@pytest.fixture
+def broker():
+    state = Path(tempfile.mkdtemp(prefix="hsx-"))
+    b = EmbeddedBroker(state).start()
+    yield b
+    b.stop()
+    shutil.rmtree(state, ignore_errors=True)
+
+
+def _fresh_run(small_run, tmp_path):
+    run_dir = copy_run(small_run, tmp_path)
+    for sub in ("markers", "shards", "workers", "failures"):
+        shutil.rmtree(run_dir / sub, ignore_errors=True)
+    store = open_store(str(run_dir))
+    batches = json.loads(store.read("plan/batches.json"))
+    planned = SimpleNamespace(run_store=store, batches=batches, config=load_run(store), run_url=store.url)
+    return run_dir, store, planned
+
+
+def test_a_second_enqueue_sends_only_what_is_lost_and_reconcile_clears_stale_deliveries(small_run, tmp_path, broker):
+    """enqueue twice: one message per batch. A consumer killed holding one: the next enqueue sends that batch alone.
+    With its marker written, reconcile removes the dead delivery from `unacked` and `unacked_index`."""
+    run_dir, store, planned = _fresh_run(small_run, tmp_path)
+    settings = Settings(_env_file=None, broker_url=broker.url, inspect_timeout_s=0.5)
+    names = sorted(b["batch"] for b in planned.batches)
+    client = redis_client(broker.url)
+
+    first = enqueue_batches(planned, settings, broker.url)
+    assert sorted(first.enqueued) == names and first.in_flight == {}
+    second = enqueue_batches(planned, settings, broker.url)
+    assert second.enqueued == [] and second.in_flight == {b: "queued" for b in names}
+    assert client.llen("gpu") == len(names), "the second enqueue sent batches that were still queued"
+
+    dead = subprocess.run([sys.executable, "-c", TAKE_ONE_AND_DIE, broker.url, "gpu"], capture_output=True, text=True, timeout=60)
+    assert dead.returncode == -9, dead.stderr
+    task_id = dead.stdout.strip()
+    held = task_id.split(".")[1]
+    assert client.hlen(UNACKED_KEY) == 1 and client.zcard(UNACKED_INDEX_KEY) == 1
+
+    third = enqueue_batches(planned, settings, broker.url)
+    assert third.enqueued == [held], "the dead consumer's batch is lost: it must be sent again, and only it"
+    assert third.in_flight == {b: "queued" for b in names if b != held}
+
+    # the batch gets done (its real marker and shard from the original run), the dead delivery is now stale
+    marker = json.loads((small_run["dir"] / "markers" / f"{held}.json").read_text())
+    (run_dir / "shards").mkdir(exist_ok=True)
+    shutil.copy(small_run["dir"] / marker["shard"]["key"], run_dir / marker["shard"]["key"])
+    (run_dir / "markers").mkdir(exist_ok=True)
+    shutil.copy(small_run["dir"] / "markers" / f"{held}.json", run_dir / "markers" / f"{held}.json")
+
+    dry = reconcile_run(store, settings, broker.url, grace_s=None, dry_run=True, inspect_timeout_s=0.5)
+    assert dry["cleared_unacked"] == [held] and client.hlen(UNACKED_KEY) == 1, "a dry run changes nothing"
+    report = reconcile_run(store, settings, broker.url, grace_s=None, inspect_timeout_s=0.5)
+    assert report["cleared_unacked"] == [held]
+    assert client.hlen(UNACKED_KEY) == 0 and client.zcard(UNACKED_INDEX_KEY) == 0
+    assert report["enqueued"] == [], "every other batch is still queued"
