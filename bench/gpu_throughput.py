@@ -230,7 +230,8 @@ def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: in
     run.write(BATCHES_JSON, json.dumps([{"batch": n} for n in names]).encode())
 
     spool = Path("/dev/shm") if Path("/dev/shm").exists() else workdir
-    settings = Settings(spool_dir=spool / f"hsx-bench-spool-{os.getpid()}", cache_dir=workdir / "cache", worker_concurrency=concurrency, _env_file=None)
+    settings = Settings(spool_dir=spool / f"hsx-bench-spool-{os.getpid()}", cache_dir=workdir / "cache", worker_concurrency=concurrency,
+                        store_url=str(store_root), _env_file=None)  # workers serve runs under their store only
     target = adopt_model(info.name, model, info, warm_up=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

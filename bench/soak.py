@@ -73,7 +73,8 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
     measured = dataclasses.replace(planned, batches=planned.batches[warm_n:warm_n + tasks])
     unused = {b["batch"] for b in planned.batches[warm_n + tasks:]}  # planned beyond the window, never enqueued
     broker = EmbeddedBroker(tmp / "state" / "broker").start()
-    env = settings_env(settings, broker_url=broker.url, model=MODEL, worker_concurrency=threads, workers_per_node=workers_n)
+    env = settings_env(settings, broker_url=broker.url, model=MODEL, worker_concurrency=threads, workers_per_node=workers_n,
+                       store_url=store_url)  # workers serve runs under their store only
     log_path = tmp / "logs" / "workers.log"
     workers = None
     try:

@@ -136,7 +136,9 @@ def _one_worker(planned, batches: list[dict], concurrency: int, settings, broker
 
     warm = dataclasses.replace(planned, batches=batches[:concurrency])
     measured = dataclasses.replace(planned, batches=batches[concurrency:])
-    env = settings_env(settings, broker_url=broker_url, model=MODEL, worker_concurrency=concurrency)
+    # workers serve runs under their store only (core/access.py): the store is the run's root
+    env = settings_env(settings, broker_url=broker_url, model=MODEL, worker_concurrency=concurrency,
+                       store_url=planned.run_store.url.rsplit("/", 1)[0])
     workers = None
     try:
         t0 = time.perf_counter()

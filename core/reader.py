@@ -259,7 +259,7 @@ def read_sample(f, start: int, end: int, finals: tuple[str, ...], *, dequant_dty
 
 def _open_run(run: str | Path | Store, settings) -> Store:
     if isinstance(run, (str, Path)):
-        return open_store(str(run), settings)
+        return open_store(str(run), settings, create=False)  # a reader creates nothing
     return run
 
 

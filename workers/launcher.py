@@ -187,7 +187,7 @@ def mark_dead_worker(runs_file: Path, host: str, pid: int, how: str, settings: S
     key = f"{WORKERS_PREFIX}{host}-{pid}.json"
     for url in urls:
         try:
-            store = open_store(url, settings)
+            store = open_store(url, settings, create=False)
             record = json.loads(store.read(key))
             if record.get("state") == "stopped":
                 continue
