@@ -1,0 +1,116 @@
+"""A target split across two processes by tensor parallelism (workers/parallel.py) captures the
+same states as the whole model in one process.
+
+Two CPU processes form a gloo group; each loads the same tiny checkpoint (built from a real
+config, tests/tinymodels.py, saved to a temporary directory) with transformers'
+``tp_plan="auto"``, so each holds half of every sharded weight. Rank 0 leads batches with
+:func:`workers.parallel.lead_capture`; rank 1 follows them with :func:`workers.parallel.follow`.
+Rank 0's states are compared with ``capture_batch`` on the unsplit model, for a dense model
+(Qwen3) and a Gated DeltaNet hybrid (Qwen3.5), with a selection that runs the whole decoder and
+one that stops after layer 2.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tinymodels import random_batch, tiny_config, tiny_model
+
+from core.errors import BadConfig
+from core.layers import select_layers
+from workers.capture import capture_batch, right_padded_rows
+
+WORLD = 2
+LENGTHS = [3, 17, 64, 129]
+#: (layer ids, final): the whole decoder and its norm; a cut that stops the forward after layer 2
+SELECTIONS = [([1, 3], "both"), ([2], "none")]
+#: fp32; rank 0's states differ from one process's only by the order of the row-wise all-reduce's
+#: sums: an element may differ by RTOL of itself plus SCALE_TOL of the tensor's largest magnitude.
+#: Measured max |diff|: ~3e-6 in the layers' states (magnitude ~4); 3.0e-5 in Qwen3.5's post-norm
+#: state (28 of 13632 elements above 1e-5), whose norm scales the summation error up.
+RTOL, SCALE_TOL = 1e-5, 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, path: str, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from workers.parallel import follow, lead_capture, load_tensor_parallel, stop_followers
+
+    torch.set_num_threads(1)  # two processes on a shared CPU
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = load_tensor_parallel(path, dtype=torch.float32)
+        gate = model.model.layers[0].mlp.gate_proj.weight
+        result = {"local_gate_shape": tuple(gate.to_local().shape), "full_gate_shape": tuple(gate.shape)}
+        if rank == 0:
+            _, ids_T, cu_N1 = random_batch(LENGTHS)
+            result["captured"] = []
+            for layer_ids, final in SELECTIONS:
+                selection = select_layers(len(model.model.layers), layer_ids=layer_ids, final=final)
+                rows = right_padded_rows(ids_T, cu_N1)
+                result["captured"].append(lead_capture(model, rows, selection, store_dtype=torch.float32).wait().states)
+            stop_followers()
+        else:
+            result["followed"] = follow(model)
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3.5"])
+def test_two_rank_tensor_parallel_capture_equals_one_process(name, tmp_path):
+    model = tiny_model(name)
+    model.save_pretrained(tmp_path / "model")
+    out = str(tmp_path / "result")
+    mp.spawn(_rank_main, args=(WORLD, _free_port(), str(tmp_path / "model"), out), nprocs=WORLD)
+    lead, follower = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+
+    # The weights really are split: each rank holds half of the MLP's gate projection.
+    full = tuple(model.model.layers[0].mlp.gate_proj.weight.shape)
+    assert lead["full_gate_shape"] == full
+    assert lead["local_gate_shape"] == follower["local_gate_shape"] == (full[0] // WORLD, full[1])
+    assert follower["followed"] == len(SELECTIONS)
+
+    _, ids_T, cu_N1 = random_batch(LENGTHS)
+    for (layer_ids, final), states in zip(SELECTIONS, lead["captured"]):
+        selection = select_layers(len(model.model.layers), layer_ids=layer_ids, final=final)
+        expected = capture_batch(model, ids_T, cu_N1, selection, store_dtype=torch.float32).states
+        assert sorted(states) == sorted(expected)
+        for key in expected:
+            assert states[key].shape == expected[key].shape
+            atol = SCALE_TOL * float(expected[key].abs().max())
+            torch.testing.assert_close(states[key], expected[key], rtol=RTOL, atol=atol, msg=lambda m: f"{name} {key}: {m}")
+
+
+def test_a_group_size_that_splits_a_kv_head_is_refused():
+    from workers.parallel import check_group_size
+
+    config = tiny_config("qwen3")  # 2 KV heads
+    check_group_size(config, 2)
+    with pytest.raises(BadConfig, match=r"num_key_value_heads=2 is not divisible by the group size 4.*HSX_GPUS_PER_WORKER=2"):
+        check_group_size(config, 4)
+
+
+def test_a_follower_keeps_nothing():
+    model = tiny_model("qwen3")
+    _, ids_T, cu_N1 = random_batch([5, 9])
+    selection = select_layers(len(model.model.layers), layer_ids=[1, 3], final="both")
+    from workers.capture import launch_capture
+
+    captured = launch_capture(model, right_padded_rows(ids_T, cu_N1), selection, store_dtype=torch.float32,
+                              keep_states=False).wait()
+    assert captured.states == {} and captured.nonfinite == {}
