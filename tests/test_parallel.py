@@ -114,3 +114,52 @@ def test_a_follower_keeps_nothing():
     captured = launch_capture(model, right_padded_rows(ids_T, cu_N1), selection, store_dtype=torch.float32,
                               keep_states=False).wait()
     assert captured.states == {} and captured.nonfinite == {}
+
+
+# --- the launcher's groups (workers/launcher.py) ---------------------------------------------
+
+def _slots(per_worker: int, visible: str, count: int | None = None):
+    from settings import load_settings
+    from workers.launcher import plan_slots
+
+    settings = load_settings(gpus_per_worker=per_worker, device="cuda", workers_per_node=None)
+    slots, _gpus = plan_slots(settings, {"CUDA_VISIBLE_DEVICES": visible}, count, "INFO")
+    return [(s.name, s.env["CUDA_VISIBLE_DEVICES"], s.env["HSX_GPUS_PER_WORKER"]) for s in slots]
+
+
+def test_eight_gpus_in_groups_of_two_make_four_workers_of_consecutive_gpus():
+    assert _slots(2, "0,1,2,3,4,5,6,7") == [
+        ("gpu0x2", "0,1", "2"), ("gpu2x2", "2,3", "2"), ("gpu4x2", "4,5", "2"), ("gpu6x2", "6,7", "2")]
+    assert _slots(4, "3,2,1,0") == [("gpu3x4", "3,2,1,0", "4")]  # CUDA_VISIBLE_DEVICES's order is kept
+
+
+def test_one_gpu_per_worker_is_todays_layout():
+    assert _slots(1, "0,1") == [("gpu0", "0", "1"), ("gpu1", "1", "1")]
+
+
+def test_a_group_size_that_does_not_divide_the_gpus_is_refused_with_the_sizes_that_do():
+    with pytest.raises(BadConfig, match=r"HSX_GPUS_PER_WORKER=4 does not divide the 6 visible GPUs \(0,1,2,3,4,5\).*"
+                                         r"fix: HSX_GPUS_PER_WORKER=1 or 2 or 3 or 6"):
+        _slots(4, "0,1,2,3,4,5")
+
+
+def test_a_group_without_gpus_is_refused():
+    from settings import load_settings
+    from workers.launcher import plan_slots
+
+    with pytest.raises(BadConfig, match=r"HSX_GPUS_PER_WORKER=2: .* none is visible .*fix: HSX_GPUS_PER_WORKER=1"):
+        plan_slots(load_settings(gpus_per_worker=2, device="cpu"), {}, None, "INFO")
+
+
+def test_python_m_workers_refuses_groups_until_the_worker_splits_the_target(monkeypatch):
+    from settings import get_settings
+    from workers.launcher import main
+
+    monkeypatch.setenv("HSX_BROKER_URL", "redis://127.0.0.1:1/0")  # never reached: refused before the broker check
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(BadConfig, match=r"HSX_GPUS_PER_WORKER=2: the workers do not split a target across a group yet"):
+            main(["--gpus-per-worker", "2"])
+    finally:
+        monkeypatch.delenv("HSX_GPUS_PER_WORKER", raising=False)
+        get_settings.cache_clear()
