@@ -124,6 +124,11 @@ class Settings(BaseSettings):
     """On CUDA with fla, run a batch's rows through the Gated DeltaNet kernel as one variable-length
     row (``workers.target.RowsAsSequences``): the same values, and one compiled kernel variant for
     every batch size instead of one per row count (a cold start of seconds, not minutes)."""
+    gpus_per_worker: int = Field(default=1, ge=1)
+    """GPUs of one worker process: ``python -m workers`` splits the visible GPUs into consecutive
+    groups of this many (their count must be a multiple of it) and starts one worker per group, its
+    CUDA_VISIBLE_DEVICES set to the group; a target larger than one GPU is split across the group
+    by tensor parallelism (``workers/parallel.py``). 1: one GPU per worker."""
     workers_per_node: int | None = Field(default=None, ge=1)
     """Worker processes ``python -m workers`` starts; unset: one per visible GPU (one on CPU)."""
     worker_restart_delay_s: float = Field(default=1.0, gt=0)

@@ -196,6 +196,7 @@ def launch_capture(
     *,
     store_dtype: torch.dtype,
     host_buffer: "HostBuffer | None" = None,
+    keep_states: bool = True,
 ) -> PendingCapture:
     """Queue one batch's forward, gather, finiteness flags and device-to-host copies; no host sync.
 
@@ -217,6 +218,11 @@ def launch_capture(
             unquantised values; the scales come back as ``<name>_scale``.
         host_buffer: host memory (pinned on CUDA) the copies land in; the returned tensors alias
             it and stay valid until its next use. Without it, fresh host tensors are allocated.
+        keep_states: False for a follower rank of a tensor-parallel group (``workers/parallel.py``):
+            the forward runs exactly as far as with True (the ranks' collectives must match), but
+            nothing is gathered, kept or copied to the host; ``wait()`` gives an empty
+            :class:`CapturedBatch`. Under tensor parallelism the residual stream is replicated,
+            so rank 0's copy is the whole state.
 
     Returns:
         :class:`PendingCapture`; its ``wait()`` gives the :class:`CapturedBatch`.
@@ -273,7 +279,7 @@ def launch_capture(
             if threading.get_ident() != owner:
                 return None
             hidden_BSH = _first(output)
-            if layer_id in slot_of_layer:
+            if keep_states and layer_id in slot_of_layer:
                 if "hidden_states" not in states:
                     K, H = len(selection.layer_ids), hidden_BSH.shape[-1]
                     states["hidden_states"] = torch.empty((T, K, H), dtype=store_dtype, device=device)
@@ -282,7 +288,7 @@ def launch_capture(
                         finite["hidden_states"] = torch.empty((T, K), dtype=torch.bool, device=device)
                 keep("hidden_states", gather_TH(hidden_BSH), slot_of_layer[layer_id])
                 filled_layers.add(layer_id)
-            if want_pre and layer_id == last_layer:
+            if keep_states and want_pre and layer_id == last_layer:
                 keep("final_prenorm", gather_TH(hidden_BSH))
             if layer_id == stop_after:
                 raise _StopForward
@@ -291,7 +297,7 @@ def launch_capture(
         return hook
 
     def norm_hook(_module, _args, output):
-        if threading.get_ident() == owner:
+        if keep_states and threading.get_ident() == owner:
             keep("final_postnorm", gather_TH(output))
 
     hooked_ids = sorted(set(selection.layer_ids) | ({last_layer} if want_pre else set()) | {selection.deepest_layer})
@@ -305,6 +311,12 @@ def launch_capture(
     finally:
         for handle in handles:
             handle.remove()
+    if not keep_states:  # wait() still waits for the forward, which reads the pinned inputs
+        done = torch.cuda.Event() if on_cuda else None
+        if done is not None:
+            done.record(torch.cuda.current_stream(device))
+        return PendingCapture({}, torch.ones((T, 0), dtype=torch.bool), [], rows.cu_seqlens_N1, done,
+                              (input_ids_BS, valid_T, rows))
 
     missing = [str(i) for i in selection.layer_ids if i not in filled_layers]
     missing += [name for name, wanted in (("final_postnorm", want_post), ("final_prenorm", want_pre)) if wanted and name not in states]

@@ -1,4 +1,5 @@
-"""``python -m workers``: one Celery worker process per visible GPU, each pinned with CUDA_VISIBLE_DEVICES.
+"""``python -m workers``: one Celery worker process per visible GPU (or per group of
+``HSX_GPUS_PER_WORKER`` GPUs), each pinned with CUDA_VISIBLE_DEVICES.
 
 With no GPU it starts one CPU worker (or ``HSX_WORKERS_PER_NODE`` of them). Before it starts any,
 it loads the settings (a bad ``HSX_*`` value is refused with the variable, the value and the rule)
@@ -257,22 +258,68 @@ class WorkerSlot:
         return self.proc is not None and self.proc.returncode is None
 
 
+def gpu_groups(gpus: list[str], per_worker: int) -> list[list[str]]:
+    """The visible GPUs as consecutive groups of ``per_worker`` (``HSX_GPUS_PER_WORKER``), in order.
+
+    Consecutive ids share a switch or an NVLink island on most nodes, and the order is the one
+    CUDA_VISIBLE_DEVICES gives. ``per_worker`` 1: one group per GPU.
+
+    Raises:
+        BadConfig: ``per_worker`` > 1 with no GPU visible, or the GPUs' count is not a multiple
+            of it; the message names both values, the rule and the fix.
+    """
+    if per_worker == 1:
+        return [[g] for g in gpus]
+    if not gpus:
+        raise BadConfig(f"HSX_GPUS_PER_WORKER={per_worker}: a worker of {per_worker} GPUs needs GPUs, and none is visible "
+                        "(HSX_DEVICE=cpu, or no CUDA device); fix: HSX_GPUS_PER_WORKER=1")
+    if len(gpus) % per_worker:
+        fits = [k for k in range(1, len(gpus) + 1) if len(gpus) % k == 0]
+        raise BadConfig(
+            f"HSX_GPUS_PER_WORKER={per_worker} does not divide the {len(gpus)} visible GPUs ({','.join(gpus)}): each worker "
+            f"takes {per_worker} GPUs and none may be left over; fix: HSX_GPUS_PER_WORKER={' or '.join(map(str, fits))}, "
+            f"or set CUDA_VISIBLE_DEVICES to a multiple of {per_worker} GPUs")
+    return [gpus[i:i + per_worker] for i in range(0, len(gpus), per_worker)]
+
+
 def plan_slots(settings: Settings, env: dict[str, str], count: int | None, loglevel: str) -> tuple[list[WorkerSlot], list[str]]:
-    """The worker processes to run (one per visible GPU unless ``count`` / HSX_WORKERS_PER_NODE) and the GPUs."""
+    """The worker processes to run and the GPUs: one per group of ``HSX_GPUS_PER_WORKER`` visible GPUs
+    (:func:`gpu_groups`; one per GPU by default) unless ``count`` / HSX_WORKERS_PER_NODE.
+
+    A worker of one GPU is named ``gpu<id>``, a worker of a group ``gpu<first id>x<K>``
+    (``gpu4x2`` holds GPUs 4 and 5); each child's CUDA_VISIBLE_DEVICES is its group and its
+    HSX_GPUS_PER_WORKER the group size.
+
+    Raises:
+        BadConfig: from :func:`gpu_groups`.
+    """
     gpus = visible_gpus(env)
     if settings.device == "cpu":
         gpus = []
-    n = count or settings.workers_per_node or max(1, len(gpus))
+    per_worker = settings.gpus_per_worker
+    groups = gpu_groups(gpus, per_worker)
+    n = count or settings.workers_per_node or max(1, len(groups))
     slots = []
     for i in range(n):
         child_env = dict(env)
-        if gpus:
-            child_env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-            name = f"gpu{gpus[i % len(gpus)]}" + (f"-{i // len(gpus)}" if n > len(gpus) else "")
+        if groups:
+            group = groups[i % len(groups)]
+            child_env["CUDA_VISIBLE_DEVICES"] = ",".join(group)
+            child_env["HSX_GPUS_PER_WORKER"] = str(per_worker)
+            name = f"gpu{group[0]}" + (f"x{per_worker}" if per_worker > 1 else "") + (f"-{i // len(groups)}" if n > len(groups) else "")
         else:
             name = f"cpu{i}"
         slots.append(WorkerSlot(name, child_env, worker_command(settings, name, loglevel)))
     return slots, gpus
+
+
+#: Why ``python -m workers`` refuses HSX_GPUS_PER_WORKER > 1 for now (see README, "Targets larger than one GPU").
+GROUPS_NOT_WIRED = (
+    "HSX_GPUS_PER_WORKER={k}: the workers do not split a target across a group yet: workers/target.py loads the "
+    "whole model on the group's first GPU. The pieces are built and tested on the CPU (workers/parallel.py: "
+    "the tensor-parallel load and the rank-0 capture; the grouping above) but not joined to the Celery worker, "
+    "and no run on {k} GPUs has been made; fix: HSX_GPUS_PER_WORKER=1 and a target that fits one GPU"
+)
 
 
 def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INFO", grace_s: float = 600.0,
@@ -409,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", type=int, default=None, help="worker processes (default: one per visible GPU, one on CPU)")
+    parser.add_argument("--gpus-per-worker", type=int, default=None, metavar="K",
+                        help="GPUs per worker process: one worker per group of K visible GPUs (HSX_GPUS_PER_WORKER, default 1)")
     parser.add_argument("--loglevel", default="INFO")
     parser.add_argument("--grace", type=float, default=600.0, help="seconds to let running batches finish after Ctrl-C / SIGTERM")
     parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
@@ -426,7 +475,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.allow_slow_kernels:
         os.environ["HSX_ALLOW_SLOW_KERNELS"] = "true"  # the children read it through Settings
         get_settings.cache_clear()
+    if args.gpus_per_worker is not None:
+        os.environ["HSX_GPUS_PER_WORKER"] = str(args.gpus_per_worker)  # validated by Settings, inherited by the children
+        get_settings.cache_clear()
     settings = get_settings()  # BadSettings names the variable, the value and the rule
+    if settings.gpus_per_worker > 1:
+        raise BadConfig(GROUPS_NOT_WIRED.format(k=settings.gpus_per_worker))
     if not settings.broker_url:
         raise BadConfig(NO_BROKER)
     check_broker(settings.broker_url, settings.broker_check_timeout_s)
