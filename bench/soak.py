@@ -57,8 +57,80 @@ POLL_S = 0.2
 READY_TIMEOUT_S = 240.0
 
 
-def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, threads: int, tmp: Path) -> dict:
-    """Plan, start the broker and the workers, warm up, time ``tasks`` tasks, check exactly-once."""
+class Chaos:
+    """Faults injected during the measured window, with no command typed to recover from them.
+
+    Every ``kill_every_s`` (+-50% jitter) one random worker process (a child of ``python -m workers``,
+    which restarts it) is SIGKILLed; at ``outage_at_s`` the S3 server is stopped for ``outage_s``.
+    Kills stop ``quiet_tail_s`` before ``duration_s`` so the last stranded batches have their lease
+    time to be reclaimed. Each fault is logged with its time (Unix seconds).
+    """
+
+    def __init__(self, launcher_pid: int, *, kill_every_s: float, duration_s: float, quiet_tail_s: float,
+                 server=None, outage_at_s: float | None = None, outage_s: float = 0.0, seed: int = 0):
+        import random
+        import threading
+
+        self.launcher_pid, self.kill_every_s, self.duration_s, self.quiet_tail_s = launcher_pid, kill_every_s, duration_s, quiet_tail_s
+        self.server, self.outage_at_s, self.outage_s = server, outage_at_s, outage_s
+        self.rng = random.Random(seed)
+        self.kills: list[dict] = []
+        self.outages: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos", daemon=True)
+
+    def start(self) -> "Chaos":
+        self.t0 = time.time()
+        self._thread.start()
+        return self
+
+    def _children(self):
+        import psutil
+
+        try:
+            return [c for c in psutil.Process(self.launcher_pid).children() if "celery" in " ".join(c.cmdline())]
+        except psutil.Error:
+            return []
+
+    def _run(self) -> None:
+        import signal
+
+        next_kill = self.t0 + self.kill_every_s * self.rng.uniform(0.5, 1.5)
+        outage_start = self.t0 + self.outage_at_s if self.outage_at_s is not None and self.server is not None else None
+        while not self._stop.wait(0.5):
+            now = time.time()
+            if outage_start is not None and now >= outage_start:
+                self.server.stop()
+                self.outages.append({"stopped_at": now})
+                if self._stop.wait(self.outage_s):
+                    self.server.start()
+                    return
+                self.server.start()
+                self.outages[-1]["started_at"] = time.time()
+                outage_start = None
+            if now >= next_kill and now < self.t0 + self.duration_s - self.quiet_tail_s:
+                children = self._children()
+                if children:
+                    victim = self.rng.choice(children)
+                    try:
+                        victim.send_signal(signal.SIGKILL)
+                        self.kills.append({"pid": victim.pid, "at": now})
+                    except Exception:
+                        pass
+                next_kill = now + self.kill_every_s * self.rng.uniform(0.5, 1.5)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, threads: int, tmp: Path,
+         chaos: dict | None = None, server=None) -> dict:
+    """Plan, start the broker and the workers, warm up, time ``tasks`` tasks, check exactly-once.
+
+    ``chaos``: ``{kill_every_s, duration_s, quiet_tail_s, outage_at_s, outage_s, forward_pause_s}``
+    (see :class:`Chaos`); ``forward_pause_s`` holds every batch that long after its forward
+    (``HSX_FAULTS=pause_forward``) so that a soak of tiny batches lasts ``duration_s``."""
     from concurrent.futures import ThreadPoolExecutor
 
     from core.broker import EmbeddedBroker
@@ -73,8 +145,12 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
     measured = dataclasses.replace(planned, batches=planned.batches[warm_n:warm_n + tasks])
     unused = {b["batch"] for b in planned.batches[warm_n + tasks:]}  # planned beyond the window, never enqueued
     broker = EmbeddedBroker(tmp / "state" / "broker").start()
+    extra = {}
+    if chaos:
+        # Many kills of the same processes over the soak: the launcher must keep restarting them.
+        extra = {"worker_restart_limit": 10_000, "faults": f"pause_forward={chaos['forward_pause_s']}"}
     env = settings_env(settings, broker_url=broker.url, model=MODEL, worker_concurrency=threads, workers_per_node=workers_n,
-                       store_url=store_url)  # workers serve runs under their store only
+                       store_url=store_url, **extra)  # workers serve runs under their store only
     log_path = tmp / "logs" / "workers.log"
     workers = None
     try:
@@ -88,7 +164,16 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
         t_start = time.perf_counter()
         enqueue_batches(measured, settings, broker.url)
         enqueue_s = time.perf_counter() - t_start
-        _wait(measured, workers, "measured tasks", poll_s=POLL_S)
+        injected = None
+        if chaos:
+            injected = Chaos(workers.proc.pid, kill_every_s=chaos["kill_every_s"], duration_s=chaos["duration_s"],
+                             quiet_tail_s=chaos["quiet_tail_s"], server=server, outage_at_s=chaos.get("outage_at_s"),
+                             outage_s=chaos.get("outage_s", 0.0)).start()
+        try:
+            _wait(measured, workers, "measured tasks", poll_s=POLL_S)
+        finally:
+            if injected is not None:
+                injected.stop()
         wall_s = time.perf_counter() - t_start
     finally:
         if workers is not None:
@@ -135,16 +220,43 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
             "lost_marker_races": log.count("another worker wrote the marker first"),
             "verify_s": round(verify_s, 2),
         },
+        "chaos": _chaos_report(injected, planned.run_store, markers, measured) if chaos else None,
         "setup": {"plan_records": records, "plan_s": round(plan_s, 2), "workers_ready_s": round(ready_s, 2),
                   "warmup_tasks": warm_n, "warmup_s": round(warmup_s, 2), "enqueue_s": round(enqueue_s, 2), "poll_s": POLL_S},
     }
 
 
-def run_store(store: str, tasks: int, workers_n: int, threads: int, cache_dir: Path) -> dict:
+def _chaos_report(chaos: Chaos, run_store, markers: list[dict], measured) -> dict:
+    """Faults and how the run recovered: the reclaims the leases made, and for each reclaimed batch the
+    time from the last kill before its reclaim to its marker (the stranded time)."""
+    reclaims = []
+    for key in run_store.list("reclaims/"):
+        try:
+            reclaims.append(json.loads(run_store.read(key)))
+        except Exception:
+            continue
+    by_batch = {m["batch"]: m for m in markers if m}
+    kills = sorted(k["at"] for k in chaos.kills)
+    stranded = []
+    for r in reclaims:
+        before = [k for k in kills if k <= r["at_unix"]]
+        marker = by_batch.get(r["batch"])
+        if before and marker and marker.get("finished_unix"):
+            stranded.append(round(marker["finished_unix"] - before[-1], 1))
+    return {"kills": len(chaos.kills), "kill_times_s": [round(k - chaos.t0, 1) for k in kills],
+            "outages": [{"at_s": round(o["stopped_at"] - chaos.t0, 1), "for_s": round(o.get("started_at", o["stopped_at"]) - o["stopped_at"], 1)}
+                        for o in chaos.outages],
+            "reclaims": len(reclaims), "reclaimed_batches": len({r["batch"] for r in reclaims}),
+            "stranded_s_max": max(stranded) if stranded else None,
+            "stranded_s_median": statistics.median(stranded) if stranded else None,
+            "commands_typed": 0}
+
+
+def run_store(store: str, tasks: int, workers_n: int, threads: int, cache_dir: Path, chaos: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="hsx-soak-") as d:
         tmp = Path(d)
         if store == "local":
-            return soak("local", str(tmp / "out"), _bench_settings(cache_dir, tmp), tasks, workers_n, threads, tmp)
+            return soak("local", str(tmp / "out"), _bench_settings(cache_dir, tmp), tasks, workers_n, threads, tmp, chaos)
         from tests.conftest import SeaweedServer, _weed_binary, s3_client
 
         binary = _weed_binary()
@@ -157,7 +269,7 @@ def run_store(store: str, tasks: int, workers_n: int, threads: int, cache_dir: P
             s3_client(server.endpoint_url).create_bucket(Bucket=bucket)
             settings = _bench_settings(cache_dir, tmp, s3_endpoint_url=server.endpoint_url, s3_region=server.region,
                                        s3_access_key_id=server.access_key, s3_secret_access_key=server.secret_key)
-            result = soak("s3", f"s3://{bucket}", settings, tasks, workers_n, threads, tmp)
+            result = soak("s3", f"s3://{bucket}", settings, tasks, workers_n, threads, tmp, chaos, server)
         finally:
             server.stop()
         result["setup"]["s3_server"] = "seaweedfs weed mini on loopback"
@@ -195,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", choices=["s3", "local"], default="s3", help="store (default s3: SeaweedFS on loopback)")
     parser.add_argument("--cache-dir", type=Path, default=None, help="where tiny-qwen3.5 is generated (default HSX_CACHE_DIR or ~/.cache/hsx)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON to OUT")
+    parser.add_argument("--chaos-minutes", type=float, default=0.0,
+                        help="inject faults for this long: SIGKILL a random worker every --kill-every-s, stop S3 once (default: none)")
+    parser.add_argument("--kill-every-s", type=float, default=30.0)
+    parser.add_argument("--outage-s", type=float, default=60.0, help="how long S3 is stopped (s3 store only)")
+    parser.add_argument("--forward-pause-s", type=float, default=0.25, help="with --chaos-minutes: hold each batch this long")
     args = parser.parse_args(argv)
     for name in ("tasks", "workers", "threads"):
         if getattr(args, name) < 1:
@@ -205,7 +322,12 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = machine_info()
     resolve_model_path(MODEL, cache_dir)
-    result = run_store(args.store, args.tasks, args.workers, args.threads, cache_dir)
+    chaos = None
+    if args.chaos_minutes > 0:
+        duration = 60 * args.chaos_minutes
+        chaos = {"kill_every_s": args.kill_every_s, "duration_s": duration, "quiet_tail_s": 180.0,
+                 "outage_at_s": duration / 3, "outage_s": args.outage_s, "forward_pause_s": args.forward_pause_s}
+    result = run_store(args.store, args.tasks, args.workers, args.threads, cache_dir, chaos)
     report = {
         "benchmark": "soak",
         "command": " ".join(["python", "bench/soak.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -213,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
         "params": {"dataset": "sharegpt", "model": MODEL, "max_length": MAX_LENGTH, "batch_tokens": BATCH_TOKENS,
                    "tasks": args.tasks, "workers": args.workers, "threads": args.threads, "store": args.store,
-                   "broker": "embedded valkey-server on a unix socket (AOF everysec)"},
+                   "broker": "embedded valkey-server on a unix socket (AOF everysec)", "chaos": chaos},
         "result": result,
     }
     print_report(report, Console(width=160))

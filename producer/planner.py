@@ -218,6 +218,11 @@ def plan_run(opts: PlanOptions, settings: Settings, progress=None) -> PlannedRun
     """
     t0 = time.perf_counter()
     root = open_store(opts.output or settings.store_url, settings)
+    if root.exists("run.json"):
+        # --output takes the store root that holds runs; README examples write runs as ./out/<run_id>.
+        raise BadConfig(f"--output {opts.output or settings.store_url!r} is a run (it holds run.json), not the store root "
+                        "that runs are written under; a run here would be nested inside that one. Fix: give its parent "
+                        "directory (e.g. --output ./out)")
     config, chat = build_config(opts, settings, progress)
     run_store = root.child(config.run_id)
     run_url = run_store.url

@@ -385,7 +385,9 @@ class RunWatch:
                     r["last_batch_at"] = _iso(m["end"])
                 recent.setdefault((m["host"], m["pid"]), []).append(m)
         for key, ms in recent.items():
-            rate = recent_rate([(m["end"], m["planned_tokens"]) for m in ms], now)
+            # Up to the worker's own last marker: a worker that finished keeps the rate it worked at
+            # (its state and heartbeat age say that it stopped); the run's rate is the one that decays.
+            rate = recent_rate([(m["end"], m["planned_tokens"]) for m in ms], max(m["end"] for m in ms))
             rows[key]["tokens_per_s"] = round(rate, 1) if rate is not None else None
 
         for h in read_heartbeats(self.run_store):  # workers/heartbeat.py writes them

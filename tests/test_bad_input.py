@@ -165,3 +165,13 @@ def test_wrong_s3_credentials_are_refused_before_planning_without_printing_the_s
     from conftest import s3_client
 
     assert "Contents" not in s3_client(secured_s3.endpoint_url).list_objects_v2(Bucket="guarded"), "nothing written"
+
+
+def test_an_output_that_is_a_run_is_refused_naming_its_parent(tmp_path, env):
+    """--output pointing at a run (it holds run.json), as README examples spell runs ./out/<run_id>: exit 2, no run nested in it."""
+    run_dir = tmp_path / "out" / "sharegpt-0123456789ab"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text("{}")
+    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(run_dir)], env)
+    _refused(proc, "is a run", "give its parent")
+    assert [p.name for p in run_dir.iterdir()] == ["run.json"], "nothing is written inside the run"

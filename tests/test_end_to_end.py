@@ -150,7 +150,7 @@ def test_the_same_task_delivered_twice_at_once_leaves_one_marker_and_a_valid_sha
         if key.rsplit("/", 1)[-1].startswith(victim + "-"):
             run_store.delete(key)
     settings = Settings(cache_dir=local_run["env"]["HSX_CACHE_DIR"], spool_dir=tmp_path / "spool", device="cpu",
-                        store_url=str(Path(local_run["report"]["address"]).parent))
+                        store_url=str(local_run["store"].root.parent))
     barrier = threading.Barrier(2)
     results = []
 

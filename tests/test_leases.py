@@ -190,6 +190,11 @@ def test_errors_are_sorted_by_cause():
     assert classify(FidelityError("batch b1 of run r: all 3 samples have NaN/Inf hidden states (first: ...)")) == DATA
     # A message naming a run or plan that is not in the store fails that batch; it never makes a worker refuse.
     assert classify(MissingKey("plan/b000001.npz")) == DATA
+    # A task this worker must never run (outside its roots, another model) is dropped, not put back for it.
+    from core.access import Refused
+    from workers.causes import REFUSED
+
+    assert classify(Refused("task run address '/elsewhere' refused")) == REFUSED
     assert classify(KeyError("layer_ids")) == UNKNOWN
 
 

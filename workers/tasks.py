@@ -10,6 +10,8 @@ failure does depends on its cause (``workers/causes.py``):
   ``refusing`` with the error in its status records and its ``hsx_refusing`` inspect reply, and
   rejects the message with ``requeue=True`` (``celery.exceptions.Reject``), so healthy workers take
   it. A task that reaches a refusing process before the cancel took effect is rejected the same way.
+- **refused** (a run outside this worker's store roots, a bad batch name, another model than its
+  ``HSX_MODEL``): the message is dropped with an ERROR line; nothing is read or written for it.
 - **data** (and an unknown error that came back :data:`workers.causes.UNKNOWN_RETRIES` times):
   ``failures/<batch>.json``, and the message is acknowledged: the batch is failed.
 
@@ -28,7 +30,7 @@ from celery.exceptions import Reject, Retry
 from core.queue import EXTRACT_TASK
 from settings import get_settings
 from workers.app import app
-from workers.causes import DATA, PERMANENT, TRANSIENT, UNKNOWN, UNKNOWN_RETRIES, classify, retry_countdown
+from workers.causes import DATA, PERMANENT, REFUSED, TRANSIENT, UNKNOWN, UNKNOWN_RETRIES, classify, retry_countdown
 from workers.extract import _run_store
 from workers.extract import extract_batch as _extract_batch
 from workers.extract import record_failure
@@ -104,6 +106,10 @@ def extract_batch(self, run_url: str, batch: str) -> dict:
                 raise
             except Exception as send_exc:  # the broker did not take the new message: keep the old one
                 raise Reject(f"retry of batch {batch} not sent ({send_exc}); requeued", requeue=True) from exc
+        if cause == REFUSED:
+            # Never run, never put back (this worker would meet it again), nothing written for it.
+            log.error("batch %s of %s dropped: %s: %s", str(batch)[:80], run_url, exc.__class__.__name__, exc)
+            return {"status": "refused", "batch": str(batch)[:80], "error": str(exc)[:500]}
         if cause == PERMANENT:
             _refuse(self, exc, run_url, batch, settings)
             raise Reject(f"batch {batch}: {exc.__class__.__name__}: {exc}", requeue=True) from exc
