@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     chaos = None
     if args.chaos_minutes > 0:
         duration = 60 * args.chaos_minutes
-        chaos = {"kill_every_s": args.kill_every_s, "duration_s": duration, "quiet_tail_s": 180.0,
+        # no kill in the last 3 minutes (or 30% of a shorter soak): the last stranded batches need a lease's time
+        chaos = {"kill_every_s": args.kill_every_s, "duration_s": duration, "quiet_tail_s": min(180.0, 0.3 * duration),
                  "outage_at_s": duration / 3, "outage_s": args.outage_s, "forward_pause_s": args.forward_pause_s}
     result = run_store(args.store, args.tasks, args.workers, args.threads, cache_dir, chaos)
     report = {
