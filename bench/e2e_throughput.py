@@ -371,44 +371,35 @@ class LocalRun:
 
 
 class S3Run(LocalRun):
-    """The same view over an S3 store (bucket ``bench``)."""
+    """The same view over an S3 store, through the project's store interface (``core.store``)."""
 
-    def __init__(self, client):
-        self.client = client
+    def __init__(self, store):
+        self.store = store
         self._run = None
-
-    def _keys(self, prefix: str) -> list[str]:
-        out = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket="bench", Prefix=prefix):
-            out += [o["Key"] for o in page.get("Contents", ())]
-        return out
 
     def run_dir(self):
         if self._run is None:
-            runs = [k.rsplit("/", 1)[0] for k in self._keys("") if k.endswith("/run.json")]
-            self._run = runs[0] if runs else None
+            runs = [k.rsplit("/", 1)[0] for k in self.store.list("") if k.endswith("/run.json")]
+            self._run = self.store.child(runs[0]) if runs else None
         return self._run
 
     def markers(self) -> list[str]:
         run = self.run_dir()
-        return sorted(k.rsplit("/", 1)[1] for k in self._keys(f"{run}/markers/")) if run else []
+        return [k.rsplit("/", 1)[1] for k in run.list("markers/")] if run else []
 
     def read_marker(self, name: str) -> dict:
-        return json.loads(self.client.get_object(Bucket="bench", Key=f"{self.run_dir()}/markers/{name}")["Body"].read())
+        return json.loads(self.run_dir().read(f"markers/{name}"))
 
     def shard_bytes_and_hash_ok(self, marker: dict) -> bool:
-        import hashlib
-
-        data = self.client.get_object(Bucket="bench", Key=f"{self.run_dir()}/{marker['shard']['key']}")["Body"].read()
-        return len(data) == marker["shard"]["bytes"] and hashlib.sha256(data).hexdigest() == marker["shard"]["sha256"]
+        return self.run_dir().sha256(marker["shard"]["key"]) == (marker["shard"]["bytes"], marker["shard"]["sha256"])
 
     def delete_shard(self, marker: dict) -> None:
-        self.client.delete_object(Bucket="bench", Key=f"{self.run_dir()}/{marker['shard']['key']}")
+        self.run_dir().delete(marker["shard"]["key"])
 
     def planned_batches(self) -> int | None:
         run = self.run_dir()
         try:
-            return len(json.loads(self.client.get_object(Bucket="bench", Key=f"{run}/plan/batches.json")["Body"].read())) if run else None
+            return len(json.loads(run.read("plan/batches.json"))) if run else None
         except Exception:
             return None
 
@@ -670,7 +661,12 @@ def main() -> None:
             server = S3Server(data_dir).start()
             bandwidth = server.upload_gb_s(int(args.bandwidth_gb / 2 * 1e9))
             env.update(server.env())
-            store_url, view = "s3://bench", S3Run(server.client())
+            from core.store import open_store
+            from settings import Settings
+
+            store_url = "s3://bench"
+            view = S3Run(open_store(store_url, Settings(_env_file=None, s3_endpoint_url=server.endpoint, s3_access_key_id="bench",
+                                                        s3_secret_access_key="bench-secret", s3_region="us-east-1")))
             store_desc = f"S3: SeaweedFS weed mini on loopback, data in {data_dir} ({_fs_type(data_dir)})"
         else:
             raise SystemExit(f"--stores: {spec!r} is not disk:DIR or s3:DIR")
@@ -678,6 +674,7 @@ def main() -> None:
         try:
             run = run_producer(dataset, ckpt, store_url, env, limit=args.limit, view=view, device=device,
                                timeout_s=args.timeout_s, workdir=workdir)
+            planned_batches = view.planned_batches()  # while the store (an S3 server) still runs
         finally:
             if server is not None:
                 server.stop()
@@ -734,7 +731,7 @@ def main() -> None:
             "worker_starts": starts,
             "triton_compiles_after_first_marker": compiles,
             "batches": len(arrivals),
-            "batches_planned": view.planned_batches(),
+            "batches_planned": planned_batches,
             "valid_tokens": total_tokens,
             "arrivals": [[round(t, 3), n, b] for t, n, b in arrivals],
             "kept_shards_hash_ok": run["kept_ok"],
