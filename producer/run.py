@@ -7,6 +7,7 @@ and starts nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -15,12 +16,15 @@ import time
 from pathlib import Path
 
 from core.broker import EmbeddedBroker, check_broker
+from core.errors import StoreError
 from core.marker import done_batches
 from producer.enqueue import enqueue_batches
 from producer.reconcile import RunReconciler
 from producer.planner import PlanOptions, PlannedRun, plan_run
 from producer.status import read_failures, recent_rate
 from settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 def settings_env(settings: Settings, **overrides) -> dict[str, str]:
@@ -101,8 +105,22 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
     last_fail_check = 0.0
     last_progress = time.monotonic()
     arrivals: list[tuple[float, int]] = []  # (when this loop saw the marker, tokens): the recent rate
+    store_down_since = None
     while True:
-        done = done_batches(run_store) & set(by_name)
+        try:
+            done = done_batches(run_store) & set(by_name)
+        except StoreError as exc:
+            if not exc.transient:
+                raise
+            # The store is briefly unreachable (the workers retry and spill meanwhile): keep waiting.
+            if store_down_since is None:
+                store_down_since = time.monotonic()
+                log.warning("the store does not answer (%s); still waiting for the markers", exc)
+            time.sleep(poll_s)
+            continue
+        if store_down_since is not None:
+            log.info("the store answers again after %.0f s", time.monotonic() - store_down_since)
+            store_down_since = None
         now = time.monotonic()
         for b in done - seen:
             tokens += by_name[b]["num_tokens"]
@@ -121,7 +139,13 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
         if not remaining:
             break
         if time.monotonic() - last_fail_check > 2.0:
-            failed = read_failures(run_store, seen)
+            try:
+                failed = read_failures(run_store, seen)
+            except StoreError as exc:
+                if not exc.transient:
+                    raise
+                time.sleep(poll_s)
+                continue
             last_fail_check = time.monotonic()
             if remaining <= set(failed):
                 if reconcile is not None and reconcile():
