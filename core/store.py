@@ -1177,19 +1177,10 @@ class S3Store:
                                     f"expected {expected} (sha256 {sha256_hex}); rewrite it")
             self._composite.pop(full, None)
             return
-        h = hashlib.sha256()
-        n = 0
-        with self._errors("verify", key):
-            try:
-                body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
-            except ClientError as e:
-                if _is_not_found(e):
-                    raise FidelityError(f"{key!r} in {self.url}: vanished during verify; rewrite it") from None
-                raise
-            for chunk in body.iter_chunks(CHUNK_BYTES):
-                h.update(chunk)
-                n += len(chunk)
-        digest = h.hexdigest()
+        try:
+            n, digest = self.sha256(key)
+        except MissingKey:
+            raise FidelityError(f"{key!r} in {self.url}: vanished during verify; rewrite it") from None
         if n != nbytes or digest != sha256_hex.lower():
             raise FidelityError(
                 f"{key!r} in {self.url}: sha256 {digest} ({n} bytes), expected {sha256_hex} ({nbytes} bytes); rewrite it"

@@ -19,6 +19,8 @@ Rows are matched by (host, pid).
 
 from __future__ import annotations
 
+from core.times import unix_seconds as _ts
+
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -79,20 +81,6 @@ def read_failures(run_store: Store, done: set[str]) -> dict[str, dict]:
             continue
     return out
 
-
-def _ts(value) -> float | None:
-    """Seconds since the epoch from an ISO 8601 string (naive = UTC) or a number; None if neither."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    try:
-        dt = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
-    return dt.timestamp()
 
 
 def _iso(ts: float | None) -> str | None:

@@ -35,6 +35,8 @@ so hosts must agree to a few seconds (NTP); a skew shortens or lengthens the lea
 
 from __future__ import annotations
 
+from core.times import unix_seconds as _ts
+
 import json
 import logging
 import random
@@ -51,17 +53,6 @@ RECLAIMS_PREFIX = "reclaims/"
 #: attempts of one stale delivery's reclaim (a winner that died before it finished), at most.
 MAX_ATTEMPTS = 5
 
-
-def _ts(value) -> float | None:
-    if value in (None, ""):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    try:
-        dt = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def stale_claims(client, lease_s: float, now: float) -> list[dict]:
