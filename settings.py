@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     """Celery result backend URL; unset means the broker URL."""
     visibility_timeout_s: int = Field(default=6 * 3600, ge=1)
     """Seconds a claimed, unacknowledged task stays invisible before Redis delivers it again.
-    Must be several times the longest task (FIELD-NOTES 5); the same value on every app. Values
+    Must be several times the longest task (docs/FACTS.md section 5); the same value on every app. Values
     under 60 exist for the redelivery tests only: they make every longer task run twice."""
     queue: str = "gpu"
     """Celery queue that carries extraction tasks."""

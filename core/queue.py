@@ -1,13 +1,16 @@
 """The Celery wiring both sides share: app settings, the queue, the task name.
 
 The producer sends tasks by name (``app.send_task``) and never imports ``workers``; the workers
-register the task under the same name. Settings follow FIELD-NOTES section 5: late acks with
+register the task under the same name. Settings follow docs/FACTS.md section 5: late acks with
 reject-on-worker-lost (a killed worker's batch is delivered again), prefetch 1, the threads pool
 with one thread (heartbeats keep flowing during a long forward), JSON only, and one visibility
 timeout far above the longest task, the same on every app that talks to the broker.
 """
 
 from __future__ import annotations
+
+import base64
+import json
 
 from celery import Celery
 
@@ -60,3 +63,20 @@ def make_celery(settings: Settings, broker_url: str, name: str = "hsx") -> Celer
     app = Celery(name)
     app.conf.update(celery_config(settings, broker_url))
     return app
+
+
+def decode_message(raw: bytes | str) -> tuple[str | None, str | None, list]:
+    """(task name, task id, args) of a kombu Redis message; (None, None, []) if it is not JSON."""
+    try:
+        msg = json.loads(raw)
+        if msg.get("content-type") != "application/json":
+            return None, None, []  # never decode anything else (pickle would run code)
+        headers = msg.get("headers") or {}
+        body = msg.get("body") or ""
+        if (msg.get("properties") or {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        payload = json.loads(body)
+        args = payload[0] if isinstance(payload, list) and payload else []
+        return headers.get("task"), headers.get("id"), list(args) if isinstance(args, (list, tuple)) else []
+    except (ValueError, TypeError, AttributeError):
+        return None, None, []

@@ -27,7 +27,6 @@ finds the marker, or loses the marker race and deletes its own shard.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import time
@@ -38,7 +37,7 @@ from types import SimpleNamespace
 
 from core.marker import done_batches, marker_key
 from core.plan import read_batch_list
-from core.queue import EXTRACT_TASK, make_celery
+from core.queue import EXTRACT_TASK, decode_message as _decode, make_celery
 from core.runconfig import load_run
 from core.store import Store
 from settings import Settings
@@ -73,23 +72,6 @@ class BrokerView:
     """Delivered, unacknowledged messages that no live worker holds (their worker died)."""
     workers: list[str] = field(default_factory=list)
     """Workers that answered ``inspect``."""
-
-
-def _decode(raw: bytes | str) -> tuple[str | None, str | None, list]:
-    """(task name, task id, args) of a kombu Redis message; (None, None, []) if it is not JSON."""
-    try:
-        msg = json.loads(raw)
-        if msg.get("content-type") != "application/json":
-            return None, None, []  # never decode anything else (pickle would run code)
-        headers = msg.get("headers") or {}
-        body = msg.get("body") or ""
-        if (msg.get("properties") or {}).get("body_encoding") == "base64":
-            body = base64.b64decode(body)
-        payload = json.loads(body)
-        args = payload[0] if isinstance(payload, list) and payload else []
-        return headers.get("task"), headers.get("id"), list(args) if isinstance(args, (list, tuple)) else []
-    except (ValueError, TypeError, AttributeError):
-        return None, None, []
 
 
 def _batch_of(task: str | None, task_id: str | None, args: list, run_id: str, run_url: str) -> str | None:

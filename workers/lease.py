@@ -18,16 +18,18 @@ the hash and, for each extraction message delivered (or due, for a retry with a 
 
 1. creates ``<run>/reclaims/<batch>-<tag>.<n>.json`` with a conditional create (``Store.create``:
    S3 ``IfNoneMatch``, local ``O_EXCL``): of all the live workers, exactly one wins; no leader;
-2. enqueues the batch again, with the producer's own code (``producer/reconcile.py`` ``_enqueue``);
-3. only then removes the stale entry from ``unacked`` / ``unacked_index`` (so that its redelivery
-   hours later does not run a duplicate; if it did, the marker would settle it).
+2. puts the message back with kombu's own restore (``QoS.restore_by_tag``, the code its
+   visibility-timeout sweep runs): in one Redis transaction (``WATCH unacked``) the entry leaves
+   ``unacked`` / ``unacked_index`` and the same message is pushed onto the end of the queue that
+   workers take from next (``RPUSH``; producers ``LPUSH`` and consumers ``BRPOP``). A stranded
+   batch therefore runs next, not after the thousands of batches queued behind it, and the
+   message is never lost or doubled in between: the transaction either happens whole or not.
 
-A winner that dies between 1 and 3 leaves the entry in place: after another ``HSX_LEASE_S``, the
-next look takes attempt ``n + 1``. The message is therefore never lost in between: the old one is
-removed only once the new one is in the queue. The worst case from a SIGKILL to the batch being
-queued again is ``HSX_LEASE_S + HSX_RECLAIM_INTERVAL_S`` (2 min 30 s by default); a lease that
-expires under a live worker (a store outage longer than the lease stops its heartbeats) only makes
-a duplicate, which loses the marker race and deletes its own shard.
+A winner that dies between 1 and 2 leaves the entry in place: after another ``HSX_LEASE_S``, the
+next look takes attempt ``n + 1``. The worst case from a SIGKILL to the batch being next in line is
+``HSX_LEASE_S + HSX_RECLAIM_INTERVAL_S`` (2 min 30 s by default), plus the batch a free worker is
+finishing; a lease that expires under a live worker (a store outage longer than the lease stops its
+heartbeats) only makes a duplicate, which loses the marker race and deletes its own shard.
 
 Clocks: the record's ``updated_at`` and kombu's delivery time are compared with this host's clock,
 so hosts must agree to a few seconds (NTP); a skew shortens or lengthens the lease by as much.
@@ -60,7 +62,7 @@ def stale_claims(client, lease_s: float, now: float) -> list[dict]:
     ``[{"tag", "run_url", "batch", "task_id", "claimed_at"}]``, ``claimed_at`` being the later of the
     delivery and the message's ``eta`` (seconds since the epoch). Bodies are decoded only when JSON."""
     from core.queue import EXTRACT_TASK
-    from producer.reconcile import _decode
+    from core.queue import decode_message as _decode
 
     entries = client.hgetall(UNACKED_KEY)
     if not entries:
@@ -148,9 +150,6 @@ class Reclaimer:
 
     def _reclaim(self, client, claim: dict, lease_s: float, now: float, records_of: dict) -> dict | None:
         from core.marker import read_marker
-        from core.plan import read_batch_list
-        from core.runconfig import load_run
-        from producer.reconcile import _enqueue
         from producer.status import read_heartbeats
 
         run_url, batch, tag = claim["run_url"], claim["batch"], claim["tag"]
@@ -172,14 +171,24 @@ class Reclaimer:
                 "at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds")}
         if not store.create(f"{RECLAIMS_PREFIX}{batch}-{tag}.{attempt}.json", json.dumps(body).encode()):
             return None  # another worker took it
-        plan = {b["batch"]: b for b in read_batch_list(store)}
-        enqueued = _enqueue(store, run_url, load_run(store), [plan[batch]], self.settings, self.broker_url) \
-            if batch in plan else []
-        self._drop(client, tag)
+        restored = self._restore(tag)
         log.warning("lease of batch %s of %s expired (claimed %.0f s ago, no live worker lists it): %s",
                     batch, run_url, now - claim["claimed_at"],
-                    "enqueued again" if enqueued else "not enqueued (done meanwhile or not in the plan)")
-        return {"batch": batch, "run_url": run_url, "tag": tag, "attempt": attempt, "enqueued": bool(enqueued)}
+                    "put back at the head of the queue" if restored else "already gone from the claims")
+        return {"batch": batch, "run_url": run_url, "tag": tag, "attempt": attempt, "enqueued": restored}
+
+    def _restore(self, tag: str) -> bool:
+        """Put the unacknowledged message ``tag`` back where workers take from next, with kombu's own
+        ``QoS.restore_by_tag`` (atomic: see the module doc). False if it was no longer claimed."""
+        from kombu import Connection
+
+        with Connection(self.broker_url) as conn:
+            channel = conn.default_channel
+            client = channel.client
+            if not client.hexists(UNACKED_KEY, tag):
+                return False
+            channel.qos.restore_by_tag(tag, client=client, leftmost=False)
+            return True
 
     def _attempt(self, store, batch: str, tag: str, lease_s: float, now: float) -> int | None:
         """The reclaim attempt to try for delivery ``tag``: 1, or the next after one older than the
