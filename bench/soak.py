@@ -228,27 +228,55 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
 
 def _chaos_report(chaos: Chaos, run_store, markers: list[dict], measured) -> dict:
     """Faults and how the run recovered: the reclaims the leases made, and for each reclaimed batch the
-    time from the last kill before its reclaim to its marker (the stranded time)."""
+    time from the kill that stranded it to its marker (the stranded time).
+
+    The kill that stranded a batch is the kill of the process whose last status record still lists the
+    batch (``workers/<host>-<pid>.json``); where no record names it (killed before its first heartbeat),
+    the first kill after the delivery (``claimed_at``), which can only make the time longer. (The first
+    version took the last kill before the reclaim: with a kill every 30 s and a 120 s lease, that was
+    a later kill than the one that stranded the batch, and the times came out short.)"""
+    from core.times import unix_seconds
+
     reclaims = []
     for key in run_store.list("reclaims/"):
         try:
             reclaims.append(json.loads(run_store.read(key)))
         except Exception:
             continue
+    killed_at = {k["pid"]: k["at"] for k in chaos.kills}
+    holder_kill: dict[str, float] = {}
+    for key in run_store.list("workers/"):
+        try:
+            record = json.loads(run_store.read(key))
+        except Exception:
+            continue
+        if record.get("pid") in killed_at:
+            for b in record.get("batches") or []:
+                if isinstance(b, dict) and b.get("batch"):
+                    holder_kill[b["batch"]] = killed_at[record["pid"]]
     by_batch = {m["batch"]: m for m in markers if m}
     kills = sorted(k["at"] for k in chaos.kills)
-    stranded = []
+    stranded, named = [], 0
     for r in reclaims:
-        before = [k for k in kills if k <= r["at_unix"]]
         marker = by_batch.get(r["batch"])
-        if before and marker and marker.get("finished_unix"):
-            stranded.append(round(marker["finished_unix"] - before[-1], 1))
+        if not (marker and marker.get("finished_unix")):
+            continue
+        kill = holder_kill.get(r["batch"])
+        if kill is not None:
+            named += 1
+        else:
+            claimed = unix_seconds(r.get("claimed_at")) or 0.0
+            kill = next((k for k in kills if k >= claimed - 1.0), None)
+        if kill is not None:
+            stranded.append(round(marker["finished_unix"] - kill, 1))
     return {"kills": len(chaos.kills), "kill_times_s": [round(k - chaos.t0, 1) for k in kills],
             "outages": [{"at_s": round(o["stopped_at"] - chaos.t0, 1), "for_s": round(o.get("started_at", o["stopped_at"]) - o["stopped_at"], 1)}
                         for o in chaos.outages],
             "reclaims": len(reclaims), "reclaimed_batches": len({r["batch"] for r in reclaims}),
             "stranded_s_max": max(stranded) if stranded else None,
             "stranded_s_median": statistics.median(stranded) if stranded else None,
+            "stranded_within_180_s": sum(1 for t in stranded if t <= 180.0), "stranded_measured": len(stranded),
+            "stranded_kill_named_by_record": named,
             "commands_typed": 0}
 
 
