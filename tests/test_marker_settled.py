@@ -2,7 +2,7 @@
 in-process, the tiny model on the CPU) on an S3 store behind tests/faultproxy.py whose first 8
 conditional PUTs of the marker answer 409 ConditionalRequestConflict (more than the store's own
 ``CONFLICT_RETRIES``). The batch ends ``done`` with its marker naming the shard it wrote, the
-shard kept: an unsettled create is retried (core/retry.py), never taken for another worker's win.
+shard kept: an unsettled create is retried (core/store/retry.py), never taken for another worker's win.
 """
 
 from __future__ import annotations
