@@ -30,10 +30,14 @@ Errors, the same on every backend and every member (``workers/causes.py`` acts o
   refused, no such bucket, HTTP 400 such as a checksum the server refused, a local disk error).
   A worker stops taking tasks (cause ``permanent``), except for a full disk (ENOSPC in the
   error's chain), which is waited for.
+- :class:`~core.errors.FidelityError` from ``write_stream`` only: the backend reports other bytes
+  than were sent (S3: a completed upload's composite SHA-256 that is not the parts'). The object
+  must not be certified.
 
-Nothing else escapes a member: no ``OSError``, no botocore exception. That is what lets a caller
-tell "the store did not answer" (retry) from "this batch's data is wrong" (repair): a caller that
-went around the store to a raw client once took an S3 timeout for a bad shard.
+Nothing else escapes a member (but what ``write_stream``'s own ``pieces`` raise): no ``OSError``,
+no botocore exception. That is what lets a caller tell "the store did not answer" (retry) from
+"this batch's data is wrong" (repair): a caller that went around the store to a raw client once
+took an S3 timeout for a bad shard.
 
 Operations that a backend need not implement itself (``exists``, ``write_file``, ``verify``,
 ``download``) are functions over these members in :mod:`core.store.helpers`.
