@@ -11,6 +11,7 @@ implements them itself.
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -99,20 +100,18 @@ def download(store: Store, key: str, path: Path, *, retry_s: float = 0.0, part_b
              threads: int = DOWNLOAD_THREADS) -> tuple[int, str]:
     """Copy object ``key`` to the local file ``path`` (created or truncated); return (bytes, sha256 hex) of what was written.
 
-    ``part_bytes`` ranges are read ``threads`` at a time with :meth:`Store.read_range`, each retried
+    One ``size``, then ``part_bytes`` ranges read ``threads`` at a time with :meth:`Store.read_range`, each call retried
     on a transient StoreError for up to ``retry_s`` seconds (:func:`~core.store.retry.retry_transient`),
     and written and hashed in order, so that the object is never whole in memory (at most
     ``threads`` parts) and the sha256 costs no second read.
 
     Raises:
-        MissingKey: ``key`` is absent.
+        MissingKey: ``key`` is absent (or was deleted while it was read).
         FidelityError: the object changed size while it was read (another writer replaced it).
         StoreError: a range still failing after the retries, or a non-transient store error.
         OSError: ``path`` cannot be written.
     """
-    import hashlib
-
-    size = store.size(key)
+    size = retry_transient(lambda: store.size(key), f"download {key}: its size", total_s=retry_s)
     if size is None:
         raise MissingKey(f"{key!r} not found in {store.url}")
     offsets = range(0, size, part_bytes)
