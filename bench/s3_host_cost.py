@@ -8,10 +8,12 @@ of the throughput target is measured where one runs: on this machine, the same b
 
 - **ours**: ``S3Store.write_stream`` from host memory (what a worker does), the server checking
   each part's SHA-256, the whole object's sha256 computed beside the upload;
-- **plain**: boto3's ``upload_fileobj`` of one bytes object of the same size, 64 MiB parts, 8 at a
-  time (the ceiling for the same bytes: no hashing of ours, no serialising);
-- **spool hop**: what every shard did before (write the spool file hashing it, ``write_file`` from
-  it, ``verify``), for the difference.
+- **plain**: the same bytes as plain 64 MiB PUTs through ``Store.write``, 8 at a time
+  (``e2e_throughput.plain_puts``: the ceiling for the same bytes, no hashing of ours, no
+  multipart upload, no serialising);
+- **spool hop**: what an overflowed shard does (write the spool file hashing it, then
+  ``core.store.write_file`` from it, which checks the stored sha256 against the spool's), for the
+  difference.
 
 The server shares this machine's cores, so the GB/s are this machine's, not a network's: the
 figure that carries over is CPU seconds per GB on our side.
@@ -22,7 +24,6 @@ figure that carries over is CPU seconds per GB on our side.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from e2e_throughput import S3Server  # noqa: E402
+from e2e_throughput import S3Server, plain_puts  # noqa: E402
 
 
 def _cpu() -> float:
@@ -62,8 +63,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from core.shard import serialize_shard
-    from core.store import S3Store
-    from settings import Settings
+    from core.store import write_file
     from workers.spool import write_shard
 
     g = torch.Generator().manual_seed(0)
@@ -75,31 +75,26 @@ def main() -> None:
     blob = b"".join(pieces)
     work = Path(tempfile.mkdtemp(prefix="hsx-s3cost-"))
     server = S3Server(work / "weed").start()
-    settings = Settings(_env_file=None, s3_endpoint_url=server.endpoint, s3_access_key_id="bench",
-                        s3_secret_access_key="bench-secret", s3_region="us-east-1")
-    store = S3Store.from_url("s3://bench", settings)
-    client = server.client()
-    from boto3.s3.transfer import TransferConfig
-
-    config = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=8)
+    store = server.store()
     spool = work / "spool"
     spool.mkdir()
     rows: dict[str, list] = {"ours": [], "plain": [], "spool_hop": []}
+    plain_keys: list[str] = []
     try:
         for i in range(args.repeats):
-            rows["plain"].append(timed(lambda: client.upload_fileobj(io.BytesIO(blob), "bench", f"plain-{i}", Config=config)))
+            rows["plain"].append(timed(lambda: plain_keys.extend(plain_puts(store, f"plain-{i}", blob))))
             rows["ours"].append(timed(lambda: store.write_stream(f"ours-{i}", pieces)))
 
             def hop():
                 path = spool / f"s-{i}"
-                n, sha = write_shard(path, pieces)
-                store.write_file(f"hop-{i}", path, sha)
-                store.verify(f"hop-{i}", n, sha)
+                _, sha = write_shard(path, pieces)
+                write_file(store, f"hop-{i}", path, sha)
                 path.unlink()
 
             rows["spool_hop"].append(timed(hop))
-            for k in (f"plain-{i}", f"ours-{i}", f"hop-{i}"):
+            for k in (*plain_keys, f"ours-{i}", f"hop-{i}"):
                 store.delete(k)
+            plain_keys.clear()
     finally:
         server.stop()
     out = {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),

@@ -30,7 +30,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from core.processes import pid_alive
-from core.store import Store
+from core.store import Store, exists
 
 BATCHES_JSON = "plan/batches.json"
 SAMPLES_JSONL = "plan/samples.jsonl"
@@ -108,7 +108,7 @@ def read_batch_list(run_store: Store) -> list[dict]:
 
 
 def plan_complete(run_store: Store) -> bool:
-    return run_store.exists(BATCHES_JSON)
+    return exists(run_store, BATCHES_JSON)
 
 
 def _now() -> str:

@@ -51,10 +51,10 @@ from typing import Iterator
 
 import numpy as np
 
-from core.errors import BadConfig, FidelityError, StoreError
+from core.errors import BadConfig, FidelityError
 from core.marker import MARKERS_PREFIX
 from core.runconfig import RunConfig, load_run
-from core.store import S3Store, Store, open_store, sha256_file
+from core.store import Store, download, open_store
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,9 @@ FINAL_TENSORS = ("final_postnorm", "final_prenorm")
 MAX_OPEN_SHARDS = 16
 #: threads that read markers.
 MARKER_READ_THREADS = 16
+#: seconds a reader retries a shard read that fails for a transient reason (S3 timeout, reset, 5xx)
+#: before it raises StoreError: a training job rides out a short store hiccup.
+SHARD_READ_RETRY_S = 120.0
 
 try:  # torch is a hard dependency of the project, but keep the index helpers importable without it
     from torch.utils.data import Dataset as _Dataset
@@ -144,32 +147,21 @@ def certified_markers(run_store: Store, config: RunConfig) -> dict[str, dict]:
     return out
 
 
-def s3_object_key(run_store: S3Store, key: str) -> str:
-    """The bucket key of store key ``key`` (the store's prefix joined in front)."""
-    return f"{run_store.prefix}/{key}" if run_store.prefix else key
-
-
-def _download(run_store: Store, key: str, path: Path) -> None:
-    """Copy object ``key`` to the local file ``path`` without holding it in memory on S3."""
-    if isinstance(run_store, S3Store):
-        full = s3_object_key(run_store, key)
-        try:
-            # boto3's managed transfer: ranged GETs in parallel threads, straight to the file.
-            run_store.client.download_file(run_store.bucket, full, str(path))
-        except Exception as exc:
-            raise StoreError(f"download of {run_store.url}/{key} failed: {exc}") from exc
-        return
-    path.write_bytes(run_store.read(key))
-
-
 @contextmanager
-def local_shard(run_store: Store, key: str, *, expect: dict | None = None, tmp_dir: Path | None = None) -> Iterator[Path]:
+def local_shard(run_store: Store, key: str, *, expect: dict | None = None, tmp_dir: Path | None = None,
+                retry_s: float = SHARD_READ_RETRY_S) -> Iterator[Path]:
     """A local path of shard ``key`` for the duration of the block.
 
     Local store: the file itself (memory-mappable, no copy). Other stores: a temp file
-    downloaded into ``tmp_dir`` (default: the system temp dir) and deleted afterwards.
-    ``expect`` (the marker's ``shard`` dict: ``bytes``, ``sha256``) makes it hash the file first
-    and raise :class:`~core.errors.FidelityError` when it does not match.
+    downloaded into ``tmp_dir`` (default: the system temp dir) through the store's ranged reads
+    (:func:`core.store.download`, each read retried on a transient error for up to ``retry_s``
+    seconds) and deleted afterwards. ``expect`` (the marker's ``shard`` dict: ``bytes``,
+    ``sha256``) makes it check the bytes (hashed as they are downloaded; a local file is hashed
+    with :meth:`Store.sha256`) and raise :class:`~core.errors.FidelityError` when they do not match.
+
+    Raises:
+        core.store.MissingKey: the shard is absent.
+        core.errors.StoreError: the store could not be read (after the retries, for a transient error).
     """
     path = run_store.local_path(key)
     tmp: Path | None = None
@@ -179,9 +171,10 @@ def local_shard(run_store: Store, key: str, *, expect: dict | None = None, tmp_d
         tmp = path = Path(name)
     try:
         if tmp is not None:
-            _download(run_store, key, tmp)
+            n, digest = download(run_store, key, tmp, retry_s=retry_s)
+        elif expect is not None:
+            n, digest = run_store.sha256(key)
         if expect is not None:
-            n, digest = sha256_file(path)
             if n != int(expect["bytes"]) or digest != str(expect["sha256"]).lower():
                 raise FidelityError(
                     f"shard {key} in {run_store.url}: sha256 {digest} ({n} bytes), its marker says "

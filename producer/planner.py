@@ -24,7 +24,7 @@ from core.models import load_tokenizer, model_info
 from core.plan import (BATCHES_JSON, PLANNING_JSON, SAMPLES_JSONL, BatchPlan, batch_id, batch_key, fail_planning_record,
                        plan_complete, read_batch_list, start_planning_record)
 from core.runconfig import RunConfig, check_run, check_run_id, claim_run
-from core.store import Store, open_store
+from core.store import Store, exists, open_store
 from producer.batching import cut_batches, padding_waste
 from producer.datasets import SkipCounter, dataset_files, iter_conversations
 from producer.masks import MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES, SPECIAL_TOKENS_IN_CONTENT, ChatTokeniser
@@ -218,7 +218,7 @@ def plan_run(opts: PlanOptions, settings: Settings, progress=None) -> PlannedRun
     """
     t0 = time.perf_counter()
     root = open_store(opts.output or settings.store_url, settings)
-    if root.exists("run.json"):
+    if exists(root, "run.json"):
         # --output takes the store root that holds runs; README examples write runs as ./out/<run_id>.
         raise BadConfig(f"--output {opts.output or settings.store_url!r} is a run (it holds run.json), not the store root "
                         "that runs are written under; a run here would be nested inside that one. Fix: give its parent "
@@ -277,7 +277,7 @@ def _describe(exc: BaseException) -> str:
 
 def _reuse(run_store: Store, root: Store, config: RunConfig, run_url: str) -> PlannedRun:
     batches = read_batch_list(run_store)
-    stats = json.loads(run_store.read(STATS_JSON)) if run_store.exists(STATS_JSON) else {}
+    stats = json.loads(run_store.read(STATS_JSON)) if exists(run_store, STATS_JSON) else {}
     return PlannedRun(run_store, root, config, batches, stats, reused=True, run_url=run_url)
 
 

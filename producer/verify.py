@@ -56,9 +56,8 @@ from core.errors import HsxError, StoreError
 from core.fp8 import E4M3_REL_ERR
 from core.plan import BatchPlan, read_batch, read_batch_list
 from core.reader import quarantined_ids, read_markers, read_sample
-from core.retry import retry_transient
 from core.runconfig import RunConfig, load_run
-from core.store import MissingKey, Store
+from core.store import MissingKey, Store, retry_transient
 
 #: relative tolerance of ``--recompute`` by stored dtype (bf16 keeps 8 bits of mantissa).
 #: fp8: e4m3's relative rounding bound 2**-4 on top of bf16's 1e-2, rounded up (the module docstring says why).
@@ -75,7 +74,7 @@ S3_THREADS = 16
 LOCAL_THREADS = 8
 #: largest safetensors header we accept (bytes); real shard headers are a few KB.
 MAX_HEADER_BYTES = 100 << 20
-#: seconds each store call of ``verify`` retries a transient error (``core/retry.py``) before the
+#: seconds each store call of ``verify`` retries a transient error (``core/store/retry.py``) before the
 #: batch is reported ``unverified`` (not bad: ``reconcile --repair`` leaves it alone).
 VERIFY_RETRY_S = 60.0
 #: problem kind of a batch whose marker, plan or shard could not be read for a store error
@@ -113,7 +112,7 @@ class _BatchResult:
 class _ObjectReader:
     """Byte ranges and the sha256 of one stored object, through the store's interface
     (``Store.read_range`` / ``Store.sha256``), each call retried on a transient error for up to
-    ``retry_s`` seconds (``core/retry.py``). A :class:`~core.errors.StoreError` that outlasts the
+    ``retry_s`` seconds (``core/store/retry.py``). A :class:`~core.errors.StoreError` that outlasts the
     retries propagates: the caller reports the batch ``unverified``, never bad."""
 
     def __init__(self, run_store: Store, key: str, retry_s: float):

@@ -78,7 +78,11 @@ def closed_port() -> int:
 
 
 def s3_client(endpoint_url: str, *, timeout_s: float = 5.0, attempts: int = 3):
-    """A boto3 S3 client for the test server (path-style, dummy keys, short timeouts)."""
+    """A boto3 S3 client for the test server (path-style, dummy keys, short timeouts).
+
+    Test setup only: waiting for a starting server and making buckets. What a test checks goes
+    through the store (``core.store``), the only other code that talks to boto3
+    (tests/test_store.py checks that boundary)."""
     import boto3
     from botocore.config import Config
 
@@ -272,10 +276,6 @@ class S3Bucket:
     url: str
     settings: Settings
     server: object
-
-    def client(self):
-        """A boto3 client for the bucket's server."""
-        return s3_client(self.settings.s3_endpoint_url)
 
 
 def _test_settings(server) -> Settings:

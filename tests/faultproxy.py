@@ -103,7 +103,9 @@ class FaultProxy:
                     for k, v in resp.getheaders():
                         if k.lower() not in ("transfer-encoding", "content-length", "connection"):
                             self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(data)))
+                    # A HEAD has no body but reports the object's size: pass the server's length on.
+                    length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                    self.send_header("Content-Length", length or str(len(data)))
                     self.end_headers()
                     if self.command != "HEAD":
                         self.wfile.write(data)

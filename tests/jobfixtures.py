@@ -166,12 +166,13 @@ def read_samples(run_store) -> dict[int, dict]:
     """
     from core.marker import done_batches, read_marker
     from core.shard import read_shard
+    from core.store import verify
 
     samples: dict[int, dict] = {}
     for batch in sorted(done_batches(run_store)):
         marker = read_marker(run_store, batch)
         key = marker["shard"]["key"]
-        run_store.verify(key, marker["shard"]["bytes"], marker["shard"]["sha256"])
+        verify(run_store, key, marker["shard"]["bytes"], marker["shard"]["sha256"])
         path = run_store.local_path(key)
         if path is None:
             path = Path(os.environ.get("TMPDIR", "/tmp")) / f"hsx-test-{os.getpid()}-{batch}.safetensors"

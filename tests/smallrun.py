@@ -45,9 +45,11 @@ def copy_run(small_run: dict, dest: Path) -> Path:
 
 def upload_run(run_dir: Path, store) -> None:
     """Copy every file of a local run into ``store`` (an S3 run store), keys relative to the run."""
+    from core.store import write_file
+
     for path in sorted(run_dir.rglob("*")):
         if path.is_file():
-            store.write_file(path.relative_to(run_dir).as_posix(), path)
+            write_file(store, path.relative_to(run_dir).as_posix(), path)
 
 
 def quarantine_first_sample(run_dir: Path, batch: str) -> int:

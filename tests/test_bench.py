@@ -88,7 +88,7 @@ def test_soak_bench_runs_tasks_over_several_workers_and_finds_the_output_exactly
 
 
 def test_s3_host_cost_bench_sends_the_same_bytes_three_ways(tmp_path, tiny_cache):  # noqa: F811
-    """bench/s3_host_cost.py on a small shard: ours (write_stream), plain upload_fileobj and the spool hop each
+    """bench/s3_host_cost.py on a small shard: ours (write_stream), plain PUTs through the store and the spool hop each
     report GB/s and CPU s per GB against a real loopback SeaweedFS."""
     out = tmp_path / "s3.json"
     _run_bench("s3_host_cost.py", ["--tokens", "512", "--hidden", "256", "--repeats", "1", "--json", str(out)], tiny_cache,

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from jobfixtures import ROOT, TcpBroker, clean_env, free_port, wait_until
-from core.store import open_store
+from core.store import exists, open_store
 from settings import Settings
 from workers.heartbeat import Heartbeat, worker_name
 from workers.launcher import RestartPolicy, describe_exit, mark_dead_worker
@@ -252,7 +252,7 @@ def test_the_status_record_of_a_dead_worker_is_marked_stopped_with_how_it_ended(
     beat.phase(run_url, store, "b000004", "forward")
     get_settings.cache_clear()
     key = f"workers/{worker_name()}.json"
-    wait_until(lambda: store.exists(key), 10, "the record")
+    wait_until(lambda: exists(store, key), 10, "the record")
     time.sleep(1.0)
     before = json.loads(store.read(key))
     assert before["state"] == "working" and before["batches"][0]["batch"] == "b000003", before

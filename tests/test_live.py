@@ -24,7 +24,7 @@ from smallrun import copy_run, quarantine_first_sample, small_run  # noqa: F401
 from core.errors import BadConfig, FidelityError, HsxError
 from core.live import LiveHiddenStatesDataset, order_key, rank_of
 from core.marker import marker_key
-from core.store import MissingKey, open_store
+from core.store import MissingKey, exists, open_store, write_file
 
 K, H = 3, 64  # EAGLE-3 layers of the 8-layer tiny model, hidden size 64
 POLL_S = 0.05
@@ -40,11 +40,11 @@ class Publisher:
 
     def publish_plan(self) -> None:
         """run.json, then the plan (``plan/batches.json`` last, as the planner writes it)."""
-        self.store.write_file("run.json", self.source / "run.json")
+        write_file(self.store, "run.json", self.source / "run.json")
         plan = sorted(p for p in (self.source / "plan").rglob("*") if p.is_file() and p.name != "batches.json")
         for path in plan:
-            self.store.write_file(path.relative_to(self.source).as_posix(), path)
-        self.store.write_file("plan/batches.json", self.source / "plan" / "batches.json")
+            write_file(self.store, path.relative_to(self.source).as_posix(), path)
+        write_file(self.store, "plan/batches.json", self.source / "plan" / "batches.json")
 
     def shard_key(self, batch: str) -> str:
         return json.loads(self.marker_bytes[batch])["shard"]["key"]
@@ -52,7 +52,7 @@ class Publisher:
     def publish(self, batch: str, *, marker_delay_s: float = 0.0) -> None:
         """The batch's shard, then (after ``marker_delay_s``) its marker, created only if absent."""
         key = self.shard_key(batch)
-        self.store.write_file(key, self.source / key)
+        write_file(self.store, key, self.source / key)
         time.sleep(marker_delay_s)
         assert self.store.create(marker_key(batch), self.marker_bytes[batch]), f"marker of {batch} existed"
 
@@ -103,11 +103,11 @@ def test_live_reader_yields_each_batch_once_its_marker_exists_and_stops_when_the
     yielded_order: list[str] = []
     for sample in reader:
         batch = sample["batch"]
-        assert run_store.exists(marker_key(batch)), f"{batch} yielded before its marker existed"
+        assert exists(run_store, marker_key(batch)), f"{batch} yielded before its marker existed"
         if not yielded_order or yielded_order[-1] != batch:
             yielded_order.append(batch)
             # live: when a batch's first sample arrives, the batches after it are not certified yet
-            assert [run_store.exists(marker_key(b)) for b in order] == [b in yielded_order for b in order]
+            assert [exists(run_store, marker_key(b)) for b in order] == [b in yielded_order for b in order]
         assert sample["sample_index"] not in seen
         seen[sample["sample_index"]] = sample
         received[batch].set()
@@ -264,7 +264,7 @@ def test_a_reader_waits_for_the_run_to_appear_and_raises_when_its_planning_faile
     store = open_store(str(tmp_path / "run"))
     with pytest.raises(MissingKey, match="no run.json in .* after waiting 0.2 s"):
         LiveHiddenStatesDataset(store, wait_for_run_s=0.2, poll_s=POLL_S)
-    timer = threading.Timer(0.3, lambda: store.write_file("run.json", Path(small_run["dir"]) / "run.json"))
+    timer = threading.Timer(0.3, lambda: write_file(store, "run.json", Path(small_run["dir"]) / "run.json"))
     timer.start()
     reader = LiveHiddenStatesDataset(store, wait_for_run_s=10, poll_s=POLL_S)
     assert reader.config.run_id == small_run["report"]["run_id"]

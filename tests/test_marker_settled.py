@@ -2,7 +2,7 @@
 in-process, the tiny model on the CPU) on an S3 store behind tests/faultproxy.py whose first 8
 conditional PUTs of the marker answer 409 ConditionalRequestConflict (more than the store's own
 ``CONFLICT_RETRIES``). The batch ends ``done`` with its marker naming the shard it wrote, the
-shard kept: an unsettled create is retried (core/retry.py), never taken for another worker's win.
+shard kept: an unsettled create is retried (core/store/retry.py), never taken for another worker's win.
 """
 
 from __future__ import annotations
@@ -14,23 +14,23 @@ import pytest
 from smallrun import small_run  # noqa: F401
 
 from core.marker import read_marker
-from core.store import open_store
+from core.store import open_store, verify, write_file
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_marker_conflicts_that_outlast_the_stores_retries_end_done_not_lost(small_run, s3_bucket, monkeypatch):
-    import core.store as core_store
+    import core.store.s3 as s3_store
     from faultproxy import FaultProxy, Rule, proxied_settings
     from workers.extract import extract_batch
 
-    monkeypatch.setattr(core_store, "CONFLICT_BACKOFF_S", 0.01)
+    monkeypatch.setattr(s3_store, "CONFLICT_BACKOFF_S", 0.01)
     run_id = small_run["report"]["run_id"]
     direct = open_store(s3_bucket.url, s3_bucket.settings).child(run_id)
     for path in sorted(small_run["dir"].rglob("*")):
         rel = path.relative_to(small_run["dir"]).as_posix()
         if path.is_file() and (rel == "run.json" or rel.startswith("plan/")):
-            direct.write_file(rel, path)
+            write_file(direct, rel, path)
     batch = json.loads(direct.read("plan/batches.json"))[0]["batch"]
     conflicts = Rule(lambda m, p, h: m == "PUT" and "/markers/" in p and h.get("If-None-Match") == "*",
                      ("error", 409, "ConditionalRequestConflict"), times=8)
@@ -45,4 +45,4 @@ def test_marker_conflicts_that_outlast_the_stores_retries_end_done_not_lost(smal
     assert result["status"] == "done", result
     marker = read_marker(direct, batch)
     assert direct.list("shards/") == [marker["shard"]["key"]], "the shard the marker names must be the one kept"
-    direct.verify(marker["shard"]["key"], marker["shard"]["bytes"], marker["shard"]["sha256"])
+    verify(direct, marker["shard"]["key"], marker["shard"]["bytes"], marker["shard"]["sha256"])

@@ -21,7 +21,7 @@ import pytest
 from jobfixtures import clean_env, run_cli, tiny_cache  # noqa: F401
 from core.errors import BadDataset, StoreError
 from core.plan import BATCHES_JSON, PLANNING_JSON, BatchPlan, plan_complete
-from core.store import open_store
+from core.store import exists, open_store
 from producer.planner import PlanOptions, plan_run
 from producer.status import run_status
 from producer.statusview import status_view
@@ -84,7 +84,7 @@ def test_a_plan_that_fails_while_written_is_reported_by_status_and_the_same_comm
     monkeypatch.undo()
     planned = plan_run(_opts(tmp_path), settings)
     assert planned.config.run_id == run_dir.name and not planned.reused
-    assert plan_complete(run_store) and not run_store.exists(PLANNING_JSON)
+    assert plan_complete(run_store) and not exists(run_store, PLANNING_JSON)
     status = run_status(run_store)
     assert status["state"] == "running" and status["plan_error"] is None
     assert status["batches_total"] == len(planned.batches) == 2

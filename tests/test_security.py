@@ -20,6 +20,7 @@ from jobfixtures import ROOT, TcpBroker, WorkerProcess, clean_env, run_cli, tiny
 
 from core.broker import EmbeddedBroker
 from core.errors import BadConfig
+from core.store import exists
 from settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
@@ -291,7 +292,7 @@ def test_a_worker_refuses_runs_outside_its_roots_and_runs_for_another_model_with
         assert "HSX_ALLOWED_STORES" in log and "task batch '../../escape' refused" in log
         assert "was planned for model 'someone/else'" in log and "HSX_MODEL='tiny-qwen3.5'" in log, log[-3000:]
         assert not (tmp_path / "outside").exists() and not Path(f"{allowed}2").exists()
-        assert not planned.run_store.exists(f"markers/{batch}.json")
+        assert not exists(planned.run_store, f"markers/{batch}.json")
         # The run inside the worker's root held its lease while the worker read run.json, then let it go.
         wait_until(lambda: not any(json.loads(planned.run_store.read(k)).get("batches") for k in planned.run_store.list("workers/")),
                    20, "no status record to list the refused batch")

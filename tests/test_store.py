@@ -14,7 +14,7 @@ import pytest
 
 from conftest import closed_port
 from core.errors import BadConfig, FidelityError, StoreError
-from core.store import LocalStore, MissingKey, S3Store, Store, mask_url, open_store
+from core.store import LocalStore, MissingKey, S3Store, Store, download, exists, mask_url, open_store, verify, write_file
 from settings import Settings
 
 RACERS = 16
@@ -37,11 +37,11 @@ def test_write_then_read_round_trips_bytes_and_overwrites(store):
 
 
 def test_write_file_stores_a_local_file(store, tmp_path):
-    """write_file uploads a file's exact bytes and leaves the source in place."""
+    """write_file (over write_stream) stores a file's exact bytes, returns their size and sha256, and leaves the source in place."""
     src = tmp_path / "src.bin"
-    data = bytes(range(256)) * 4096  # 1 MiB
+    data = bytes(range(256)) * 4096 * 9  # 9 MiB: more than one FILE_PIECE_BYTES piece
     src.write_bytes(data)
-    store.write_file("shards/00000.safetensors", src)
+    assert write_file(store, "shards/00000.safetensors", src) == (len(data), hashlib.sha256(data).hexdigest())
     assert store.read("shards/00000.safetensors") == data
     assert store.size("shards/00000.safetensors") == len(data)
     assert src.exists()
@@ -54,8 +54,9 @@ def test_write_file_uploads_big_files_in_parts_on_s3(s3_bucket, tmp_path):
     data = hashlib.sha256(b"seed").digest() * (11 * (1 << 20) // 32 + 7)  # ~11 MiB, 3 parts
     src = tmp_path / "big.bin"
     src.write_bytes(data)
-    store.write_file("big.bin", src)
-    store.verify("big.bin", len(data), hashlib.sha256(data).hexdigest())
+    write_file(store, "big.bin", src, hashlib.sha256(data).hexdigest())
+    assert store.read("big.bin") == data
+    verify(store, "big.bin", len(data), hashlib.sha256(data).hexdigest())
 
 
 def _pieces(data: bytes, sizes: list[int]) -> list[memoryview]:
@@ -72,21 +73,20 @@ def test_write_stream_stores_the_pieces_once_and_returns_what_it_hashed(store):
     nbytes, sha = store.write_stream("shards/00001-a.safetensors", _pieces(data, [7, 100_000, 3]))
     assert (nbytes, sha) == (len(data), hashlib.sha256(data).hexdigest())
     assert store.read("shards/00001-a.safetensors") == data
-    store.verify("shards/00001-a.safetensors", nbytes, sha)
+    verify(store, "shards/00001-a.safetensors", nbytes, sha)
     assert store.list("shards/") == ["shards/00001-a.safetensors"], "no temp object is listed"
 
 
-def test_write_stream_in_parts_on_s3_verifies_by_the_servers_checksums(s3_bucket):
-    """Over the part size (5 MiB here), parts that do not line up with the pieces: byte-exact, and
-    verify is answered by the server's composite checksum (nothing downloaded)."""
+def test_write_stream_in_parts_on_s3_is_byte_exact_when_parts_do_not_line_up_with_pieces(s3_bucket):
+    """Over the part size (5 MiB here), parts that do not line up with the pieces: the object and
+    the returned sha256 are those of the concatenation."""
     store = open_store(s3_bucket.url, s3_bucket.settings)
     store.multipart_bytes = 5 << 20
     data = hashlib.sha256(b"parts").digest() * (12 * (1 << 20) // 32 + 5)  # ~12 MiB: 3 parts
     nbytes, sha = store.write_stream("big.bin", _pieces(data, [8, 3 << 20, 4 << 20]))
     assert (nbytes, sha) == (len(data), hashlib.sha256(data).hexdigest())
     assert store.read("big.bin") == data
-    store.client.get_object = None  # verify must not download: the composite checksum answers
-    store.verify("big.bin", nbytes, sha)
+    assert store.sha256("big.bin") == (nbytes, sha)
 
 
 def test_write_stream_that_fails_midway_leaves_no_object_and_no_parts(store):
@@ -100,25 +100,8 @@ def test_write_stream_that_fails_midway_leaves_no_object_and_no_parts(store):
 
     with pytest.raises(ValueError, match="producer of the bytes"):
         store.write_stream("shards/00002-a.safetensors", pieces())
-    assert not store.exists("shards/00002-a.safetensors") and store.list("") == []
+    assert not exists(store, "shards/00002-a.safetensors") and store.list("") == []
     assert store.remove_incomplete("", older_than_s=-60) == [], "the failed write cleaned up after itself"
-
-
-def test_local_verify_trusts_a_streamed_shard_only_while_it_is_unchanged(tmp_path):
-    """A shard this store wrote from memory is not re-read by verify; altered in place afterwards, it is re-hashed and caught."""
-    store = LocalStore(tmp_path / "store")
-    data = bytes(range(256)) * 8192
-    nbytes, sha = store.write_stream("s.bin", [memoryview(data)])
-    store.verify("s.bin", nbytes, sha)
-    path = store.local_path("s.bin")
-    store.write_stream("s.bin", [memoryview(data)])
-    with open(path, "r+b") as f:
-        f.seek(10)
-        f.write(b"\xff")
-    time.sleep(0.01)
-    path.touch()
-    with pytest.raises(FidelityError, match="sha256"):
-        store.verify("s.bin", nbytes, sha)
 
 
 def test_read_of_an_absent_key_raises_missing_key_a_key_error(store):
@@ -212,18 +195,22 @@ def test_sixteen_racing_local_processes_give_exactly_one_winner(tmp_path):
     assert LocalStore(tmp_path).list("") == ["race/marker.json"], "temp files must not be left behind"
 
 
-def test_s3_create_retries_a_409_conflict_until_it_settles():
-    """A 409 ConditionalRequestConflict is retried; the following 412 makes create return False."""
-    import boto3
-    from botocore.stub import Stubber
+def test_s3_create_after_a_409_conflict_on_an_existing_object_returns_false(s3_bucket, monkeypatch):
+    """One 409 ConditionalRequestConflict, then the server's 412 for the object that is there: create retries the
+    409 and reports the settled outcome, False, and the object keeps its first bytes."""
+    import core.store.s3 as s3_store
+    from faultproxy import FaultProxy, proxied_settings
 
-    client = boto3.client("s3", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="y")
-    store = S3Store(client, "bkt")
-    with Stubber(client) as stub:
-        stub.add_client_error("put_object", "ConditionalRequestConflict", http_status_code=409)
-        stub.add_client_error("put_object", "PreconditionFailed", http_status_code=412)
+    monkeypatch.setattr(s3_store, "CONFLICT_BACKOFF_S", 0.01)
+    open_store(s3_bucket.url, s3_bucket.settings).write("k", b"first")
+    proxy = FaultProxy(s3_bucket.settings.s3_endpoint_url, [_conflicts(1)]).start()
+    try:
+        store = open_store(s3_bucket.url, proxied_settings(s3_bucket, proxy))
         assert store.create("k", b"x") is False
-        stub.assert_no_pending_responses()
+        assert proxy.rules[0].hits == 1
+    finally:
+        proxy.stop()
+    assert open_store(s3_bucket.url, s3_bucket.settings).read("k") == b"first"
 
 
 def test_delete_of_an_absent_key_is_fine_and_delete_removes(store):
@@ -231,15 +218,15 @@ def test_delete_of_an_absent_key_is_fine_and_delete_removes(store):
     store.delete("never/was")
     store.write("k", b"v")
     store.delete("k")
-    assert not store.exists("k") and store.list("") == []
+    assert not exists(store, "k") and store.list("") == []
 
 
 def test_size_is_none_for_absent_and_bytes_for_present(store):
-    """size reports bytes for an object and None when it is absent; exists agrees."""
-    assert store.size("absent") is None and store.exists("absent") is False
+    """size reports bytes for an object and None when it is absent; exists (size is not None) agrees."""
+    assert store.size("absent") is None and exists(store, "absent") is False
     store.write("dir/present", b"12345")
-    assert store.size("dir/present") == 5 and store.exists("dir/present") is True
-    assert store.size("dir") is None and store.exists("dir") is False, "a directory is not a key"
+    assert store.size("dir/present") == 5 and exists(store, "dir/present") is True
+    assert store.size("dir") is None and exists(store, "dir") is False, "a directory is not a key"
 
 
 def test_verify_passes_and_catches_wrong_size_wrong_hash_and_absence(store):
@@ -247,13 +234,13 @@ def test_verify_passes_and_catches_wrong_size_wrong_hash_and_absence(store):
     data = b"shard bytes" * 1000
     digest = hashlib.sha256(data).hexdigest()
     store.write("s", data)
-    store.verify("s", len(data), digest)
+    verify(store, "s", len(data), digest)
     with pytest.raises(FidelityError, match="bytes, expected"):
-        store.verify("s", len(data) + 1, digest)
+        verify(store, "s", len(data) + 1, digest)
     with pytest.raises(FidelityError, match="sha256"):
-        store.verify("s", len(data), hashlib.sha256(b"other").hexdigest())
+        verify(store, "s", len(data), hashlib.sha256(b"other").hexdigest())
     with pytest.raises(FidelityError, match="absent"):
-        store.verify("missing", len(data), digest)
+        verify(store, "missing", len(data), digest)
 
 
 def test_verify_after_write_file_passes_and_catches_a_shard_replaced_since(store, tmp_path):
@@ -263,29 +250,25 @@ def test_verify_after_write_file_passes_and_catches_a_shard_replaced_since(store
     for key in ("shards/a", "shards/b"):
         src = tmp_path / key.replace("/", "-")
         src.write_bytes(data)
-        store.write_file(key, src, digest)
+        write_file(store, key, src, digest)
         src.unlink()  # as the worker does with its spool file
-    store.verify("shards/a", len(data), digest)
+    verify(store, "shards/a", len(data), digest)
     store.write("shards/b", data[::-1])
     with pytest.raises(FidelityError, match="sha256"):
-        store.verify("shards/b", len(data), digest)
+        verify(store, "shards/b", len(data), digest)
 
 
-def test_local_verify_rehashes_a_linked_shard_altered_in_place(tmp_path):
-    """The local store skips re-reading a file it hard-linked only while it is untouched: bytes altered
-    in place (same inode, same size) are caught."""
+def test_a_local_shard_altered_in_place_after_its_write_fails_verify(tmp_path):
+    """verify always hashes the stored bytes: a file altered in place after write_stream (same inode, same size) is caught."""
     store = LocalStore(tmp_path / "store")
-    data = bytes(range(256)) * 400
-    digest = hashlib.sha256(data).hexdigest()
-    src = tmp_path / "spool-shard"
-    src.write_bytes(data)
-    store.write_file("shards/a", src, digest)
-    time.sleep(0.05)  # past the filesystem's timestamp granularity
-    with open(src, "r+b") as f:  # still the stored inode: a hard link
-        f.seek(1000)
+    data = bytes(range(256)) * 8192
+    nbytes, sha = store.write_stream("s.bin", [memoryview(data)])
+    verify(store, "s.bin", nbytes, sha)
+    with open(store.local_path("s.bin"), "r+b") as f:
+        f.seek(10)
         f.write(b"\xff")
     with pytest.raises(FidelityError, match="sha256"):
-        store.verify("shards/a", len(data), digest)
+        verify(store, "s.bin", nbytes, sha)
 
 
 def test_child_is_scoped_to_its_prefix(store):
@@ -306,7 +289,7 @@ def test_child_is_scoped_to_its_prefix(store):
 def test_keys_that_could_escape_the_root_are_refused(store, key):
     """Keys with '..', '.', empty segments, a leading '/' or backslashes raise BadConfig everywhere."""
     for op in (lambda: store.write(key, b"x"), lambda: store.read(key), lambda: store.create(key, b"x"),
-               lambda: store.exists(key), lambda: store.delete(key), lambda: store.child(key)):
+               lambda: store.size(key), lambda: store.delete(key), lambda: store.child(key)):
         with pytest.raises(BadConfig):
             op()
     with pytest.raises(BadConfig):
@@ -472,11 +455,11 @@ def _conflicts(times):
 def test_s3_create_that_never_settles_is_a_transient_error_not_a_lost_race(s3_bucket, monkeypatch):
     """409 on every attempt: create raises a transient StoreError naming the key and the 409s; it never returns False,
     and the object is not there."""
-    import core.store as core_store
+    import core.store.s3 as s3_store
     from core.errors import StoreError
     from faultproxy import FaultProxy, proxied_settings
 
-    monkeypatch.setattr(core_store, "CONFLICT_BACKOFF_S", 0.01)
+    monkeypatch.setattr(s3_store, "CONFLICT_BACKOFF_S", 0.01)
     proxy = FaultProxy(s3_bucket.settings.s3_endpoint_url, [_conflicts(None)]).start()
     try:
         store = open_store(s3_bucket.url, proxied_settings(s3_bucket, proxy))
@@ -484,18 +467,18 @@ def test_s3_create_that_never_settles_is_a_transient_error_not_a_lost_race(s3_bu
             store.create("markers/b000001.json", b"{}")
         assert info.value.transient
         assert "markers/b000001.json" in str(info.value) and "409" in str(info.value)
-        assert proxy.rules[0].hits == core_store.CONFLICT_RETRIES + 1
-        assert not open_store(s3_bucket.url, s3_bucket.settings).exists("markers/b000001.json")
+        assert proxy.rules[0].hits == s3_store.CONFLICT_RETRIES + 1
+        assert not exists(open_store(s3_bucket.url, s3_bucket.settings), "markers/b000001.json")
     finally:
         proxy.stop()
 
 
 def test_s3_create_after_conflicts_that_settle_creates_once(s3_bucket, monkeypatch):
     """Two 409s, then the real server answers: create returns True and the object holds our bytes."""
-    import core.store as core_store
+    import core.store.s3 as s3_store
     from faultproxy import FaultProxy, proxied_settings
 
-    monkeypatch.setattr(core_store, "CONFLICT_BACKOFF_S", 0.01)
+    monkeypatch.setattr(s3_store, "CONFLICT_BACKOFF_S", 0.01)
     proxy = FaultProxy(s3_bucket.settings.s3_endpoint_url, [_conflicts(2)]).start()
     try:
         store = open_store(s3_bucket.url, proxied_settings(s3_bucket, proxy))
@@ -504,3 +487,93 @@ def test_s3_create_after_conflicts_that_settle_creates_once(s3_bucket, monkeypat
         assert store.read("markers/b000002.json") == b"mine"
     finally:
         proxy.stop()
+
+
+# --- download (the streaming reader's copy of a shard) ----------------------------------------
+
+
+def test_download_copies_an_object_in_ranged_parts_and_returns_its_sha256(store, tmp_path):
+    """download(store, key, path) writes the object's exact bytes, read in parts (here 1 MiB, 4 at a time) and hashed
+    in order; an absent key is MissingKey."""
+    data = os.urandom(5 * (1 << 20) + 123)
+    store.write("shards/d.bin", data)
+    out = tmp_path / "copy.bin"
+    assert download(store, "shards/d.bin", out, part_bytes=1 << 20, threads=4) == (len(data), hashlib.sha256(data).hexdigest())
+    assert out.read_bytes() == data
+    store.write("empty", b"")
+    assert download(store, "empty", tmp_path / "empty") == (0, hashlib.sha256(b"").hexdigest())
+    with pytest.raises(MissingKey):
+        download(store, "shards/absent.bin", tmp_path / "absent")
+
+
+def test_download_rides_out_cut_off_range_reads_through_the_stores_retries(s3_bucket, tmp_path):
+    """Ranged GETs reset 5 times (more than botocore's own attempts of one call): download retries each part on the
+    transient StoreError within retry_s and the copy is exact; with retry_s=0 the same faults raise a transient StoreError."""
+    from faultproxy import FaultProxy, Rule, proxied_settings
+
+    data = os.urandom(3 * (1 << 20))
+    open_store(s3_bucket.url, s3_bucket.settings).write("shards/r.bin", data)
+    ranged = lambda method, path, headers: method == "GET" and "shards/r.bin" in path and "Range" in headers  # noqa: E731
+    proxy = FaultProxy(s3_bucket.settings.s3_endpoint_url, [Rule(ranged, ("reset",), times=5)]).start()
+    try:
+        store = open_store(s3_bucket.url, proxied_settings(s3_bucket, proxy))
+        got = download(store, "shards/r.bin", tmp_path / "r.bin", part_bytes=1 << 20, retry_s=60)
+        assert got == (len(data), hashlib.sha256(data).hexdigest()) and (tmp_path / "r.bin").read_bytes() == data
+        assert proxy.rules[0].hits == 5
+        proxy.rules[:] = [Rule(ranged, ("reset",))]
+        with pytest.raises(StoreError) as info:
+            download(store, "shards/r.bin", tmp_path / "r2.bin", part_bytes=1 << 20, retry_s=0)
+        assert info.value.transient
+    finally:
+        proxy.stop()
+
+
+# --- the interface's boundary ------------------------------------------------------------------
+
+#: the Store Protocol's members; anything else is a helper over them (core/store/helpers.py).
+PROTOCOL_MEMBERS = {"url", "read", "write", "create", "delete", "write_stream", "read_range", "sha256", "size",
+                    "local_path", "list", "list_modified", "remove_incomplete", "child", "check"}
+
+
+def test_the_store_protocol_has_only_its_documented_members_and_both_backends_have_them_all():
+    """The Protocol stays small: exactly PROTOCOL_MEMBERS; LocalStore and S3Store implement every one."""
+    members = {n for n in vars(Store) if not n.startswith("_")} | set(Store.__annotations__)
+    assert members == PROTOCOL_MEMBERS, sorted(members ^ PROTOCOL_MEMBERS)
+    for cls in (LocalStore, S3Store):
+        assert not [m for m in PROTOCOL_MEMBERS - {"url"} if not callable(getattr(cls, m, None))], cls
+
+
+def test_no_module_outside_the_store_imports_boto3_or_touches_a_raw_client():
+    """Only core/store/ talks to boto3/botocore or a client: every other store call goes through the Protocol, whose
+    errors say whether to retry. tests/conftest.py may, to start the test server and make buckets (setup)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    boto = re.compile(r"^\s*(import|from)\s+(boto3|botocore)\b", re.M)
+    # A store's client (``run_store.client``), its probe client, an S3 call on any ``.client`` (not kombu's or
+    # http.client, which are no S3 clients), or an S3Store built around a client of one's own.
+    client = re.compile(r"\w*store\w*\.(client|_probe_client)\b|\._probe_client\b|\bS3Store\("
+                        r"|\.client\.(meta|\w*object\w*|download_\w+|upload_\w+|create_\w+|list_\w+|head_\w+|get_paginator)\b")
+    files = [p for d in ("core", "producer", "workers", "bench", "examples", "scripts", "tests") for p in (root / d).rglob("*.py")]
+    files.append(root / "settings.py")
+    offenders = []
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("core/store/") or rel in ("tests/conftest.py", "tests/test_store.py"):
+            continue
+        text = path.read_text()
+        offenders += [f"{rel}: {m.group(0).strip()}" for m in boto.finditer(text)]
+        offenders += [f"{rel}: {m.group(0)}" for m in client.finditer(text)]
+    assert len(files) > 50, "the scan must see the code base"
+    assert offenders == [], offenders
+
+
+def test_importing_the_store_does_not_import_boto3():
+    """core.store loads boto3 only when an S3 store is built (about 0.25 s each CLI command and reader would pay)."""
+    import subprocess
+    import sys
+
+    code = "import sys, core.store; print('boto3' in sys.modules or 'botocore' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "False"

@@ -1,5 +1,5 @@
 """The upload path of a shard: spool -> store with checksums, retries on transient errors, and the
-spool's backpressure gate (workers/spool.py, core/store.py, core/retry.py), against the real S3
+spool's backpressure gate (workers/spool.py, core/store/helpers.py, core/store/retry.py), against the real S3
 server of conftest.py where a server is involved."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from core.errors import FidelityError, SpoolFull, StoreError
-from core.retry import backoff_s, retry_transient
-from core.store import open_store
+from core.store import backoff_s, exists, open_store, retry_transient, verify, write_file
+from faultproxy import Rule
 from workers.spool import Spool, default_spool_dir, remove_dead_spool_files
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,77 +32,101 @@ def _file(tmp_path: Path, nbytes: int) -> tuple[Path, str]:
     return path, hashlib.sha256(data).hexdigest()
 
 
-def _count_gets(store) -> list:
-    calls = []
-    store.client.meta.events.register("before-call.s3.GetObject", lambda **kw: calls.append(kw))
-    return calls
+def _proxied(s3_bucket, rules=()):
+    """A FaultProxy in front of the bucket's server (it records every request in ``seen``) and a store through it."""
+    from faultproxy import FaultProxy, proxied_settings
+
+    proxy = FaultProxy(s3_bucket.settings.s3_endpoint_url, list(rules)).start()
+    return proxy, open_store(s3_bucket.url, proxied_settings(s3_bucket, proxy))
 
 
-# --- store: checksums ------------------------------------------------------------------------
+# --- store: a spool file to the store, checked by its sha256 ---------------------------------
 
 
-def test_a_single_put_is_verified_by_the_servers_sha256_without_downloading_it(s3_bucket, tmp_path):
-    """A small shard goes up in one PUT carrying its sha256; verify compares the server's checksum and reads no body."""
-    store = open_store(s3_bucket.url, s3_bucket.settings)
-    path, sha = _file(tmp_path, 300_000)
-    store.write_file("shards/a.safetensors", path, sha)
-    gets = _count_gets(store)
-    store.verify("shards/a.safetensors", 300_000, sha)
-    if s3_bucket.server.kind == "seaweedfs":
-        assert gets == [], "the server reports SHA-256 checksums: no download needed"
-    with pytest.raises(FidelityError, match="rewrite it"):
-        store.verify("shards/a.safetensors", 300_000, "0" * 64)
+def test_a_spool_file_is_stored_with_the_sha256_it_was_written_with_and_nothing_is_read_back(s3_bucket, tmp_path):
+    """write_file streams the file through write_stream: it returns the spool's (bytes, sha256), the object holds those
+    bytes, and not one GET was sent to check them (the server checked each part's SHA-256 on arrival)."""
+    proxy, store = _proxied(s3_bucket)
+    try:
+        path, sha = _file(tmp_path, 300_000)
+        assert write_file(store, "shards/a.safetensors", path, sha) == (300_000, sha)
+        assert [r for r in proxy.seen if r[0] == "GET" and "/shards/" in r[1]] == [], proxy.seen
+    finally:
+        proxy.stop()
+    assert open_store(s3_bucket.url, s3_bucket.settings).read("shards/a.safetensors") == path.read_bytes()
+    assert path.exists(), "the source file is left in place"
 
 
-def test_the_server_refuses_bytes_that_differ_from_the_given_sha256(s3_bucket, tmp_path):
-    """write_file with a sha256 that is not the file's: the PUT is refused (BadDigest), not retried, nothing stored."""
-    if s3_bucket.server.kind != "seaweedfs":
-        pytest.skip("moto does not check ChecksumSHA256")
-    store = open_store(s3_bucket.url, s3_bucket.settings)
-    path, _ = _file(tmp_path, 10_000)
+def test_a_spool_file_that_changed_since_it_was_hashed_is_refused_and_not_left_stored(store, tmp_path):
+    """write_file with a sha256 that is not the file's (its bytes changed on disk): FidelityError naming both digests,
+    and nothing stays under the key, on both backends."""
+    path, real = _file(tmp_path, 10_000)
+    claimed = hashlib.sha256(b"other").hexdigest()
+    with pytest.raises(FidelityError) as info:
+        write_file(store, "shards/b.safetensors", path, claimed)
+    assert real in str(info.value) and claimed in str(info.value) and "shards/b.safetensors" in str(info.value)
+    assert not exists(store, "shards/b.safetensors") and store.list("") == []
+
+
+def test_an_unreadable_spool_file_is_a_permanent_store_error_naming_it(store, tmp_path):
+    """write_file of a path that cannot be read: StoreError(transient=False) naming the path, not a network error to retry."""
+    missing = tmp_path / "gone.safetensors"
     with pytest.raises(StoreError) as info:
-        store.write_file("shards/b.safetensors", path, hashlib.sha256(b"other").hexdigest())
-    assert not info.value.transient
-    assert not store.exists("shards/b.safetensors")
+        write_file(store, "shards/c.safetensors", missing)
+    assert not info.value.transient and str(missing) in str(info.value)
+    assert store.list("") == []
 
 
-def test_a_large_shard_goes_up_in_parallel_parts_and_verifies_by_its_composite_checksum(s3_bucket, tmp_path):
-    """Above multipart_bytes: parts with their own SHA-256; verify checks the composite (no download); no upload left open."""
-    store = open_store(s3_bucket.url, s3_bucket.settings)
-    store.multipart_bytes = 5 << 20
-    nbytes = (11 << 20) + 12345
-    path, sha = _file(tmp_path, nbytes)
-    parts = []
-    store.client.meta.events.register("before-call.s3.UploadPart", lambda **kw: parts.append(kw))
-    store.write_file("shards/big.safetensors", path, sha)
-    assert len(parts) == 3
-    gets = _count_gets(store)
-    store.verify("shards/big.safetensors", nbytes, sha)
-    if s3_bucket.server.kind == "seaweedfs":
-        assert gets == []
-    assert store.read("shards/big.safetensors") == path.read_bytes()
-    assert store.remove_incomplete("shards/", older_than_s=0) == []
+def test_a_large_shard_goes_up_in_parallel_parts_and_no_upload_stays_open(s3_bucket, tmp_path):
+    """Above multipart_bytes (5 MiB here): 11 MiB go up as 3 parts, byte-exact, and no multipart upload is left."""
+    proxy, store = _proxied(s3_bucket)
+    try:
+        store.multipart_bytes = 5 << 20
+        nbytes = (11 << 20) + 12345
+        path, sha = _file(tmp_path, nbytes)
+        assert write_file(store, "shards/big.safetensors", path, sha) == (nbytes, sha)
+        parts = [r for r in proxy.seen if r[0] == "PUT" and "partNumber=" in r[1]]
+        assert len(parts) == 3, proxy.seen
+    finally:
+        proxy.stop()
+    direct = open_store(s3_bucket.url, s3_bucket.settings)
+    assert direct.read("shards/big.safetensors") == path.read_bytes()
+    assert direct.remove_incomplete("shards/", older_than_s=0) == []
 
 
 def test_an_object_changed_after_upload_fails_verify(s3_bucket, tmp_path):
-    """Another process overwrites the object after our upload: verify (checksum or stream) names it."""
+    """Another process overwrites the object after our upload: verify (size, then the streamed sha256) names it."""
     store = open_store(s3_bucket.url, s3_bucket.settings)
     path, sha = _file(tmp_path, 50_000)
-    store.write_file("shards/c.safetensors", path, sha)
+    write_file(store, "shards/c.safetensors", path, sha)
+    verify(store, "shards/c.safetensors", 50_000, sha)
     store.write("shards/c.safetensors", b"x" * 50_000)
     with pytest.raises(FidelityError, match="shards/c.safetensors"):
-        store.verify("shards/c.safetensors", 50_000, sha)
+        verify(store, "shards/c.safetensors", 50_000, sha)
 
 
 def test_remove_incomplete_aborts_old_multipart_uploads_and_local_temp_files(s3_bucket, tmp_path):
-    """An abandoned multipart upload (a worker killed mid-upload) and a local temp file are removed once older than the grace."""
-    store = open_store(s3_bucket.url, s3_bucket.settings)
-    client = s3_bucket.client()
-    client.create_multipart_upload(Bucket=s3_bucket.name, Key="run/shards/x-1.safetensors")
-    run = store.child("run")
+    """An abandoned multipart upload (a worker killed mid-upload: here its abort never reaches the server) and a local
+    temp file are removed once older than the grace, and only then."""
+    aborts = Rule(lambda method, path, headers: method == "DELETE" and "uploadId=" in path, ("reset",))
+    proxy, store = _proxied(s3_bucket, [aborts])
+    try:
+        run = store.child("run")
+        run.multipart_bytes = 5 << 20
+
+        def dies_after_one_part():
+            yield memoryview(b"x" * (6 << 20))
+            raise ValueError("the worker died")
+
+        with pytest.raises(ValueError, match="the worker died"):
+            run.write_stream("shards/x-1.safetensors", dies_after_one_part())
+        assert aborts.hits >= 1, "the abort was sent, and lost"
+    finally:
+        proxy.stop()
+    run = open_store(s3_bucket.url, s3_bucket.settings).child("run")
     assert run.remove_incomplete("shards/", older_than_s=3600) == []
     assert run.remove_incomplete("shards/", older_than_s=0) == ["shards/x-1.safetensors"]
-    assert not client.list_multipart_uploads(Bucket=s3_bucket.name).get("Uploads")
+    assert run.remove_incomplete("shards/", older_than_s=0) == [], "the upload is gone"
 
     local = open_store(str(tmp_path / "store"))
     local.write("shards/keep.safetensors", b"k")
@@ -121,7 +145,6 @@ def test_a_stopped_server_is_a_transient_error_and_a_missing_bucket_is_not(s3_bu
     closed = Settings(_env_file=None, s3_endpoint_url=f"http://127.0.0.1:{_closed_port()}", s3_region="us-east-1",
                       s3_access_key_id="k", s3_secret_access_key="s")
     store = S3Store.from_url("s3://nobody", closed)
-    store.client = store._probe_client  # two quick attempts instead of eight
     with pytest.raises(StoreError) as info:
         store.write("x", b"1")
     assert info.value.transient

@@ -216,7 +216,7 @@ def test_a_store_that_resets_shard_reads_leaves_them_unverified_and_repair_keeps
 
 def test_shard_reads_cut_off_a_few_times_are_retried_through_the_store_and_pass(small_run, s3_bucket):
     """Six resets of shard GETs (more than botocore's own attempts of one call): verify retries through the store's
-    interface (core/retry.py) and passes."""
+    interface (core/store/retry.py) and passes."""
     from faultproxy import FaultProxy, Rule, proxied_settings
 
     run_id = small_run["report"]["run_id"]

@@ -18,7 +18,7 @@
   random attempt id, so racing duplicates never overwrite each other's shard; the loser deletes
   its own.
 
-Store calls that fail for a transient reason are retried with backoff (``core/retry.py``); the
+Store calls that fail for a transient reason are retried with backoff (``core/store/retry.py``); the
 Celery message is acknowledged only after the task returns (``acks_late``), so a batch is
 acknowledged only once its marker exists. A worker that dies before that leaves the message
 unacknowledged: it is delivered again (visibility timeout) or enqueued again by ``producer
@@ -40,14 +40,13 @@ import torch
 
 from core.errors import FidelityError, NonFiniteBatch, StoreError
 from core.fp8 import FP8_DTYPE, SCALE_BYTES
-from core.retry import retry_transient
 from core.layers import LayerSelection
 from core.marker import read_marker, shard_key, write_marker
 from core.plan import read_batch
 from core.runconfig import load_run
 from core.shard import select_samples, serialize_shard, shard_metadata
 from core.access import Refused, check_run_allowed
-from core.store import open_store
+from core.store import open_store, retry_transient, write_file
 from settings import Settings
 from workers.capture import launch_capture, merge_captured, right_padded_rows, split_by_tokens
 from workers import faults
@@ -368,8 +367,8 @@ def _write_shard(run_store, key: str, pieces: list, spool_path, batch: str, expe
 
     ``direct``: straight from the host buffer into the store, in one pass. If the store does not
     take it for a transient reason: ``spool`` when the overflow has room (the shard is written to
-    the spool, the host buffer is freed for the next forward, and the spool file is stored and
-    verified with retries), else ``memory`` (retried from the host buffer).
+    the spool, the host buffer is freed for the next forward, and the spool file is stored with
+    retries, its sha256 checked against the spool's), else ``memory`` (retried from the host buffer).
     """
     job.phase("writing")
     try:
@@ -396,10 +395,8 @@ def _write_shard(run_store, key: str, pieces: list, spool_path, batch: str, expe
             raise
         job.ticket.written()
         job.release_buffer()  # the shard is safe in the spool: the next forward may use the buffer
-        job.phase("storing")
-        _retry(settings, f"store shard {key} of batch {batch}", lambda: run_store.write_file(key, spool_path, sha256))
-        job.phase("verifying")
-        _retry(settings, f"verify shard {key} of batch {batch}", lambda: run_store.verify(key, nbytes, sha256))
+        job.phase("storing")  # write_file checks the stored bytes' sha256 against the spool's: nothing to read back
+        _retry(settings, f"store shard {key} of batch {batch}", lambda: write_file(run_store, key, spool_path, sha256))
     finally:
         spool_path.unlink(missing_ok=True)
         job.ticket.release()
