@@ -276,6 +276,7 @@ def _chaos_report(chaos: Chaos, run_store, markers: list[dict], measured) -> dic
             "stranded_s_max": max(stranded) if stranded else None,
             "stranded_s_median": statistics.median(stranded) if stranded else None,
             "stranded_within_180_s": sum(1 for t in stranded if t <= 180.0), "stranded_measured": len(stranded),
+            "stranded_s": sorted(stranded),
             "stranded_kill_named_by_record": named,
             "commands_typed": 0}
 
