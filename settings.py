@@ -83,11 +83,12 @@ class Settings(BaseSettings):
     """Seconds between a worker's status records (``<run>/workers/<host>-<pid>.json``)."""
     lease_s: float = Field(default=120.0, gt=0)
     """Seconds a claimed batch stays held without a heartbeat of its worker (``workers/lease.py``):
-    after that, any live worker enqueues it again (a SIGKILLed worker, a lost node). Keep it several
+    after that, any live worker puts it back at the head of the queue (a SIGKILLed worker, a lost node). Keep it several
     times ``HSX_HEARTBEAT_S``; a lease that expires under a live worker only causes a duplicate run,
     which the marker settles."""
-    reclaim_interval_s: float = Field(default=30.0, gt=0)
-    """Seconds between two looks of a worker for batches whose lease expired."""
+    reclaim_interval_s: float = Field(default=15.0, gt=0)
+    """Seconds between two looks of a worker for batches whose lease expired (one ``HGETALL`` of the
+    broker's claims; 15 s keeps a stranded batch's wait, lease + look + one batch, under 3 minutes)."""
     task_retry_base_s: float = Field(default=5.0, gt=0)
     """First wait (seconds) before a task that failed for a transient reason is delivered again; it
     doubles with each retry of that task, up to ``HSX_TASK_RETRY_MAX_S``."""

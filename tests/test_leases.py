@@ -4,7 +4,7 @@ command typed to recover: every scenario ends with ``verify`` and each planned s
 
 The lease time and the reclaim interval are settings (``HSX_LEASE_S``, ``HSX_RECLAIM_INTERVAL_S``),
 so these tests use seconds where production uses minutes; the default target (every stranded batch
-queued again within ``HSX_LEASE_S + HSX_RECLAIM_INTERVAL_S`` = 2 min 30 s) scales the same way.
+back at the head of the queue within ``HSX_LEASE_S + HSX_RECLAIM_INTERVAL_S`` = 2 min 15 s) scales the same way.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ seconds, and a second file per batch would double the store writes for nothing.
 ``unacked_index`` sorted set (kombu ``transport/redis.py``, ``QoS.append``). A SIGKILLed worker's
 messages stay there until the visibility timeout (hours).
 
-**The reclaimer** is a thread in every worker process. Every ``HSX_RECLAIM_INTERVAL_S`` (30 s) it reads
+**The reclaimer** is a thread in every worker process. Every ``HSX_RECLAIM_INTERVAL_S`` (15 s) it reads
 the hash and, for each extraction message delivered (or due, for a retry with a countdown: its
 ``eta``) more than ``HSX_LEASE_S`` ago whose batch has no marker and no lease, it:
 
@@ -27,7 +27,7 @@ the hash and, for each extraction message delivered (or due, for a retry with a 
 
 A winner that dies between 1 and 2 leaves the entry in place: after another ``HSX_LEASE_S``, the
 next look takes attempt ``n + 1``. The worst case from a SIGKILL to the batch being next in line is
-``HSX_LEASE_S + HSX_RECLAIM_INTERVAL_S`` (2 min 30 s by default), plus the batch a free worker is
+``HSX_LEASE_S + HSX_RECLAIM_INTERVAL_S`` (2 min 15 s by default), plus the batch a free worker is
 finishing; a lease that expires under a live worker (a store outage longer than the lease stops its
 heartbeats) only makes a duplicate, which loses the marker race and deletes its own shard.
 
