@@ -31,6 +31,13 @@ String metadata (safetensors header): ``schema_version``, ``run_id``, ``batch``,
 (JSON list), ``layer_id_convention``, ``hf_hidden_states_indices``, ``vllm_ids``, ``final``,
 ``model``, ``engine`` (JSON: torch / transformers / fla / causal-conv1d versions, device, dtypes);
 fp8 shards add ``store_dtype`` (``fp8``) and ``fp8_scaling`` (the convention in words).
+
+In code: :class:`Final` (``none | postnorm | prenorm | both``) and :class:`StoreDtype`
+(``bfloat16 | float32 | fp8``) are the two names a run picks (str enums, written as their
+strings in run.json, the metadata and the settings); :class:`ShardSpec` is what every shard of a
+run holds, and :func:`schema_problems` says what in one shard breaks it (``producer verify``
+checks every shard's header with it). The on-disk format above is what trainers read: it does
+not change without a new ``schema_version``.
 """
 
 from __future__ import annotations
