@@ -45,6 +45,7 @@ from core.fp8 import FP8_DTYPE, quantize_states
 from core.layers import LayerSelection
 from core.shard import FINAL_POSTNORM, FINAL_PRENORM, HIDDEN_STATES, Final, scale_name
 
+
 class _StopForward(Exception):
     """Raised by the deepest hook when nothing later is needed: layers after it are not run."""
 
@@ -208,12 +209,14 @@ def launch_capture(
     # With a post-norm state the forward must reach the norm; otherwise stop after the deepest layer.
     stop_after = None if final.has_postnorm else selection.deepest_layer
     owner = threading.get_ident()
+    # fp8 holds the states in the model's dtype until the forward is done (as a bf16 run holds its
+    # own), so that its NaN/Inf flags are taken on unquantised values and quantising is one step.
     quantize = store_dtype == FP8_DTYPE
     held_dtype = None if quantize else store_dtype  # None: the model's own dtype
     states: dict[str, torch.Tensor] = {}
     filled_layers: set[int] = set()
 
-    def keep(name: str, x_TH: torch.Tensor) -> None:
+    def keep(name: str, x_TH: torch.Tensor) -> None:  # a final state [T, H]
         states[name] = x_TH if held_dtype is None else x_TH.to(held_dtype)
 
     def layer_hook(layer_id: int):
