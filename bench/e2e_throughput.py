@@ -143,7 +143,7 @@ class _Stop(Exception):
 def plain_forward_tok_s(model, device, *, stop_after: int | None, rows: int, row_len: int, seconds: float) -> float:
     """Tokens/s of the bare base-model forward over ``rows`` full rows of ``row_len`` random ids,
     through decoder layer ``stop_after`` (None: every layer and the final norm), for ~``seconds``."""
-    from workers.capture import decoder_of
+    from core.decoder import decoder_of
 
     decoder = decoder_of(model)
     vocab = model.config.get_text_config().vocab_size

@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from core.shard import Final  # noqa: E402
 
 #: bf16 rounds to within 2**-8 relative (8 significant bits).
 BF16_REL_ERR = 2.0**-8
@@ -140,13 +141,15 @@ class PartStats:
 
 def part_views(states: dict, layer_ids: list[int]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """{part name: (values [T, H], scale [T] or None)} of one capture's states."""
+    from core.shard import FINAL_POSTNORM, FINAL_PRENORM, HIDDEN_STATES, scale_name
+
     out = {}
     for k, layer_id in enumerate(layer_ids):
-        scale = states.get("hidden_states_scale")
-        out[f"layer {layer_id}"] = (states["hidden_states"][:, k], None if scale is None else scale[:, k])
-    for name in ("final_postnorm", "final_prenorm"):
+        scale = states.get(scale_name(HIDDEN_STATES))
+        out[f"layer {layer_id}"] = (states[HIDDEN_STATES][:, k], None if scale is None else scale[:, k])
+    for name in (FINAL_POSTNORM, FINAL_PRENORM):
         if name in states:
-            out[name] = (states[name], states.get(name + "_scale"))
+            out[name] = (states[name], states.get(scale_name(name)))
     return out
 
 
@@ -154,7 +157,8 @@ def measure(model, samples: list[np.ndarray], *, layers: str, final: str, batch_
     from core.fp8 import FP8_DTYPE, dequantize_fp8, error_bound
     from core.layers import parse_layer_ids, select_layers
     from producer.batching import cut_batches
-    from workers.capture import capture_batch, decoder_of
+    from core.decoder import decoder_of
+    from workers.capture import capture_batch
 
     decoder = decoder_of(model)
     compute_dtype = next(decoder.module.parameters()).dtype
@@ -251,7 +255,7 @@ def main() -> int:
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--layers", default="dflash", help="dflash, eagle3 or ids like 1,16,31 (default dflash)")
-    p.add_argument("--final", default="none", choices=["none", "postnorm", "prenorm", "both"])
+    p.add_argument("--final", default="none", choices=[f.value for f in Final])
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 

@@ -347,11 +347,12 @@ def count_launch_syncs(model, samples, members, selection, device) -> dict | Non
 @torch.inference_mode()
 def padded_fidelity(model, samples, lengths, selection, device) -> dict:
     """A short, a middle and the longest sample captured in ONE right-padded batch (most of two rows is
-    padding) against each sample's own unpadded ``output_hidden_states`` forward, per captured layer:
+    padding) against each sample's own unpadded reference forward (``core/reference.py``), per captured layer:
     the worst relative Frobenius error ||ours - ref|| / ||ref|| and max |ours - ref| / max |ref|.
     Contamination by padding would be O(1) from the first layer on; differences of bf16 kernels on other
     shapes are small at shallow layers and grow with depth (random weights amplify them). The same
     batch with another pad id must give the same bits (``pad_id_invariant``)."""
+    from core.reference import reference_states
     from workers.capture import capture_batch
 
     order = np.argsort(lengths)
@@ -363,10 +364,9 @@ def padded_fidelity(model, samples, lengths, selection, device) -> dict:
     other_pad = capture_batch(model, ids_T, cu, selection, store_dtype=store_dtype, pad_token_id=7).states["hidden_states"]
     fro_K, maxabs_K = [0.0] * len(selection.layer_ids), [0.0] * len(selection.layer_ids)
     for j, i in enumerate(picks):
-        ref = model.model(input_ids=torch.as_tensor(samples[i][0], dtype=torch.long, device=device)[None],
-                          use_cache=False, output_hidden_states=True).hidden_states
+        ref_SKH = reference_states(model, torch.as_tensor(samples[i][0], dtype=torch.long), selection.layer_ids)["hidden_states"]
         for k, layer_id in enumerate(selection.layer_ids):
-            want = ref[layer_id + 1][0].float().cpu()
+            want = ref_SKH[:, k]
             diff = got[cu[j]:cu[j + 1], k].float() - want
             fro_K[k] = max(fro_K[k], float(diff.norm() / want.norm()))
             maxabs_K[k] = max(maxabs_K[k], float(diff.abs().max() / want.abs().max()))
@@ -410,6 +410,7 @@ def run_naive(model, samples, device, layer_ids: list[int], workdir: Path) -> di
     for j, (ids, mask) in enumerate(samples):
         x = torch.as_tensor(ids, device=device, dtype=torch.long)[None]
         hs = model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states
+        # the naive way as users write it (id N-1 would get the post-norm state here: core/reference.py)
         tensors = {f"layer_{i}": hs[i + 1][0].cpu() for i in layer_ids}
         tensors["input_ids"] = torch.as_tensor(ids)
         tensors["loss_mask"] = torch.as_tensor(mask)

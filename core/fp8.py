@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import torch
 
+from core.shard import SCALE_SUFFIX, StoreDtype, scale_name  # noqa: F401  (scale_name: used by the readers)
+
 #: the stored dtype of fp8 shards (safetensors ``F8_E4M3``).
 FP8_DTYPE = torch.float8_e4m3fn
 #: the dtype of the scales (safetensors ``F32``).
@@ -57,15 +59,6 @@ E4M3_REL_ERR = 2.0**-4
 E4M3_SUBNORMAL_ERR = 2.0**-10
 #: bound of ``max|dq - x| / max|x|`` per token and part (half the spacing 32 of [256, 448], over 448).
 TOKEN_MAX_REL_ERR = 16.0 / E4M3_MAX
-#: suffix of a stored tensor's scale tensor: ``hidden_states`` -> ``hidden_states_scale``.
-SCALE_SUFFIX = "_scale"
-#: the ``store_dtype`` value of run.json (and ``--store-dtype``) that selects this format.
-STORE_DTYPE_NAME = "fp8"
-
-
-def scale_name(name: str) -> str:
-    """The name of the scale tensor of stored tensor ``name`` (``hidden_states_scale``, ...)."""
-    return name + SCALE_SUFFIX
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +80,28 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_states(states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fp8 step after capture: each captured state quantised as :func:`quantize_fp8` does.
+
+    ``states`` maps ``hidden_states`` [T, K, H] and ``final_*`` [T, H] (any float dtype, one
+    device) to their values. Returns, in the same order, each ``name`` as float8_e4m3fn of the same
+    shape followed by ``<name>_scale`` float32 [T, K] or [T], on the same device. ``hidden_states``
+    is quantised one layer slot at a time, so the float32 intermediate is [T, H], never [T, K, H].
+    Take NaN/Inf flags before calling (the module docstring says why).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, x in states.items():
+        if x.dim() == 3:
+            q_TKH = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+            scale_TK = torch.empty(x.shape[:2], dtype=SCALE_DTYPE, device=x.device)
+            for k in range(x.shape[1]):
+                q_TKH[:, k], scale_TK[:, k] = quantize_fp8(x[:, k])
+            out[name], out[scale_name(name)] = q_TKH, scale_TK
+        else:
+            out[name], out[scale_name(name)] = quantize_fp8(x)
+    return out
+
+
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``q.float() * scale[..., None]`` cast to ``dtype`` (default bf16): [..., H] from ``q``
     float8_e4m3fn [..., H] and ``scale`` float32 [...]. The product is taken in float32; a bf16
@@ -106,8 +121,7 @@ def error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def bytes_per_token(num_parts: int, hidden_size: int, store_dtype: str) -> int:
     """Bytes of hidden states one token costs in a shard: ``num_parts`` parts (K layers + finals)
-    of ``hidden_size`` values in ``store_dtype`` (``fp8``: 1 byte each plus a 4-byte scale)."""
-    if store_dtype == STORE_DTYPE_NAME:
-        return num_parts * (hidden_size + SCALE_BYTES)
-    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[store_dtype]
-    return num_parts * hidden_size * itemsize
+    of ``hidden_size`` values in ``store_dtype`` (a :class:`core.shard.StoreDtype` value; ``fp8``:
+    1 byte each plus a 4-byte scale)."""
+    dtype = StoreDtype(store_dtype)
+    return num_parts * (hidden_size * dtype.itemsize + (SCALE_BYTES if dtype.scaled else 0))

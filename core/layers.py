@@ -6,8 +6,9 @@ HF ``output_hidden_states`` index ``i + 1`` (index 0 is the embeddings, index N 
 *after* the norm) and vLLM / speculators id ``i + 1`` ("input to layer i+1"; id N is the final
 state *before* the norm). See docs/FACTS.md §1 for the off-by-one bugs this avoids.
 
-Final states are separate from layer ids: ``postnorm`` is what ``lm_head`` consumes (computed with
-the model's own final norm module), ``prenorm`` is the raw output of the last layer.
+Final states are separate from layer ids (:class:`core.shard.Final`): ``postnorm`` is what
+``lm_head`` consumes (computed with the model's own final norm module), ``prenorm`` is the raw
+output of the last layer.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.errors import BadConfig
+from core.shard import Final
 
 PRESETS = ("eagle3", "dflash")
-FINALS = ("none", "postnorm", "prenorm", "both")
 
 
 def eagle3_layer_ids(num_layers: int) -> list[int]:
@@ -46,14 +47,17 @@ def dflash_layer_ids(num_layers: int, num_draft_layers: int = 5) -> list[int]:
 class LayerSelection:
     """The captured layers of a run.
 
-    ``layer_ids`` are ascending, 0-based, output-of convention; ``final`` is one of
-    ``none | postnorm | prenorm | both``.
+    ``layer_ids`` are ascending, 0-based, output-of convention; ``final`` a :class:`core.shard.Final`
+    (a plain string such as ``"both"`` is converted; ValueError for one that is not a Final).
     """
 
     layer_ids: tuple[int, ...]
-    final: str
+    final: Final
     preset: str | None
     num_layers: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "final", Final(self.final))
 
     @property
     def hf_indices(self) -> list[int]:
@@ -68,7 +72,7 @@ class LayerSelection:
     @property
     def deepest_layer(self) -> int:
         """Index of the last decoder layer the forward must run (N-1 if a final state is wanted)."""
-        if self.final != "none":
+        if self.final != Final.NONE:
             return self.num_layers - 1
         return max(self.layer_ids)
 
@@ -125,9 +129,9 @@ def select_layers(
         else:
             raise BadConfig(f"--preset {preset!r}: unknown preset; choose one of {', '.join(PRESETS)}")
     if final is None:
-        final = "postnorm" if preset == "eagle3" else "none"
-    if final not in FINALS:
-        raise BadConfig(f"--final {final!r}: choose one of {', '.join(FINALS)}")
+        final = Final.POSTNORM if preset == "eagle3" else Final.NONE
+    if final not in tuple(Final):
+        raise BadConfig(f"--final {final!r}: choose one of {', '.join(Final)}")
     if not layer_ids:
         raise BadConfig("--layers is empty: give at least one layer id (0-based, output of layer i)")
     bad = [i for i in layer_ids if not 0 <= i < num_layers]

@@ -54,11 +54,11 @@ import numpy as np
 from core.errors import BadConfig, FidelityError
 from core.marker import MARKERS_PREFIX
 from core.runconfig import RunConfig, load_run
+from core.shard import HIDDEN_STATES, Final, scale_name
 from core.store import Store, download, open_store
 
 log = logging.getLogger(__name__)
 
-FINAL_TENSORS = ("final_postnorm", "final_prenorm")
 #: open safe_open handles a map-style dataset keeps (per process); each is one mmap.
 MAX_OPEN_SHARDS = 16
 #: threads that read markers.
@@ -195,15 +195,14 @@ def shard_index(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _final_names(config: RunConfig, finals: str) -> tuple[str, ...]:
-    """Which final tensors to return: ``present`` (whatever the run stored), ``none``,
-    ``postnorm``, ``prenorm`` or ``both``. Raises BadConfig when the run lacks what is asked."""
-    stored = {"none": (), "postnorm": ("final_postnorm",), "prenorm": ("final_prenorm",),
-              "both": FINAL_TENSORS}[config.layers["final"]]
+    """Which final tensors to return: ``present`` (whatever the run stored) or a
+    :class:`core.shard.Final` value. Raises BadConfig when the run lacks what is asked."""
+    stored = Final(config.layers["final"]).tensors
     if finals == "present":
         return stored
-    if finals not in ("none", "postnorm", "prenorm", "both"):
-        raise BadConfig(f"finals={finals!r}: use present, none, postnorm, prenorm or both")
-    asked = {"none": (), "postnorm": ("final_postnorm",), "prenorm": ("final_prenorm",), "both": FINAL_TENSORS}[finals]
+    if finals not in tuple(Final):
+        raise BadConfig(f"finals={finals!r}: use present, {', '.join(Final)}")
+    asked = Final(finals).tensors
     missing = [n for n in asked if n not in stored]
     if missing:
         raise BadConfig(
@@ -224,11 +223,11 @@ def read_sample(f, start: int, end: int, finals: tuple[str, ...], *, dequant_dty
     """
     import torch
 
-    from core.fp8 import dequantize_fp8, scale_name
+    from core.fp8 import dequantize_fp8
 
-    hidden_SKH = f.get_slice("hidden_states")[start:end]
+    hidden_SKH = f.get_slice(HIDDEN_STATES)[start:end]
     S, K, H = hidden_SKH.shape
-    scaled = scale_name("hidden_states") in f.keys()
+    scaled = scale_name(HIDDEN_STATES) in f.keys()
     dtype = torch.bfloat16 if dequant_dtype is None else dequant_dtype
 
     def state(name: str, value: torch.Tensor) -> torch.Tensor:
@@ -240,12 +239,12 @@ def read_sample(f, start: int, end: int, finals: tuple[str, ...], *, dequant_dty
         "input_ids": f.get_slice("input_ids")[start:end].to(torch.int64),
         "loss_mask": f.get_slice("loss_mask")[start:end].to(torch.int64),
         # Row-major [S, K, H] -> [S, K*H] is a view: layer k is columns k*H:(k+1)*H.
-        "hidden_states": state("hidden_states", hidden_SKH).reshape(S, K * H),
+        HIDDEN_STATES: state(HIDDEN_STATES, hidden_SKH).reshape(S, K * H),
     }
     for name in finals:
         out[name] = state(name, f.get_slice(name)[start:end])
     if scaled and raw:
-        for name in ("hidden_states", *finals):
+        for name in (HIDDEN_STATES, *finals):
             out[scale_name(name)] = f.get_slice(scale_name(name))[start:end]
     return out
 

@@ -83,7 +83,8 @@ class RunConfig:
 
     ``model`` is :meth:`core.models.ModelInfo.as_dict`, ``layers`` is
     :meth:`core.layers.LayerSelection.as_dict`; ``store_dtype`` is the dtype of the stored hidden
-    states (``bfloat16``, ``float32`` or ``fp8``: float8 e4m3 with per-token scales, ``core/fp8.py``). ``tokenizer`` holds the tokenizer class, vocab size, chat
+    states, a :class:`core.shard.StoreDtype` value (``bfloat16``, ``float32`` or ``fp8``: float8 e4m3
+    with per-token scales, ``core/fp8.py``); ``layers["final"]`` is a :class:`core.shard.Final` value. ``tokenizer`` holds the tokenizer class, vocab size, chat
     template hash, end-of-turn ids and ``enable_thinking`` (None: the template's default).
     ``sample_policy``: which records become samples and how: ``over_length`` (``truncate`` or
     ``drop``), ``allow_text`` (plain-text records used) and ``min_consecutive_supervised``; empty

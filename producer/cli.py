@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from core.errors import BadSettings, HsxError
+from core.shard import Final, StoreDtype
 from core.store import MissingKey, mask_url, open_store
 from producer.words import noun, plural
 from settings import Settings, get_settings
@@ -72,7 +73,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dflash-layers", type=int, default=5, help="with --preset dflash: number of target layers K (default 5)")
     p.add_argument("--draft-config", help="read the layer ids from a draft model's config.json (target_layer_ids / eagle_aux_hidden_state_layer_ids)")
     p.add_argument("--draft-layer-convention", default="output-of", choices=["output-of", "vllm"], help="convention of the ids in --draft-config (SpecForge/DFlash: output-of; vLLM/speculators: vllm = id+1)")
-    p.add_argument("--final", choices=["none", "postnorm", "prenorm", "both"], help="also store the last layer after/before the final norm (eagle3 default: postnorm)")
+    p.add_argument("--final", choices=[f.value for f in Final], help="also store the last layer after/before the final norm (eagle3 default: postnorm)")
     p.add_argument("--max-length", type=int, help="tokens per sample; longer samples are truncated (default 4096) or, with --drop-long, skipped")
     long = p.add_mutually_exclusive_group()
     long.add_argument("--truncate", dest="over_length", action="store_const", const="truncate", default="truncate",
@@ -90,7 +91,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=int, help="token budget per batch, rows x longest row (default 32768)")
     p.add_argument("--limit", type=int, help="read at most this many usable records")
     p.add_argument("--run-id", help="run id (default: derived from the dataset and the config, so reruns resume)")
-    p.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8"],
+    p.add_argument("--store-dtype", default=StoreDtype.BFLOAT16.value, choices=[d.value for d in StoreDtype],
                    help="dtype of stored hidden states; fp8: float8 e4m3 with a float32 scale per token and layer "
                         "(about half of bf16's bytes; readers and exports dequantise to bf16)")
 

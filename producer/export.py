@@ -110,12 +110,13 @@ from core.layers import eagle3_layer_ids
 from core.plan import SAMPLES_JSONL, read_batch, read_batch_list
 from core.reader import IterableHiddenStatesDataset, certified_markers, quarantined_ids
 from core.runconfig import RunConfig, load_run
+from core.shard import FINAL_POSTNORM, FINAL_PRENORM, Final
 from core.store import Store
 
 FORMATS = ("specforge-eagle3", "specforge-dflash", "specforge-dspark", "speculators", "eagle-ge-data", "modelopt")
 #: the final state each format writes (what the reader is asked for).
-FORMAT_FINAL = {"specforge-eagle3": "postnorm", "specforge-dflash": "none", "specforge-dspark": "postnorm",
-                "speculators": "prenorm", "eagle-ge-data": "postnorm", "modelopt": "postnorm"}
+FORMAT_FINAL = {"specforge-eagle3": Final.POSTNORM, "specforge-dflash": Final.NONE, "specforge-dspark": Final.POSTNORM,
+                "speculators": Final.PRENORM, "eagle-ge-data": Final.POSTNORM, "modelopt": Final.POSTNORM}
 #: how each format's report describes that final state.
 FORMAT_FINAL_TEXT = {"specforge-eagle3": "postnorm (hidden_state)", "specforge-dflash": "none",
                      "specforge-dspark": "postnorm (target_last_hidden_states)",
@@ -202,7 +203,7 @@ def check_exportable(config: RunConfig, fmt: str) -> list[str]:
     if fmt not in FORMATS:
         raise BadConfig(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     layers = config.layers
-    ids, final, N = list(layers["layer_ids"]), layers["final"], int(layers["num_layers"])
+    ids, final, N = list(layers["layer_ids"]), Final(layers["final"]), int(layers["num_layers"])
     warnings = []
     if fmt == "specforge-eagle3":
         if len(ids) != 3:
@@ -210,24 +211,24 @@ def check_exportable(config: RunConfig, fmt: str) -> list[str]:
                 f"run {config.run_id} captured {len(ids)} layers {ids}; SpecForge EAGLE-3 needs exactly the 3 EAGLE layers "
                 f"(aux_hidden_state [1, S, 3H]). Extract with --preset eagle3 (ids {eagle3_layer_ids(N)} for {N} layers)"
             )
-        if final not in ("postnorm", "both"):
+        if not final.has_postnorm:
             raise BadConfig(
-                f"run {config.run_id} stored final={final!r}; SpecForge EAGLE-3 needs the final state AFTER the norm "
+                f"run {config.run_id} stored final={final.value!r}; SpecForge EAGLE-3 needs the final state AFTER the norm "
                 "(hidden_state [1, S, H]). Extract with --final postnorm (or both)"
             )
         if ids != eagle3_layer_ids(N):
             warnings.append(f"layer ids {ids} are not SpecForge's EAGLE-3 default {eagle3_layer_ids(N)}: "
                             "configure the draft's aux layers to match")
-    if fmt == "speculators" and final not in ("prenorm", "both"):
+    if fmt == "speculators" and not final.has_prenorm:
         raise BadConfig(
-            f"run {config.run_id} stored final={final!r}; speculators needs the final state BEFORE the norm as the last "
+            f"run {config.run_id} stored final={final.value!r}; speculators needs the final state BEFORE the norm as the last "
             "layer of hidden_states (it applies the norm itself). Extract with --final prenorm (or both)"
         )
     needs_postnorm = {"specforge-dspark": "SpecForge DSpark needs the final state AFTER the norm (target_last_hidden_states [1, S, H])",
                       "eagle-ge-data": "EAGLE-1/2 (ge_data) needs the final state AFTER the norm (hidden_state [S, H])",
                       "modelopt": "ModelOpt needs the final state AFTER the norm (hidden_states [S, H])"}
-    if fmt in needs_postnorm and final not in ("postnorm", "both"):
-        raise BadConfig(f"run {config.run_id} stored final={final!r}; {needs_postnorm[fmt]}. Extract with --final postnorm (or both)")
+    if fmt in needs_postnorm and not final.has_postnorm:
+        raise BadConfig(f"run {config.run_id} stored final={final.value!r}; {needs_postnorm[fmt]}. Extract with --final postnorm (or both)")
     if fmt == "eagle-ge-data":
         warnings.append(f"EAGLE-1/2 reads the final state only: the {len(ids)} captured layers {ids} are not written")
     if fmt == "modelopt" and ids != eagle3_layer_ids(N):
@@ -272,12 +273,12 @@ class _SpecForgeWriter:
                "loss_mask": sample["loss_mask"].to(torch.int64).clone()}
         hidden_1SX = sample["hidden_states"].to(torch.bfloat16).reshape(1, S, -1).clone()
         if self.fmt == "specforge-eagle3":
-            rec["hidden_state"] = sample["final_postnorm"].to(torch.bfloat16).reshape(1, S, -1).clone()
+            rec["hidden_state"] = sample[FINAL_POSTNORM].to(torch.bfloat16).reshape(1, S, -1).clone()
             rec["aux_hidden_state"] = hidden_1SX
         else:
             rec["hidden_states"] = hidden_1SX
         if self.fmt == "specforge-dspark":
-            rec["target_last_hidden_states"] = sample["final_postnorm"].to(torch.bfloat16).reshape(1, S, -1).clone()
+            rec["target_last_hidden_states"] = sample[FINAL_POSTNORM].to(torch.bfloat16).reshape(1, S, -1).clone()
         return rec
 
     def write(self, i: int, sample: dict) -> int:
@@ -310,9 +311,9 @@ class _SpeculatorsWriter:
         import torch
         from safetensors.torch import save_file
 
-        hidden_SKH = sample["hidden_states"].view(sample["input_ids"].shape[0], -1, sample["final_prenorm"].shape[-1])
+        hidden_SKH = sample["hidden_states"].view(sample["input_ids"].shape[0], -1, sample[FINAL_PRENORM].shape[-1])
         # Aux layers in ascending id (vLLM ids id + 1), then the pre-norm final state (vLLM id N).
-        hs_SLH = torch.cat([hidden_SKH, sample["final_prenorm"][:, None]], dim=1).to(torch.bfloat16).contiguous()
+        hs_SLH = torch.cat([hidden_SKH, sample[FINAL_PRENORM][:, None]], dim=1).to(torch.bfloat16).contiguous()
         tensors = {"hidden_states": hs_SLH, "token_ids": sample["input_ids"].to(torch.int64).contiguous()}
         return _atomic(self.out / "hidden_states" / f"hs_{i}.safetensors", lambda p: save_file(tensors, str(p)))
 
@@ -371,7 +372,7 @@ class _EagleGeDataWriter(_SpecForgeWriter):
 
         # No batch axis: the trainer adds it ([None, :]) after slicing [:max_len].
         return {"input_ids": sample["input_ids"].to(torch.int64).clone(),
-                "hidden_state": sample["final_postnorm"].to(torch.bfloat16).clone(),
+                "hidden_state": sample[FINAL_POSTNORM].to(torch.bfloat16).clone(),
                 "loss_mask": sample["loss_mask"].to(torch.int64).clone()}
 
 
@@ -412,7 +413,7 @@ class _ModelOptWriter:
         import torch
 
         return {"input_ids": sample["input_ids"].to(torch.int64).clone(),
-                "hidden_states": sample["final_postnorm"].to(torch.bfloat16).clone(),
+                "hidden_states": sample[FINAL_POSTNORM].to(torch.bfloat16).clone(),
                 "aux_hidden_states": sample["hidden_states"].to(torch.bfloat16).clone(),
                 "loss_mask": sample["loss_mask"].to(torch.int64).clone(),
                 "conversation_id": self.record_ids[sample["sample_index"]]}

@@ -24,6 +24,7 @@ from core.models import load_tokenizer, model_info
 from core.plan import (BATCHES_JSON, PLANNING_JSON, SAMPLES_JSONL, BatchPlan, batch_id, batch_key, fail_planning_record,
                        plan_complete, read_batch_list, start_planning_record)
 from core.runconfig import RunConfig, check_run, check_run_id, claim_run
+from core.shard import StoreDtype
 from core.store import Store, exists, open_store
 from producer.batching import cut_batches, padding_waste
 from producer.datasets import SkipCounter, dataset_files, iter_conversations
@@ -32,7 +33,6 @@ from settings import Settings
 
 STATS_JSON = "plan/stats.json"
 log = logging.getLogger(__name__)
-STORE_DTYPES = ("bfloat16", "float32", "fp8")  # fp8: float8 e4m3 + per-token float32 scales (core/fp8.py)
 
 
 @dataclass
@@ -116,8 +116,8 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
             f"--batch-tokens {batch_tokens} is smaller than --max-length {max_length}: a batch must hold at least one "
             f"full-length sample; raise --batch-tokens or lower --max-length"
         )
-    if opts.store_dtype not in STORE_DTYPES:
-        raise BadConfig(f"--store-dtype {opts.store_dtype!r}: choose one of {', '.join(STORE_DTYPES)}")
+    if opts.store_dtype not in tuple(StoreDtype):  # fp8: float8 e4m3 + per-token float32 scales (core/fp8.py)
+        raise BadConfig(f"--store-dtype {opts.store_dtype!r}: choose one of {', '.join(StoreDtype)}")
     if opts.limit is not None and opts.limit < 1:
         raise BadConfig(f"--limit {opts.limit}: must be a positive number of records")
     if opts.over_length not in OVER_LENGTH_POLICIES:
@@ -159,7 +159,7 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
         max_length=max_length,
         batch_tokens=batch_tokens,
         max_batch_samples=max_batch_samples,
-        store_dtype=opts.store_dtype,
+        store_dtype=StoreDtype(opts.store_dtype).value,
         tokenizer={
             "class": type(tokenizer).__name__,
             "vocab_size": len(tokenizer),

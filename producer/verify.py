@@ -5,12 +5,13 @@ What is checked, batch by batch (a thread pool; shards are hashed as a stream, n
 - the marker: readable JSON, names its own batch, carries the ``config_sha256`` of ``run.json``'s
   identity, and belongs to a planned batch;
 - its shard: present, with the marker's byte count and sha256;
-- the shard's schema, from its safetensors header alone: the tensors and dtypes of
-  ``core/shard.py`` (``input_ids`` int32 [T], ``loss_mask`` uint8 [T], ``cu_seqlens`` int64 [N+1],
-  ``sample_index`` int64 [N], ``hidden_states`` [T, K, H] and the run's final states in the run's
-  ``store_dtype``; for fp8 ``F8_E4M3`` plus ``hidden_states_scale`` F32 [T, K] and ``final_*_scale``
-  F32 [T]), contiguous data offsets that end at the end of the file, and the header
-  metadata (run id, batch, layer ids, final);
+- the shard's schema, from its safetensors header alone: :func:`core.shard.schema_problems` for
+  the run's :class:`~core.shard.ShardSpec` (``input_ids`` int32 [T], ``loss_mask`` uint8 [T],
+  ``cu_seqlens`` int64 [N+1], ``sample_index`` int64 [N], ``hidden_states`` [T, K, H] and the
+  run's final states in the run's ``store_dtype``; for fp8 ``F8_E4M3`` plus
+  ``hidden_states_scale`` F32 [T, K] and ``final_*_scale`` F32 [T]), contiguous data offsets
+  that end at the end of the file, and the header metadata (its keys; run id, batch, layer ids,
+  final, schema version);
 - counts: the marker's ``num_samples`` / ``num_tokens`` / ``supervised_tokens`` equal the shard's,
   and its ``planned_*`` (when present) equal the plan's batch;
 - token-id echo: every stored sample's ``input_ids`` and ``loss_mask`` equal the plan's, and the
@@ -21,11 +22,12 @@ accounted for, not missing); a planned batch without a marker is reported as not
 in two certified shards is reported with both batches. Shards that no marker names are orphans
 (the loser of a race, an interrupted upload, a worker still writing): listed, not an error.
 
-``recompute=N`` then picks N stored samples at random and runs the run's model on the CPU in
-fp32, one sample at a time, through the plain transformers path (``output_hidden_states``: layer
-id ``i`` is ``hidden_states[i + 1]``, the post-norm state is ``hidden_states[-1]``; the pre-norm
-state and layer ``N - 1`` come from a hook on the last decoder layer, because transformers puts
-the post-norm state in the last slot). Each stored tensor must satisfy
+``recompute=N`` then picks N stored samples at random and runs the run's model in fp32, one
+sample at a time, through the reference forward (:func:`core.reference.reference_states`: the
+plain transformers ``output_hidden_states`` path, where layer id ``i < N - 1`` is
+``hidden_states[i + 1]`` and the post-norm state is ``hidden_states[N]``; the pre-norm state and
+layer ``N - 1`` come from a hook on the last decoder layer, because transformers puts the
+post-norm state in the last slot). Each stored tensor must satisfy
 ``|stored - ref| <= rtol * (|ref| + rms(ref))`` elementwise, with ``rtol`` by stored dtype
 (:data:`RTOL_BY_DTYPE`): bf16 rounding alone is up to 2**-8 relative (8 significant bits). An fp8 run is dequantised in
 float32 (``q * scale``) and compared with ``rtol = 0.075``: with the worker's value ``x`` within
@@ -52,22 +54,19 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from core.errors import HsxError, StoreError
+from core.errors import StoreError
 from core.fp8 import E4M3_REL_ERR
 from core.plan import BatchPlan, read_batch, read_batch_list
 from core.reader import quarantined_ids, read_markers, read_sample
 from core.runconfig import RunConfig, load_run
+from core.shard import Final, ShardSpec, StoreDtype, cu_seqlens_problem, schema_problems
 from core.store import MissingKey, Store, retry_transient
 
 #: relative tolerance of ``--recompute`` by stored dtype (bf16 keeps 8 bits of mantissa).
 #: fp8: e4m3's relative rounding bound 2**-4 on top of bf16's 1e-2, rounded up (the module docstring says why).
-RTOL_BY_DTYPE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-4, "fp8": 0.075}
-assert RTOL_BY_DTYPE["fp8"] >= E4M3_REL_ERR + (1 + E4M3_REL_ERR) * RTOL_BY_DTYPE["bfloat16"]
-#: safetensors dtype codes of the shard schema (core/shard.py).
-INDEX_DTYPES = {"input_ids": "I32", "loss_mask": "U8", "cu_seqlens": "I64", "sample_index": "I64"}
-STATE_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "fp8": "F8_E4M3"}
-#: fp8 runs: the scale tensor of each state tensor, and its dtype code.
-SCALE_DTYPE_CODE = "F32"
+RTOL_BY_DTYPE = {StoreDtype.BFLOAT16: 1e-2, StoreDtype.FLOAT32: 1e-4, StoreDtype.FP8: 0.075}
+assert RTOL_BY_DTYPE[StoreDtype.FP8] >= E4M3_REL_ERR + (1 + E4M3_REL_ERR) * RTOL_BY_DTYPE[StoreDtype.BFLOAT16]
+#: numpy dtypes of the shard's index tensors' safetensors codes (core.shard.INDEX_TENSORS).
 _NP_DTYPES = {"I32": np.int32, "U8": np.uint8, "I64": np.int64}
 #: threads that check batches at once (S3: network-bound; local: hashing releases the GIL).
 S3_THREADS = 16
@@ -152,59 +151,6 @@ def _small_tensor(reader: _ObjectReader, header: dict, data_start: int, name: st
 
 
 # --- one batch ------------------------------------------------------------------------------
-
-
-def _schema_problems(batch: str, header: dict, data_size: int, config: RunConfig) -> list[str]:
-    """What in a shard header breaks the schema of core/shard.py (empty list: none)."""
-    out: list[str] = []
-    meta = header.get("__metadata__") or {}
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    finals = {"none": (), "postnorm": ("final_postnorm",), "prenorm": ("final_prenorm",),
-              "both": ("final_postnorm", "final_prenorm")}[config.layers["final"]]
-    scales = [f"{n}_scale" for n in ("hidden_states", *finals)] if config.store_dtype == "fp8" else []
-    expected = list(INDEX_DTYPES) + ["hidden_states", *finals, *scales]
-    missing = [n for n in expected if n not in tensors]
-    extra = sorted(set(tensors) - set(expected))
-    if missing:
-        out.append(f"missing tensors {missing}")
-    if extra:
-        out.append(f"unexpected tensors {extra}")
-    if missing:
-        return out
-    state_dtype = STATE_DTYPES.get(config.store_dtype, config.store_dtype)
-    for name in expected:
-        want = INDEX_DTYPES.get(name, SCALE_DTYPE_CODE if name in scales else state_dtype)
-        if tensors[name].get("dtype") != want:
-            out.append(f"{name} has dtype {tensors[name].get('dtype')}, expected {want}")
-    T = tensors["input_ids"]["shape"][0] if len(tensors["input_ids"]["shape"]) == 1 else -1
-    N = tensors["sample_index"]["shape"][0] if len(tensors["sample_index"]["shape"]) == 1 else -1
-    K, H = len(config.layers["layer_ids"]), int(config.model["hidden_size"])
-    shapes = {"input_ids": [T], "loss_mask": [T], "cu_seqlens": [N + 1], "sample_index": [N],
-              "hidden_states": [T, K, H], "final_postnorm": [T, H], "final_prenorm": [T, H],
-              "hidden_states_scale": [T, K], "final_postnorm_scale": [T], "final_prenorm_scale": [T]}
-    for name in expected:
-        if list(tensors[name].get("shape", [])) != shapes[name]:
-            out.append(f"{name} has shape {tensors[name].get('shape')}, expected {shapes[name]} (T={T}, N={N}, K={K}, H={H})")
-    spans = sorted(tuple(v["data_offsets"]) for v in tensors.values())
-    pos = 0
-    for begin, end in spans:
-        if begin != pos or end < begin:
-            out.append(f"tensor data offsets are not contiguous at byte {pos} (next tensor at {begin}-{end})")
-            break
-        pos = end
-    else:
-        if pos != data_size:
-            out.append(f"tensor data ends at byte {pos} of {data_size}: the file is truncated or has trailing bytes")
-    want_meta = {"run_id": config.run_id, "batch": batch, "final": config.layers["final"]}
-    for key, value in want_meta.items():
-        if meta.get(key) != value:
-            out.append(f"metadata {key}={meta.get(key)!r}, expected {value!r}")
-    try:
-        if json.loads(meta.get("layer_ids", "null")) != list(config.layers["layer_ids"]):
-            out.append(f"metadata layer_ids={meta.get('layer_ids')}, expected {config.layers['layer_ids']}")
-    except ValueError:
-        out.append(f"metadata layer_ids={meta.get('layer_ids')!r} is not JSON")
-    return out
 
 
 def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
@@ -297,7 +243,9 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
                                  f"{str(shard.get('sha256'))[:16]}... ({shard.get('bytes')} bytes)")
     try:
         header, data_start = _read_header(reader, n)
-        schema = _schema_problems(batch if own_batch else str(named), header, n - data_start, config)
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        schema = schema_problems(tensors, header.get("__metadata__") or {}, ShardSpec.of_run(config),
+                                 batch=batch if own_batch else str(named), data_bytes=n - data_start)
         if schema:
             if not altered:
                 problem("schema", f"shard {key}: " + "; ".join(schema))
@@ -318,8 +266,9 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
         return res
 
     T = int(input_ids_T.shape[0])
-    if cu_N1[0] != 0 or cu_N1[-1] != T or np.any(np.diff(cu_N1) <= 0):
-        problem("schema", f"shard {key}: cu_seqlens {cu_N1[:4].tolist()}... is not increasing from 0 to T={T}")
+    bad_cu = cu_seqlens_problem(cu_N1, T)
+    if bad_cu:
+        problem("schema", f"shard {key}: {bad_cu}")
         res.samples = [s for s in plan_samples if s not in res.quarantined]
         return res
     res.samples = sample_index_N.tolist()
@@ -372,20 +321,6 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
 # --- recompute ------------------------------------------------------------------------------
 
 
-def _decoder_parts(model):
-    """(decoder module, its layer list) of a ``*ForCausalLM`` (or a multimodal one's language model)."""
-    import torch
-
-    for path in ("model", "model.language_model", "language_model", ""):
-        base = model
-        for name in filter(None, path.split(".")):
-            base = getattr(base, name, None)
-        layers = getattr(base, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList):
-            return base, layers
-    raise HsxError(f"{type(model).__name__}: no decoder with a .layers ModuleList; cannot recompute")
-
-
 def _compare(got, want, rtol: float) -> tuple[bool, float, float]:
     """(ok, worst ratio of |diff| to its bound, max |diff|) for ``|got-want| <= rtol*(|want| + rms(want))``."""
     got = got.float()
@@ -408,8 +343,9 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
 
     from core.models import model_info, resolve_model_path, safetensors_only
     from core.reader import local_shard
+    from core.reference import reference_states
 
-    rtol = rtol if rtol is not None else RTOL_BY_DTYPE.get(config.store_dtype, 1e-2)
+    rtol = rtol if rtol is not None else RTOL_BY_DTYPE[StoreDtype(config.store_dtype)]
     summary: dict = {"samples": [], "rtol": rtol, "values_compared": 0, "worst_ratio": 0.0}
     problems: list[Problem] = []
     info = model_info(config.model_name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
@@ -428,59 +364,40 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device).eval().requires_grad_(False)
     summary["device"] = str(device)
-    decoder, layers = _decoder_parts(model)
     summary["load_s"] = round(time.perf_counter() - t0, 2)
-    N = int(config.layers["num_layers"])
     layer_ids = list(config.layers["layer_ids"])
-    finals = {"none": (), "postnorm": ("final_postnorm",), "prenorm": ("final_prenorm",),
-              "both": ("final_postnorm", "final_prenorm")}[config.layers["final"]]
+    final = Final(config.layers["final"])
     task = progress.add_task("recompute", total=len(picks)) if progress is not None else None
     by_batch: dict[str, list] = defaultdict(list)
     for batch, marker, sample, start, end in picks:
         by_batch[batch].append((marker, sample, start, end))
-    last_out = {}
-
-    def keep_last(_module, _args, output):
-        last_out["pre"] = output[0] if isinstance(output, tuple) else output
-
-    handle = layers[N - 1].register_forward_hook(keep_last)
-    try:
-        for batch, items in sorted(by_batch.items()):
-            marker = items[0][0]
-            with local_shard(run_store, marker["shard"]["key"]) as path, safe_open(str(path), framework="pt") as f:
-                for _, sample, start, end in items:
-                    stored = read_sample(f, start, end, finals, dequant_dtype=torch.float32)  # fp8: q * scale in fp32
-                    S = stored["input_ids"].shape[0]
-                    hidden_SKH = stored["hidden_states"].view(S, len(layer_ids), -1)
-                    with torch.inference_mode():
-                        out = decoder(input_ids=stored["input_ids"][None].to(device), use_cache=False, output_hidden_states=True)
-                    hs = [h.float().cpu() for h in out.hidden_states]
-                    last_out["pre"] = last_out["pre"].float().cpu()
-                    refs = {f"layer {i}": (last_out["pre"][0] if i == N - 1 else hs[i + 1][0]) for i in layer_ids}
-                    got = {f"layer {i}": hidden_SKH[:, k] for k, i in enumerate(layer_ids)}
-                    if "final_postnorm" in finals:
-                        refs["final_postnorm"], got["final_postnorm"] = hs[-1][0], stored["final_postnorm"]
-                    if "final_prenorm" in finals:
-                        refs["final_prenorm"], got["final_prenorm"] = last_out["pre"][0], stored["final_prenorm"]
-                    worst = (0.0, "", 0.0)
-                    bad = []
-                    for name, want in refs.items():
-                        ok, ratio, max_diff = _compare(got[name], want.float(), rtol)
-                        summary["values_compared"] += want.numel()
-                        if ratio > worst[0]:
-                            worst = (ratio, name, max_diff)
-                        if not ok:
-                            bad.append(f"{name}: max |diff| {max_diff:.3g}, {ratio:.2f}x the tolerance")
-                    summary["samples"].append({"sample_index": sample, "batch": batch, "tokens": S, "worst_ratio": round(worst[0], 4),
-                                               "worst_tensor": worst[1], "max_abs_diff": worst[2]})
-                    summary["worst_ratio"] = max(summary["worst_ratio"], worst[0])
-                    if bad:
-                        problems.append(Problem(batch, "recompute_mismatch",
-                                                f"sample {sample} differs from a per-sample fp32 forward (rtol {rtol}): " + "; ".join(bad)))
-                    if task is not None:
-                        progress.update(task, advance=1)
-    finally:
-        handle.remove()
+    for batch, items in sorted(by_batch.items()):
+        marker = items[0][0]
+        with local_shard(run_store, marker["shard"]["key"]) as path, safe_open(str(path), framework="pt") as f:
+            for _, sample, start, end in items:
+                stored = read_sample(f, start, end, final.tensors, dequant_dtype=torch.float32)  # fp8: q * scale in fp32
+                S = stored["input_ids"].shape[0]
+                hidden_SKH = stored["hidden_states"].view(S, len(layer_ids), -1)
+                ref = reference_states(model, stored["input_ids"], layer_ids, final)  # core/reference.py
+                pairs = [(f"layer {i}", hidden_SKH[:, k], ref["hidden_states"][:, k]) for k, i in enumerate(layer_ids)]
+                pairs += [(name, stored[name], ref[name]) for name in final.tensors]
+                worst = (0.0, "", 0.0)
+                bad = []
+                for name, got, want in pairs:
+                    ok, ratio, max_diff = _compare(got, want, rtol)
+                    summary["values_compared"] += want.numel()
+                    if ratio > worst[0]:
+                        worst = (ratio, name, max_diff)
+                    if not ok:
+                        bad.append(f"{name}: max |diff| {max_diff:.3g}, {ratio:.2f}x the tolerance")
+                summary["samples"].append({"sample_index": sample, "batch": batch, "tokens": S, "worst_ratio": round(worst[0], 4),
+                                           "worst_tensor": worst[1], "max_abs_diff": worst[2]})
+                summary["worst_ratio"] = max(summary["worst_ratio"], worst[0])
+                if bad:
+                    problems.append(Problem(batch, "recompute_mismatch",
+                                            f"sample {sample} differs from a per-sample fp32 forward (rtol {rtol}): " + "; ".join(bad)))
+                if task is not None:
+                    progress.update(task, advance=1)
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     return summary, problems
 

@@ -203,28 +203,29 @@ def plan_samples(run_store) -> dict[int, dict]:
     return out
 
 
-def assert_matches_reference(model, samples: dict[int, dict], layer_ids: list[int], *, atol: float, rtol: float, final: str = "postnorm") -> int:
-    """Per-sample HF forward (``output_hidden_states``) vs the stored states; returns values compared."""
+def assert_matches_reference(model, samples: dict[int, dict], layer_ids: list[int], *, atol: float, rtol: float,
+                             final: str = "postnorm") -> int:
+    """Each stored sample == the reference forward on it alone (``core/reference.py``: layer id i is
+    the output of decoder layer i, id N-1 and ``final_prenorm`` the last layer's raw output,
+    ``final_postnorm`` after the model's norm), for every layer and each final ``final`` names.
+
+    ``samples`` as :func:`read_samples` gives them (``hidden_states`` [S, K, H]). Returns the
+    number of values compared; a mismatch fails with the sample, the tensor and the max |diff|.
+    """
+    from core.reference import reference_states
+    from core.shard import Final
+
     compared = 0
-    worst = 0.0
-    with torch.inference_mode():
-        for sample, s in samples.items():
-            ids = torch.as_tensor(np.asarray(s["input_ids"]), dtype=torch.long)[None]
-            ref = model.model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
-            for k, layer in enumerate(layer_ids):
-                got = s["hidden_states"][:, k].float()
-                want = ref[layer + 1][0]
-                diff = (got - want).abs().max().item()
-                worst = max(worst, diff)
-                assert torch.allclose(got, want, atol=atol, rtol=rtol), (
-                    f"sample {sample} layer {layer}: max |diff| {diff:.3g} > atol {atol} (rtol {rtol})")
-                compared += got.numel()
-            if final in ("postnorm", "both"):
-                got = s["final_postnorm"].float()
-                want = ref[-1][0]
-                diff = (got - want).abs().max().item()
-                assert torch.allclose(got, want, atol=atol, rtol=rtol), f"sample {sample} final_postnorm: max |diff| {diff:.3g}"
-                compared += got.numel()
+    for sample, s in samples.items():
+        ref = reference_states(model, torch.as_tensor(np.asarray(s["input_ids"]), dtype=torch.long), layer_ids, final)
+        pairs = [(f"layer {layer}", s["hidden_states"][:, k], ref["hidden_states"][:, k]) for k, layer in enumerate(layer_ids)]
+        pairs += [(name, s[name], ref[name]) for name in Final(final).tensors]
+        for what, got, want in pairs:
+            got = got.float()
+            diff = (got - want).abs().max().item()
+            assert torch.allclose(got, want, atol=atol, rtol=rtol), (
+                f"sample {sample} {what}: max |diff| {diff:.3g} > atol {atol} + rtol {rtol} x |ref|")
+            compared += got.numel()
     return compared
 
 

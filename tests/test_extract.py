@@ -232,3 +232,46 @@ def test_a_full_store_fails_the_batch_and_leaves_no_half_shard(planned):
         extract_batch(planned["run"].run_url, batch, planned["settings"].model_copy(update={"faults": "store_full=1"}))
     assert read_marker(run_store, batch) is None and batch_shards(run_store, batch) == []
     assert not [p for p in run_store.local_path("shards").iterdir() if p.name.startswith(".hsx-tmp-")]
+
+
+def test_a_run_asking_for_the_last_layer_and_both_finals_stores_them_as_the_reference_forward_gives_them(
+        tmp_path, tiny_cache):
+    """Layer id N-1 (the last layer's raw output) and --final both: the stored slot N-1 and final_prenorm
+    equal the last layer's output in the reference forward, final_postnorm equals HF hidden_states[N]
+    (after the norm), and verify's recompute passes on the same shard. The two finals differ by O(1), so
+    a reference reading id N-1 as hidden_states[N] (the post-norm state) would fail here."""
+    from core.reference import reference_states
+    from producer.planner import PlanOptions, plan_run
+    from producer.verify import recompute_samples
+    from workers.extract import extract_batch
+    from workers.target import get_target
+
+    settings = Settings(_env_file=None, cache_dir=tiny_cache, spool_dir=tmp_path / "spool", device="cpu",
+                        store_url=str(tmp_path / "out"))
+    num_layers = 8  # tiny-qwen3.5
+    layer_ids = [2, num_layers - 1]
+    run = plan_run(PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp_path / "out"), limit=4,
+                               max_length=128, batch_tokens=1024, layers="2,7", final="both", store_dtype="float32"),
+                   settings)
+    assert run.config.layers["layer_ids"] == layer_ids and run.config.layers["num_layers"] == num_layers
+    batch = run.batches[0]["batch"]
+    assert extract_batch(run.run_url, batch, settings)["status"] == "done"
+
+    stored = {s: v for s, v in read_samples(run.run_store).items() if v["batch"] == batch}
+    assert stored, "the batch's samples must have been read back"
+    model = get_target("tiny-qwen3.5", settings).model
+    compared = assert_matches_reference(model, stored, layer_ids, atol=1e-4, rtol=1e-4, final="both")
+    assert compared == sum(s["input_ids"].shape[0] for s in stored.values()) * 64 * (len(layer_ids) + 2)
+    for sample, s in stored.items():
+        assert torch.equal(s["hidden_states"][:, 1], s["final_prenorm"]), f"sample {sample}: slot N-1 != final_prenorm"
+        ref = reference_states(model, s["input_ids"], [num_layers - 1], "postnorm")
+        gap = (ref["hidden_states"][:, 0] - ref["final_postnorm"]).abs().max().item()
+        assert gap > 0.1, f"sample {sample}: the last layer's output and the post-norm state differ by only {gap:.3g}"
+
+    marker, plan = read_marker(run.run_store, batch), read_batch(run.run_store, batch)
+    assert marker["quarantined"] == []  # so the shard's rows are the plan's
+    cu = plan.cu_seqlens_N1.tolist()
+    picks = [(batch, marker, int(sample), cu[j], cu[j + 1]) for j, sample in enumerate(plan.sample_index_N.tolist())]
+    summary, problems = recompute_samples(run.run_store, run.config, picks, settings)
+    assert problems == [] and len(summary["samples"]) == len(picks), (summary, problems)
+    assert summary["values_compared"] == compared, summary

@@ -1,6 +1,7 @@
 """The capture path, top to bottom: one batched forward, hooks on the chosen layers, valid tokens
-gathered on the device, a finiteness check on the device, one device-to-host copy per captured
-tensor on a side stream, the shard's tensors.
+gathered on the device, a finiteness check on the device, fp8 quantisation on the device when the
+run stores fp8 (``core/fp8.py``), one device-to-host copy per captured tensor on a side stream, the
+shard's tensors.
 
 Legend (shape suffixes):
     B = rows in the batch (= N samples, one per row, right-padded)
@@ -38,55 +39,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from core.decoder import NORM_NAMES, Decoder, decoder_of, first_output
 from core.errors import BadConfig, FidelityError
-from core.fp8 import FP8_DTYPE, SCALE_DTYPE, quantize_fp8, scale_name
+from core.fp8 import FP8_DTYPE, quantize_states
 from core.layers import LayerSelection
-
-#: Where the base decoder (``.layers`` + final norm) sits inside a model, tried in order:
-#: ``*ForCausalLM`` (``.model``), a multimodal ``*ForConditionalGeneration``
-#: (``.model.language_model``), a bare language model, the decoder itself.
-DECODER_PATHS = ("model", "model.language_model", "language_model", "")
-#: Names of the final norm module on the decoder (Llama / Qwen: ``norm``; Phi, GPT-NeoX style:
-#: ``final_layernorm``; GPT-2 style: ``ln_f``).
-NORM_NAMES = ("norm", "final_layernorm", "final_norm", "ln_f")
+from core.shard import FINAL_POSTNORM, FINAL_PRENORM, HIDDEN_STATES, Final, scale_name
 
 
 class _StopForward(Exception):
     """Raised by the deepest hook when nothing later is needed: layers after it are not run."""
-
-
-@dataclass(frozen=True)
-class Decoder:
-    """The parts of a model that capture hooks into.
-
-    ``module`` runs embeddings, decoder layers and the final norm (no ``lm_head``); ``norm`` is
-    None when the decoder has no final norm module under a known name (:data:`NORM_NAMES`).
-    """
-
-    module: torch.nn.Module
-    layers: torch.nn.ModuleList
-    norm: torch.nn.Module | None
-    path: str
-
-
-def decoder_of(model: torch.nn.Module) -> Decoder:
-    """Find the base decoder inside ``model`` (see :data:`DECODER_PATHS`); running it skips lm_head.
-
-    Raises:
-        BadConfig: no submodule with a ``.layers`` ModuleList at any known path.
-    """
-    for path in DECODER_PATHS:
-        base = model
-        for name in filter(None, path.split(".")):
-            base = getattr(base, name, None)
-        layers = getattr(base, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList):
-            norm = next((getattr(base, n) for n in NORM_NAMES if isinstance(getattr(base, n, None), torch.nn.Module)), None)
-            return Decoder(base, layers, norm, path)
-    raise BadConfig(
-        f"{type(model).__name__}: no decoder with a .layers ModuleList at {', '.join(repr(p) for p in DECODER_PATHS)}; "
-        "this architecture is not supported by the capture hooks"
-    )
 
 
 def _check_model(decoder: Decoder, model: torch.nn.Module, selection: LayerSelection) -> None:
@@ -95,17 +56,12 @@ def _check_model(decoder: Decoder, model: torch.nn.Module, selection: LayerSelec
             f"{type(model).__name__} has {len(decoder.layers)} decoder layers but the layer selection was made for "
             f"{selection.num_layers}: layer ids would point at other layers. Re-plan the run for this model."
         )
-    if selection.final in ("postnorm", "both") and decoder.norm is None:
+    if Final(selection.final).has_postnorm and decoder.norm is None:
         raise BadConfig(
             f"--final {selection.final}: {type(model).__name__} has no final norm module (looked for "
             f"{', '.join(NORM_NAMES)} on {decoder.path or 'the model'!r}), so its post-norm state cannot be taken "
             "from the model's own norm; use --final prenorm or none"
         )
-
-
-def _first(output):
-    # Decoder layers return a tensor in transformers 5, a tuple (hidden, attn weights, ...) in older versions.
-    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 @dataclass
@@ -213,9 +169,10 @@ def launch_capture(
         rows: from :func:`right_padded_rows`.
         selection: which layers (ascending ids) and final states to capture.
         store_dtype: dtype of the returned states (the cast happens on the device, before the copy).
-            ``torch.float8_e4m3fn``: fp8 with a float32 scale per token and part (``core/fp8.py``),
-            quantised on the device in the hooks after the NaN/Inf flags are taken on the
-            unquantised values; the scales come back as ``<name>_scale``.
+            ``torch.float8_e4m3fn``: fp8 with a float32 scale per token and part: the hooks keep
+            the states in the model's dtype, the NaN/Inf flags are taken on them, then
+            :func:`core.fp8.quantize_states` quantises them on the device before the copy; the
+            scales come back as ``<name>_scale``.
         host_buffer: host memory (pinned on CUDA) the copies land in; the returned tensors alias
             it and stay valid until its next use. Without it, fresh host tensors are allocated.
         keep_states: False for a follower rank of a tensor-parallel group (``workers/parallel.py``):
@@ -242,54 +199,39 @@ def launch_capture(
     def gather_TH(hidden_BSH: torch.Tensor) -> torch.Tensor:
         return hidden_BSH.reshape(B * S, hidden_BSH.shape[-1]).index_select(0, valid_T)
 
-    # Hooks keep only the valid tokens, cast to the store dtype, so padded activations are freed as
-    # the forward goes on. states["hidden_states"] [T, K, H] is allocated by the first hook (H is
-    # known then) and each layer writes its slot k: no stack, no second copy of the K layers.
+    # Hooks keep only the valid tokens, so padded activations are freed as the forward goes on:
+    # cast to the store dtype, or, for fp8, as the model made them (quantised after the forward,
+    # below). states["hidden_states"] [T, K, H] is allocated by the first hook (H is known then) and
+    # each layer writes its slot k: no stack, no second copy of the K layers.
     slot_of_layer = {layer_id: k for k, layer_id in enumerate(selection.layer_ids)}
     last_layer = selection.num_layers - 1
-    want_post = selection.final in ("postnorm", "both")
-    want_pre = selection.final in ("prenorm", "both")
+    final = Final(selection.final)
     # With a post-norm state the forward must reach the norm; otherwise stop after the deepest layer.
-    stop_after = None if want_post else selection.deepest_layer
+    stop_after = None if final.has_postnorm else selection.deepest_layer
     owner = threading.get_ident()
+    # fp8 holds the states in the model's dtype until the forward is done (as a bf16 run holds its
+    # own), so that its NaN/Inf flags are taken on unquantised values and quantising is one step.
+    quantize = store_dtype == FP8_DTYPE
+    held_dtype = None if quantize else store_dtype  # None: the model's own dtype
     states: dict[str, torch.Tensor] = {}
     filled_layers: set[int] = set()
-    # fp8: each part is quantised in its hook (per-token scale, core/fp8.py), after its NaN/Inf flags
-    # are taken on the unquantised values (e4m3fn has no Inf); finite[name] holds those flags.
-    fp8 = store_dtype == FP8_DTYPE
-    finite: dict[str, torch.Tensor] = {}
 
-    def keep(name: str, x_TH: torch.Tensor, slot: int | None = None) -> None:
-        # Store one captured part: states[name] (a final state) or its layer slot states[name][:, slot].
-        if not fp8:
-            if slot is None:
-                states[name] = x_TH.to(store_dtype)
-            else:
-                states[name][:, slot] = x_TH
-            return
-        finite_T = torch.isfinite(x_TH).all(dim=-1)
-        q_TH, scale_T = quantize_fp8(x_TH)
-        if slot is None:
-            finite[name], states[name], states[scale_name(name)] = finite_T, q_TH, scale_T
-        else:
-            finite[name][:, slot], states[name][:, slot], states[scale_name(name)][:, slot] = finite_T, q_TH, scale_T
+    def keep(name: str, x_TH: torch.Tensor) -> None:  # a final state [T, H]
+        states[name] = x_TH if held_dtype is None else x_TH.to(held_dtype)
 
     def layer_hook(layer_id: int):
         def hook(_module, _args, output):
             if threading.get_ident() != owner:
                 return None
-            hidden_BSH = _first(output)
+            hidden_BSH = first_output(output)
             if keep_states and layer_id in slot_of_layer:
-                if "hidden_states" not in states:
+                if HIDDEN_STATES not in states:
                     K, H = len(selection.layer_ids), hidden_BSH.shape[-1]
-                    states["hidden_states"] = torch.empty((T, K, H), dtype=store_dtype, device=device)
-                    if fp8:
-                        states["hidden_states_scale"] = torch.empty((T, K), dtype=SCALE_DTYPE, device=device)
-                        finite["hidden_states"] = torch.empty((T, K), dtype=torch.bool, device=device)
-                keep("hidden_states", gather_TH(hidden_BSH), slot_of_layer[layer_id])
+                    states[HIDDEN_STATES] = torch.empty((T, K, H), dtype=held_dtype or hidden_BSH.dtype, device=device)
+                states[HIDDEN_STATES][:, slot_of_layer[layer_id]] = gather_TH(hidden_BSH)
                 filled_layers.add(layer_id)
-            if keep_states and want_pre and layer_id == last_layer:
-                keep("final_prenorm", gather_TH(hidden_BSH))
+            if keep_states and final.has_prenorm and layer_id == last_layer:
+                keep(FINAL_PRENORM, gather_TH(hidden_BSH))
             if layer_id == stop_after:
                 raise _StopForward
             return None
@@ -298,11 +240,11 @@ def launch_capture(
 
     def norm_hook(_module, _args, output):
         if keep_states and threading.get_ident() == owner:
-            keep("final_postnorm", gather_TH(output))
+            keep(FINAL_POSTNORM, gather_TH(output))
 
-    hooked_ids = sorted(set(selection.layer_ids) | ({last_layer} if want_pre else set()) | {selection.deepest_layer})
+    hooked_ids = sorted(set(selection.layer_ids) | ({last_layer} if final.has_prenorm else set()) | {selection.deepest_layer})
     handles = [decoder.layers[i].register_forward_hook(layer_hook(i)) for i in hooked_ids]
-    if want_post:
+    if final.has_postnorm:
         handles.append(decoder.norm.register_forward_hook(norm_hook))
     try:
         decoder.module(input_ids=input_ids_BS, attention_mask=None, use_cache=False)
@@ -319,17 +261,20 @@ def launch_capture(
                               (input_ids_BS, valid_T, rows))
 
     missing = [str(i) for i in selection.layer_ids if i not in filled_layers]
-    missing += [name for name, wanted in (("final_postnorm", want_post), ("final_prenorm", want_pre)) if wanted and name not in states]
+    missing += [name for name in final.tensors if name not in states]
     if missing:
         raise FidelityError(f"{type(model).__name__}: the forward never produced {', '.join(missing)}; its hooks did not fire")
 
     # NaN/Inf flags per token and part, computed on the device (a host scan of [T, K, H] is not cheap)
-    # and copied with the states: [T, P] bools, read after wait().
-    finite_TP, parts = flags_of_parts(finite, selection.layer_ids) if fp8 else finite_flags(states, selection.layer_ids)
+    # and copied with the states: [T, P] bools, read after wait(). Taken before fp8 quantisation:
+    # e4m3fn has no Inf (core/fp8.py).
+    finite_TP, parts = finite_flags(states, selection.layer_ids)
+    if quantize:
+        states = quantize_states(states)  # fp8: q [..., H] and a float32 <name>_scale [...] per state
 
     # One device-to-host copy per captured tensor, on a side stream so that the next batch's forward
     # (queued on the compute stream as soon as the GPU lock is released) overlaps with it.
-    names = [n for n in ("hidden_states", "final_postnorm", "final_prenorm") if n in states]
+    names = [n for n in (HIDDEN_STATES, FINAL_POSTNORM, FINAL_PRENORM) if n in states]
     names += [scale_name(n) for n in names if scale_name(n) in states]
     specs = [(tuple(states[n].shape), states[n].dtype) for n in names] + [(tuple(finite_TP.shape), torch.bool)]
     if host_buffer is not None:
@@ -484,15 +429,6 @@ def finite_flags(states: dict[str, torch.Tensor], layer_ids) -> tuple[torch.Tens
             parts.append(name)
             finite_cols.append(torch.isfinite(tensor).all(dim=-1)[:, None])  # [T, 1]
     return torch.cat(finite_cols, dim=1), parts
-
-
-def flags_of_parts(finite: dict[str, torch.Tensor], layer_ids) -> tuple[torch.Tensor, list[str]]:
-    """:func:`finite_flags`'s (bool [T, P], part names) from flags already taken per part:
-    ``finite["hidden_states"]`` bool [T, K] and ``finite["final_*"]`` bool [T] (the fp8 path takes
-    them in its hooks, before quantising). Same part order as :func:`finite_flags`."""
-    finals = sorted(n for n in finite if n != "hidden_states")
-    parts = [str(layer_id) for layer_id in layer_ids] + finals
-    return torch.cat([finite["hidden_states"]] + [finite[n][:, None] for n in finals], dim=1), parts
 
 
 def nonfinite_from_flags(finite_TP: torch.Tensor, cu_seqlens_N1: torch.Tensor, parts: list[str]) -> dict[int, list[str]]:

@@ -39,12 +39,12 @@ from datetime import datetime, timezone
 import torch
 
 from core.errors import FidelityError, NonFiniteBatch, StoreError
-from core.fp8 import FP8_DTYPE, SCALE_BYTES
+from core.fp8 import SCALE_BYTES
 from core.layers import LayerSelection
 from core.marker import read_marker, shard_key, write_marker
 from core.plan import read_batch
 from core.runconfig import load_run
-from core.shard import select_samples, serialize_shard, shard_metadata
+from core.shard import Final, StoreDtype, select_samples, serialize_shard, shard_metadata
 from core.access import Refused, check_run_allowed
 from core.store import open_store, retry_transient, write_file
 from settings import Settings
@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 
 #: a task's batch argument: one key segment (core/plan.py names batches b000000, b000001, ...).
 _BATCH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16, "fp8": FP8_DTYPE}
 _stores: dict[str, object] = {}
 
 
@@ -186,9 +185,9 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         )
     layers = config.layers
     selection = LayerSelection(tuple(layers["layer_ids"]), layers["final"], layers.get("preset"), layers["num_layers"])
-    store_dtype = _DTYPES[config.store_dtype]
-    scale_bytes = SCALE_BYTES if store_dtype == FP8_DTYPE else 0
-    states_per_token = len(selection.layer_ids) + {"none": 0, "postnorm": 1, "prenorm": 1, "both": 2}[selection.final]
+    store_dtype = StoreDtype(config.store_dtype)
+    scale_bytes = SCALE_BYTES if store_dtype.scaled else 0
+    states_per_token = len(selection.layer_ids) + len(Final(selection.final).tensors)
     spool = process_spool(settings)
     job.heartbeat.spool = spool
     expected = shard_bytes_estimate(plan.num_tokens, plan.num_samples, states_per_token, target.info.hidden_size,
@@ -247,7 +246,7 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         while pending is None:
             try:
                 # one range: the pooled host buffer; several: each range's own host tensors, merged below
-                pending = [launch_capture(target.model, r, selection, store_dtype=store_dtype,
+                pending = [launch_capture(target.model, r, selection, store_dtype=store_dtype.torch_dtype,
                                           host_buffer=job.buffer if len(rows) == 1 else None) for r in rows]
             except torch.OutOfMemoryError:
                 # The measured limit was too optimistic (fragmentation, another process on the GPU):

@@ -31,12 +31,13 @@ import torch.distributed as dist
 
 from core.errors import BadConfig
 from core.layers import LayerSelection
+from core.shard import Final
 from workers.capture import PendingCapture, Rows, launch_capture
 
 log = logging.getLogger(__name__)
 
-#: ``LayerSelection.final`` <-> its code in the broadcast header.
-FINALS = ("none", "postnorm", "prenorm", "both")
+#: ``LayerSelection.final`` <-> its code in the broadcast header (its index here).
+FINALS = tuple(Final)
 #: header ops
 OP_STOP, OP_BATCH = 0, 1
 #: header: op, B, S, T, N, num_layers, final code, K (captured layers)

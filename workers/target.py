@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.decoder import decoder_of
 from core.errors import BadConfig
 from core.models import model_info, resolve_model_path, safetensors_only
 from settings import Settings
-from workers.capture import capture_batch, decoder_of
+from workers.capture import capture_batch
 
 log = logging.getLogger(__name__)
 
@@ -327,9 +328,10 @@ WARM_UP_LENGTHS = ((32, 16), (33,), (80, 47, 5), (1024,), (1041, 700))
 def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256) -> None:
     # Small padded batches through every layer: JIT-compiles kernels before the first real task.
     from core.layers import select_layers
+    from core.shard import Final
 
     n = info.num_layers
-    selection = select_layers(n, layer_ids=[n - 1], final="postnorm")
+    selection = select_layers(n, layer_ids=[n - 1], final=Final.POSTNORM)
     on_cuda = next(model.parameters()).device.type == "cuda"
     # On the CPU nothing is JIT-compiled: one small batch checks that the model runs.
     for lengths in WARM_UP_LENGTHS if on_cuda else WARM_UP_LENGTHS[:1]:
