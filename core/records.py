@@ -524,8 +524,8 @@ class SampleRow(Record):
 
     schema_version: Literal[1] = 1
     sample_index: int
-    record_id: str
-    """The dataset record the sample came from."""
+    record_id: str | int
+    """The dataset record the sample came from: its own ``id`` (a str or an int) or ``<file>:<index>``."""
     num_tokens: int
     supervised_tokens: int
     truncated: bool = False

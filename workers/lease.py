@@ -151,7 +151,7 @@ class Reclaimer:
         from core.plan import read_batch_list
         from core.runconfig import load_run
         from producer.reconcile import _enqueue
-        from producer.status import read_heartbeats
+        from core.records import Reclaim, read_heartbeats
 
         run_url, batch, tag = claim["run_url"], claim["batch"], claim["tag"]
         store = self._store(run_url)
@@ -160,17 +160,17 @@ class Reclaimer:
             self._drop(client, tag)
             return None
         if run_url not in records_of:
-            records_of[run_url] = read_heartbeats(store)
+            records_of[run_url] = [r.model_dump() for r in read_heartbeats(store)]
         if lease_holders(records_of[run_url], batch, lease_s, now):
             return None  # a live worker holds it (a long batch): its lease is renewed
         attempt = self._attempt(store, batch, tag, lease_s, now)
         if attempt is None:
             return None
-        body = {"batch": batch, "delivery_tag": tag, "task_id": claim["task_id"], "attempt": attempt,
-                "claimed_at": datetime.fromtimestamp(claim["claimed_at"], timezone.utc).isoformat(timespec="seconds"),
-                "by": self.me, "host": socket.gethostname(), "at_unix": round(now, 3),
-                "at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds")}
-        if not store.create(f"{RECLAIMS_PREFIX}{batch}-{tag}.{attempt}.json", json.dumps(body).encode()):
+        body = Reclaim(batch=batch, delivery_tag=tag, task_id=claim["task_id"], attempt=attempt,
+                       claimed_at=datetime.fromtimestamp(claim["claimed_at"], timezone.utc).isoformat(timespec="seconds"),
+                       by=self.me, host=socket.gethostname(), at_unix=round(now, 3),
+                       at=datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"))
+        if not body.create(store):
             return None  # another worker took it
         plan = {b["batch"]: b for b in read_batch_list(store)}
         enqueued = _enqueue(store, run_url, load_run(store), [plan[batch]], self.settings, self.broker_url) \
