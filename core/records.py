@@ -25,7 +25,8 @@ field does not change it. A record of another version is refused with
 field existed (failure, reclaim, stats and planning records of older runs) read as version 1.
 The two list files (``plan/batches.json``, ``plan/samples.jsonl``) keep their bare-list format:
 their items are written without ``schema_version`` (it would repeat on every line) and read as
-their class's version.
+their class's version. ``run.json``'s own ``schema_version`` is another thing: the shard layout's
+version (``core/shard.py``), part of the run's identity.
 
 **Unknown fields are ignored on read** (pydantic ``extra="ignore"``): a record written by a newer
 hsx that only added fields still reads here (forward compatibility), and an older record without
@@ -43,7 +44,7 @@ from __future__ import annotations
 import json
 import socket
 from concurrent.futures import ThreadPoolExecutor
-from typing import ClassVar, Literal, TypeVar
+from typing import ClassVar, Literal, TypeVar, get_args
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
@@ -71,10 +72,15 @@ class Record(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    #: The record's schema version (each subclass narrows the field's type to ``Literal[n]``).
-    VERSION: ClassVar[int] = 1
+    #: The schema version the class reads and writes: the one value of its ``schema_version`` Literal.
+    VERSION: ClassVar[int]
     #: What to do about a damaged record of this class (the fix of its error message).
     REPAIR: ClassVar[str] = "delete it: hsx writes it again"
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        (cls.VERSION,) = get_args(cls.model_fields["schema_version"].annotation)
 
     @classmethod
     def from_json(cls: type[R], data: bytes | str, key: str) -> R:

@@ -142,7 +142,7 @@ def _plan_table(title: str, report: dict) -> Table:
 
 def cmd_enqueue(args, settings: Settings) -> int:
     from core.broker import check_broker
-    from core.marker import done_batches
+    from core.records import done_batches
     from producer.enqueue import enqueue_batches
     from producer.planner import plan_run
 

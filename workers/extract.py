@@ -14,9 +14,9 @@
   that hash (S3: by the server's per-part checksums), with no read-back. If the store does not
   take it for a transient reason, the shard goes to the overflow spool and is stored from there
   with retries (``workers/spool.py``), freeing its host buffer for the next forward.
-- **certify**: the marker (:class:`core.records.Marker`), last, with a conditional create (``core/marker.py``). Shard keys carry a
-  random attempt id, so racing duplicates never overwrite each other's shard; the loser deletes
-  its own.
+- **certify**: the marker (:class:`core.records.Marker`), last, with a conditional create
+  (``core/marker.py``). Shard keys carry a random attempt id, so racing duplicates never overwrite
+  each other's shard; the loser deletes its own.
 
 Store calls that fail for a transient reason are retried with backoff (``core/retry.py``); the
 Celery message is acknowledged only after the task returns (``acks_late``), so a batch is
@@ -323,6 +323,7 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         seconds=round(time.perf_counter() - t0, 4),
         finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), finished_unix=round(time.time(), 3),
     )
+
     def certify() -> bool:
         """True when the marker that exists names our shard. A lost race is only a settled one: the
         store's create said the marker exists (an unsettled create raises a transient StoreError)
@@ -398,7 +399,8 @@ def _write_shard(run_store, key: str, pieces: list, spool_path, batch: str, expe
 
 
 def record_failure(run_url: str, batch: str, exc: BaseException, settings: Settings) -> None:
-    """Write ``failures/<batch>.json`` (:class:`core.records.Failure`) so that ``status`` and ``run`` can show why a batch failed."""
+    """Write ``failures/<batch>.json`` (:class:`core.records.Failure`) so that ``status`` and ``run``
+    can show why a batch failed."""
     try:
         run_store = _run_store(run_url, settings)
         Failure(batch=batch, error=f"{exc.__class__.__name__}: {exc}"[:2000], host=socket.gethostname(),
