@@ -82,7 +82,7 @@ class LocalWorkers:
 
 def _failed(run_store, done: set[str]) -> dict[str, dict]:
     """The failure records (:class:`core.records.Failure`) of the batches not in ``done``, as the report's JSON."""
-    return {batch: f.model_dump() for batch, f in read_failures(run_store, done).items()}
+    return {batch: f.model_dump(exclude={"schema_version"}) for batch, f in read_failures(run_store, done).items()}
 
 
 def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress=None, poll_s: float | None = None,

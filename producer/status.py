@@ -216,7 +216,7 @@ class RunWatch:
         elif not self.batches:
             record = read_planning_record(store)
             plan_error = planning_failed(record)
-            planner = record.model_dump() if record is not None else None
+            planner = record.model_dump(exclude={"schema_version"}) if record is not None else None
             state, eta = ("plan_failed" if plan_error else "planning"), None
         else:
             left = set(by_name) - done
@@ -259,7 +259,7 @@ class RunWatch:
             "eta_s": eta,
             "workers": workers,
             "broker": None if broker is None else {k: v for k, v in broker.items() if k != "workers"},
-            "failures": {b: f.model_dump() for b, f in failures.items()},
+            "failures": {b: f.model_dump(exclude={"schema_version"}) for b, f in failures.items()},
             "at": _iso(now),
         }
 
