@@ -56,6 +56,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from core.layout import MARKERS_PREFIX, RUN_JSON  # noqa: E402
+from core.records import BatchSummary, Marker  # noqa: E402
 from gpu_throughput import CONFIGS, sync, triton_cache_entries  # noqa: E402
 
 CONFIGS = {**CONFIGS, "qwen3-next-80b-a3b": ROOT / "tests/data/configs/qwen3-next-80b-a3b-thinking.json"}
@@ -342,18 +344,20 @@ class LocalRun:
         self.root = root
 
     def run_dir(self) -> Path | None:
-        runs = [p.parent for p in self.root.glob("*/run.json")]
+        runs = [p.parent for p in self.root.glob(f"*/{RUN_JSON}")]
         return runs[0] if runs else None
 
     def markers(self) -> list[str]:
         d = self.run_dir()
         # not the store's temp files (.hsx-tmp-*), which pathlib's glob matches: a marker being created
         # is one of them for a moment, with the marker's own content (counted twice on 2026-12-01, see BENCHMARKS.md)
-        return sorted(p.name for p in (d / "markers").glob("*.json")
-                      if not p.name.startswith(".")) if d and (d / "markers").is_dir() else []
+        return sorted(p.name for p in (d / MARKERS_PREFIX).glob("*.json")
+                      if not p.name.startswith(".")) if d and (d / MARKERS_PREFIX).is_dir() else []
 
     def read_marker(self, name: str) -> dict:
-        return json.loads((self.run_dir() / "markers" / name).read_text())
+        """The marker file ``name``, read through :class:`core.records.Marker`, as a dict."""
+        key = f"{MARKERS_PREFIX}{name}"
+        return Marker.from_json((self.run_dir() / key).read_bytes(), key).model_dump()
 
     def shard_bytes_and_hash_ok(self, marker: dict) -> bool:
         import hashlib
@@ -367,8 +371,10 @@ class LocalRun:
     def planned_batches(self) -> int | None:
         d = self.run_dir()
         try:
-            return len(json.loads((d / "plan" / "batches.json").read_text())) if d else None
-        except (OSError, ValueError):
+            from core.store import open_store
+
+            return len(BatchSummary.read_list(open_store(str(d), create=False))) if d else None
+        except (OSError, ValueError, KeyError):  # KeyError: MissingKey, the plan is not complete
             return None
 
 
@@ -381,16 +387,17 @@ class S3Run(LocalRun):
 
     def run_dir(self):
         if self._run is None:
-            runs = [k.rsplit("/", 1)[0] for k in self.store.list("") if k.endswith("/run.json")]
+            runs = [k.rsplit("/", 1)[0] for k in self.store.list("") if k.endswith(f"/{RUN_JSON}")]
             self._run = self.store.child(runs[0]) if runs else None
         return self._run
 
     def markers(self) -> list[str]:
         run = self.run_dir()
-        return [k.rsplit("/", 1)[1] for k in run.list("markers/")] if run else []
+        return [k.rsplit("/", 1)[1] for k in run.list(MARKERS_PREFIX)] if run else []
 
     def read_marker(self, name: str) -> dict:
-        return json.loads(self.run_dir().read(f"markers/{name}"))
+        key = f"{MARKERS_PREFIX}{name}"
+        return Marker.from_json(self.run_dir().read(key), key).model_dump()
 
     def shard_bytes_and_hash_ok(self, marker: dict) -> bool:
         return self.run_dir().sha256(marker["shard"]["key"]) == (marker["shard"]["bytes"], marker["shard"]["sha256"])
@@ -401,7 +408,7 @@ class S3Run(LocalRun):
     def planned_batches(self) -> int | None:
         run = self.run_dir()
         try:
-            return len(json.loads(run.read("plan/batches.json"))) if run else None
+            return len(BatchSummary.read_list(run)) if run else None
         except Exception:
             return None
 

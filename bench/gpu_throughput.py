@@ -201,7 +201,9 @@ def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: in
     import psutil
 
     from core.layers import select_layers
-    from core.plan import BATCHES_JSON, BatchPlan, batch_id, batch_key
+    from core.layout import SHARDS_PREFIX
+    from core.plan import BatchPlan, batch_id, batch_key
+    from core.records import BatchSummary, Marker
     from core.runconfig import RunConfig, claim_run
     from core.store import open_store
     from producer.batching import cut_batches, padding_waste
@@ -221,13 +223,14 @@ def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: in
     all_groups = cut_batches(lengths, batch_tokens=batch_tokens, max_batch_samples=256)
     step = max(1, round(int(lengths.sum()) / max(target_tokens, 1)))
     groups = all_groups[::step]
-    names = []
+    names, summaries = [], []
     for b, members in enumerate(groups):
         cu = np.concatenate([[0], np.cumsum(lengths[members])]).astype(np.int64)
         plan = BatchPlan(batch_id(b), np.concatenate([samples[i][0] for i in members]), np.concatenate([samples[i][1] for i in members]), cu, members)
         run.write(batch_key(plan.batch), plan.to_bytes())
         names.append(plan.batch)
-    run.write(BATCHES_JSON, json.dumps([{"batch": n} for n in names]).encode())
+        summaries.append(BatchSummary(**plan.summary()))
+    BatchSummary.write_list(run, summaries)
 
     spool = Path("/dev/shm") if Path("/dev/shm").exists() else workdir
     settings = Settings(spool_dir=spool / f"hsx-bench-spool-{os.getpid()}", cache_dir=workdir / "cache", worker_concurrency=concurrency,
@@ -255,9 +258,9 @@ def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: in
             results = list(pool.map(lambda n: extract_batch(run.url, n, settings), todo))
             seconds = time.perf_counter() - t0
     assert all(r["status"] == "done" for r in results), results
-    shard_bytes = sum(run.size(k) or 0 for k in run.list("shards/"))
-    markers = [json.loads(run.read(f"markers/{n}.json")) for n in todo]
-    phases = {p: round(sum(m.get(p, 0.0) for m in markers) / seconds, 3)
+    shard_bytes = sum(run.size(k) or 0 for k in run.list(SHARDS_PREFIX))
+    markers = [Marker.read(run, n) for n in todo]
+    phases = {p: round(sum(getattr(m, p, None) or 0.0 for m in markers) / seconds, 3)  # store_s, verify_s: older markers
               for p in ("launch_s", "forward_s", "write_s", "store_s", "verify_s", "seconds")}
     plain = run_plain(model, device, [(samples, groups[i]) for i in range(warm, len(groups))], lengths)
     mean_row = float(np.average([lengths[groups[i]].max() for i in range(warm, len(groups))],

@@ -182,7 +182,8 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
 
     log = log_path.read_text(errors="replace")
     with ThreadPoolExecutor(16) as pool:
-        markers = list(pool.map(lambda b: read_marker(planned.run_store, b["batch"]), measured.batches))
+        # as dicts (the figures below read them by name); read through core.records.Marker
+        markers = list(pool.map(lambda b: read_marker(planned.run_store, b["batch"]).model_dump(), measured.batches))
     t_verify = time.perf_counter()
     report = verify_run(planned.run_store)
     verify_s = time.perf_counter() - t_verify
@@ -238,9 +239,12 @@ def _chaos_report(chaos: Chaos, run_store, markers: list[dict], measured) -> dic
     from core.times import unix_seconds
 
     reclaims = []
-    for key in run_store.list("reclaims/"):
+    from core.layout import RECLAIMS_PREFIX
+    from core.records import Reclaim
+
+    for key in run_store.list(RECLAIMS_PREFIX):
         try:
-            reclaims.append(json.loads(run_store.read(key)))
+            reclaims.append(Reclaim.from_json(run_store.read(key), key).model_dump())
         except Exception:
             continue
     killed_at = {k["pid"]: k["at"] for k in chaos.kills}

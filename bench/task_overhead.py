@@ -159,7 +159,7 @@ def _one_worker(planned, batches: list[dict], concurrency: int, settings, broker
         if workers is not None:
             workers.stop()
 
-    markers = [read_marker(planned.run_store, b["batch"]) for b in measured.batches]
+    markers = [read_marker(planned.run_store, b["batch"]).model_dump() for b in measured.batches]  # core.records.Marker
     forward_s = np.array([m["forward_s"] for m in markers])
     seconds = np.array([m["seconds"] for m in markers])
     in_task_s = seconds - forward_s

@@ -73,6 +73,18 @@ class RunFormatError(HsxError):
     ``identity_version`` this code does not know)."""
 
 
+class RecordFormatError(HsxError, ValueError):
+    """A JSON record in a run's store (a marker, a failure, a worker status...; ``core/records.py``)
+    is not JSON, misses a required field, holds a value of the wrong type, or has a
+    ``schema_version`` this code does not read. ``key`` is the record's store key and ``fields``
+    the bad fields (dotted paths, ``shard.key``). A ``ValueError``, as unparsable JSON was before."""
+
+    def __init__(self, message: str, *, key: str = "", fields: list[str] | None = None):
+        super().__init__(message)
+        self.key = key
+        self.fields = list(fields or [])
+
+
 class FidelityError(HsxError):
     """Data would be wrong if we went on (shard does not match its marker, ids do not echo the plan)."""
 

@@ -48,10 +48,11 @@ from pathlib import Path
 from typing import Iterator
 
 from core.errors import BadConfig, FidelityError, HsxError
-from core.marker import MARKERS_PREFIX
+from core.layout import FAILURES_PREFIX, names_under
 from core.plan import planning_failed, plan_complete, read_batch_list, read_planning_record
 from core.reader import (_IterableDataset, _final_names, _open_run, local_shard, marker_problem, quarantined_ids,
                          read_markers, read_sample)
+from core.records import Marker, done_batches
 from core.runconfig import load_run
 from core.store import MissingKey, Store
 
@@ -134,7 +135,7 @@ class LiveHiddenStatesDataset(_IterableDataset):
         """This rank's planned batches, once ``plan/batches.json`` exists."""
         self.stop_reason: str | None = None
         """Why the last iteration ended: ``complete`` or ``idle_timeout`` (None while it runs)."""
-        self._markers: dict[str, dict] = {}
+        self._markers: dict[str, Marker] = {}
         self._warned: set[str] = set()
 
     def _wait_for_run(self, wait_s: float, poll_s: float):
@@ -182,7 +183,7 @@ class LiveHiddenStatesDataset(_IterableDataset):
                     raise HsxError(f"run {self.config.run_id} in {self.store.url}: its planning failed ({why}); "
                                    "no batch will be certified. Fix the cause and run the producer again.")
         known = set(self.schedule)
-        names = [k.rsplit("/", 1)[-1].removesuffix(".json") for k in self.store.list(MARKERS_PREFIX) if k.endswith(".json")]
+        names = sorted(done_batches(self.store))
         new = [b for b in names if b not in known and self._mine(b)]
         if not new:
             return []
@@ -235,7 +236,7 @@ class LiveHiddenStatesDataset(_IterableDataset):
         missing = None if self.planned is None else sorted(self.planned.difference(self.schedule))
         failed = 0
         if missing:
-            failures = {k.rsplit("/", 1)[-1].removesuffix(".json") for k in self.store.list("failures/")}
+            failures = set(names_under(self.store.list(FAILURES_PREFIX), FAILURES_PREFIX))
             failed = len(failures.intersection(missing))
         log.warning(
             "run %s: no new batch certified for %.0f s (idle_timeout_s=%s): stopping after %d batches; %s planned "
@@ -244,7 +245,7 @@ class LiveHiddenStatesDataset(_IterableDataset):
             self.config.run_id, idle_s, self.idle_timeout_s, self.cursor,
             "?" if missing is None else len(missing), failed, self.store.url)
 
-    def _marker(self, batch: str) -> dict:
+    def _marker(self, batch: str) -> Marker:
         marker = self._markers.get(batch)
         if marker is None:  # a schedule loaded from a checkpoint: read its markers again
             found = read_markers(self.store, [batch])[batch]
@@ -265,10 +266,10 @@ class LiveHiddenStatesDataset(_IterableDataset):
         from safetensors import safe_open
 
         marker = self._marker(batch)
-        key = marker["shard"]["key"]
+        key = marker.shard.key
         check = self.verify if self.verify is not None else self.store.local_path(key) is None
         skip = quarantined_ids(marker)
-        with local_shard(self.store, key, expect=marker["shard"] if check else None, tmp_dir=self.tmp_dir) as path:
+        with local_shard(self.store, key, expect=marker.shard if check else None, tmp_dir=self.tmp_dir) as path:
             with safe_open(str(path), framework="pt") as f:
                 sample_index_N = f.get_tensor("sample_index").tolist()
                 cu_N1 = f.get_tensor("cu_seqlens").tolist()

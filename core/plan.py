@@ -1,11 +1,12 @@
 """The plan: tokenised samples and their batch assignment, as stored under ``<run>/plan/``.
 
-Layout::
+Layout (keys: ``core/layout.py``; the JSON records: ``core/records.py``)::
 
     plan/batches/<batch>.safetensors   one per batch: the samples the worker feeds to the model
-    plan/samples.jsonl                 one line per sample, in sample_index order: record id, tokens, batch
-    plan/batches.json                  the batch list; written LAST, so its presence means the plan is complete
-    plan/planning.json                 while the plan is written: who plans it; if planning failed: why
+    plan/samples.jsonl                 one line per sample, in sample_index order: record id, tokens, batch (SampleRow)
+    plan/stats.json                    what the plan holds (Stats)
+    plan/batches.json                  the batch list (BatchSummary); written LAST, so its presence means the plan is complete
+    plan/planning.json                 while the plan is written: who plans it; if planning failed: why (Planning)
 
 Each batch file holds (legend: T = tokens in the batch, N = samples in the batch):
 
@@ -19,7 +20,6 @@ Each batch file holds (legend: T = tokens in the batch, N = samples in the batch
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from dataclasses import dataclass
@@ -29,14 +29,14 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from core.layout import BATCHES_JSON, PLANNING_JSON, SAMPLES_JSONL, batch_plan_key
 from core.processes import pid_alive
+from core.records import BatchSummary, Planning
 from core.store import Store, exists
 
-BATCHES_JSON = "plan/batches.json"
-SAMPLES_JSONL = "plan/samples.jsonl"
-#: The planner's record: ``{"state": "planning" | "failed", "host", "pid", "started_at", "command",
-#: "error", "failed_at"}``. Removed when the plan is complete; ignored once ``batches.json`` exists.
-PLANNING_JSON = "plan/planning.json"
+__all__ = ["BATCHES_JSON", "PLANNING_JSON", "SAMPLES_JSONL", "BatchPlan", "batch_id", "batch_key", "read_batch",
+           "read_batch_list", "plan_complete", "start_planning_record", "fail_planning_record",
+           "read_planning_record", "planning_failed"]
 
 
 def batch_id(index: int) -> str:
@@ -45,7 +45,8 @@ def batch_id(index: int) -> str:
 
 
 def batch_key(batch: str) -> str:
-    return f"plan/batches/{batch}.safetensors"
+    """``plan/batches/<batch>.safetensors`` (:func:`core.layout.batch_plan_key`)."""
+    return batch_plan_key(batch)
 
 
 @dataclass
@@ -103,8 +104,14 @@ def read_batch(run_store: Store, batch: str) -> BatchPlan:
 
 
 def read_batch_list(run_store: Store) -> list[dict]:
-    """The plan's batch summaries (``batch``, ``num_samples``, ``num_tokens``, ``max_len``...)."""
-    return json.loads(run_store.read(BATCHES_JSON))
+    """The plan's batch summaries (``batch``, ``num_samples``, ``num_tokens``, ``max_len``,
+    ``supervised_tokens``), read through :class:`core.records.BatchSummary`, as dicts.
+
+    Raises:
+        core.store.MissingKey: the plan is not complete.
+        core.errors.RecordFormatError: ``plan/batches.json`` is not a valid batch list.
+    """
+    return [b.model_dump(exclude={"schema_version"}) for b in BatchSummary.read_list(run_store)]
 
 
 def plan_complete(run_store: Store) -> bool:
@@ -115,42 +122,39 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def start_planning_record(run_store: Store, command: str | None = None) -> dict:
+def start_planning_record(run_store: Store, command: str | None = None) -> Planning:
     """Write ``plan/planning.json`` saying this process is planning the run; returns the record."""
-    record = {"state": "planning", "host": socket.gethostname(), "pid": os.getpid(), "started_at": _now(),
-              "command": command}
-    run_store.write(PLANNING_JSON, json.dumps(record, indent=1).encode())
+    record = Planning(state="planning", host=socket.gethostname(), pid=os.getpid(), started_at=_now(), command=command)
+    record.write(run_store)
     return record
 
 
-def fail_planning_record(run_store: Store, record: dict, error: str) -> None:
+def fail_planning_record(run_store: Store, record: Planning, error: str) -> None:
     """Mark the planning of ``record`` as failed with ``error`` (best effort: never raises)."""
     try:
-        run_store.write(PLANNING_JSON, json.dumps({**record, "state": "failed", "failed_at": _now(), "error": error},
-                                                  indent=1).encode())
+        record.model_copy(update={"state": "failed", "failed_at": _now(), "error": error}).write(run_store)
     except Exception:  # the store may be what failed; status then falls back to the planner's pid
         pass
 
 
-def read_planning_record(run_store: Store) -> dict | None:
-    """``plan/planning.json`` as written, or None when there is none (or it is unreadable)."""
+def read_planning_record(run_store: Store) -> Planning | None:
+    """``plan/planning.json``, or None when there is none (or it is unreadable)."""
     try:
-        record = json.loads(run_store.read(PLANNING_JSON))
-    except Exception:
+        return Planning.read(run_store)
+    except Exception:  # a record half written, or the store down: status says "planning" meanwhile
         return None
-    return record if isinstance(record, dict) else None
 
 
-def planning_failed(record: dict | None) -> str | None:
+def planning_failed(record: Planning | None) -> str | None:
     """Why the planning of a run whose plan is not complete did not finish, or None while it may still go on.
 
     Failed: the planner recorded a failure, or it planned on this host and its process is gone.
     """
-    if not record:
+    if record is None:
         return None
-    if record.get("state") == "failed":
-        return str(record.get("error") or "failed")
-    pid = record.get("pid")
-    if record.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
-        return f"the planner (pid {pid} on {record.get('host')}) exited without finishing the plan"
+    if record.state == "failed":
+        return record.error or "failed"
+    pid = record.pid
+    if record.host == socket.gethostname() and pid is not None and not pid_alive(pid):
+        return f"the planner (pid {pid} on {record.host}) exited without finishing the plan"
     return None

@@ -38,13 +38,11 @@ corrupt run: the map-style dataset refuses it (run ``python -m producer verify``
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
 import tempfile
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -52,7 +50,8 @@ from typing import Iterator
 import numpy as np
 
 from core.errors import BadConfig, FidelityError
-from core.marker import MARKERS_PREFIX
+from core.layout import RUN_JSON
+from core.records import Marker, ShardRef, read_markers
 from core.runconfig import RunConfig, load_run
 from core.shard import HIDDEN_STATES, Final, scale_name
 from core.store import Store, download, open_store
@@ -61,8 +60,6 @@ log = logging.getLogger(__name__)
 
 #: open safe_open handles a map-style dataset keeps (per process); each is one mmap.
 MAX_OPEN_SHARDS = 16
-#: threads that read markers.
-MARKER_READ_THREADS = 16
 #: seconds a reader retries a shard read that fails for a transient reason (S3 timeout, reset, 5xx)
 #: before it raises StoreError: a training job rides out a short store hiccup.
 SHARD_READ_RETRY_S = 120.0
@@ -78,62 +75,24 @@ except ImportError:  # pragma: no cover
 # --- markers and shards ---------------------------------------------------------------------
 
 
-def quarantined_ids(marker: dict) -> set[int]:
-    """Sample indices a marker lists as quarantined.
-
-    Entries may be plain ints or dicts with ``sample_index`` (or ``sample``) and a reason; both
-    forms are accepted so that the reader does not depend on how the worker spells them.
-    """
-    out: set[int] = set()
-    for entry in marker.get("quarantined") or ():
-        if isinstance(entry, dict):
-            value = entry.get("sample_index", entry.get("sample"))
-        else:
-            value = entry
-        if value is not None:
-            out.add(int(value))
-    return out
+def quarantined_ids(marker: Marker) -> set[int]:
+    """Sample indices a marker lists as quarantined (:attr:`core.records.Marker.quarantined_ids`)."""
+    return marker.quarantined_ids
 
 
-def read_markers(run_store: Store, batches: list[str] | None = None) -> dict[str, dict | Exception]:
-    """Every marker of the run (or those of ``batches``), keyed by the batch named by its file
-    (``markers/<batch>.json``).
-
-    Values are the parsed marker, or the exception that reading / parsing it raised (so that
-    ``verify`` can report an unreadable marker instead of stopping).
-    """
-    if batches is None:
-        keys = [k for k in run_store.list(MARKERS_PREFIX) if k.endswith(".json")]
-    else:
-        keys = [f"{MARKERS_PREFIX}{b}.json" for b in batches]
-
-    def load(key: str) -> dict | Exception:
-        try:
-            value = json.loads(run_store.read(key))
-            if not isinstance(value, dict):
-                raise ValueError(f"expected a JSON object, got {type(value).__name__}")
-            return value
-        except Exception as exc:  # reported per marker by the caller
-            return exc
-
-    with ThreadPoolExecutor(MARKER_READ_THREADS) as pool:
-        values = list(pool.map(load, keys))
-    return {k.rsplit("/", 1)[-1].removesuffix(".json"): v for k, v in zip(keys, values)}
-
-
-def marker_problem(batch: str, marker: dict | Exception, config_sha256: str) -> str | None:
+def marker_problem(batch: str, marker: Marker | Exception, config_sha256: str) -> str | None:
     """Why ``marker`` (read from ``markers/<batch>.json``) does not certify ``batch`` of the run whose
     ``config_sha256`` is given, or None when it does: it must be readable, name its own batch and
     carry the run's config hash (core/marker.py)."""
     if isinstance(marker, Exception):
         return f"marker of {batch} is unreadable ({marker}): skipped; run `python -m producer verify`"
-    if marker.get("batch") != batch or marker.get("config_sha256") != config_sha256:
-        return (f"marker of {batch} does not certify this run's batch {batch} (batch {marker.get('batch')!r}, "
-                f"config {str(marker.get('config_sha256'))[:12]}): skipped")
+    if marker.batch != batch or marker.config_sha256 != config_sha256:
+        return (f"marker of {batch} does not certify this run's batch {batch} (batch {marker.batch!r}, "
+                f"config {marker.config_sha256[:12]}): skipped")
     return None
 
 
-def certified_markers(run_store: Store, config: RunConfig) -> dict[str, dict]:
+def certified_markers(run_store: Store, config: RunConfig) -> dict[str, Marker]:
     """Markers that certify a batch of this run: readable, naming their own batch, with the run's
     ``config_sha256``. Others are logged and left out (``verify`` reports them)."""
     want = config.identity_sha256()
@@ -148,16 +107,16 @@ def certified_markers(run_store: Store, config: RunConfig) -> dict[str, dict]:
 
 
 @contextmanager
-def local_shard(run_store: Store, key: str, *, expect: dict | None = None, tmp_dir: Path | None = None,
+def local_shard(run_store: Store, key: str, *, expect: ShardRef | None = None, tmp_dir: Path | None = None,
                 retry_s: float = SHARD_READ_RETRY_S) -> Iterator[Path]:
     """A local path of shard ``key`` for the duration of the block.
 
     Local store: the file itself (memory-mappable, no copy). Other stores: a temp file
     downloaded into ``tmp_dir`` (default: the system temp dir) through the store's ranged reads
     (:func:`core.store.download`, each read retried on a transient error for up to ``retry_s``
-    seconds) and deleted afterwards. ``expect`` (the marker's ``shard`` dict: ``bytes``,
-    ``sha256``) makes it check the bytes (hashed as they are downloaded; a local file is hashed
-    with :meth:`Store.sha256`) and raise :class:`~core.errors.FidelityError` when they do not match.
+    seconds) and deleted afterwards. ``expect`` (the marker's :class:`~core.records.ShardRef`:
+    ``bytes``, ``sha256``) makes it check the bytes (hashed as they are downloaded; a local file is
+    hashed with :meth:`Store.sha256`) and raise :class:`~core.errors.FidelityError` when they do not match.
 
     Raises:
         core.store.MissingKey: the shard is absent.
@@ -175,10 +134,10 @@ def local_shard(run_store: Store, key: str, *, expect: dict | None = None, tmp_d
         elif expect is not None:
             n, digest = run_store.sha256(key)
         if expect is not None:
-            if n != int(expect["bytes"]) or digest != str(expect["sha256"]).lower():
+            if n != expect.bytes or digest != expect.sha256.lower():
                 raise FidelityError(
                     f"shard {key} in {run_store.url}: sha256 {digest} ({n} bytes), its marker says "
-                    f"{expect['sha256']} ({expect['bytes']} bytes); run `python -m producer verify`"
+                    f"{expect.sha256} ({expect.bytes} bytes); run `python -m producer verify`"
                 )
         yield path
     finally:
@@ -282,7 +241,7 @@ class HiddenStatesDataset(_Dataset):
         store = _open_run(run, settings)
         self.dequant_dtype, self.raw = dequant_dtype, raw
         self.config = load_run(store)
-        probe = store.local_path("run.json")
+        probe = store.local_path(RUN_JSON)
         if probe is None:
             raise BadConfig(
                 f"{store.url} is not a local directory: the map-style HiddenStatesDataset memory-maps shards; "
@@ -297,9 +256,9 @@ class HiddenStatesDataset(_Dataset):
         rows: list[tuple[int, int, int, int]] = []  # (sample_index, shard id, start, end)
         owner: dict[int, str] = {}
         for batch, marker in certified_markers(store, self.config).items():
-            path = store.local_path(marker["shard"]["key"])
+            path = store.local_path(marker.shard.key)
             if path is None or not path.is_file():
-                raise FidelityError(f"batch {batch}: shard {marker['shard']['key']} is missing; run `python -m producer verify`")
+                raise FidelityError(f"batch {batch}: shard {marker.shard.key} is missing; run `python -m producer verify`")
             skip = quarantined_ids(marker)
             sample_index_N, cu_N1 = shard_index(path)
             shard_id = len(paths)
@@ -430,11 +389,11 @@ class IterableHiddenStatesDataset(_IterableDataset):
         from safetensors import safe_open
 
         marker = self.markers[batch]
-        key = marker["shard"]["key"]
+        key = marker.shard.key
         local = self.store.local_path(key) is not None
         check = self.verify if self.verify is not None else not local
         skip = quarantined_ids(marker)
-        with local_shard(self.store, key, expect=marker["shard"] if check else None, tmp_dir=self.tmp_dir) as path:
+        with local_shard(self.store, key, expect=marker.shard if check else None, tmp_dir=self.tmp_dir) as path:
             with safe_open(str(path), framework="pt") as f:
                 sample_index_N = f.get_tensor("sample_index").tolist()
                 cu_N1 = f.get_tensor("cu_seqlens").tolist()

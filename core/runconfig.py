@@ -57,10 +57,9 @@ import re
 from dataclasses import dataclass, field
 
 from core.errors import RunConflict, RunFormatError
+from core.layout import RUN_JSON
+from core.shard import SCHEMA_VERSION  # the shard layout's version, recorded (and hashed) in run.json
 from core.store import MissingKey, Store
-
-SCHEMA_VERSION = 1
-RUN_JSON = "run.json"
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 #: The identity version of the runs this code creates.

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from core.errors import BadSettings, HsxError
+from core.layout import RUN_JSON
 from core.shard import Final, StoreDtype
 from core.store import MissingKey, mask_url, open_store
 from producer.words import noun, plural
@@ -142,7 +143,7 @@ def _plan_table(title: str, report: dict) -> Table:
 
 def cmd_enqueue(args, settings: Settings) -> int:
     from core.broker import check_broker
-    from core.marker import done_batches
+    from core.records import done_batches
     from producer.enqueue import enqueue_batches
     from producer.planner import plan_run
 
@@ -392,9 +393,9 @@ def cmd_reconcile(args, settings: Settings) -> int:
 def _no_run_message(address: str, store) -> str:
     """The error for an address without run.json; on a local output directory, the runs inside it."""
     message = f"error: no run at {mask_url(address)} (no run.json); give <output>/<run_id>"
-    run_json = store.local_path("run.json")  # a local store: list the runs one level down
+    run_json = store.local_path(RUN_JSON)  # a local store: list the runs one level down
     root = run_json.parent if run_json is not None else None
-    runs = sorted(p.parent.name for p in root.glob("*/run.json")) if root is not None and root.is_dir() else []
+    runs = sorted(p.parent.name for p in root.glob(f"*/{RUN_JSON}")) if root is not None and root.is_dir() else []
     if runs:
         message += f". Runs in this directory: {', '.join(runs[:10])}" + (f" (+{len(runs) - 10} more)" if len(runs) > 10 else "")
     return message

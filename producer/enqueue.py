@@ -13,8 +13,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from core.marker import done_batches
 from core.queue import EXTRACT_TASK, make_celery
+from core.records import done_batches
 from settings import Settings
 
 

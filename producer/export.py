@@ -107,8 +107,9 @@ import numpy as np
 
 from core.errors import BadConfig, FidelityError
 from core.layers import eagle3_layer_ids
-from core.plan import SAMPLES_JSONL, read_batch, read_batch_list
+from core.plan import read_batch, read_batch_list
 from core.reader import IterableHiddenStatesDataset, certified_markers, quarantined_ids
+from core.records import SampleRow
 from core.runconfig import RunConfig, load_run
 from core.shard import FINAL_POSTNORM, FINAL_PRENORM, Final
 from core.store import Store
@@ -395,12 +396,7 @@ def file_stem(record_id: str) -> str:
 
 def read_record_ids(run_store: Store) -> dict[int, str]:
     """``sample_index -> record id`` from the run's ``plan/samples.jsonl``."""
-    ids = {}
-    for line in run_store.read(SAMPLES_JSONL).decode().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            ids[int(row["sample_index"])] = str(row["record_id"])
-    return ids
+    return {row.sample_index: str(row.record_id) for row in SampleRow.read_all(run_store)}
 
 
 class _ModelOptWriter:

@@ -20,9 +20,11 @@ import numpy as np
 
 from core.errors import BadConfig, BadDataset, BadRecord
 from core.layers import layer_ids_from_draft_config, parse_layer_ids, select_layers
+from core.layout import RUN_JSON
 from core.models import load_tokenizer, model_info
-from core.plan import (BATCHES_JSON, PLANNING_JSON, SAMPLES_JSONL, BatchPlan, batch_id, batch_key, fail_planning_record,
+from core.plan import (BatchPlan, batch_id, batch_key, fail_planning_record,
                        plan_complete, read_batch_list, start_planning_record)
+from core.records import BatchSummary, Planning, SampleRow, Stats
 from core.runconfig import RunConfig, check_run, check_run_id, claim_run
 from core.shard import StoreDtype
 from core.store import Store, exists, open_store
@@ -31,7 +33,6 @@ from producer.datasets import SkipCounter, dataset_files, iter_conversations
 from producer.masks import MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES, SPECIAL_TOKENS_IN_CONTENT, ChatTokeniser
 from settings import Settings
 
-STATS_JSON = "plan/stats.json"
 log = logging.getLogger(__name__)
 
 
@@ -218,7 +219,7 @@ def plan_run(opts: PlanOptions, settings: Settings, progress=None) -> PlannedRun
     """
     t0 = time.perf_counter()
     root = open_store(opts.output or settings.store_url, settings)
-    if exists(root, "run.json"):
+    if exists(root, RUN_JSON):
         # --output takes the store root that holds runs; README examples write runs as ./out/<run_id>.
         raise BadConfig(f"--output {opts.output or settings.store_url!r} is a run (it holds run.json), not the store root "
                         "that runs are written under; a run here would be nested inside that one. Fix: give its parent "
@@ -246,7 +247,7 @@ def plan_run(opts: PlanOptions, settings: Settings, progress=None) -> PlannedRun
             fail_planning_record(run_store, record, _describe(exc))
         raise
     try:
-        run_store.delete(PLANNING_JSON)
+        Planning.delete(run_store)
     except Exception:  # only a record: status ignores it once batches.json exists
         pass
     return planned
@@ -277,7 +278,8 @@ def _describe(exc: BaseException) -> str:
 
 def _reuse(run_store: Store, root: Store, config: RunConfig, run_url: str) -> PlannedRun:
     batches = read_batch_list(run_store)
-    stats = json.loads(run_store.read(STATS_JSON)) if exists(run_store, STATS_JSON) else {}
+    stats = Stats.read(run_store)
+    stats = {} if stats is None else stats.model_dump(exclude={"schema_version"})
     return PlannedRun(run_store, root, config, batches, stats, reused=True, run_url=run_url)
 
 
@@ -312,24 +314,20 @@ def _write_plan(run_store: Store, root: Store, config: RunConfig, run_url: str, 
 
     with ThreadPoolExecutor(16) as pool:
         batches = list(pool.map(put, plans))
-    lines = (
-        json.dumps({"sample_index": i, "record_id": record_ids[i], "num_tokens": int(lengths_N[i]),
-                    "supervised_tokens": int(masks[i].sum()), "truncated": bool(truncated[i]), "batch": batch_id(int(batch_of[i]))})
+    SampleRow.write_all(run_store, (
+        SampleRow(sample_index=i, record_id=record_ids[i], num_tokens=int(lengths_N[i]),
+                  supervised_tokens=int(masks[i].sum()), truncated=bool(truncated[i]), batch=batch_id(int(batch_of[i])))
         for i in range(len(ids))
+    ))
+    record = Stats(
+        samples=len(ids), tokens=int(lengths_N.sum()), supervised_tokens=int(sum(int(m.sum()) for m in masks)),
+        truncated_samples=int(sum(truncated)), batches=len(batches),
+        padding_waste=round(padding_waste(lengths_N, groups), 4), skipped=skips.as_dict(),
+        plan_seconds=round(time.perf_counter() - t0, 2),
     )
-    run_store.write(SAMPLES_JSONL, ("\n".join(lines) + "\n").encode())
-    stats = {
-        "samples": len(ids),
-        "tokens": int(lengths_N.sum()),
-        "supervised_tokens": int(sum(int(m.sum()) for m in masks)),
-        "truncated_samples": int(sum(truncated)),
-        "batches": len(batches),
-        "padding_waste": round(padding_waste(lengths_N, groups), 4),
-        "skipped": skips.as_dict(),
-        "plan_seconds": round(time.perf_counter() - t0, 2),
-    }
-    run_store.write(STATS_JSON, json.dumps(stats, indent=1).encode())
-    run_store.write(BATCHES_JSON, json.dumps(batches).encode())  # last: the plan is complete
+    record.write(run_store)
+    BatchSummary.write_list(run_store, [BatchSummary(**b) for b in batches])  # last: the plan is complete
+    stats = record.model_dump(exclude={"schema_version"})
     # One line for the whole plan: skipped records are counted per reason, never logged one by one.
     log.info("plan %s", json.dumps({"run": config.run_id, "samples": stats["samples"], "tokens": stats["tokens"],
                                     "batches": stats["batches"], "skipped": stats["skipped"]["counts"],

@@ -35,9 +35,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from core.marker import done_batches, marker_key
+from core.layout import SHARDS_PREFIX, marker_key
 from core.plan import read_batch_list
 from core.queue import EXTRACT_TASK, decode_message as _decode, make_celery
+from core.records import Failure, Marker, done_batches, read_failures
 from core.runconfig import load_run
 from core.store import Store
 from settings import Settings
@@ -212,7 +213,6 @@ def repair_bad_batches(run_store: Store, settings: Settings | None = None) -> di
 
     Returns ``{batch: [problem kinds]}`` of the batches repaired (they now count as not done).
     """
-    from core.marker import read_marker
     from producer.verify import verify_run
 
     report = verify_run(run_store, settings=settings)
@@ -223,11 +223,11 @@ def repair_bad_batches(run_store: Store, settings: Settings | None = None) -> di
                 bad.setdefault(b.strip(), []).append(p["kind"])
     for batch in sorted(bad):
         try:
-            marker = read_marker(run_store, batch)
-        except ValueError:
+            marker = Marker.read(run_store, batch)
+        except ValueError:  # RecordFormatError: the marker is what is bad; its shard is left to the cleanup
             marker = None
         run_store.delete(marker_key(batch))
-        key = ((marker or {}).get("shard") or {}).get("key")
+        key = marker.shard.key if marker is not None else None
         if key:
             run_store.delete(key)
         log.warning("repair: batch %s had %s; removed its marker and shard %s", batch, ", ".join(bad[batch]), key)
@@ -255,8 +255,6 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         core.store.MissingKey: no run.json (or no complete plan) at ``run_store``.
         redis errors: the broker does not answer.
     """
-    from producer.status import read_failures
-
     t0 = time.perf_counter()
     config = load_run(run_store)
     batches = read_batch_list(run_store)
@@ -279,7 +277,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         elif name in view.orphaned:
             why[name] = "its worker died (delivered, never acknowledged)"
         elif name in failures:
-            why[name] = "failed: " + str(failures[name].get("error", ""))[:200]
+            why[name] = "failed: " + failures[name].error[:200]
         else:
             why[name] = "not queued and not running"
     cleared: list[str] = []
@@ -289,25 +287,22 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
     todo = [b for b in lost if b["batch"] not in skip]
     if todo and not dry_run and broker_url:
         for b in todo:
-            run_store.delete(f"failures/{b['batch']}.json")
+            Failure.delete(run_store, b["batch"])
         enqueued = _enqueue(run_store, run_url, config, todo, settings, broker_url)
 
     removed_shards: list[str] = []
     removed_incomplete: list[str] = []
     if grace_s is not None:
         named = set()
-        from core.marker import read_marker
-
         for batch in done_batches(run_store):
             try:
-                m = read_marker(run_store, batch)
-            except ValueError:
+                m = Marker.read(run_store, batch)
+            except ValueError:  # RecordFormatError: verify reports it
                 continue
-            key = ((m or {}).get("shard") or {}).get("key")
-            if key:
-                named.add(key)
+            if m is not None:
+                named.add(m.shard.key)
         cutoff = time.time() - grace_s
-        for key, mtime in sorted(run_store.list_modified("shards/").items()):
+        for key, mtime in sorted(run_store.list_modified(SHARDS_PREFIX).items()):
             if key not in named and mtime < cutoff:
                 if not dry_run:
                     run_store.delete(key)

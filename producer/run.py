@@ -17,11 +17,11 @@ from pathlib import Path
 
 from core.broker import EmbeddedBroker, check_broker
 from core.errors import StoreError
-from core.marker import done_batches
+from core.records import done_batches, read_failures
 from producer.enqueue import enqueue_batches
 from producer.reconcile import RunReconciler
 from producer.planner import PlanOptions, PlannedRun, plan_run
-from producer.status import read_failures, recent_rate
+from producer.status import recent_rate
 from settings import Settings
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,11 @@ class LocalWorkers:
             pass
         self.proc.wait()
         self._log.close()
+
+
+def _failed(run_store, done: set[str]) -> dict[str, dict]:
+    """The failure records (:class:`core.records.Failure`) of the batches not in ``done``, as the report's JSON."""
+    return {batch: f.model_dump(exclude={"schema_version"}) for batch, f in read_failures(run_store, done).items()}
 
 
 def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress=None, poll_s: float | None = None,
@@ -140,7 +145,7 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
             break
         if time.monotonic() - last_fail_check > 2.0:
             try:
-                failed = read_failures(run_store, seen)
+                failed = _failed(run_store, seen)
             except StoreError as exc:
                 if not exc.transient:
                     raise
@@ -156,9 +161,9 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
             last_progress = time.monotonic()
             reconcile()
         if workers is not None and not workers.alive():
-            return {"done": len(seen), "failed": read_failures(run_store, seen), "workers_died": True}
+            return {"done": len(seen), "failed": _failed(run_store, seen), "workers_died": True}
         time.sleep(poll_s)
-    return {"done": len(seen), "failed": read_failures(run_store, seen), "workers_died": False}
+    return {"done": len(seen), "failed": _failed(run_store, seen), "workers_died": False}
 
 
 def stopping_line(workers: bool, embedded_broker: bool) -> str:

@@ -21,15 +21,14 @@ from __future__ import annotations
 
 from core.times import unix_seconds as _ts
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
-from core.marker import MARKERS_PREFIX, done_batches
 from core.plan import plan_complete, planning_failed, read_batch_list, read_planning_record
+from core.records import Marker, Stats, WorkerStatus, done_batches, read_failures, read_heartbeats
 from core.runconfig import load_run
-from core.store import MissingKey, Store, mask_url
+from core.store import Store, mask_url
 
 #: Seconds of recent markers the current rate (and the ETA) is measured over (at least the last
 #: RATE_MIN_MARKERS markers, whenever they came).
@@ -61,44 +60,12 @@ def recent_rate(arrivals: list[tuple[float, float]], now: float, window_s: float
 HEARTBEAT_STALE_BEATS = 3
 #: The interval assumed for a record that does not state its ``heartbeat_s``.
 HEARTBEAT_DEFAULT_S = 5.0
-#: Where workers keep their heartbeat files inside a run.
-HEARTBEATS_PREFIX = "workers/"
 #: Key separator kombu's Redis transport puts between a queue's name and a priority.
 _PRIORITY_SEP = "\x06\x16"
-STATS_JSON = "plan/stats.json"  # producer.planner.STATS_JSON (not imported: status stays light)
-
-
-def read_failures(run_store: Store, done: set[str]) -> dict[str, dict]:
-    """Failure records of batches that still have no marker (``failures/<batch>.json``)."""
-    out = {}
-    for key in run_store.list("failures/"):
-        batch = key.rsplit("/", 1)[-1].removesuffix(".json")
-        if batch in done:
-            continue
-        try:
-            out[batch] = json.loads(run_store.read(key))
-        except (MissingKey, ValueError):
-            continue
-    return out
-
 
 
 def _iso(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds") if ts is not None else None
-
-
-def read_heartbeats(run_store: Store) -> list[dict]:
-    """The workers' heartbeat files of the run (``workers/<host>-<pid>.json``), as written; unreadable ones skipped."""
-    keys = [k for k in run_store.list(HEARTBEATS_PREFIX) if k.endswith(".json")]
-
-    def read(key):
-        try:
-            return json.loads(run_store.read(key))
-        except (MissingKey, ValueError):
-            return None
-
-    with ThreadPoolExecutor(8) as pool:
-        return [h for h in pool.map(read, keys) if isinstance(h, dict)]
 
 
 def queue_length(broker_url: str, queue: str) -> dict:
@@ -170,15 +137,9 @@ def _gpu_row(gpus: list[dict]) -> dict | None:
     return {k: g.get(k) for k in keys}
 
 
-def _heartbeat_batches(h: dict) -> list[str]:
+def _heartbeat_batches(h: WorkerStatus) -> list[str]:
     """``b000003 (forward)`` for each batch a heartbeat record says is in progress."""
-    out = []
-    for b in h.get("batches") or []:
-        if isinstance(b, dict):
-            out.append(f"{b.get('batch')} ({b['phase']})" if b.get("phase") else str(b.get("batch")))
-        else:
-            out.append(str(b))
-    return out
+    return [f"{b.batch} ({b.phase})" if b.phase else b.batch for b in h.batches]
 
 
 class RunWatch:
@@ -194,29 +155,31 @@ class RunWatch:
         self.probe = probe
         self.config = load_run(run_store)  # MissingKey: no run here
         self.batches: list[dict] = []
-        self.stats: dict = {}
+        self.stats: Stats | None = None
         self.markers: dict[str, dict] = {}
 
     def _read_marker(self, batch: str) -> dict | None:
         try:
-            m = json.loads(self.run_store.read(f"{MARKERS_PREFIX}{batch}.json"))
-        except (MissingKey, ValueError):
+            m = Marker.read(self.run_store, batch)
+        except ValueError:  # RecordFormatError: verify reports it
             return None
-        end = float(m["finished_unix"]) if m.get("finished_unix") else _ts(m.get("finished_at"))
-        seconds = float(m.get("seconds") or 0.0)
-        worker = m.get("worker") or {}
+        if m is None:
+            return None
+        end = m.finished_unix if m.finished_unix else _ts(m.finished_at)
+        seconds = m.seconds or 0.0
+        worker = m.worker
         return {
-            "samples": int(m.get("num_samples", 0)),
-            "quarantined": int(m.get("num_quarantined", 0)),
-            "tokens": int(m.get("num_tokens", 0)),
-            "planned_tokens": int(m.get("planned_tokens", m.get("num_tokens", 0))),
+            "samples": m.num_samples,
+            "quarantined": m.num_quarantined or 0,
+            "tokens": m.num_tokens,
+            "planned_tokens": m.num_tokens if m.planned_tokens is None else m.planned_tokens,
             "seconds": seconds,
-            "bytes": int((m.get("shard") or {}).get("bytes") or 0),
+            "bytes": m.shard.bytes,
             "end": end,
             "start": end - seconds if end is not None else None,
-            "host": worker.get("host"),
-            "pid": worker.get("pid"),
-            "device": worker.get("device"),
+            "host": worker.host if worker else None,
+            "pid": worker.pid if worker else None,
+            "device": worker.device if worker else None,
         }
 
     def poll(self, now: float | None = None) -> dict:
@@ -227,9 +190,9 @@ class RunWatch:
         if not self.batches and plan_complete(store):
             self.batches = read_batch_list(store)
             try:
-                self.stats = json.loads(store.read(STATS_JSON))
-            except (MissingKey, ValueError):
-                self.stats = {}
+                self.stats = Stats.read(store)
+            except ValueError:  # RecordFormatError: the counts of skipped records are only shown
+                self.stats = None
         by_name = {b["batch"]: b for b in self.batches}
         done = done_batches(store) & set(by_name)
         for gone in set(self.markers) - done:  # a marker deleted to rerun its batch
@@ -251,8 +214,9 @@ class RunWatch:
             rate["tokens_per_s"] = rate["overall_tokens_per_s"]  # nothing is running: the run's own rate
             rate["samples_per_s"] = rate["overall_samples_per_s"]
         elif not self.batches:
-            planner = read_planning_record(store)
-            plan_error = planning_failed(planner)
+            record = read_planning_record(store)
+            plan_error = planning_failed(record)
+            planner = record.model_dump(exclude={"schema_version"}) if record is not None else None
             state, eta = ("plan_failed" if plan_error else "planning"), None
         else:
             left = set(by_name) - done
@@ -266,7 +230,7 @@ class RunWatch:
             # Workers reported, but no live one works on the run now (dead, lost, refusing, idle): no ETA.
             state, eta = "stalled", None
             stalled_reason, restart = self._stalled(workers)
-        skipped = (self.stats.get("skipped") or {}).get("counts", {})
+        skipped = self.stats.skipped.counts if self.stats is not None else {}
         return {
             "run_id": self.config.run_id,
             "address": store.url,
@@ -295,7 +259,7 @@ class RunWatch:
             "eta_s": eta,
             "workers": workers,
             "broker": None if broker is None else {k: v for k, v in broker.items() if k != "workers"},
-            "failures": failures,
+            "failures": {b: f.model_dump(exclude={"schema_version"}) for b, f in failures.items()},
             "at": _iso(now),
         }
 
@@ -379,26 +343,26 @@ class RunWatch:
             rows[key]["tokens_per_s"] = round(rate, 1) if rate is not None else None
 
         for h in read_heartbeats(self.run_store):  # workers/heartbeat.py writes them
-            r = row(h.get("host"), h.get("pid"))
+            r = row(h.host, h.pid)
             r["sources"].append("heartbeat")
-            r["device"] = h.get("device") or r["device"]
-            r["state"] = h.get("state")
+            r["device"] = h.device or r["device"]
+            r["state"] = h.state
             r["running"] = _heartbeat_batches(h)
-            r["paused"] = h.get("paused_reason") if h.get("state") == "paused" or h.get("paused_reason") else None
-            r["paused_since"] = h.get("paused_since")
-            r["spool"] = h.get("spool")
-            beat = _ts(h.get("updated_at"))
+            r["paused"] = h.paused_reason if h.state == "paused" or h.paused_reason else None
+            r["paused_since"] = h.paused_since
+            r["spool"] = h.spool.model_dump() if h.spool is not None else None
+            beat = _ts(h.updated_at)
             if beat is not None:
                 r["last_heartbeat"] = _iso(beat)
                 r["heartbeat_age_s"] = round(max(now - beat, 0.0), 1)
-                stale_s = HEARTBEAT_STALE_BEATS * float(h.get("heartbeat_s") or HEARTBEAT_DEFAULT_S)
-                r["online"] = h.get("state") != "stopped" and now - beat <= stale_s
-                if h.get("state") not in ("stopped", "idle") and not r["online"]:
+                stale_s = HEARTBEAT_STALE_BEATS * (h.heartbeat_s or HEARTBEAT_DEFAULT_S)
+                r["online"] = h.state != "stopped" and now - beat <= stale_s
+                if h.state not in ("stopped", "idle") and not r["online"]:
                     r["state"] = "lost"  # killed, or cut off from the store: its batches are reclaimed after the lease
-            if h.get("state") == "stopped" and h.get("exit"):
+            if h.state == "stopped" and h.exit:
                 r["state"] = "lost"  # python -m workers found it dead (killed, non-zero exit) and marked its record
-            if h.get("state") == "refusing" and r["online"]:
-                r["refusing"] = h.get("refusing_reason")
+            if h.state == "refusing" and r["online"]:
+                r["refusing"] = h.refusing_reason
 
         for name, reply in ((broker or {}).get("workers") or {}).items():
             r = row(reply.get("host"), reply.get("pid"))

@@ -56,8 +56,10 @@ import numpy as np
 
 from core.errors import StoreError
 from core.fp8 import E4M3_REL_ERR
+from core.layout import RUN_JSON, SHARDS_PREFIX, batch_plan_key, marker_key
 from core.plan import BatchPlan, read_batch, read_batch_list
 from core.reader import quarantined_ids, read_markers, read_sample
+from core.records import Marker
 from core.runconfig import RunConfig, load_run
 from core.shard import Final, ShardSpec, StoreDtype, cu_seqlens_problem, schema_problems
 from core.store import MissingKey, Store, retry_transient
@@ -160,7 +162,7 @@ def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
     return f"{bad.size} of {a.size} tokens differ, first at token {bad[0]}: stored {a[bad[0]]}, planned {b[bad[0]]}"
 
 
-def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: str, marker: dict | Exception,
+def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: str, marker: Marker | Exception,
                  planned: set[str], retry_s: float = VERIFY_RETRY_S) -> _BatchResult:
     """Every per-batch check of the module docstring, for the marker file ``markers/<batch>.json``.
 
@@ -182,25 +184,25 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
 
     if isinstance(marker, StoreError):  # read_markers' one attempt failed: read it again, with retries
         try:
-            marker = store_call(lambda: json.loads(run_store.read(f"markers/{batch}.json")), "read its marker")
+            marker = store_call(lambda: Marker.read(run_store, batch), "read its marker")
         except StoreError as exc:
-            return unverified(f"markers/{batch}.json", exc)
-        except (ValueError, MissingKey) as exc:
+            return unverified(marker_key(batch), exc)
+        except ValueError as exc:  # RecordFormatError
             marker = exc
-        if not isinstance(marker, (dict, Exception)):
-            marker = ValueError(f"expected a JSON object, got {type(marker).__name__}")
+        if marker is None:  # deleted since the listing
+            marker = MissingKey(marker_key(batch))
     if isinstance(marker, Exception):
-        problem("marker_unreadable", f"markers/{batch}.json cannot be read: {marker}")
+        problem("marker_unreadable", f"{marker_key(batch)} cannot be read: {marker}")
         return res
     res.quarantined = quarantined_ids(marker)
-    named = marker.get("batch")
+    named = marker.batch
     own_batch = named == batch
     if not own_batch:
-        problem("marker_mismatch", f"markers/{batch}.json certifies batch {named!r}, not {batch}")
-    if marker.get("config_sha256") != config_sha:
-        problem("config_mismatch", f"marker config_sha256 {str(marker.get('config_sha256'))[:16]}... differs from "
+        problem("marker_mismatch", f"{marker_key(batch)} certifies batch {named!r}, not {batch}")
+    if marker.config_sha256 != config_sha:
+        problem("config_mismatch", f"marker config_sha256 {marker.config_sha256[:16]}... differs from "
                                    f"run.json's identity {config_sha[:16]}...: written for another config")
-    res.certified = own_batch and marker.get("config_sha256") == config_sha
+    res.certified = own_batch and marker.config_sha256 == config_sha
 
     plan: BatchPlan | None = None
     if batch not in planned:
@@ -209,19 +211,15 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
         try:
             plan = store_call(lambda: read_batch(run_store, batch), "read its plan")
         except MissingKey:
-            problem("plan_missing", f"plan/batches/{batch}.safetensors is missing")
+            problem("plan_missing", f"{batch_plan_key(batch)} is missing")
         except StoreError as exc:
-            res.certified = own_batch and marker.get("config_sha256") == config_sha
-            return unverified(f"plan/batches/{batch}.safetensors", exc)
+            res.certified = own_batch and marker.config_sha256 == config_sha
+            return unverified(batch_plan_key(batch), exc)
     plan_samples = [] if plan is None else plan.sample_index_N.tolist()
 
-    shard = marker.get("shard") or {}
-    key = shard.get("key")
+    shard = marker.shard  # a marker without one does not read (RecordFormatError: marker_unreadable)
+    key = shard.key
     res.shard_key = key
-    if not key:
-        problem("marker_unreadable", "marker has no shard key")
-        res.samples = [s for s in plan_samples if s not in res.quarantined]
-        return res
     from_plan = [s for s in plan_samples if s not in res.quarantined]
     reader = _ObjectReader(run_store, key, retry_s)
     try:
@@ -237,10 +235,10 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
         res.samples = from_plan
         return res
     res.bytes_hashed = n
-    altered = n != int(shard.get("bytes", -1)) or digest != str(shard.get("sha256", "")).lower()
+    altered = n != shard.bytes or digest != shard.sha256.lower()
     if altered:
         problem("shard_altered", f"shard {key}: sha256 {digest[:16]}... ({n:,} bytes), the marker says "
-                                 f"{str(shard.get('sha256'))[:16]}... ({shard.get('bytes')} bytes)")
+                                 f"{shard.sha256[:16]}... ({shard.bytes} bytes)")
     try:
         header, data_start = _read_header(reader, n)
         tensors = {k: v for k, v in header.items() if k != "__metadata__"}
@@ -277,13 +275,13 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
         return res  # the bytes are wrong; the rest would only restate it
 
     counts = {"num_samples": len(res.samples), "num_tokens": T, "supervised_tokens": int(loss_mask_T.sum())}
-    wrong = [f"{k} {marker.get(k)} (shard: {v})" for k, v in counts.items() if marker.get(k) != v]
-    if plan is not None:
+    wrong = [f"{k} {getattr(marker, k)} (shard: {v})" for k, v in counts.items() if getattr(marker, k) != v]
+    if plan is not None:  # optional fields: checked when the marker has them
         for k, v in (("planned_samples", plan.num_samples), ("planned_tokens", plan.num_tokens)):
-            if k in marker and marker[k] != v:
-                wrong.append(f"{k} {marker[k]} (plan: {v})")
-        if "num_quarantined" in marker and marker["num_quarantined"] != len(res.quarantined):
-            wrong.append(f"num_quarantined {marker['num_quarantined']} (quarantined list: {len(res.quarantined)})")
+            if getattr(marker, k) is not None and getattr(marker, k) != v:
+                wrong.append(f"{k} {getattr(marker, k)} (plan: {v})")
+        if marker.num_quarantined is not None and marker.num_quarantined != len(res.quarantined):
+            wrong.append(f"num_quarantined {marker.num_quarantined} (quarantined list: {len(res.quarantined)})")
     if wrong:
         problem("counts", "marker counts differ: " + ", ".join(wrong))
 
@@ -330,7 +328,7 @@ def _compare(got, want, rtol: float) -> tuple[bool, float, float]:
     return ratio <= 1.0, ratio, float(diff.max()) if diff.numel() else 0.0
 
 
-def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str, dict, int, int, int]], settings, *,
+def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str, Marker, int, int, int]], settings, *,
                       rtol: float | None = None, progress=None) -> tuple[dict, list[Problem]]:
     """Recompute ``picks`` (batch, marker, sample, start, end) per sample on the reference path.
 
@@ -373,7 +371,7 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
         by_batch[batch].append((marker, sample, start, end))
     for batch, items in sorted(by_batch.items()):
         marker = items[0][0]
-        with local_shard(run_store, marker["shard"]["key"]) as path, safe_open(str(path), framework="pt") as f:
+        with local_shard(run_store, marker.shard.key) as path, safe_open(str(path), framework="pt") as f:
             for _, sample, start, end in items:
                 stored = read_sample(f, start, end, final.tensors, dequant_dtype=torch.float32)  # fp8: q * scale in fp32
                 S = stored["input_ids"].shape[0]
@@ -434,7 +432,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
     markers = read_markers(run_store)
     names = sorted(markers)
     if threads is None:
-        threads = S3_THREADS if run_store.local_path("run.json") is None else LOCAL_THREADS
+        threads = S3_THREADS if run_store.local_path(RUN_JSON) is None else LOCAL_THREADS
     task = progress.add_task("verifying", total=len(names)) if progress is not None else None
     results: list[_BatchResult] = []
     hashed = 0
@@ -481,7 +479,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
 
     orphans = []
     named_keys = {r.shard_key for r in results if r.shard_key}
-    for key in run_store.list("shards/"):
+    for key in run_store.list(SHARDS_PREFIX):
         if key not in named_keys:
             orphans.append(key)
 

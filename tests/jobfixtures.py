@@ -171,8 +171,8 @@ def read_samples(run_store) -> dict[int, dict]:
     samples: dict[int, dict] = {}
     for batch in sorted(done_batches(run_store)):
         marker = read_marker(run_store, batch)
-        key = marker["shard"]["key"]
-        verify(run_store, key, marker["shard"]["bytes"], marker["shard"]["sha256"])
+        key = marker.shard.key
+        verify(run_store, key, marker.shard.bytes, marker.shard.sha256)
         path = run_store.local_path(key)
         if path is None:
             path = Path(os.environ.get("TMPDIR", "/tmp")) / f"hsx-test-{os.getpid()}-{batch}.safetensors"

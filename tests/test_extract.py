@@ -81,11 +81,11 @@ def test_a_sample_with_nan_states_is_quarantined_and_the_rest_of_the_batch_is_wr
 
     marker = read_marker(run.run_store, batch)
     # Layer 1 is captured before the poison; layers 3, 4 and the post-norm state come after it.
-    assert marker["quarantined"] == [{"sample_index": victim, "reason": "nonfinite hidden states (layers 3, 4, final_postnorm)"}]
-    assert marker["num_quarantined"] == 1
-    assert marker["planned_samples"] == plan.num_samples and marker["num_samples"] == plan.num_samples - 1
-    assert marker["planned_tokens"] == plan.num_tokens
-    assert marker["num_tokens"] == plan.num_tokens - int(plan.lengths_N[victim_row])
+    assert [q.model_dump() for q in marker.quarantined] == [{"sample_index": victim, "reason": "nonfinite hidden states (layers 3, 4, final_postnorm)"}]
+    assert marker.num_quarantined == 1
+    assert marker.planned_samples == plan.num_samples and marker.num_samples == plan.num_samples - 1
+    assert marker.planned_tokens == plan.num_tokens
+    assert marker.num_tokens == plan.num_tokens - int(plan.lengths_N[victim_row])
 
     stored = {s: v for s, v in read_samples(run.run_store).items() if v["batch"] == batch}
     kept = set(plan.sample_index_N.tolist()) - {victim}
@@ -95,7 +95,7 @@ def test_a_sample_with_nan_states_is_quarantined_and_the_rest_of_the_batch_is_wr
         np.testing.assert_array_equal(s["input_ids"].numpy(), planned_samples[sample]["input_ids"].astype(np.int32))
         np.testing.assert_array_equal(s["loss_mask"].numpy(), planned_samples[sample]["loss_mask"])
         assert torch.isfinite(s["hidden_states"]).all() and torch.isfinite(s["final_postnorm"]).all()
-    assert marker["supervised_tokens"] == sum(int(s["loss_mask"].sum()) for s in stored.values())
+    assert marker.supervised_tokens == sum(int(s["loss_mask"].sum()) for s in stored.values())
     compared = assert_matches_reference(target.model, stored, [1, 3, 4], atol=1e-4, rtol=1e-4)
     assert compared > 10_000, "the kept samples' states must have been compared"
 
@@ -121,7 +121,7 @@ def test_a_batch_whose_every_sample_is_nonfinite_fails_loudly_and_writes_no_mark
     # The same batch without the fault is then extracted in full: nothing half-done was left behind.
     result = extract_batch(run.run_url, batch, settings)
     marker = read_marker(run.run_store, batch)
-    assert result["status"] == "done" and marker["quarantined"] == [] and marker["num_samples"] == plan.num_samples
+    assert result["status"] == "done" and marker.quarantined == [] and marker.num_samples == plan.num_samples
     assert json.loads(run.run_store.read(f"markers/{batch}.json"))["shard"]["key"] in batch_shards(run.run_store, batch)
 
 
@@ -147,7 +147,7 @@ def test_a_batch_bigger_than_the_forward_limit_runs_as_several_forwards_into_one
     finally:
         target.max_forward_tokens = saved
     marker = read_marker(run.run_store, batch)
-    assert result["status"] == "done" and marker["forwards"] >= 2 and marker["num_samples"] == plan.num_samples
+    assert result["status"] == "done" and marker.forwards >= 2 and marker.num_samples == plan.num_samples
     stored = {s: v for s, v in read_samples(run.run_store).items() if v["batch"] == batch}
     assert set(stored) == set(plan.sample_index_N.tolist())
     assert assert_matches_reference(target.model, stored, [1, 3, 4], atol=1e-4, rtol=1e-4) > 0
@@ -173,8 +173,8 @@ def _extract_with(planned, batch: str, **overrides):
 def _certified(run_store, marker) -> bytes:
     import hashlib
 
-    data = run_store.read(marker["shard"]["key"])
-    assert len(data) == marker["shard"]["bytes"] and hashlib.sha256(data).hexdigest() == marker["shard"]["sha256"]
+    data = run_store.read(marker.shard.key)
+    assert len(data) == marker.shard.bytes and hashlib.sha256(data).hexdigest() == marker.shard.sha256
     return data
 
 
@@ -184,7 +184,7 @@ def test_a_shard_goes_straight_from_host_memory_into_the_store_without_touching_
     spool = planned["spool"]
     before = set(spool.glob("*")) if spool.exists() else set()
     result, marker = _extract_with(planned, batch)
-    assert result["status"] == "done" and marker["write_path"] == "direct"
+    assert result["status"] == "done" and marker.write_path == "direct"
     _certified(planned["run"].run_store, marker)
     assert (set(spool.glob("*")) if spool.exists() else set()) == before
 
@@ -196,8 +196,8 @@ def test_a_store_that_does_not_answer_sends_the_shard_through_the_spool_with_the
     _, direct = _extract_with(planned, batch)
     direct_bytes = _certified(planned["run"].run_store, direct)
     result, marker = _extract_with(planned, batch, faults="store_down=1")
-    assert result["status"] == "done" and marker["write_path"] == "spool"
-    assert marker["shard"]["key"] != direct["shard"]["key"]
+    assert result["status"] == "done" and marker.write_path == "spool"
+    assert marker.shard.key != direct.shard.key
     spooled = _certified(planned["run"].run_store, marker)
     # The shard's bytes are the same but for the batch-independent header; the tensors equal.
     from safetensors.torch import load
@@ -217,7 +217,7 @@ def test_with_the_overflow_full_a_shard_the_store_refused_is_retried_from_host_m
         pytest.skip("the spool's filesystem reports no use")
     result, marker = _extract_with(planned, planned["batches"][0], faults="store_down=1",
                                    spool_max_fraction=du.used / du.total / 2, store_retry_s=30)
-    assert result["status"] == "done" and marker["write_path"] == "memory"
+    assert result["status"] == "done" and marker.write_path == "memory"
     _certified(planned["run"].run_store, marker)
 
 

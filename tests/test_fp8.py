@@ -218,9 +218,9 @@ def test_nan_and_inf_samples_are_still_quarantined_under_fp8(fp8_planned):
     assert result["status"] == "done" and result["num_quarantined"] == 2
     marker = read_marker(run.run_store, batch)
     victims = [int(plan.sample_index_N[0]), int(plan.sample_index_N[2])]
-    assert marker["quarantined"] == [
+    assert [q.model_dump() for q in marker.quarantined] == [
         {"sample_index": s, "reason": "nonfinite hidden states (layers 3, 4, final_postnorm)"} for s in victims]
-    path = run.run_store.local_path(marker["shard"]["key"])
+    path = run.run_store.local_path(marker.shard.key)
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
@@ -230,7 +230,7 @@ def test_nan_and_inf_samples_are_still_quarantined_under_fp8(fp8_planned):
                       "final_postnorm": "F8_E4M3", "final_postnorm_scale": "F32"}
     assert meta["store_dtype"] == "fp8" and "amax(|x|) / 448" in meta["fp8_scaling"]
     assert not set(victims) & set(t["sample_index"].tolist())
-    T = marker["num_tokens"]
+    T = marker.num_tokens
     assert t["hidden_states"].shape == (T, 3, 64) and t["hidden_states_scale"].shape == (T, 3)
     assert torch.isfinite(dequantize_fp8(t["hidden_states"], t["hidden_states_scale"], torch.float32)).all()
     assert torch.isfinite(t["final_postnorm_scale"]).all() and (t["final_postnorm_scale"] > 0).all()
@@ -312,7 +312,7 @@ def test_the_reader_returns_bf16_states_of_an_fp8_run_within_the_bound_of_the_bf
 def test_verify_recompute_passes_on_an_fp8_run_with_the_fp8_tolerance_and_still_catches_a_wrong_layer(fp8_run):
     import dataclasses
 
-    from core.marker import marker_key
+    from core.records import Marker
     from core.plan import read_batch
     from core.runconfig import load_run
     from core.store import open_store
@@ -331,7 +331,7 @@ def test_verify_recompute_passes_on_an_fp8_run_with_the_fp8_tolerance_and_still_
     run_store = open_store(fp8_run["address"])
     config = load_run(run_store)
     shifted = dataclasses.replace(config, layers={**config.layers, "layer_ids": [i + 1 for i in config.layers["layer_ids"]]})
-    marker = json.loads(run_store.read(marker_key("b000000")))
+    marker = Marker.read(run_store, "b000000")
     plan = read_batch(run_store, "b000000")
     picks = [("b000000", marker, int(plan.sample_index_N[0]), int(plan.cu_seqlens_N1[0]), int(plan.cu_seqlens_N1[1]))]
     settings = Settings(_env_file=None, cache_dir=fp8_run["env"]["HSX_CACHE_DIR"])

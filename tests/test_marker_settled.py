@@ -44,5 +44,5 @@ def test_marker_conflicts_that_outlast_the_stores_retries_end_done_not_lost(smal
     assert conflicts.hits == 8
     assert result["status"] == "done", result
     marker = read_marker(direct, batch)
-    assert direct.list("shards/") == [marker["shard"]["key"]], "the shard the marker names must be the one kept"
-    verify(direct, marker["shard"]["key"], marker["shard"]["bytes"], marker["shard"]["sha256"])
+    assert direct.list("shards/") == [marker.shard.key], "the shard the marker names must be the one kept"
+    verify(direct, marker.shard.key, marker.shard.bytes, marker.shard.sha256)

@@ -111,7 +111,7 @@ def test_iterable_dataset_reads_a_run_on_s3_and_refuses_an_altered_shard(small_r
     assert list(tmp_path.iterdir()) == [], "downloaded shards must be deleted"
     with pytest.raises(BadConfig, match="not a local directory"):
         HiddenStatesDataset(store)
-    key = ds.markers["b000000"]["shard"]["key"]
+    key = ds.markers["b000000"].shard.key
     data = bytearray(store.read(key))
     data[-1] ^= 1
     store.write(key, bytes(data))

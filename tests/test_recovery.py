@@ -326,7 +326,7 @@ def test_a_shard_corrupted_after_its_marker_is_named_by_verify_and_redone_by_rec
     cluster.enqueue_all(run_store)
     wait_done(run_store)
     victim = sorted(done_batches(run_store))[1]
-    key = read_marker(run_store, victim)["shard"]["key"]
+    key = read_marker(run_store, victim).shard.key
     path = run_store.local_path(key)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -339,7 +339,7 @@ def test_a_shard_corrupted_after_its_marker_is_named_by_verify_and_redone_by_rec
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"repaired {victim}: shard_altered" in proc.stdout and f"enqueued {victim}" in proc.stdout, proc.stdout
     wait_done(run_store)
-    assert read_marker(run_store, victim)["shard"]["key"] != key
+    assert read_marker(run_store, victim).shard.key != key
     assert_complete(run_store)
 
 

@@ -13,6 +13,7 @@ from jobfixtures import run_cli
 from smallrun import copy_run, quarantine_first_sample, small_run, upload_run  # noqa: F401
 
 from core.marker import marker_key
+from core.records import Marker
 from core.plan import batch_key, read_batch
 from core.runconfig import load_run
 from core.store import open_store
@@ -54,7 +55,7 @@ def test_recompute_catches_an_off_by_one_layer_id(small_run):
     shifted = dataclasses.replace(config, layers={**config.layers, "layer_ids": [i + 1 for i in config.layers["layer_ids"]]})
     from settings import Settings
 
-    marker = json.loads(run_store.read(marker_key("b000000")))
+    marker = Marker.read(run_store, "b000000")
     plan = read_batch(run_store, "b000000")
     picks = [("b000000", marker, int(plan.sample_index_N[0]), int(plan.cu_seqlens_N1[0]), int(plan.cu_seqlens_N1[1]))]
     summary, problems = recompute_samples(run_store, shifted, picks, Settings(_env_file=None, cache_dir=small_run["cache"]))

@@ -14,9 +14,9 @@
   that hash (S3: by the server's per-part checksums), with no read-back. If the store does not
   take it for a transient reason, the shard goes to the overflow spool and is stored from there
   with retries (``workers/spool.py``), freeing its host buffer for the next forward.
-- **certify**: the marker, last, with a conditional create (``core/marker.py``). Shard keys carry a
-  random attempt id, so racing duplicates never overwrite each other's shard; the loser deletes
-  its own.
+- **certify**: the marker (:class:`core.records.Marker`), last, with a conditional create
+  (``core/marker.py``). Shard keys carry a random attempt id, so racing duplicates never overwrite
+  each other's shard; the loser deletes its own.
 
 Store calls that fail for a transient reason are retried with backoff (``core/store/retry.py``); the
 Celery message is acknowledged only after the task returns (``acks_late``), so a batch is
@@ -41,8 +41,9 @@ import torch
 from core.errors import FidelityError, NonFiniteBatch, StoreError
 from core.fp8 import SCALE_BYTES
 from core.layers import LayerSelection
-from core.marker import read_marker, shard_key, write_marker
+from core.layout import shard_key
 from core.plan import read_batch
+from core.records import Failure, Marker, MarkerWorker, ShardRef
 from core.runconfig import load_run
 from core.shard import Final, StoreDtype, select_samples, serialize_shard, shard_metadata
 from core.access import Refused, check_run_allowed
@@ -155,7 +156,7 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         raise Refused(f"task batch {str(batch)[:80]!r} refused: a batch is one name of letters, digits, '-' and '_' "
                       "(such as b000012, from plan/batches.json); this task was not sent by producer enqueue")
     run_store = _retry(settings, f"open the store of batch {batch}", lambda: _run_store(run_url, settings))
-    if _retry(settings, f"read the marker of batch {batch}", lambda: read_marker(run_store, batch)) is not None:
+    if _retry(settings, f"read the marker of batch {batch}", lambda: Marker.read(run_store, batch)) is not None:
         log.info("batch %s of %s already has its marker: nothing to do", batch, run_url)
         return {"status": "already_done", "batch": batch}
 
@@ -307,48 +308,38 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
 
     # certify
     job.phase("marker")
-    marker = {
-        "schema_version": 1,
-        "run_id": config.run_id,
-        "batch": batch,
-        "config_sha256": config.identity_sha256(),
-        "shard": {"key": key, "bytes": nbytes, "sha256": sha256},
-        "num_samples": num_samples,
-        "num_tokens": num_tokens,
-        "supervised_tokens": int(tensors["loss_mask"].sum()),
-        "planned_samples": plan.num_samples,
-        "planned_tokens": plan.num_tokens,
-        "quarantined": quarantined,
-        "num_quarantined": len(quarantined),
-        "worker": {"host": socket.gethostname(), "pid": os.getpid(), "device": target.engine["device"]},
-        "model_revision": target.info.revision,
-        "forward_s": round(forward_s, 4),
-        "launch_s": round(launch_s, 4),
-        "forwards": len(ranges),
-        "write_s": round(t_done - t_write, 4),
-        "write_path": path,
-        "seconds": round(time.perf_counter() - t0, 4),
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "finished_unix": round(time.time(), 3),
-    }
+    marker = Marker(
+        run_id=config.run_id, batch=batch, config_sha256=config.identity_sha256(),
+        shard=ShardRef(key=key, bytes=nbytes, sha256=sha256),
+        num_samples=num_samples, num_tokens=num_tokens, supervised_tokens=int(tensors["loss_mask"].sum()),
+        planned_samples=plan.num_samples, planned_tokens=plan.num_tokens,
+        quarantined=quarantined, num_quarantined=len(quarantined),
+        worker=MarkerWorker(host=socket.gethostname(), pid=os.getpid(), device=target.engine["device"]),
+        model_revision=target.info.revision,
+        forward_s=round(forward_s, 4), launch_s=round(launch_s, 4), forwards=len(ranges),
+        write_s=round(t_done - t_write, 4), write_path=path,
+        seconds=round(time.perf_counter() - t0, 4),
+        finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), finished_unix=round(time.time(), 3),
+    )
+
     def certify() -> bool:
         """True when the marker that exists names our shard. A lost race is only a settled one: the
         store's create said the marker exists (an unsettled create raises a transient StoreError)
         and a read finds it naming another shard; a marker that cannot be read back is not settled
         either, and the pair is tried again."""
-        if write_marker(run_store, batch, marker):
+        if marker.create(run_store):
             return True
-        existing = read_marker(run_store, batch)
+        existing = Marker.read(run_store, batch)
         if existing is None:
             raise StoreError(f"marker of batch {batch}: the conditional create found one, a read finds none "
                              "(deleted meanwhile, or a store that is not yet consistent); not settled", transient=True)
-        return (existing.get("shard") or {}).get("key") == key  # a retried create can find its own first attempt
+        return existing.shard.key == key  # a retried create can find its own first attempt
 
     if not _retry(settings, f"write the marker of batch {batch}", certify):
         _retry(settings, f"delete shard {key}", lambda: run_store.delete(key))  # another worker certified its own shard first
         log.info("batch %s: another worker wrote the marker first; removed our shard %s", batch, key)
         return {"status": "lost_race", "batch": batch}
-    seconds = marker["seconds"]
+    seconds = marker.seconds
     log.info(
         "batch done %s",
         json.dumps(
@@ -404,15 +395,11 @@ def _write_shard(run_store, key: str, pieces: list, spool_path, batch: str, expe
 
 
 def record_failure(run_url: str, batch: str, exc: BaseException, settings: Settings) -> None:
-    """Write ``failures/<batch>.json`` so that ``status`` and ``run`` can show why a batch failed."""
+    """Write ``failures/<batch>.json`` (:class:`core.records.Failure`) so that ``status`` and ``run``
+    can show why a batch failed."""
     try:
         run_store = _run_store(run_url, settings)
-        body = {
-            "batch": batch,
-            "error": f"{exc.__class__.__name__}: {exc}"[:2000],
-            "host": socket.gethostname(),
-            "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        }
-        run_store.write(f"failures/{batch}.json", json.dumps(body).encode())
+        Failure(batch=batch, error=f"{exc.__class__.__name__}: {exc}"[:2000], host=socket.gethostname(),
+                at=datetime.now(timezone.utc).isoformat(timespec="seconds")).write(run_store)
     except Exception:  # the store may be the thing that failed; the task's own error is raised anyway
         log.exception("could not record the failure of batch %s", batch)

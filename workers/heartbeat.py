@@ -7,26 +7,17 @@ each batch is doing, and when and why a worker is paused. Writes are best effort
 is down delays the record, never a batch. A record not updated for three heartbeats is stale (the
 process is gone or cut off from the store).
 
-Record (JSON, ``schema_version`` 1):
-
-| field | meaning |
-|---|---|
-| ``host``, ``pid``, ``worker`` | the process; ``worker`` is ``<host>-<pid>``, the file's name |
-| ``device`` | torch device of its model (``cpu``, ``NVIDIA H200``...), None before one is loaded |
-| ``state`` | ``working`` (a batch of this run in progress), ``paused`` (a batch of this run waits for the spool), ``idle`` (none), ``refusing`` (the process stopped taking tasks after a permanent error: ``workers/causes.py``), ``stopped`` (the process exited normally) |
-| ``refusing_reason``, ``refusing_since`` | the error that made it refuse tasks, and since when; None otherwise |
-| ``paused_reason``, ``paused_since`` | why extraction waits (``"spool 85% full, ... (limit 80%, HSX_SPOOL_MAX_FRACTION) in /dev/shm/hsx-spool"``, ``"2 shards waiting to be stored (limit 2, HSX_MAX_PENDING_UPLOADS)"``) and since when; None when not paused |
-| ``batches`` | ``[{"batch", "phase", "since"}]``; these are the batches whose lease the process holds (``workers/lease.py``); ``phase`` is ``claimed`` (the task started), ``paused``, ``waiting_gpu``, ``forward``, ``writing``, ``storing``, ``verifying`` or ``marker`` |
-| ``batches_done`` | batches of this run the process certified (marker written) since it started |
-| ``spool`` | ``{dir, used_bytes, total_bytes, reserved_bytes, used_fraction, uploads_pending, max_fraction, max_pending_uploads}`` |
-| ``started_at``, ``updated_at`` | UTC ISO 8601 |
-| ``heartbeat_s`` | the writing interval; stale after 3 of them |
+The record is :class:`core.records.WorkerStatus` (its fields and units are documented there); its
+key is :func:`core.layout.worker_key`. ``state`` is ``working`` (a batch of this run in progress),
+``paused`` (a batch of this run waits for the spool), ``idle`` (none), ``refusing`` (the process
+stopped taking tasks after a permanent error: ``workers/causes.py``) or ``stopped`` (the process
+exited normally); ``batches`` lists the batches whose lease the process holds
+(``workers/lease.py``).
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import socket
@@ -35,10 +26,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from core.records import BatchLease, SpoolStatus, WorkerStatus
+
 log = logging.getLogger(__name__)
 
-WORKERS_PREFIX = "workers/"
-SCHEMA_VERSION = 1
 #: shortest gap between two writes of one run's record (seconds).
 MIN_WRITE_GAP_S = 1.0
 
@@ -118,7 +109,7 @@ class Heartbeat:
             self._ensure_thread()
         self._wake.set()
 
-    def record(self, run_url: str, state_override: str | None = None) -> dict:
+    def record(self, run_url: str, state_override: str | None = None) -> WorkerStatus:
         """The record of ``run_url`` as it would be written now (see the module doc)."""
         with self._lock:
             run = self._runs[run_url]
@@ -131,28 +122,20 @@ class Heartbeat:
         usage = None
         if spool is not None:
             try:
-                usage = {**spool.usage().as_dict(), "max_fraction": spool.max_fraction,
-                         "max_pending_uploads": spool.max_pending_uploads}
+                usage = SpoolStatus(**spool.usage().as_dict(), max_fraction=spool.max_fraction,
+                                    max_pending_uploads=spool.max_pending_uploads)
             except OSError:
                 usage = None
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "worker": worker_name(),
-            "device": self.device,
-            "state": state,
-            "paused_reason": (spool.paused_reason if spool is not None else None) if paused else None,
-            "paused_since": _utc(spool.paused_since if spool is not None else None) if paused else None,
-            "refusing_reason": refusing["reason"] if refusing else None,
-            "refusing_since": _utc(refusing["since"]) if refusing else None,
-            "batches": [{"batch": b["batch"], "phase": b["phase"], "since": _utc(b["since"])} for b in batches],
-            "batches_done": done,
-            "spool": usage,
-            "started_at": _utc(self.started),
-            "updated_at": _utc(time.time()),
-            "heartbeat_s": self.interval_s,
-        }
+        return WorkerStatus(
+            host=socket.gethostname(), pid=os.getpid(), worker=worker_name(), device=self.device, state=state,
+            paused_reason=(spool.paused_reason if spool is not None else None) if paused else None,
+            paused_since=_utc(spool.paused_since if spool is not None else None) if paused else None,
+            refusing_reason=refusing["reason"] if refusing else None,
+            refusing_since=_utc(refusing["since"]) if refusing else None,
+            batches=[BatchLease(batch=b["batch"], phase=b["phase"], since=_utc(b["since"])) for b in batches],
+            batches_done=done, spool=usage, started_at=_utc(self.started), updated_at=_utc(time.time()),
+            heartbeat_s=self.interval_s,
+        )
 
     def write(self, run_url: str, state_override: str | None = None) -> None:
         """Write the record of ``run_url`` now (best effort: errors are logged at DEBUG)."""
@@ -165,10 +148,10 @@ class Heartbeat:
             store = run["store"]
         body = self.record(run_url, state_override)
         try:
-            store.write(f"{WORKERS_PREFIX}{worker_name()}.json", json.dumps(body, indent=1).encode())
+            body.write(store)
             with self._lock:
-                if not body["batches"] and self.refusing is None:
-                    run["final"] = body["state"]
+                if not body.batches and self.refusing is None:
+                    run["final"] = body.state
         except Exception as exc:  # the store may be down: the next beat tries again
             with self._lock:
                 run["dirty"] = True

@@ -23,7 +23,6 @@ fork+exec, never by forking after CUDA is initialised.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -177,24 +176,28 @@ def mark_dead_worker(runs_file: Path, host: str, pid: int, how: str, settings: S
     ``updated_at`` keeps the time of its last heartbeat. Best effort: a store that fails is logged.
     The file is removed. Returns the addresses whose record was marked.
     """
+    from core.layout import worker_key
+    from core.records import WorkerStatus
     from core.store import mask_url, open_store
-    from workers.heartbeat import WORKERS_PREFIX
 
     try:
         urls = list(dict.fromkeys(line.strip() for line in runs_file.read_text().splitlines() if line.strip()))
     except FileNotFoundError:
         return []
     marked = []
-    key = f"{WORKERS_PREFIX}{host}-{pid}.json"
+    name = f"{host}-{pid}"
+    key = worker_key(name)
     for url in urls:
         try:
             store = open_store(url, settings, create=False)
-            record = json.loads(store.read(key))
-            if record.get("state") == "stopped":
+            record = WorkerStatus.read(store, name)
+            if record is None:
+                raise FileNotFoundError(f"no {key}")
+            if record.state == "stopped":
                 continue
-            record.update(state="stopped", batches=[], paused_reason=None, paused_since=None, exit=how,
-                          exited_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-            store.write(key, json.dumps(record, indent=1).encode())
+            record.model_copy(update=dict(
+                state="stopped", batches=[], paused_reason=None, paused_since=None, exit=how,
+                exited_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))).write(store)
             marked.append(url)
         except Exception as exc:  # the store may be down, or the record never written: nothing to correct
             log.warning("status record %s of dead worker pid %d in %s not marked stopped: %s: %s",

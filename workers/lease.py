@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 UNACKED_KEY = "unacked"
 UNACKED_INDEX_KEY = "unacked_index"
-RECLAIMS_PREFIX = "reclaims/"
 #: attempts of one stale delivery's reclaim (a winner that died before it finished), at most.
 MAX_ATTEMPTS = 5
 
@@ -149,27 +148,26 @@ class Reclaimer:
         return done
 
     def _reclaim(self, client, claim: dict, lease_s: float, now: float, records_of: dict) -> dict | None:
-        from core.marker import read_marker
-        from producer.status import read_heartbeats
+        from core.records import Marker, Reclaim, read_heartbeats
 
         run_url, batch, tag = claim["run_url"], claim["batch"], claim["tag"]
         store = self._store(run_url)
-        if read_marker(store, batch) is not None:
+        if Marker.read(store, batch) is not None:
             # Died after its marker, before the ack: nothing to redo, only the stale entry to drop.
             self._drop(client, tag)
             return None
         if run_url not in records_of:
-            records_of[run_url] = read_heartbeats(store)
+            records_of[run_url] = [r.model_dump() for r in read_heartbeats(store)]
         if lease_holders(records_of[run_url], batch, lease_s, now):
             return None  # a live worker holds it (a long batch): its lease is renewed
         attempt = self._attempt(store, batch, tag, lease_s, now)
         if attempt is None:
             return None
-        body = {"batch": batch, "delivery_tag": tag, "task_id": claim["task_id"], "attempt": attempt,
-                "claimed_at": datetime.fromtimestamp(claim["claimed_at"], timezone.utc).isoformat(timespec="seconds"),
-                "by": self.me, "host": socket.gethostname(), "at_unix": round(now, 3),
-                "at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds")}
-        if not store.create(f"{RECLAIMS_PREFIX}{batch}-{tag}.{attempt}.json", json.dumps(body).encode()):
+        body = Reclaim(batch=batch, delivery_tag=tag, task_id=claim["task_id"], attempt=attempt,
+                       claimed_at=datetime.fromtimestamp(claim["claimed_at"], timezone.utc).isoformat(timespec="seconds"),
+                       by=self.me, host=socket.gethostname(), at_unix=round(now, 3),
+                       at=datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"))
+        if not body.create(store):
             return None  # another worker took it
         restored = self._restore(tag)
         log.warning("lease of batch %s of %s expired (claimed %.0f s ago, no live worker lists it): %s",
@@ -193,15 +191,19 @@ class Reclaimer:
     def _attempt(self, store, batch: str, tag: str, lease_s: float, now: float) -> int | None:
         """The reclaim attempt to try for delivery ``tag``: 1, or the next after one older than the
         lease whose winner did not finish (the entry is still there); None: one is under way."""
-        prefix = f"{RECLAIMS_PREFIX}{batch}-{tag}."
+        from core.layout import RECLAIMS_PREFIX, reclaim_prefix
+        from core.records import Reclaim
+
+        prefix = reclaim_prefix(batch, tag)
         attempts = sorted(int(k.rsplit(".", 2)[-2]) for k in store.list(RECLAIMS_PREFIX)
                           if k.startswith(prefix) and k.rsplit(".", 2)[-2].isdigit())
         if not attempts:
             return 1
         last = attempts[-1]
         try:
-            at = float(json.loads(store.read(f"{prefix}{last}.json")).get("at_unix") or 0)
-        except (KeyError, ValueError):
+            found = Reclaim.read(store, batch, tag, last)
+            at = found.at_unix if found is not None else 0.0
+        except ValueError:  # RecordFormatError: a damaged record counts as an old one
             at = 0.0
         if now - at <= lease_s or last >= MAX_ATTEMPTS:
             return None

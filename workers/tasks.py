@@ -13,7 +13,8 @@ failure does depends on its cause (``workers/causes.py``):
 - **refused** (a run outside this worker's store roots, a bad batch name, another model than its
   ``HSX_MODEL``): the message is dropped with an ERROR line; nothing is read or written for it.
 - **data** (and an unknown error that came back :data:`workers.causes.UNKNOWN_RETRIES` times):
-  ``failures/<batch>.json``, and the message is acknowledged: the batch is failed.
+  ``failures/<batch>.json`` (:class:`core.records.Failure`), and the message is acknowledged: the
+  batch is failed.
 
 The batch is listed in the process's status record (phase ``claimed``) from the start of the task,
 which is what holds its lease (``workers/lease.py``).

@@ -1,0 +1,92 @@
+"""The keys of a run: every object the run's store holds, named in one place.
+
+A run is a store prefix (``<output>/<run_id>``, a directory or an S3 prefix); every key below is
+relative to it. Modules name keys only through this module, so the layout is read here, once.
+
+| key | written by | what (record class: ``core/records.py``) |
+|---|---|---|
+| ``run.json`` | the planner, once (conditional create) | the run config and identity (:class:`core.runconfig.RunConfig`) |
+| ``plan/batches/<batch>.safetensors`` | the planner | one batch's samples (:class:`core.plan.BatchPlan`) |
+| ``plan/samples.jsonl`` | the planner | one :class:`~core.records.SampleRow` a line, in ``sample_index`` order |
+| ``plan/stats.json`` | the planner | :class:`~core.records.Stats` |
+| ``plan/batches.json`` | the planner, **last** | the batch list (:class:`~core.records.BatchList`): its presence means the plan is complete |
+| ``plan/planning.json`` | the planner, while it plans | :class:`~core.records.Planning`; removed when the plan is complete |
+| ``shards/<batch>-<attempt>.safetensors`` | a worker | the hidden states of one attempt at a batch (``core/shard.py``) |
+| ``markers/<batch>.json`` | a worker, **last**, conditional create | :class:`~core.records.Marker`: the batch is done |
+| ``failures/<batch>.json`` | a worker whose task failed for good | :class:`~core.records.Failure` |
+| ``workers/<host>-<pid>.json`` | every worker process, each heartbeat | :class:`~core.records.WorkerStatus` (and the leases it holds) |
+| ``reclaims/<batch>-<tag>.<attempt>.json`` | the worker that re-enqueued an expired lease (conditional create) | :class:`~core.records.Reclaim` |
+
+``<batch>`` is a batch name (``b000042``, :func:`core.plan.batch_id`); ``<attempt>`` 12 random hex
+digits, so that racing duplicates never write the same shard key; ``<tag>`` a kombu delivery tag.
+"""
+
+from __future__ import annotations
+
+RUN_JSON = "run.json"
+
+PLAN_PREFIX = "plan/"
+PLAN_BATCHES_PREFIX = "plan/batches/"
+SAMPLES_JSONL = "plan/samples.jsonl"
+STATS_JSON = "plan/stats.json"
+BATCHES_JSON = "plan/batches.json"
+PLANNING_JSON = "plan/planning.json"
+
+SHARDS_PREFIX = "shards/"
+MARKERS_PREFIX = "markers/"
+FAILURES_PREFIX = "failures/"
+WORKERS_PREFIX = "workers/"
+RECLAIMS_PREFIX = "reclaims/"
+
+_JSON = ".json"
+
+
+def batch_plan_key(batch: str) -> str:
+    """``plan/batches/<batch>.safetensors``: the planned samples of ``batch``."""
+    return f"{PLAN_BATCHES_PREFIX}{batch}.safetensors"
+
+
+def shard_key(batch: str, attempt: str) -> str:
+    """``shards/<batch>-<attempt>.safetensors``: one attempt's shard (the marker names the one that counts)."""
+    return f"{SHARDS_PREFIX}{batch}-{attempt}.safetensors"
+
+
+def marker_key(batch: str) -> str:
+    """``markers/<batch>.json``: the completion marker of ``batch``."""
+    return f"{MARKERS_PREFIX}{batch}{_JSON}"
+
+
+def failure_key(batch: str) -> str:
+    """``failures/<batch>.json``: why the last task of ``batch`` failed for good."""
+    return f"{FAILURES_PREFIX}{batch}{_JSON}"
+
+
+def worker_key(worker: str) -> str:
+    """``workers/<host>-<pid>.json``: the status record of worker process ``worker`` (``<host>-<pid>``)."""
+    return f"{WORKERS_PREFIX}{worker}{_JSON}"
+
+
+def reclaim_prefix(batch: str, tag: str) -> str:
+    """``reclaims/<batch>-<tag>.``: the reclaim records of one delivery of ``batch`` (every attempt)."""
+    return f"{RECLAIMS_PREFIX}{batch}-{tag}."
+
+
+def reclaim_key(batch: str, tag: str, attempt: int) -> str:
+    """``reclaims/<batch>-<tag>.<attempt>.json``: attempt ``attempt`` at reclaiming delivery ``tag`` of ``batch``."""
+    return f"{reclaim_prefix(batch, tag)}{attempt}{_JSON}"
+
+
+def name_of(key: str, prefix: str) -> str | None:
+    """The name a ``<prefix><name>.json`` key stands for (a batch, a worker), or None for another key.
+
+    ``name_of("markers/b000003.json", MARKERS_PREFIX) == "b000003"``.
+    """
+    if not key.startswith(prefix) or not key.endswith(_JSON):
+        return None
+    name = key[len(prefix):-len(_JSON)]
+    return name if name and "/" not in name else None
+
+
+def names_under(keys: list[str], prefix: str) -> list[str]:
+    """The names of the ``<prefix><name>.json`` keys among ``keys`` (a listing of ``prefix``), in order."""
+    return [n for n in (name_of(k, prefix) for k in keys) if n is not None]
