@@ -60,7 +60,7 @@ def test_a_marker_created_in_the_store_reads_back_equal_under_its_key(run_store)
     """Marker.create writes markers/<batch>.json once (a second create is refused); Marker.read gives it back."""
     marker = _marker()
     assert marker.create(run_store) is True
-    assert run_store.exists("markers/b000003.json")
+    assert run_store.size("markers/b000003.json") is not None
     assert marker.create(run_store) is False, "the conditional create must refuse a second marker"
     assert Marker.read(run_store, "b000003") == marker
     assert Marker.read(run_store, "b000004") is None
@@ -98,7 +98,7 @@ def test_a_reclaim_is_created_once_under_its_delivery_and_attempt(run_store):
     reclaim = Reclaim(batch="b000001", delivery_tag="3f2a-tag", task_id="t-1", attempt=2, by="node2-99",
                       host="node2", at_unix=1796126400.5, at="2026-12-01T12:00:00+00:00")
     assert reclaim.create(run_store) and not reclaim.create(run_store)
-    assert run_store.exists("reclaims/b000001-3f2a-tag.2.json")
+    assert run_store.size("reclaims/b000001-3f2a-tag.2.json") is not None
     assert Reclaim.read(run_store, "b000001", "3f2a-tag", 2) == reclaim
 
 
