@@ -206,9 +206,10 @@ class SharedWorker:
     local store under ``root``.
 
     :meth:`producer` runs the CLI's ``main`` here (:func:`run_here`) with ``HSX_BROKER_URL`` set to
-    the shared broker and ``producer.run.LocalWorkers`` replaced by a handle on the shared worker, so a ``producer
-    run`` plans, enqueues, waits for its markers and reports as the command does, without starting
-    a broker and a worker of its own (seconds of process start and model load per test). The handle
+    the shared broker and ``producer.run.LocalWorkers`` replaced by a handle on the shared worker,
+    so a ``producer run`` plans, enqueues, waits for its markers and reports as the command does,
+    without starting a broker and a worker of its own (seconds of process start and model load per
+    test). The handle
     refuses a job whose worker-side settings (model, cache, faults, limits...) differ from the
     shared worker's: such a test needs a worker of its own. What only the whole process stack
     shows (the embedded broker's life cycle, the launcher, signals, warm shutdown) is left to the
@@ -246,7 +247,7 @@ class SharedWorker:
         this process with the shared worker as its workers (:func:`run_here`)."""
         return run_here(args, {**env, "HSX_BROKER_URL": self.broker.url}, local_workers=self._local_workers)
 
-    def _local_workers(self, env: dict[str, str], log_path: Path, count: int | None = None) -> "_SharedWorkerHandle":
+    def _local_workers(self, env: dict[str, str], log_path: Path, count: int | None = None) -> _SharedWorkerHandle:
         """Stands for ``producer.run.LocalWorkers(env, log_path, count)``: the job's worker settings
         (``env`` is what the workers ``run`` starts would get) must be the shared worker's."""
         from core.access import normalise

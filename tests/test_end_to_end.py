@@ -111,6 +111,17 @@ def test_a_different_config_into_the_same_run_id_is_refused(local_run):
     assert "already exists" in proc.stderr and "max_length" in proc.stderr
 
 
+def test_the_shared_worker_refuses_a_job_whose_worker_settings_differ(tmp_path, tiny_cache, shared_worker):
+    """A job with HSX_FAULTS set (a worker-side setting) is not run on the shared worker: the test is
+    told to give it a worker of its own, before anything is enqueued."""
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", faults="pause_forward=1")
+    jobs = shared_worker.jobs
+    with pytest.raises(AssertionError, match="faults"):
+        shared_worker.producer(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "2", "--max-length", "128",
+                                "--batch-tokens", "128", "--output", str(tmp_path / "out")], env)
+    assert shared_worker.jobs == jobs
+
+
 @pytest.fixture
 def tcp_broker(tmp_path):
     broker = TcpBroker(tmp_path / "broker")
