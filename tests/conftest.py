@@ -313,3 +313,56 @@ def store(request, tmp_path):
         return open_store(str(tmp_path / "store"))
     bucket = request.getfixturevalue("s3_bucket")
     return open_store(bucket.url, bucket.settings)
+
+
+# --- the tiny target, the shared worker and the shared small run ---------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    """A cache dir holding the generated ``tiny-qwen3.5`` checkpoint (built once per session)."""
+    from core.models import resolve_model_path
+
+    cache = tmp_path_factory.mktemp("hsx-cache")
+    resolve_model_path("tiny-qwen3.5", cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35(tiny_cache):
+    """The tiny-qwen3.5 target in fp32 on the CPU, loaded the way a worker loads it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from core.models import resolve_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-qwen3.5", tiny_cache), dtype=torch.float32,
+                                                 use_safetensors=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def shared_worker(tmp_path_factory, tiny_cache):
+    """The session's broker and worker process (tests/jobfixtures.py ``SharedWorker``), serving every
+    local store under the session's temp root; ``shared_worker.producer(args, env)`` runs a
+    ``producer`` command against them. ``env`` must name ``tiny_cache`` as its cache dir."""
+    from jobfixtures import SharedWorker
+
+    worker = SharedWorker(tmp_path_factory.mktemp("shared-worker"), tiny_cache, tmp_path_factory.getbasetemp())
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory, shared_worker, tiny_cache) -> dict:
+    """``{"dir", "address", "report", "env", "cache"}`` of the shared small run (tests/smallrun.py):
+    ``producer run`` of :data:`smallrun.SMALL_JOB` on the shared worker, made once per session."""
+    from jobfixtures import clean_env, cli_json
+    from smallrun import SMALL_JOB
+
+    tmp = tmp_path_factory.mktemp("small-run")
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp / "state", spool_dir=tmp / "spool")
+    report = cli_json(shared_worker.producer(["run", *SMALL_JOB, "--output", str(tmp / "out"), "--json"], env))
+    assert report["batches_done"] == report["batches_total"] >= 3, report
+    run_dir = tmp / "out" / report["run_id"]
+    return {"dir": run_dir, "address": str(run_dir), "report": report, "env": env, "cache": tiny_cache}

@@ -1,5 +1,6 @@
-"""Fixtures and helpers for tests that run the real job: CLI subprocesses, worker processes,
-brokers, and the per-sample reference forward that shards are checked against.
+"""Helpers for tests that run the real job: CLI subprocesses, worker processes, brokers, the
+session's shared worker (:class:`SharedWorker`), and the per-sample reference forward that shards
+are checked against. The fixtures built from them live in conftest.py.
 
 Every subprocess gets a clean environment: the machine's own ``HSX_*`` / ``AWS_*`` variables are
 removed, so a test never talks to a server it did not start.
@@ -7,6 +8,8 @@ removed, so a test never talks to a server it did not start.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -17,7 +20,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,25 +140,166 @@ def _ping(client) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory) -> Path:
-    """A cache dir holding the generated ``tiny-qwen3.5`` checkpoint (built once per session)."""
-    from core.models import resolve_model_path
+@contextlib.contextmanager
+def environ(env: dict[str, str]):
+    """``os.environ`` is exactly ``env`` inside the block (and ``get_settings()`` reads it afresh);
+    both are restored after."""
+    from settings import get_settings
 
-    cache = tmp_path_factory.mktemp("hsx-cache")
-    resolve_model_path("tiny-qwen3.5", cache)
-    return cache
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    get_settings.cache_clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        get_settings.cache_clear()
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tiny_cache):
-    """The tiny target model in fp32 on the CPU, loaded the way a worker loads it."""
-    from transformers import AutoModelForCausalLM
+def _no_workers(env: dict[str, str], log_path: Path, count: int | None = None):
+    raise AssertionError("this command started workers: run it on the shared worker (shared_worker.producer) "
+                         "or as a process (run_cli)")
 
-    from core.models import resolve_model_path
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-qwen3.5", tiny_cache), dtype=torch.float32, use_safetensors=True)
-    return model.eval()
+def run_here(args: list[str], env: dict[str, str], local_workers=_no_workers) -> subprocess.CompletedProcess:
+    """``python -m producer ARGS`` run in this process: the CLI's ``main`` with ``os.environ`` set to
+    ``env``, in the repo root, stdout and stderr captured; returns what :func:`run_cli` returns (the
+    exit code ``python -m producer`` would exit with, stdout and stderr text). For commands whose
+    output is what a test checks, without a Python start and the imports per command.
+
+    ``producer.run.LocalWorkers`` is replaced by ``local_workers`` meanwhile: by default a command
+    that would start workers fails the test (:class:`SharedWorker` passes its own). An exception
+    that ``python -m producer`` would print as a traceback propagates and fails the test. The signal
+    handlers ``main`` installs are restored after.
+    """
+    from producer import cli
+    from producer import run as run_module
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    real = run_module.LocalWorkers
+    run_module.LocalWorkers = local_workers
+    try:
+        with (environ(env), contextlib.chdir(ROOT), contextlib.redirect_stdout(stdout),
+              contextlib.redirect_stderr(stderr)):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exc:  # argparse's usage errors
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        run_module.LocalWorkers = real
+        for s, handler in signals.items():
+            signal.signal(s, handler)
+    return subprocess.CompletedProcess([sys.executable, "-m", "producer", *args], code, stdout.getvalue(), stderr.getvalue())
+
+
+class SharedWorker:
+    """One broker and one worker process for the whole test session, and ``python -m producer``
+    commands run in the test process against them.
+
+    The broker is the embedded one (``core.broker.EmbeddedBroker``: valkey-server on a unix socket,
+    as ``producer run`` starts it). The worker runs the ``celery worker`` command line that
+    ``python -m workers`` starts for a CPU slot (``workers.launcher.worker_command``: threads pool,
+    ``task_threads`` threads, events on), with the tiny-qwen3.5 target preloaded, serving every
+    local store under ``root``.
+
+    :meth:`producer` runs the CLI's ``main`` here (:func:`run_here`) with ``HSX_BROKER_URL`` set to
+    the shared broker and ``producer.run.LocalWorkers`` replaced by a handle on the shared worker,
+    so a ``producer run`` plans, enqueues, waits for its markers and reports as the command does,
+    without starting a broker and a worker of its own (seconds of process start and model load per
+    test). The handle
+    refuses a job whose worker-side settings (model, cache, faults, limits...) differ from the
+    shared worker's: such a test needs a worker of its own. What only the whole process stack
+    shows (the embedded broker's life cycle, the launcher, signals, warm shutdown) is left to the
+    tests that run ``producer run`` with :func:`run_cli`.
+    """
+
+    #: Settings a job may set otherwise than the shared worker: where its files and its own state go
+    #: (``store_url`` must be under ``root``), and the broker (always the shared one here).
+    PER_JOB = frozenset({"store_url", "allowed_stores", "state_dir", "spool_dir", "broker_url"})
+
+    def __init__(self, tmp: Path, cache: Path, root: Path, name: str = "cpu0"):
+        from core.access import normalise
+        from core.broker import EmbeddedBroker
+        from settings import Settings
+        from workers.launcher import worker_command
+
+        self.root = normalise(str(root))
+        self.broker = EmbeddedBroker(tmp / "broker").start()
+        self.env = clean_env(broker_url=self.broker.url, cache_dir=cache, model="tiny-qwen3.5", store_url=root,
+                             spool_dir=tmp / "spool", state_dir=tmp / "state")
+        with environ(self.env):
+            self.settings = Settings(_env_file=None)
+        self.log_path = tmp / "worker.log"
+        self.jobs = 0
+        """How many ``producer run`` jobs the worker served."""
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(worker_command(self.settings, name, "INFO"), cwd=ROOT, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def producer(self, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        """``python -m producer ARGS`` with environment ``env`` plus the shared broker's URL, run in
+        this process with the shared worker as its workers (:func:`run_here`)."""
+        return run_here(args, {**env, "HSX_BROKER_URL": self.broker.url}, local_workers=self._local_workers)
+
+    def _local_workers(self, env: dict[str, str], log_path: Path, count: int | None = None) -> _SharedWorkerHandle:
+        """Stands for ``producer.run.LocalWorkers(env, log_path, count)``: the job's worker settings
+        (``env`` is what the workers ``run`` starts would get) must be the shared worker's."""
+        from core.access import normalise
+        from settings import Settings
+
+        with environ(env):
+            job = Settings(_env_file=None)
+        differ = {name: (getattr(job, name), getattr(self.settings, name)) for name in Settings.model_fields
+                  if name not in self.PER_JOB and getattr(job, name) != getattr(self.settings, name)}
+        assert not differ, (f"this job's worker settings differ from the shared worker's (job, shared): {differ}; "
+                            "give the test a worker of its own (WorkerProcess) or run it with run_cli")
+        assert self.root.contains(normalise(job.store_url)), (
+            f"--output {job.store_url} is outside the shared worker's store root {self.root}: use tmp_path")
+        assert count in (None, 1), f"--workers {count}: the shared worker is one process"
+        assert self.proc.poll() is None, f"the shared worker exited:\n{self.log()[-3000:]}"
+        self.jobs += 1
+        return _SharedWorkerHandle(self)
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """Warm shutdown of the worker (SIGTERM; SIGKILL after ``timeout_s``), then the broker."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
+        finally:
+            self._log.close()
+            self.broker.stop()
+
+
+class _SharedWorkerHandle:
+    """What ``run_job`` holds of its workers (``alive``, ``log_tail``, ``stop``, ``kill``), for the
+    shared worker: stopping it is left to the session's end."""
+
+    def __init__(self, shared: SharedWorker):
+        self.shared = shared
+        self.log_path = shared.log_path
+
+    def alive(self) -> bool:
+        return self.shared.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.shared.log().splitlines()[-n:])
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
 
 
 def read_samples(run_store) -> dict[int, dict]:

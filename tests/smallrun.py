@@ -1,6 +1,6 @@
-"""One small real run, made once per test session and shared by the verify, reader and export
-tests: ``python -m producer run`` on 12 real ShareGPT records with the tiny-qwen3.5 target,
-EAGLE-3 layers, both final states, bf16 storage, a few batches. Tests that alter a run work on a
+"""One small real run, made once per test session (the ``small_run`` fixture in conftest.py) and
+shared by the verify, reader and export tests: ``producer run`` on 12 real ShareGPT records with
+the tiny-qwen3.5 target, EAGLE-3 layers, both final states, bf16 storage, a few batches. Tests that alter a run work on a
 copy (:func:`copy_run`); the original stays as the job wrote it.
 """
 
@@ -9,31 +9,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import pytest
-
-from jobfixtures import clean_env, cli_json, run_cli
-
 SMALL_JOB = ["sharegpt", "--model", "tiny-qwen3.5", "--limit", "12", "--max-length", "256", "--batch-tokens", "1024",
              "--final", "both"]
-
-_made: dict[str, dict] = {}
-
-
-@pytest.fixture(scope="session")
-def small_run(tmp_path_factory) -> dict:
-    """``{"dir", "address", "report", "env", "cache"}`` of the shared run (built on first use)."""
-    if "run" not in _made:
-        from core.models import resolve_model_path
-
-        tmp = tmp_path_factory.mktemp("small-run")
-        cache = tmp / "cache"
-        resolve_model_path("tiny-qwen3.5", cache)
-        env = clean_env(cache_dir=cache, state_dir=tmp / "state", spool_dir=tmp / "spool")
-        report = cli_json(run_cli("producer", ["run", *SMALL_JOB, "--output", str(tmp / "out"), "--json"], env))
-        assert report["batches_done"] == report["batches_total"] >= 3, report
-        run_dir = tmp / "out" / report["run_id"]
-        _made["run"] = {"dir": run_dir, "address": str(run_dir), "report": report, "env": env, "cache": cache}
-    return _made["run"]
+"""The shared small job; the ``small_run`` fixture (conftest.py) runs it once per session."""
 
 
 def copy_run(small_run: dict, dest: Path) -> Path:

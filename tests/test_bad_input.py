@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from jobfixtures import clean_env, cli_json, closed_port_url, run_cli, tiny_cache  # noqa: F401
+from jobfixtures import clean_env, cli_json, closed_port_url, run_here
 
 from core.store import open_store
 
@@ -23,7 +23,7 @@ def env(tmp_path, tiny_cache):
     return clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool")
 
 
-def test_a_file_of_pathological_records_finishes_with_each_skip_counted(tmp_path, env):
+def test_a_file_of_pathological_records_finishes_with_each_skip_counted(tmp_path, env, shared_worker):
     """Every docs/FACTS.md §4 pathology is skipped under its own reason; all good records are extracted."""
     lines = [json.dumps(_good(i)) for i in range(6)]
     lines += [
@@ -41,7 +41,7 @@ def test_a_file_of_pathological_records_finishes_with_each_skip_counted(tmp_path
     ]
     data = tmp_path / "bad.jsonl"
     data.write_bytes(("\n".join(lines) + "\n").encode() + b'{"id": "latin1", "conversations": [{"from": "human", "value": "caf\xe9"}]}\n')
-    report = cli_json(run_cli("producer", ["run", str(data), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"),
+    report = cli_json(shared_worker.producer(["run", str(data), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"),
                                            "--max-length", "256", "--batch-tokens", "1024", "--json"], env))
     counts = report["plan"]["skipped"]["counts"]
     assert counts == {"malformed_json": 1, "not_an_object": 1, "no_turns": 1, "empty_turn": 2, "unknown_role": 1,
@@ -63,19 +63,19 @@ def _refused(proc, *needles: str) -> None:
 def test_a_layer_id_out_of_range_is_refused_before_anything_is_written(tmp_path, env):
     """Layer 8 on an 8-layer model: exit 2, the rule named, no run written, no worker started."""
     out = tmp_path / "out"
-    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(out), "--layers", "1,8"], env)
+    proc = run_here(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(out), "--layers", "1,8"], env)
     _refused(proc, "[8]", "out of range", "8 layers")
     assert not list(out.glob("*/run.json"))
     assert not (tmp_path / "state").exists(), "no broker or worker may start for a refused config"
 
 
 def test_duplicate_layer_ids_are_refused(tmp_path, env):
-    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path), "--layers", "1,2,2"], env)
+    proc = run_here(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path), "--layers", "1,2,2"], env)
     _refused(proc, "duplicates")
 
 
 def test_a_batch_budget_smaller_than_one_sample_is_refused(tmp_path, env):
-    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path),
+    proc = run_here(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path),
                                 "--max-length", "512", "--batch-tokens", "256"], env)
     _refused(proc, "--batch-tokens 256", "--max-length 512")
 
@@ -84,7 +84,7 @@ def test_an_unreachable_s3_endpoint_is_refused_with_its_address(tmp_path, env):
     """A closed port as S3 endpoint: exit 2 naming the endpoint, before any model work."""
     url = closed_port_url()
     env = dict(env, HSX_S3_ENDPOINT_URL=url, HSX_S3_ACCESS_KEY_ID="k", HSX_S3_SECRET_ACCESS_KEY="very-secret-key", HSX_S3_REGION="us-east-1")
-    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", "s3://bucket/x"], env, timeout_s=60)
+    proc = run_here(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", "s3://bucket/x"], env)
     _refused(proc, url)
     assert "very-secret-key" not in proc.stderr + proc.stdout
 
@@ -92,19 +92,19 @@ def test_an_unreachable_s3_endpoint_is_refused_with_its_address(tmp_path, env):
 def test_an_unreachable_broker_is_refused_before_planning(tmp_path, env):
     """enqueue against a broker URL nobody listens on: exit 2, URL shown with its password masked."""
     url = closed_port_url().replace("http://", "redis://:broker-secret@") + "/0"
-    proc = run_cli("producer", ["enqueue", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path / "out")],
-                   dict(env, HSX_BROKER_URL=url), timeout_s=60)
+    proc = run_here(["enqueue", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path / "out")],
+                   dict(env, HSX_BROKER_URL=url))
     _refused(proc, "does not answer")
     assert "broker-secret" not in proc.stderr + proc.stdout
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*/run.json"))
 
 
 def test_enqueue_without_a_broker_url_says_how_to_set_one(tmp_path, env):
-    proc = run_cli("producer", ["enqueue", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path)], env)
+    proc = run_here(["enqueue", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path)], env)
     _refused(proc, "HSX_BROKER_URL")
 
 
-def test_a_400000_character_message_and_records_of_wrong_types_do_not_stop_the_job(tmp_path, env):
+def test_a_400000_character_message_and_records_of_wrong_types_do_not_stop_the_job(tmp_path, env, shared_worker):
     """A 400,000-character reply is truncated to --max-length and extracted; records whose fields have the wrong JSON
     types are skipped under their reasons; every good record is extracted."""
     huge = {"id": "huge", "conversations": [{"from": "human", "value": "Say it all."}, {"from": "gpt", "value": "word " * 80_000}]}
@@ -124,8 +124,8 @@ def test_a_400000_character_message_and_records_of_wrong_types_do_not_stop_the_j
     odd_ids = [{"id": 5, **GOOD}, {"id": ["a", "list"], **GOOD}]  # an int id is used as text; a list id falls back to the line
     data = tmp_path / "wrong.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in [_good(0), _good(1), huge, *wrong, *odd_ids]) + "\n")
-    report = cli_json(run_cli("producer", ["run", str(data), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"),
-                                           "--max-length", "256", "--batch-tokens", "1024", "--json"], env, timeout_s=240))
+    report = cli_json(shared_worker.producer(["run", str(data), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"),
+                                           "--max-length", "256", "--batch-tokens", "1024", "--json"], env))
     counts = report["plan"]["skipped"]["counts"]
     assert counts == {"no_turns": 2, "bad_turn": 6, "bad_pretokenised": 2}, counts
     assert report["plan"]["samples"] == 5 and report["plan"]["truncated_samples"] == 1
@@ -157,8 +157,7 @@ def test_wrong_s3_credentials_are_refused_before_planning_without_printing_the_s
     secret = "wrong-secret-must-not-print"
     env = dict(env, HSX_S3_ENDPOINT_URL=secured_s3.endpoint_url, HSX_S3_ACCESS_KEY_ID=secured_s3.access_key,
                HSX_S3_SECRET_ACCESS_KEY=secret, HSX_S3_REGION="us-east-1")
-    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", "s3://guarded/x"], env,
-                   timeout_s=60)
+    proc = run_here(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", "s3://guarded/x"], env)
     _refused(proc, "credentials refused", "HSX_S3_SECRET_ACCESS_KEY", secured_s3.endpoint_url)
     assert secret not in proc.stderr + proc.stdout
     assert not (tmp_path / "state").exists(), "no broker or worker may start"
@@ -172,6 +171,6 @@ def test_an_output_that_is_a_run_is_refused_naming_its_parent(tmp_path, env):
     run_dir = tmp_path / "out" / "sharegpt-0123456789ab"
     run_dir.mkdir(parents=True)
     (run_dir / "run.json").write_text("{}")
-    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(run_dir)], env)
+    proc = run_here(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(run_dir)], env)
     _refused(proc, "is a run", "give its parent")
     assert [p.name for p in run_dir.iterdir()] == ["run.json"], "nothing is written inside the run"

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jobfixtures import clean_env, tiny_cache  # noqa: F401
+from jobfixtures import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE_KEYS = {"date_utc", "cpus", "cpu_model", "ram_gib", "python", "torch", "transformers", "git_commit"}
@@ -25,7 +25,7 @@ def _run_bench(script: str, args: list[str], cache: Path, timeout_s: float = 120
     return proc
 
 
-def test_planning_bench_reports_every_stage_with_positive_rates(tmp_path, tiny_cache):  # noqa: F811
+def test_planning_bench_reports_every_stage_with_positive_rates(tmp_path, tiny_cache):
     """bench/planning.py --limit 50 writes stages a, b and c, each with samples, tokens and positive rates."""
     out = tmp_path / "planning.json"
     proc = _run_bench("planning.py", ["--limit", "50", "--json", str(out)], tiny_cache)
@@ -45,7 +45,7 @@ def test_planning_bench_reports_every_stage_with_positive_rates(tmp_path, tiny_c
     assert "c_plan_run" in proc.stdout, "the table is printed"
 
 
-def test_task_overhead_bench_measures_exactly_the_tasks_asked_for_on_each_store_and_concurrency(tmp_path, tiny_cache):  # noqa: F811
+def test_task_overhead_bench_measures_exactly_the_tasks_asked_for_on_each_store_and_concurrency(tmp_path, tiny_cache):
     """bench/task_overhead.py --tasks 10 --concurrency 1,2 times ten tasks per store (local, and S3
     unless weed is missing) and per thread count."""
     out = tmp_path / "task-overhead.json"
@@ -70,7 +70,7 @@ def test_task_overhead_bench_measures_exactly_the_tasks_asked_for_on_each_store_
     assert "tasks/s" in proc.stdout, "the table is printed"
 
 
-def test_soak_bench_runs_tasks_over_several_workers_and_finds_the_output_exactly_once(tmp_path, tiny_cache):  # noqa: F811
+def test_soak_bench_runs_tasks_over_several_workers_and_finds_the_output_exactly_once(tmp_path, tiny_cache):
     """bench/soak.py --tasks 20 --workers 2 --store local: twenty timed tasks over two worker processes; verify passes, no orphan, no duplicate."""
     out = tmp_path / "soak.json"
     proc = _run_bench("soak.py", ["--tasks", "20", "--workers", "2", "--store", "local", "--json", str(out)], tiny_cache)
@@ -87,8 +87,8 @@ def test_soak_bench_runs_tasks_over_several_workers_and_finds_the_output_exactly
     assert "exactly once" in proc.stdout
 
 
-def test_s3_host_cost_bench_sends_the_same_bytes_three_ways(tmp_path, tiny_cache):  # noqa: F811
-    """bench/s3_host_cost.py on a small shard: ours (write_stream), plain PUTs through the store and the spool hop each
+def test_s3_host_cost_bench_sends_the_same_bytes_three_ways(tmp_path, tiny_cache):
+    """bench/s3_host_cost.py on a small shard: ours (write_stream), plain upload_fileobj and the spool hop each
     report GB/s and CPU s per GB against a real loopback SeaweedFS."""
     out = tmp_path / "s3.json"
     _run_bench("s3_host_cost.py", ["--tokens", "512", "--hidden", "256", "--repeats", "1", "--json", str(out)], tiny_cache,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from jobfixtures import ROOT, clean_env, tiny_cache  # noqa: F401
+from jobfixtures import ROOT, clean_env
 from core.errors import BadConfig
 from core.models import model_info, resolve_model_path
 from producer.cli import _plan_table
@@ -71,7 +71,7 @@ def test_a_model_path_to_a_file_asks_for_the_checkpoint_directory(tmp_path):
         resolve_model_path(str(f), tmp_path)
 
 
-def test_hub_ids_and_builtin_names_are_not_taken_for_paths(tiny_cache):  # noqa: F811
+def test_hub_ids_and_builtin_names_are_not_taken_for_paths(tiny_cache):
     assert resolve_model_path("Qwen/Qwen3-8B", tiny_cache) == "Qwen/Qwen3-8B"
     assert resolve_model_path("tiny-qwen3.5", tiny_cache).startswith(str(tiny_cache))
 
@@ -81,7 +81,7 @@ def test_stopping_line_names_what_is_stopped():
     assert "embedded broker" in stopping_line(True, True) and "embedded broker" not in stopping_line(True, False)
 
 
-def test_run_says_stopping_at_once_when_interrupted(tmp_path, tiny_cache):  # noqa: F811
+def test_run_says_stopping_at_once_when_interrupted(tmp_path, tiny_cache):
     """SIGTERM (what Ctrl-C takes too) while a batch is held in the forward: the stopping line comes
     within a second, long before the workers have finished their batch and stopped."""
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from jobfixtures import clean_env, cli_json, plan_samples, run_cli, tiny_cache  # noqa: F401
+from jobfixtures import clean_env, cli_json, plan_samples
 
 from core.runconfig import load_run
 from core.store import open_store
@@ -30,14 +30,14 @@ RECORDS = [
 ]
 
 
-def test_every_record_form_becomes_a_sample_of_a_completed_run(tmp_path, tiny_cache):
+def test_every_record_form_becomes_a_sample_of_a_completed_run(tmp_path, tiny_cache, shared_worker):
     """A tool-call conversation, two reasoning conversations, a pre-tokenised and a text record (--allow-text):
     all five planned and extracted; the pre-tokenised ids and mask are stored as given; run.json records
     enable_thinking and the sample policy."""
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool")
     data = tmp_path / "forms.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
-    report = cli_json(run_cli("producer", ["run", str(data), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"),
+    report = cli_json(shared_worker.producer(["run", str(data), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"),
                                            "--max-length", "256", "--batch-tokens", "1024", "--allow-text",
                                            "--enable-thinking", "--json"], env))
     assert report["plan"]["skipped"]["counts"] == {}, report["plan"]["skipped"]

@@ -1,6 +1,8 @@
-"""The main job end to end, with real parts: the producer CLI, the embedded valkey broker or a
-valkey server on a TCP port, real Celery worker processes, a local store and a real S3 server,
-the built-in tiny-qwen3.5 target and real ShareGPT records.
+"""The main job end to end, with real parts: the producer CLI, the session's shared worker (a
+real Celery worker process on the embedded valkey broker) or a worker of its own on a valkey server
+on a TCP port, a local store and a real S3 server, the built-in tiny-qwen3.5 target and real
+ShareGPT records. The whole ``producer run`` process stack (embedded broker, launcher, warm
+shutdown) is tested in test_run_lifecycle.py, test_cli_messages.py and test_monitoring.py.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from jobfixtures import (TcpBroker, WorkerProcess, assert_matches_reference, clean_env, cli_json, plan_samples,
-                         read_samples, run_cli, tiny_cache, tiny_model, wait_until)  # noqa: F401
+from jobfixtures import (TcpBroker, WorkerProcess, assert_matches_reference, clean_env, cli_json, plan_samples, read_samples,
+                         run_here, wait_until)
 
 from core.marker import done_batches, marker_key
 from core.runconfig import load_run
@@ -25,11 +27,11 @@ JOB = ["sharegpt", "--model", "tiny-qwen3.5", "--limit", "24", "--max-length", "
 
 
 @pytest.fixture(scope="module")
-def local_run(tmp_path_factory, tiny_cache):
-    """``producer run`` on 24 real ShareGPT records into a local store, with the embedded broker."""
+def local_run(tmp_path_factory, tiny_cache, shared_worker):
+    """``producer run`` on 24 real ShareGPT records into a local store, on the shared worker."""
     tmp = tmp_path_factory.mktemp("local-run")
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp / "state", spool_dir=tmp / "spool")
-    report = cli_json(run_cli("producer", ["run", *JOB, "--output", str(tmp / "out"), "--json"], env))
+    report = cli_json(shared_worker.producer(["run", *JOB, "--output", str(tmp / "out"), "--json"], env))
     return {"tmp": tmp, "env": env, "report": report, "store": open_store(report["address"])}
 
 
@@ -43,7 +45,7 @@ def test_run_writes_every_batch_with_a_marker_and_reports_skips(local_run):
     assert report["plan"]["tokens"] > 0 and 0 <= report["plan"]["padding_waste"] < 0.25
 
 
-def test_shards_equal_a_per_sample_reference_forward_for_every_layer(local_run, tiny_model):
+def test_shards_equal_a_per_sample_reference_forward_for_every_layer(local_run, tiny_qwen35):
     """Batched, right-padded capture == per-sample output_hidden_states[id + 1] for every stored layer and the final post-norm state."""
     run_store = local_run["store"]
     config = load_run(run_store)
@@ -51,7 +53,7 @@ def test_shards_equal_a_per_sample_reference_forward_for_every_layer(local_run, 
     assert len(samples) == local_run["report"]["plan"]["samples"]
     layer_ids = config.layers["layer_ids"]
     assert layer_ids == [1, 3, 4]  # EAGLE-3 preset on 8 layers: [1, N//2-1, N-4]
-    compared = assert_matches_reference(tiny_model, samples, layer_ids, atol=1e-4, rtol=1e-4)
+    compared = assert_matches_reference(tiny_qwen35, samples, layer_ids, atol=1e-4, rtol=1e-4)
     assert compared > 100_000, "the check must have compared real values"
 
 
@@ -75,10 +77,12 @@ def test_shard_metadata_records_layer_ids_in_every_convention(local_run):
     assert meta["final"] == "postnorm" and "output of decoder layer" in meta["layer_id_convention"]
 
 
-def test_running_the_same_job_again_does_no_work(local_run):
+def test_running_the_same_job_again_does_no_work(local_run, shared_worker):
     """A rerun finds the plan and every marker: nothing is enqueued and no worker is started."""
     before = sorted(local_run["store"].list("shards/"))
-    report = cli_json(run_cli("producer", ["run", *JOB, "--output", str(local_run["tmp"] / "out"), "--json"], local_run["env"]))
+    jobs = shared_worker.jobs
+    report = cli_json(shared_worker.producer(["run", *JOB, "--output", str(local_run["tmp"] / "out"), "--json"], local_run["env"]))
+    assert shared_worker.jobs == jobs, "no worker is started"
     assert report["run_id"] == local_run["report"]["run_id"]
     assert report["plan_reused"] is True
     assert report["batches_enqueued"] == 0
@@ -86,12 +90,12 @@ def test_running_the_same_job_again_does_no_work(local_run):
     assert sorted(local_run["store"].list("shards/")) == before
 
 
-def test_deleting_one_marker_reruns_exactly_that_batch(local_run):
+def test_deleting_one_marker_reruns_exactly_that_batch(local_run, shared_worker):
     """Remove one marker: the next run enqueues that batch alone and certifies it again."""
     run_store = local_run["store"]
     victim = sorted(done_batches(run_store))[1]
     run_store.delete(marker_key(victim))
-    report = cli_json(run_cli("producer", ["run", *JOB, "--output", str(local_run["tmp"] / "out"), "--json"], local_run["env"]))
+    report = cli_json(shared_worker.producer(["run", *JOB, "--output", str(local_run["tmp"] / "out"), "--json"], local_run["env"]))
     assert report["batches_enqueued"] == 1
     assert report["batches_already_done"] == report["batches_total"] - 1
     assert victim in done_batches(run_store)
@@ -102,9 +106,20 @@ def test_a_different_config_into_the_same_run_id_is_refused(local_run):
     """Same --run-id, other --max-length: refused with the differing field named; nothing written."""
     run_id = local_run["report"]["run_id"]
     args = [a if a != "384" else "256" for a in JOB]
-    proc = run_cli("producer", ["run", *args, "--output", str(local_run["tmp"] / "out"), "--run-id", run_id], local_run["env"])
+    proc = run_here(["run", *args, "--output", str(local_run["tmp"] / "out"), "--run-id", run_id], local_run["env"])
     assert proc.returncode == 2
     assert "already exists" in proc.stderr and "max_length" in proc.stderr
+
+
+def test_the_shared_worker_refuses_a_job_whose_worker_settings_differ(tmp_path, tiny_cache, shared_worker):
+    """A job with HSX_FAULTS set (a worker-side setting) is not run on the shared worker: the test is
+    told to give it a worker of its own, before anything is enqueued."""
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", faults="pause_forward=1")
+    jobs = shared_worker.jobs
+    with pytest.raises(AssertionError, match="faults"):
+        shared_worker.producer(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "2", "--max-length", "128",
+                                "--batch-tokens", "128", "--output", str(tmp_path / "out")], env)
+    assert shared_worker.jobs == jobs
 
 
 @pytest.fixture
@@ -123,7 +138,7 @@ def test_enqueue_with_a_redis_url_and_a_separate_worker_on_s3_gives_the_same_sha
     )
     worker = WorkerProcess(env, "gpu0", tmp_path / "worker.log")
     try:
-        report = cli_json(run_cli("producer", ["enqueue", *JOB, "--output", s3_bucket.url, "--json"], env))
+        report = cli_json(run_here(["enqueue", *JOB, "--output", s3_bucket.url, "--json"], env))
         assert report["run_id"] == local_run["report"]["run_id"], "same dataset + config must give the same run id"
         assert tcp_broker.password not in json.dumps(report)
         s3_run = open_store(report["address"], s3_bucket.settings)

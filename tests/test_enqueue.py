@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from smallrun import copy_run, small_run  # noqa: F401
+from smallrun import copy_run
 
 from core.broker import EmbeddedBroker, redis_client
 from core.runconfig import load_run

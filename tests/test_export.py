@@ -14,8 +14,8 @@ import torch
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file
 
-from jobfixtures import cli_json, read_samples, run_cli
-from smallrun import copy_run, small_run  # noqa: F401
+from jobfixtures import cli_json, read_samples, run_here
+from smallrun import copy_run
 
 from core.errors import BadConfig
 from core.runconfig import load_run
@@ -52,7 +52,7 @@ def test_specforge_eagle3_export_loads_as_data_ckpt_files_under_row_range_folder
     """CLI export: rows_0-2000/data_{i}.ckpt, each {input_ids int64 [S], loss_mask int64 [S],
     hidden_state bf16 [1,S,H] = final post-norm, aux_hidden_state bf16 [1,S,3H] = the 3 layers}."""
     out = tmp_path / "eagle3"
-    report = cli_json(run_cli("producer", ["export", small_run["address"], "--format", "specforge-eagle3", str(out), "--json"],
+    report = cli_json(run_here(["export", small_run["address"], "--format", "specforge-eagle3", str(out), "--json"],
                               small_run["env"]))
     assert report["samples"] == len(stored) and report["supervised_tokens"] == _supervised(stored)
     index = _index(out)
@@ -160,7 +160,7 @@ def test_speculators_export_loads_with_datasets_load_from_disk(small_run, tmp_pa
 def test_vocab_counts_subcommand_writes_the_runs_counts(small_run, stored, tmp_path):
     """`vocab-counts --output FILE`: counts of input ids at loss_mask == 1 over every stored sample."""
     target = tmp_path / "counts.safetensors"
-    info = cli_json(run_cli("producer", ["vocab-counts", small_run["address"], "--output", str(target), "--json"], small_run["env"]))
+    info = cli_json(run_here(["vocab-counts", small_run["address"], "--output", str(target), "--json"], small_run["env"]))
     assert info["supervised_tokens"] == _supervised(stored) and info["samples"] == len(stored)
     _check_vocab_counts(target, stored)
 
@@ -185,7 +185,7 @@ def test_formats_refuse_runs_without_what_their_trainer_needs(small_run, tmp_pat
     run_json = json.loads((run_dir / "run.json").read_text())
     run_json["layers"]["final"] = "postnorm"
     (run_dir / "run.json").write_text(json.dumps(run_json))
-    proc = run_cli("producer", ["export", str(run_dir), "--format", "speculators", str(tmp_path / "x")], small_run["env"])
+    proc = run_here(["export", str(run_dir), "--format", "speculators", str(tmp_path / "x")], small_run["env"])
     assert proc.returncode == 2 and "BEFORE the norm" in proc.stderr and "--final prenorm" in proc.stderr
     assert not (tmp_path / "x").exists(), "a refused export leaves nothing behind"
 

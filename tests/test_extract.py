@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from jobfixtures import assert_matches_reference, plan_samples, read_samples, tiny_cache  # noqa: F401
+from jobfixtures import assert_matches_reference, plan_samples, read_samples
 
 from core.errors import FidelityError
 from core.marker import read_marker

@@ -15,8 +15,8 @@ import json
 import pytest
 import torch
 
-from jobfixtures import clean_env, cli_json, run_cli, tiny_cache  # noqa: F401
-from smallrun import SMALL_JOB, small_run  # noqa: F401
+from jobfixtures import clean_env, cli_json, run_here
+from smallrun import SMALL_JOB
 from tinymodels import random_batch, tiny_model
 
 from core.fp8 import (E4M3_MAX, FP8_DTYPE, TOKEN_MAX_REL_ERR, dequantize_fp8, error_bound, quantize_fp8,
@@ -240,11 +240,11 @@ def test_nan_and_inf_samples_are_still_quarantined_under_fp8(fp8_planned):
 
 
 @pytest.fixture(scope="module")
-def fp8_run(small_run, tmp_path_factory):
-    """The shared small job (tests/smallrun.py) again with --store-dtype fp8, by ``producer run``."""
+def fp8_run(small_run, tmp_path_factory, shared_worker):
+    """The shared small job (tests/smallrun.py) again with --store-dtype fp8, by ``producer run`` on the shared worker."""
     tmp = tmp_path_factory.mktemp("fp8-run")
     env = clean_env(cache_dir=small_run["cache"], state_dir=tmp / "state", spool_dir=tmp / "spool")
-    report = cli_json(run_cli("producer", ["run", *SMALL_JOB, "--store-dtype", "fp8", "--output", str(tmp / "out"), "--json"], env))
+    report = cli_json(shared_worker.producer(["run", *SMALL_JOB, "--store-dtype", "fp8", "--output", str(tmp / "out"), "--json"], env))
     assert report["batches_done"] == report["batches_total"] == small_run["report"]["batches_total"], report
     assert report["run_id"] != small_run["report"]["run_id"], "the store dtype is part of the run's identity"
     return {"dir": tmp / "out" / report["run_id"], "address": str(tmp / "out" / report["run_id"]), "report": report, "env": env}
@@ -319,7 +319,7 @@ def test_verify_recompute_passes_on_an_fp8_run_with_the_fp8_tolerance_and_still_
     from producer.verify import recompute_samples
     from settings import Settings
 
-    proc = run_cli("producer", ["verify", fp8_run["address"], "--recompute", "4", "--json"], fp8_run["env"])
+    proc = run_here(["verify", fp8_run["address"], "--recompute", "4", "--json"], fp8_run["env"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["ok"] and report["problems"] == []
@@ -345,7 +345,7 @@ def test_a_speculators_export_of_an_fp8_run_holds_bf16_equal_to_the_reader(fp8_r
     from core.reader import HiddenStatesDataset
 
     out = tmp_path / "spec"
-    report = cli_json(run_cli("producer", ["export", fp8_run["address"], "--format", "speculators", str(out), "--json"],
+    report = cli_json(run_here(["export", fp8_run["address"], "--format", "speculators", str(out), "--json"],
                               fp8_run["env"]))
     assert report["store_dtype"] == "fp8" and report["hidden_dtype"] == "bfloat16"
     exported = json.loads((out / "export.json").read_text())

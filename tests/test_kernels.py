@@ -5,14 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jobfixtures import tiny_cache, tiny_model  # noqa: F401
-
 from core.errors import BadConfig
 from settings import Settings
 from workers.target import check_kernels, is_gdn
 
 
-def test_a_gdn_model_on_cuda_without_fla_is_refused_unless_allowed(tiny_model, monkeypatch):
+def test_a_gdn_model_on_cuda_without_fla_is_refused_unless_allowed(tiny_qwen35, monkeypatch):
     """Without fla, on a (pretended) CUDA device the check refuses and names the fix; the override lets it run.
 
     fla's absence is what the kernel report says (it is never installed on CPU boxes, docs/FACTS.md
@@ -22,12 +20,12 @@ def test_a_gdn_model_on_cuda_without_fla_is_refused_unless_allowed(tiny_model, m
 
     real = target.kernel_report
     monkeypatch.setattr(target, "kernel_report", lambda model: {**real(model), "fla": False})
-    assert is_gdn(tiny_model.config)
-    report = check_kernels(tiny_model, torch.device("cpu"), Settings(_env_file=None))
+    assert is_gdn(tiny_qwen35.config)
+    report = check_kernels(tiny_qwen35, torch.device("cpu"), Settings(_env_file=None))
     assert report["fla"] is False
     with pytest.raises(BadConfig, match="HSX_ALLOW_SLOW_KERNELS"):
-        check_kernels(tiny_model, torch.device("cuda"), Settings(_env_file=None))
-    assert check_kernels(tiny_model, torch.device("cuda"), Settings(_env_file=None, allow_slow_kernels=True))["fla"] is False
+        check_kernels(tiny_qwen35, torch.device("cuda"), Settings(_env_file=None))
+    assert check_kernels(tiny_qwen35, torch.device("cuda"), Settings(_env_file=None, allow_slow_kernels=True))["fla"] is False
 
 
 def test_a_dense_model_is_not_a_gdn_model(tmp_path):

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from jobfixtures import WorkerProcess, tiny_cache, wait_until  # noqa: F401
+from jobfixtures import WorkerProcess, wait_until
 from test_recovery import (HOLD_S, Cluster, assert_complete, cluster, copy_run, held_batch, template,  # noqa: F401
                            wait_done, wait_log)
 

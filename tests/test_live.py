@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from jobfixtures import read_samples
-from smallrun import copy_run, quarantine_first_sample, small_run  # noqa: F401
+from smallrun import copy_run, quarantine_first_sample
 
 from core.errors import BadConfig, FidelityError, HsxError
 from core.live import LiveHiddenStatesDataset, order_key, rank_of

@@ -14,7 +14,7 @@ import math
 import subprocess
 import sys
 
-from jobfixtures import ROOT, clean_env, read_samples, tiny_cache, wait_until  # noqa: F401
+from jobfixtures import ROOT, clean_env, read_samples, wait_until
 
 from core.store import open_store
 

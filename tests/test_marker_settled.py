@@ -11,8 +11,6 @@ import json
 
 import pytest
 
-from smallrun import small_run  # noqa: F401
-
 from core.marker import read_marker
 from core.store import open_store, verify, write_file
 

@@ -21,7 +21,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import core.models
-from jobfixtures import tiny_cache  # noqa: F401
 from core.errors import BadConfig, RunConflict
 from core.models import CONTENT_REVISION_PREFIX, checkpoint_files, file_sha256, model_info, resolve_model_path
 from core.runconfig import RunConfig, load_run
@@ -34,7 +33,7 @@ DATASET = LEGACY / "chats.jsonl"
 
 
 @pytest.fixture
-def ckpt(tmp_path, tiny_cache):  # noqa: F811
+def ckpt(tmp_path, tiny_cache):
     """A copy of the tiny checkpoint as a local directory (weights, config, tokenizer)."""
     target = tmp_path / "ckpt"
     shutil.copytree(resolve_model_path("tiny-qwen3.5", tiny_cache), target)
@@ -267,7 +266,7 @@ def test_a_checkpoint_that_changes_while_a_worker_loads_it_is_refused(ckpt, tmp_
         load_target(str(ckpt), Settings(_env_file=None, cache_dir=tmp_path / "cache", device="cpu"))
 
 
-def test_a_version_1_run_is_still_checked_the_way_its_revision_was_recorded(tiny_cache):  # noqa: F811
+def test_a_version_1_run_is_still_checked_the_way_its_revision_was_recorded(tiny_cache):
     """The legacy run recorded ``local-<16 hex>`` for tiny-qwen3.5: the same checkpoint now has a content
     revision (so as_dict() differs) and still matches that record through its legacy revision."""
     recorded = RunConfig.from_json((LEGACY / "chats-307617162427" / "run.json").read_bytes()).model

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from jobfixtures import ROOT, WorkerProcess, clean_env, cli_json, free_port, run_cli, tiny_cache, wait_until  # noqa: F401
+from jobfixtures import ROOT, WorkerProcess, clean_env, cli_json, free_port, run_cli, wait_until
 
 from core.broker import EmbeddedBroker, running_embedded_broker
 from core.marker import done_batches

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from jobfixtures import clean_env, run_cli, tiny_cache  # noqa: F401
+from jobfixtures import clean_env, run_here
 from core.errors import BadDataset, StoreError
 from core.plan import BATCHES_JSON, PLANNING_JSON, BatchPlan, plan_complete
 from core.store import exists, open_store
@@ -37,7 +37,7 @@ def _opts(output: Path, dataset: Path = DATASET) -> PlanOptions:
 
 
 @pytest.fixture
-def settings(tiny_cache, tmp_path):  # noqa: F811
+def settings(tiny_cache, tmp_path):
     return Settings(_env_file=None, cache_dir=tiny_cache, spool_dir=tmp_path / "spool", device="cpu")
 
 
@@ -134,11 +134,11 @@ def test_a_dataset_with_no_usable_record_leaves_no_run_behind(tmp_path, settings
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_an_empty_dataset_file_is_one_line_naming_the_file(tmp_path, tiny_cache):  # noqa: F811
+def test_an_empty_dataset_file_is_one_line_naming_the_file(tmp_path, tiny_cache):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state")
-    proc = run_cli("producer", ["run", str(empty), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "store")], env)
+    proc = run_here(["run", str(empty), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "store")], env)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip() and "tokenising" not in line]
     text = " ".join(line.strip() for line in lines)  # rich wraps long lines at the terminal width
@@ -146,14 +146,13 @@ def test_an_empty_dataset_file_is_one_line_naming_the_file(tmp_path, tiny_cache)
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").iterdir())
 
 
-def test_status_watch_stops_on_a_failed_plan(tmp_path, settings, monkeypatch, tiny_cache):  # noqa: F811
+def test_status_watch_stops_on_a_failed_plan(tmp_path, settings, monkeypatch, tiny_cache):
     _fail_on_second_batch(monkeypatch, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         plan_run(_opts(tmp_path / "store"), settings)
     (run_dir,) = [p for p in (tmp_path / "store").iterdir()]
     env = clean_env(cache_dir=tiny_cache)
-    proc = run_cli("producer", ["status", str(run_dir), "--watch", "--json", "--no-broker", "--interval", "0.2"], env,
-                   timeout_s=60)
+    proc = run_here(["status", str(run_dir), "--watch", "--json", "--no-broker", "--interval", "0.2"], env)
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stdout.splitlines()
     assert json.loads(line)["state"] == "plan_failed"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jobfixtures import read_samples
-from smallrun import copy_run, quarantine_first_sample, small_run, upload_run  # noqa: F401
+from smallrun import copy_run, quarantine_first_sample, upload_run
 
 from core.errors import BadConfig, FidelityError
 from core.reader import HiddenStatesDataset, IterableHiddenStatesDataset

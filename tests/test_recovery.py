@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from jobfixtures import WorkerProcess, clean_env, plan_samples, read_samples, run_cli, tiny_cache, wait_until  # noqa: F401
+from jobfixtures import WorkerProcess, clean_env, plan_samples, read_samples, run_cli, wait_until
 
 from core.broker import EmbeddedBroker
 from core.marker import done_batches, read_marker

@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-from jobfixtures import ROOT, clean_env, tiny_cache  # noqa: F401
+from jobfixtures import ROOT, clean_env
 from core.broker import EmbeddedBroker, redis_client
 
 JOB = ["sharegpt", "--limit", "4", "--model", "tiny-qwen3.5", "--max-length", "128", "--batch-tokens", "128"]
@@ -47,7 +47,7 @@ def kill_all(procs: list[psutil.Process]) -> None:
             pass
 
 
-def test_a_killed_run_leaves_no_worker_behind(tmp_path, tiny_cache):  # noqa: F811
+def test_a_killed_run_leaves_no_worker_behind(tmp_path, tiny_cache):
     """SIGKILL of ``producer run`` (no chance to clean up): its workers notice their parent is gone and
     shut down (warm: the held batch finishes); only the broker is left, which the next run stops."""
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool", faults="pause_forward=3")
@@ -63,7 +63,7 @@ def test_a_killed_run_leaves_no_worker_behind(tmp_path, tiny_cache):  # noqa: F8
         kill_all(children)
 
 
-def test_a_hangup_stops_the_run_like_ctrl_c(tmp_path, tiny_cache):  # noqa: F811
+def test_a_hangup_stops_the_run_like_ctrl_c(tmp_path, tiny_cache):
     """SIGHUP (a closed terminal or SSH session): the stopping line, exit code 130, and nothing of
     the run is left running, broker included."""
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool", faults="pause_forward=2")
@@ -78,7 +78,7 @@ def test_a_hangup_stops_the_run_like_ctrl_c(tmp_path, tiny_cache):  # noqa: F811
         kill_all(children)
 
 
-def test_messages_left_by_an_interrupted_run_are_dropped_not_run(tmp_path, tiny_cache):  # noqa: F811
+def test_messages_left_by_an_interrupted_run_are_dropped_not_run(tmp_path, tiny_cache):
     """A message still queued in the embedded broker (a run interrupted before its workers took it)
     is not run by the next, unrelated run: that run says it dropped it, and does its own job."""
     state = tmp_path / "state"

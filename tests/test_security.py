@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jobfixtures import ROOT, TcpBroker, WorkerProcess, clean_env, run_cli, tiny_cache, wait_until  # noqa: F401
+from jobfixtures import ROOT, TcpBroker, WorkerProcess, clean_env, run_cli, wait_until
 
 from core.broker import EmbeddedBroker
 from core.errors import BadConfig

@@ -12,8 +12,8 @@ from datetime import datetime, timezone
 
 from rich.console import Console
 
-from jobfixtures import run_cli
-from smallrun import copy_run, quarantine_first_sample, small_run  # noqa: F401
+from jobfixtures import run_here
+from smallrun import copy_run, quarantine_first_sample
 
 from core.marker import done_batches, marker_key
 from core.plan import read_batch_list
@@ -88,8 +88,7 @@ def test_a_run_whose_every_worker_went_quiet_is_stalled_not_running(small_run, t
 
 def test_status_watch_json_prints_one_line_per_refresh_and_stops_when_the_run_is_done(small_run):
     """``status --watch --json`` on a finished run prints one JSON line, state done, and exits 0; it needs no broker."""
-    proc = run_cli("producer", ["status", small_run["address"], "--watch", "--json", "--interval", "0.2"], small_run["env"],
-                   timeout_s=60)
+    proc = run_here(["status", small_run["address"], "--watch", "--json", "--interval", "0.2"], small_run["env"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1

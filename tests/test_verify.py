@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from jobfixtures import run_cli
-from smallrun import copy_run, quarantine_first_sample, small_run, upload_run  # noqa: F401
+from jobfixtures import run_here
+from smallrun import copy_run, quarantine_first_sample, upload_run
 
 from core.marker import marker_key
 from core.records import Marker
@@ -34,7 +34,7 @@ def _marker(run_dir, batch: str) -> dict:
 def test_verify_passes_on_the_jobs_output_and_recomputed_samples_match(small_run):
     """The CLI exits 0 on an untouched run: every marker, shard, count and token echoes; 3 random
     samples recomputed per sample in fp32 are within the bf16 tolerance."""
-    proc = run_cli("producer", ["verify", small_run["address"], "--recompute", "3", "--json"], small_run["env"])
+    proc = run_here(["verify", small_run["address"], "--recompute", "3", "--json"], small_run["env"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["ok"] and report["problems"] == []
@@ -71,7 +71,7 @@ def test_an_altered_shard_fails_with_exit_1_naming_its_batch(small_run, tmp_path
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40
     shard.write_bytes(bytes(data))
-    proc = run_cli("producer", ["verify", str(run_dir)], small_run["env"])
+    proc = run_here(["verify", str(run_dir)], small_run["env"])
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "verify FAILED" in proc.stdout and victim in proc.stdout and "shard_altered" in proc.stdout
     assert "Traceback" not in proc.stderr
