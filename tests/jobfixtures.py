@@ -178,9 +178,16 @@ def run_here(args: list[str], env: dict[str, str], local_workers=_no_workers) ->
     from producer import run as run_module
 
     stdout, stderr = io.StringIO(), io.StringIO()
+    # Wide, unless the test sets it: rich wraps at 80 columns, and a long temp path (pytest-xdist's
+    # popen-gwN dirs) would break the phrases tests look for across lines.
+    env = {"COLUMNS": "400", **env}
+    widths = {c: (c._width, c._height) for c in (cli.console, cli.out)}  # rich keeps a size met at import
     signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     real = run_module.LocalWorkers
     run_module.LocalWorkers = local_workers
+    for c in widths:
+        if env["COLUMNS"].isdigit():
+            c.size = (int(env["COLUMNS"]), 25)
     try:
         with (environ(env), contextlib.chdir(ROOT), contextlib.redirect_stdout(stdout),
               contextlib.redirect_stderr(stderr)):
@@ -190,6 +197,8 @@ def run_here(args: list[str], env: dict[str, str], local_workers=_no_workers) ->
                 code = exc.code if isinstance(exc.code, int) else 1
     finally:
         run_module.LocalWorkers = real
+        for c, (width, height) in widths.items():
+            c._width, c._height = width, height
         for s, handler in signals.items():
             signal.signal(s, handler)
     return subprocess.CompletedProcess([sys.executable, "-m", "producer", *args], code, stdout.getvalue(), stderr.getvalue())

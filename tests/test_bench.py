@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MACHINE_KEYS = {"date_utc", "cpus", "cpu_model", "ram_gib", "python", "torch", "transformers", "git_commit"}
 
 
-def _run_bench(script: str, args: list[str], cache: Path, timeout_s: float = 120) -> subprocess.CompletedProcess:
+def _run_bench(script: str, args: list[str], cache: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT, env=clean_env(cache_dir=cache),
                           capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"

@@ -269,7 +269,7 @@ def test_a_run_asking_for_the_last_layer_and_both_finals_stores_them_as_the_refe
         assert gap > 0.1, f"sample {sample}: the last layer's output and the post-norm state differ by only {gap:.3g}"
 
     marker, plan = read_marker(run.run_store, batch), read_batch(run.run_store, batch)
-    assert marker["quarantined"] == []  # so the shard's rows are the plan's
+    assert marker.quarantined == []  # so the shard's rows are the plan's
     cu = plan.cu_seqlens_N1.tolist()
     picks = [(batch, marker, int(sample), cu[j], cu[j + 1]) for j, sample in enumerate(plan.sample_index_N.tolist())]
     summary, problems = recompute_samples(run.run_store, run.config, picks, settings)
