@@ -88,10 +88,10 @@ def test_a_live_worker_s_long_batch_keeps_its_lease(template, cluster, tmp_path)
     """A batch that runs three times the lease on a live worker is renewed by its heartbeats: nobody reclaims it."""
     run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
     slow = cluster.worker("slow", faults="pause_forward=18", **LEASE)
-    cluster.worker("other", **LEASE)
     first = template.batches[0]
     cluster.enqueue(run_store, [first])
     wait_log(slow, f"at forward of batch {first['batch']}")
+    cluster.worker("other", **LEASE)  # started once slow holds the batch: a live worker that could reclaim it
     wait_until(lambda: first["batch"] in done_batches(run_store), 60, "the long batch's marker")
     assert _reclaims(run_store) == [] and "Task hsx.extract_batch" not in cluster.workers[1].log()
 
