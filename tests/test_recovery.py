@@ -299,10 +299,9 @@ def test_a_task_redelivered_after_its_visibility_timeout_leaves_one_marker(templ
     received = [line for line in (slow.log() + fast.log()).splitlines()
                 if "Task hsx.extract_batch[" in line and line.rstrip().endswith("received")]
     assert len(received) >= 2, f"the batch was delivered again while its first delivery ran: {received}"
-    # A later delivery either loses the marker race (and removes its shard) or starts after the marker exists.
-    wait_until(lambda: any(m in slow.log() + fast.log() for m in ("another worker wrote the marker first",
-                                                                  "already has its marker: nothing to do")),
-               60, "a second delivery to end without a second shard")
+    # A later delivery loses the marker race (its shard removed), starts after the marker exists, or is
+    # skipped by Celery as already succeeded (worker_deduplicate_successful_tasks): none leaves a second shard.
+    time.sleep(10)  # the first delivery's 8 s pause, so that every delivery has ended
     assert len(shards_of(run_store, first["batch"])) == 1
     slow.kill()  # it would hold every later batch 8 s
     cluster.reconcile(run_store)
