@@ -3,7 +3,7 @@
 Every value comes from an environment variable with the prefix ``HSX_`` (for example
 ``HSX_BROKER_URL``) or from a ``.env`` file in the working directory; command-line options
 override them. No other module reads ``os.environ``: pass a :class:`Settings` around instead.
-Bad values are refused at load time: :func:`get_settings` raises :class:`core.errors.BadSettings`,
+Bad values are refused at load time: :func:`get_settings` raises :class:`hsx.errors.BadSettings`,
 one line per bad value with the variable, the value (secrets hidden, URL passwords masked), the
 rule and the fix, never pydantic's raw report.
 """
@@ -17,12 +17,12 @@ from pathlib import Path
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from core.errors import BadSettings
+from hsx.errors import BadSettings
 
 ENV_PREFIX = "HSX_"
 #: fields whose value is never echoed in an error (a malformed secret is still a secret).
 SECRET_FIELDS = frozenset({"s3_access_key_id", "s3_secret_access_key", "flower_basic_auth"})
-#: fields that hold URLs: echoed with any password masked (``core.store.mask_url``).
+#: fields that hold URLs: echoed with any password masked (``hsx.store.mask_url``).
 URL_FIELDS = frozenset({"broker_url", "result_backend", "store_url", "s3_endpoint_url"})
 
 
@@ -55,7 +55,7 @@ class Settings(BaseSettings):
     allowed_stores: str | None = None
     """Store roots a worker serves besides ``store_url``: comma-separated local paths or
     ``s3://bucket/prefix`` URLs. A task whose run lies under none of them (compared by whole path
-    segments after resolving links, ``core/access.py``) is refused before the worker touches it."""
+    segments after resolving links, ``hsx/access.py``) is refused before the worker touches it."""
     s3_endpoint_url: str | None = None
     """S3 endpoint (SeaweedFS, MinIO, moto...). Unset: boto3's default (AWS or ``AWS_ENDPOINT_URL``)."""
     s3_region: str | None = None
@@ -205,7 +205,7 @@ def _shown(field: str, value) -> str:
     if field in SECRET_FIELDS:
         return "***"
     if field in URL_FIELDS and isinstance(value, str):
-        from core.store import mask_url
+        from hsx.store import mask_url
 
         return repr(mask_url(value))
     return repr(value)

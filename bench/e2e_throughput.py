@@ -56,12 +56,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from core.layout import MARKERS_PREFIX, RUN_JSON  # noqa: E402
-from core.records import BatchSummary, Marker  # noqa: E402
+from hsx.layout import MARKERS_PREFIX, RUN_JSON  # noqa: E402
+from hsx.records import BatchSummary, Marker  # noqa: E402
 from gpu_throughput import CONFIGS, sync, triton_cache_entries  # noqa: E402
 
 CONFIGS = {**CONFIGS, "qwen3-next-80b-a3b": ROOT / "tests/data/configs/qwen3-next-80b-a3b-thinking.json"}
-TOKENIZER_DIR = ROOT / "core/assets/qwen3-tokenizer"
+TOKENIZER_DIR = ROOT / "hsx/assets/qwen3-tokenizer"
 #: the device's weed binary, compressed with zstd, travels as this file (see ``s3_server``).
 WEED_ZST = ROOT / ".benchdata/weed.zst"  # unpacked with the zstd command
 
@@ -145,7 +145,7 @@ class _Stop(Exception):
 def plain_forward_tok_s(model, device, *, stop_after: int | None, rows: int, row_len: int, seconds: float) -> float:
     """Tokens/s of the bare base-model forward over ``rows`` full rows of ``row_len`` random ids,
     through decoder layer ``stop_after`` (None: every layer and the final norm), for ~``seconds``."""
-    from core.decoder import decoder_of
+    from hsx.decoder import decoder_of
 
     decoder = decoder_of(model)
     vocab = model.config.get_text_config().vocab_size
@@ -315,7 +315,7 @@ class S3Server:
 
     def store(self):
         """The bucket ``bench`` as an ``S3Store`` (not probed: the server may still be starting)."""
-        from core.store import S3Store
+        from hsx.store import S3Store
 
         return S3Store.from_url("s3://bench", self.settings())
 
@@ -355,7 +355,7 @@ class LocalRun:
                       if not p.name.startswith(".")) if d and (d / MARKERS_PREFIX).is_dir() else []
 
     def read_marker(self, name: str) -> dict:
-        """The marker file ``name``, read through :class:`core.records.Marker`, as a dict."""
+        """The marker file ``name``, read through :class:`hsx.records.Marker`, as a dict."""
         key = f"{MARKERS_PREFIX}{name}"
         return Marker.from_json((self.run_dir() / key).read_bytes(), key).model_dump()
 
@@ -371,7 +371,7 @@ class LocalRun:
     def planned_batches(self) -> int | None:
         d = self.run_dir()
         try:
-            from core.store import open_store
+            from hsx.store import open_store
 
             return len(BatchSummary.read_list(open_store(str(d), create=False))) if d else None
         except (OSError, ValueError, KeyError):  # KeyError: MissingKey, the plan is not complete
@@ -379,7 +379,7 @@ class LocalRun:
 
 
 class S3Run(LocalRun):
-    """The same view over an S3 store, through the project's store interface (``core.store``)."""
+    """The same view over an S3 store, through the project's store interface (``hsx.store``)."""
 
     def __init__(self, store):
         self.store = store
@@ -451,7 +451,7 @@ class GpuSampler:
 
 
 #: bytes each shard's bytes are copied after the device-to-host copy, by write path (counted from
-#: the code: workers/extract.py, core/store/ write_stream, helpers.write_file, workers/spool.py).
+#: the code: workers/extract.py, hsx/store/ write_stream, helpers.write_file, workers/spool.py).
 CROSSINGS = {
     ("local", "direct"): 1,  # write() into the page cache; the sha256 reads the same host buffer beside it
     ("s3", "direct"): 2,  # b"".join into the part body, then the socket send
@@ -629,7 +629,7 @@ def main() -> None:
         args.min_window_s, args.ceiling_s, args.bandwidth_gb = 0.0, 0.5, 0.05
 
     # the checkpoint, and the ceilings measured on the very model that was saved
-    from core.layers import select_layers
+    from hsx.layers import select_layers
 
     config = text_config(args.shape, args.num_layers, args.tiny)
     n_layers = config.num_hidden_layers
@@ -683,7 +683,7 @@ def main() -> None:
             server = S3Server(data_dir).start()
             bandwidth = server.upload_gb_s(int(args.bandwidth_gb / 2 * 1e9))
             env.update(server.env())
-            from core.store import open_store
+            from hsx.store import open_store
 
             store_url = "s3://bench"
             view = S3Run(open_store(store_url, server.settings()))

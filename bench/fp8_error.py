@@ -6,7 +6,7 @@ captured three times through the worker's capture path (``workers.capture.captur
 same hooks, gathers and on-device quantisation a worker runs) with the DFlash layers
 (``--layers``, default the DFlash preset; ``--final`` adds final states): in the model's compute
 dtype (the exact values), in bf16, and in fp8 (float8 e4m3 + one float32 scale per token and
-part, ``core/fp8.py``). Per captured part it reports, with ``x`` the bf16 capture and ``dq`` the
+part, ``hsx/fp8.py``). Per captured part it reports, with ``x`` the bf16 capture and ``dq`` the
 fp8 capture dequantised in float32 (``q * scale``):
 
 - ``max_token_rel``: max over tokens of ``max|dq - x| / max|x|`` (per-token max-abs relative);
@@ -15,7 +15,7 @@ fp8 capture dequantised in float32 (``q * scale``):
 - ``vs_exact``: the same three for fp8 and for bf16 against the compute-dtype capture, when the
   model computes in fp32 (e.g. on the CPU; a bf16 model's bf16 capture is the exact value);
 - ``bound_violations``: elements of fp8 outside ``2**-4 |x| + 2**-10 scale`` of the exact value
-  (the bound of core/fp8.py: expected 0);
+  (the bound of hsx/fp8.py: expected 0);
 
 and the bytes per token of the hidden states in each format (fp8 with its scales; ids, masks
 and headers are the same in both) and their ratio.
@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from core.shard import Final  # noqa: E402
+from hsx.shard import Final  # noqa: E402
 
 #: bf16 rounds to within 2**-8 relative (8 significant bits).
 BF16_REL_ERR = 2.0**-8
@@ -87,7 +87,7 @@ def load_model(name: str, device: torch.device, cache_dir: Path):
     """(model, tokenizer, description) for ``--model`` (see the module docstring)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core.models import TOKENIZER_DIR, load_tokenizer, resolve_model_path
+    from hsx.models import TOKENIZER_DIR, load_tokenizer, resolve_model_path
 
     gpu_bench = _gpu_bench()
     if name in gpu_bench.CONFIGS:
@@ -141,7 +141,7 @@ class PartStats:
 
 def part_views(states: dict, layer_ids: list[int]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """{part name: (values [T, H], scale [T] or None)} of one capture's states."""
-    from core.shard import FINAL_POSTNORM, FINAL_PRENORM, HIDDEN_STATES, scale_name
+    from hsx.shard import FINAL_POSTNORM, FINAL_PRENORM, HIDDEN_STATES, scale_name
 
     out = {}
     for k, layer_id in enumerate(layer_ids):
@@ -154,10 +154,10 @@ def part_views(states: dict, layer_ids: list[int]) -> dict[str, tuple[torch.Tens
 
 
 def measure(model, samples: list[np.ndarray], *, layers: str, final: str, batch_tokens: int, pad_token_id: int) -> dict:
-    from core.fp8 import FP8_DTYPE, dequantize_fp8, error_bound
-    from core.layers import parse_layer_ids, select_layers
+    from hsx.fp8 import FP8_DTYPE, dequantize_fp8, error_bound
+    from hsx.layers import parse_layer_ids, select_layers
     from producer.batching import cut_batches
-    from core.decoder import decoder_of
+    from hsx.decoder import decoder_of
     from workers.capture import capture_batch
 
     decoder = decoder_of(model)

@@ -53,7 +53,7 @@ FALLBACK_CONFIG_DIR = ROOT / ".benchdata"
 
 def make_samples(out: Path, limit: int, max_length: int) -> None:
     """Tokenise real ShareGPT conversations with the bundled Qwen3 tokenizer and chat template."""
-    from core.models import TOKENIZER_DIR
+    from hsx.models import TOKENIZER_DIR
     from producer.datasets import SkipCounter, iter_conversations
     from producer.masks import ChatTokeniser
     from transformers import AutoTokenizer
@@ -93,7 +93,7 @@ def build_model(name: str, device: torch.device, tiny: bool):
     """A ``*ForCausalLM`` with random weights from a real config; returns (model, ModelInfo)."""
     import transformers
 
-    from core.models import ModelInfo
+    from hsx.models import ModelInfo
 
     path = CONFIGS[name] if CONFIGS[name].exists() else FALLBACK_CONFIG_DIR / CONFIGS[name].name
     raw = json.loads(path.read_text())
@@ -200,12 +200,12 @@ def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: in
     """
     import psutil
 
-    from core.layers import select_layers
-    from core.layout import SHARDS_PREFIX
-    from core.plan import BatchPlan, batch_id, batch_key
-    from core.records import BatchSummary, Marker
-    from core.runconfig import RunConfig, claim_run
-    from core.store import open_store
+    from hsx.layers import select_layers
+    from hsx.layout import SHARDS_PREFIX
+    from hsx.plan import BatchPlan, batch_id, batch_key
+    from hsx.records import BatchSummary, Marker
+    from hsx.runconfig import RunConfig, claim_run
+    from hsx.store import open_store
     from producer.batching import cut_batches, padding_waste
     from settings import Settings
     from workers.extract import extract_batch
@@ -350,12 +350,12 @@ def count_launch_syncs(model, samples, members, selection, device) -> dict | Non
 @torch.inference_mode()
 def padded_fidelity(model, samples, lengths, selection, device) -> dict:
     """A short, a middle and the longest sample captured in ONE right-padded batch (most of two rows is
-    padding) against each sample's own unpadded reference forward (``core/reference.py``), per captured layer:
+    padding) against each sample's own unpadded reference forward (``hsx/reference.py``), per captured layer:
     the worst relative Frobenius error ||ours - ref|| / ||ref|| and max |ours - ref| / max |ref|.
     Contamination by padding would be O(1) from the first layer on; differences of bf16 kernels on other
     shapes are small at shallow layers and grow with depth (random weights amplify them). The same
     batch with another pad id must give the same bits (``pad_id_invariant``)."""
-    from core.reference import reference_states
+    from hsx.reference import reference_states
     from workers.capture import capture_batch
 
     order = np.argsort(lengths)
@@ -413,7 +413,7 @@ def run_naive(model, samples, device, layer_ids: list[int], workdir: Path) -> di
     for j, (ids, mask) in enumerate(samples):
         x = torch.as_tensor(ids, device=device, dtype=torch.long)[None]
         hs = model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states
-        # the naive way as users write it (id N-1 would get the post-norm state here: core/reference.py)
+        # the naive way as users write it (id N-1 would get the post-norm state here: hsx/reference.py)
         tensors = {f"layer_{i}": hs[i + 1][0].cpu() for i in layer_ids}
         tensors["input_ids"] = torch.as_tensor(ids)
         tensors["loss_mask"] = torch.as_tensor(mask)

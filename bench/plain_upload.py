@@ -2,8 +2,8 @@
 
 A ceiling is the same bytes sent by the library users would otherwise call (boto3's
 ``upload_fileobj``, 64 MiB parts, 8 at a time), with none of our code on the path: no hashing of
-ours, no per-part SHA-256 headers, no serialising. Measuring it through ``core.store`` would make
-the ceiling move with the code it judges. This is therefore the one module outside ``core/store/``
+ours, no per-part SHA-256 headers, no serialising. Measuring it through ``hsx.store`` would make
+the ceiling move with the code it judges. This is therefore the one module outside ``hsx/store/``
 that holds an S3 client (tests/test_store.py's boundary test names it), and only benches use it.
 """
 

@@ -99,7 +99,7 @@ def machine_info() -> dict:
     except AttributeError:
         usable = os.cpu_count()
     changed = [line[3:] for line in _git("status", "--porcelain").splitlines()
-               if line[3:].startswith(("core/", "producer/", "workers/", "settings.py"))]
+               if line[3:].startswith(("hsx/", "producer/", "workers/", "settings.py"))]
     return {
         "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),
@@ -155,8 +155,8 @@ def _stage(name: str, clock: Clock, samples: int, tokens: int, what: str) -> dic
 
 def run(limit: int, max_length: int | None, cache_dir: Path) -> dict:
     """Time the stages; returns the JSON-able report (``machine``, ``params``, ``fixed``, ``stages``)."""
-    from core.errors import BadRecord
-    from core.models import load_tokenizer, resolve_model_path
+    from hsx.errors import BadRecord
+    from hsx.models import load_tokenizer, resolve_model_path
     from producer.datasets import SHAREGPT, SkipCounter, iter_conversations
     from producer.masks import ChatTokeniser
     from producer.planner import PlanOptions, dataset_fingerprint, plan_run

@@ -3,7 +3,7 @@
 The GPU machine cannot carry an S3 server beside the worker's wheels (64 MiB a call), so the S3 half
 of the throughput target is measured where one runs: on this machine, the same bytes of a shard
 (bf16 states of a 32,768-token, 5-layer batch of a width-``--hidden`` model, serialised by
-``core.shard.serialize_shard``) go to the store three ways, each timed (wall) and charged
+``hsx.shard.serialize_shard``) go to the store three ways, each timed (wall) and charged
 (this process's user + system CPU seconds, ``resource.getrusage``; the server's are its own):
 
 - **ours**: ``S3Store.write_stream`` from host memory (what a worker does), the server checking
@@ -11,7 +11,7 @@ of the throughput target is measured where one runs: on this machine, the same b
 - **plain**: boto3's ``upload_fileobj`` of one bytes object of the same size, 64 MiB parts, 8 at a
   time (bench/plain_upload.py: the ceiling for the same bytes, no code of ours on its path);
 - **spool hop**: what an overflowed shard does (write the spool file hashing it, then
-  ``core.store.write_file`` from it, which checks the stored sha256 against the spool's), for the
+  ``hsx.store.write_file`` from it, which checks the stored sha256 against the spool's), for the
   difference.
 
 The server shares this machine's cores, so the GB/s are this machine's, not a network's: the
@@ -62,8 +62,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    from core.shard import serialize_shard
-    from core.store import write_file
+    from hsx.shard import serialize_shard
+    from hsx.store import write_file
     from workers.spool import write_shard
 
     g = torch.Generator().manual_seed(0)

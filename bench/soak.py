@@ -133,8 +133,8 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
     (``HSX_FAULTS=pause_forward``) so that a soak of tiny batches lasts ``duration_s``."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from core.broker import EmbeddedBroker
-    from core.marker import read_marker
+    from hsx.broker import EmbeddedBroker
+    from hsx.marker import read_marker
     from producer.enqueue import enqueue_batches
     from producer.run import LocalWorkers, settings_env
     from producer.verify import verify_run
@@ -182,7 +182,7 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
 
     log = log_path.read_text(errors="replace")
     with ThreadPoolExecutor(16) as pool:
-        # as dicts (the figures below read them by name); read through core.records.Marker
+        # as dicts (the figures below read them by name); read through hsx.records.Marker
         markers = list(pool.map(lambda b: read_marker(planned.run_store, b["batch"]).model_dump(), measured.batches))
     t_verify = time.perf_counter()
     report = verify_run(planned.run_store)
@@ -236,11 +236,11 @@ def _chaos_report(chaos: Chaos, run_store, markers: list[dict], measured) -> dic
     the first kill after the delivery (``claimed_at``), which can only make the time longer. (The first
     version took the last kill before the reclaim: with a kill every 30 s and a 120 s lease, that was
     a later kill than the one that stranded the batch, and the times came out short.)"""
-    from core.times import unix_seconds
+    from hsx.times import unix_seconds
 
     reclaims = []
-    from core.layout import RECLAIMS_PREFIX
-    from core.records import Reclaim
+    from hsx.layout import RECLAIMS_PREFIX
+    from hsx.records import Reclaim
 
     for key in run_store.list(RECLAIMS_PREFIX):
         try:
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} {getattr(args, name)}: must be at least 1")
     cache_dir = args.cache_dir or Settings().cache_dir
 
-    from core.models import resolve_model_path
+    from hsx.models import resolve_model_path
 
     machine = machine_info()
     resolve_model_path(MODEL, cache_dir)

@@ -9,7 +9,7 @@ creating the marker.
 
 For each store (``local``: a temp dir; ``s3``: a bucket on SeaweedFS ``weed mini`` on loopback,
 started the way tests/conftest.py starts it) the run is planned once and the embedded broker
-(:class:`core.broker.EmbeddedBroker`, temp state dir) started; then, for each ``--concurrency``
+(:class:`hsx.broker.EmbeddedBroker`, temp state dir) started; then, for each ``--concurrency``
 value c, one real worker process (``python -m workers --count 1`` through
 :class:`producer.run.LocalWorkers`, with ``HSX_MODEL`` so the model loads and warms up before
 "ready.", and ``HSX_WORKER_CONCURRENCY=c`` task threads sharing the model's lock) is started on
@@ -130,13 +130,13 @@ def _plan(store_url: str, settings, batches_needed: int):
 def _one_worker(planned, batches: list[dict], concurrency: int, settings, broker_url: str, log_path: Path) -> dict:
     """Start one worker with ``concurrency`` task threads, warm it up on the first ``concurrency``
     batches (one per thread), time the rest; returns the figures."""
-    from core.marker import read_marker
+    from hsx.marker import read_marker
     from producer.enqueue import enqueue_batches
     from producer.run import LocalWorkers, settings_env
 
     warm = dataclasses.replace(planned, batches=batches[:concurrency])
     measured = dataclasses.replace(planned, batches=batches[concurrency:])
-    # workers serve runs under their store only (core/access.py): the store is the run's root
+    # workers serve runs under their store only (hsx/access.py): the store is the run's root
     env = settings_env(settings, broker_url=broker_url, model=MODEL, worker_concurrency=concurrency,
                        store_url=planned.run_store.url.rsplit("/", 1)[0])
     workers = None
@@ -159,7 +159,7 @@ def _one_worker(planned, batches: list[dict], concurrency: int, settings, broker
         if workers is not None:
             workers.stop()
 
-    markers = [read_marker(planned.run_store, b["batch"]).model_dump() for b in measured.batches]  # core.records.Marker
+    markers = [read_marker(planned.run_store, b["batch"]).model_dump() for b in measured.batches]  # hsx.records.Marker
     forward_s = np.array([m["forward_s"] for m in markers])
     seconds = np.array([m["seconds"] for m in markers])
     in_task_s = seconds - forward_s
@@ -188,7 +188,7 @@ def _one_worker(planned, batches: list[dict], concurrency: int, settings, broker
 
 def measure(store_name: str, store_url: str, settings, tasks: int, concurrencies: list[int], tmp: Path) -> list[dict]:
     """Plan once, start the embedded broker, then one worker per concurrency on its own batches."""
-    from core.broker import EmbeddedBroker
+    from hsx.broker import EmbeddedBroker
 
     needed = sum(c + tasks for c in concurrencies)
     planned, records, plan_s = _plan(store_url, settings, needed)
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--stores: unknown {', '.join(sorted(unknown))}; choose from local, s3")
     cache_dir = args.cache_dir or Settings().cache_dir
 
-    from core.models import resolve_model_path
+    from hsx.models import resolve_model_path
 
     machine = machine_info()  # before the work: its load average says whether the machine was idle
     resolve_model_path(MODEL, cache_dir)  # generate the tiny checkpoint once, outside every window

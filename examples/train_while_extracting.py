@@ -45,9 +45,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
-from core.live import LiveHiddenStatesDataset  # noqa: E402
-from core.models import resolve_model_path  # noqa: E402
-from core.plan import plan_complete, read_batch, read_batch_list  # noqa: E402
+from hsx.live import LiveHiddenStatesDataset  # noqa: E402
+from hsx.models import resolve_model_path  # noqa: E402
+from hsx.plan import plan_complete, read_batch, read_batch_list  # noqa: E402
 from settings import Settings  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def draft_vocabulary(run_store, size: int, *, wait_s: float, poll_s: float) -> t
 
     SpecForge (``specforge/data/preprocessing.py``, ``generate_vocab_mapping_file``) counts the
     loss-masked tokens of the training set the same way. The plan is complete before any batch is
-    enqueued (``plan/batches.json`` is written last, core/plan.py), so a live run has it.
+    enqueued (``plan/batches.json`` is written last, hsx/plan.py), so a live run has it.
 
     Raises:
         SystemExit: the plan is not complete after ``wait_s`` seconds.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from core.errors import BadConfig
+from hsx.errors import BadConfig
 
 
 def cut_batches(lengths_N: np.ndarray, *, batch_tokens: int, max_batch_samples: int) -> list[np.ndarray]:

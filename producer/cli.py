@@ -12,10 +12,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from core.errors import BadSettings, HsxError
-from core.layout import RUN_JSON
-from core.shard import Final, StoreDtype
-from core.store import MissingKey, mask_url, open_store
+from hsx.errors import BadSettings, HsxError
+from hsx.layout import RUN_JSON
+from hsx.shard import Final, StoreDtype
+from hsx.store import MissingKey, mask_url, open_store
 from producer.words import noun, plural
 from settings import Settings, get_settings
 
@@ -142,8 +142,8 @@ def _plan_table(title: str, report: dict) -> Table:
 
 
 def cmd_enqueue(args, settings: Settings) -> int:
-    from core.broker import check_broker
-    from core.records import done_batches
+    from hsx.broker import check_broker
+    from hsx.records import done_batches
     from producer.enqueue import enqueue_batches
     from producer.planner import plan_run
 
@@ -170,7 +170,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
 def cmd_run(args, settings: Settings) -> int:
     from producer.run import run_job
 
-    if args.output:  # the workers this starts serve the --output root (core/access.py: HSX_STORE_URL)
+    if args.output:  # the workers this starts serve the --output root (hsx/access.py: HSX_STORE_URL)
         settings = settings.model_copy(update={"store_url": args.output})
     code, report = run_job(_options(args), settings, console, workers=args.workers, progress_factory=progress_factory)
     if args.json:

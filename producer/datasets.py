@@ -18,9 +18,9 @@ Four record forms are read (docs/FACTS.md §3 and 4), told apart by their keys i
 
 A chat record becomes a :class:`Conversation` whose messages use the roles ``system``, ``user``,
 ``assistant`` and ``tool`` and a ``str`` content. Any record that cannot be used is skipped with a
-:class:`~core.errors.BadRecord` whose ``reason`` is one of :data:`SKIP_REASONS`; skips are counted
+:class:`~hsx.errors.BadRecord` whose ``reason`` is one of :data:`SKIP_REASONS`; skips are counted
 in a :class:`SkipCounter`, never raised to the caller. Only what stops the whole source (missing path, unknown format) raises
-:class:`~core.errors.BadDataset`.
+:class:`~hsx.errors.BadDataset`.
 
 Files are read as bytes and streamed: JSON arrays are parsed record by record with
 ``json.JSONDecoder.raw_decode`` over a sliding buffer, so the 125 MB ShareGPT file is never held as
@@ -41,7 +41,7 @@ from typing import Any, Iterator, Union
 
 import numpy as np
 
-from core.errors import BadDataset, BadRecord
+from hsx.errors import BadDataset, BadRecord
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from core.queue import EXTRACT_TASK, make_celery
-from core.records import done_batches
+from hsx.queue import EXTRACT_TASK, make_celery
+from hsx.records import done_batches
 from settings import Settings
 
 

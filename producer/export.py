@@ -8,7 +8,7 @@ shard (quarantined samples left out). ``OUT/export.json`` maps every ``i`` to it
 Every shard is hashed against its marker before it is read. The run must be complete (every
 planned batch has its marker) unless ``partial=True``. Hidden states are written in bf16, what
 every format below is produced in upstream; an fp8 run (``--store-dtype fp8``) is dequantised by the
-reader (``q * scale`` per token and layer, ``core/fp8.py``) before it is written, so no export file
+reader (``q * scale`` per token and layer, ``hsx/fp8.py``) before it is written, so no export file
 ever holds fp8 (``export.json`` records the run's ``store_dtype``).
 
 Formats, and what each was matched against. Each was read in the consumer's released package from
@@ -105,14 +105,14 @@ from pathlib import Path
 
 import numpy as np
 
-from core.errors import BadConfig, FidelityError
-from core.layers import eagle3_layer_ids
-from core.plan import read_batch, read_batch_list
-from core.reader import IterableHiddenStatesDataset, certified_markers, quarantined_ids
-from core.records import SampleRow
-from core.runconfig import RunConfig, load_run
-from core.shard import FINAL_POSTNORM, FINAL_PRENORM, Final
-from core.store import Store
+from hsx.errors import BadConfig, FidelityError
+from hsx.layers import eagle3_layer_ids
+from hsx.plan import read_batch, read_batch_list
+from hsx.reader import IterableHiddenStatesDataset, certified_markers, quarantined_ids
+from hsx.records import SampleRow
+from hsx.runconfig import RunConfig, load_run
+from hsx.shard import FINAL_POSTNORM, FINAL_PRENORM, Final
+from hsx.store import Store
 
 FORMATS = ("specforge-eagle3", "specforge-dflash", "specforge-dspark", "speculators", "eagle-ge-data", "modelopt")
 #: the final state each format writes (what the reader is asked for).
@@ -437,7 +437,7 @@ def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP
         BadConfig: unknown format, a run that lacks the layers or final state the format needs,
             ``out`` exists and is not empty, the run is incomplete and ``partial`` is False, or
             (``modelopt``) two record ids would get the same file name.
-        core.errors.FidelityError: a shard does not match its marker's sha256.
+        hsx.errors.FidelityError: a shard does not match its marker's sha256.
     """
     t0 = time.perf_counter()
     config = load_run(run_store)

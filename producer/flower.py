@@ -23,8 +23,8 @@ from __future__ import annotations
 import ipaddress
 import os
 
-from core.errors import BadConfig
-from core.queue import make_celery
+from hsx.errors import BadConfig
+from hsx.queue import make_celery
 from settings import Settings
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -51,8 +51,8 @@ def check_basic_auth(value: str) -> None:
 
 def resolve_broker_url(settings: Settings, given: str | None = None) -> str | None:
     """The broker to monitor: ``given``, else ``HSX_BROKER_URL``, else the embedded broker of a
-    ``producer run`` going on on this machine (see :func:`core.broker.running_embedded_broker`)."""
-    from core.broker import running_embedded_broker
+    ``producer run`` going on on this machine (see :func:`hsx.broker.running_embedded_broker`)."""
+    from hsx.broker import running_embedded_broker
 
     return given or settings.broker_url or running_embedded_broker(settings.broker_state_dir)
 
@@ -95,7 +95,7 @@ def run_flower(settings: Settings, *, address: str = "127.0.0.1", port: int = 55
     if unauthenticated_api and not auth:
         # Flower reads this from the environment at each API request; it is Flower's switch, not ours.
         os.environ["FLOWER_UNAUTHENTICATED_API"] = "true"
-    from core.broker import check_broker
+    from hsx.broker import check_broker
 
     check_broker(url)
     app = make_celery(settings, url, name="hsx-flower")

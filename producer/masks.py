@@ -87,7 +87,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from core.errors import BadConfig, BadRecord
+from hsx.errors import BadConfig, BadRecord
 from producer.datasets import Conversation, PretokenisedRecord, Record, TextRecord
 
 #: A sample needs at least this many supervised tokens, consecutive: DFlash trains on blocks of

@@ -18,16 +18,16 @@ from pathlib import Path
 
 import numpy as np
 
-from core.errors import BadConfig, BadDataset, BadRecord
-from core.layers import layer_ids_from_draft_config, parse_layer_ids, select_layers
-from core.layout import RUN_JSON
-from core.models import load_tokenizer, model_info
-from core.plan import (BatchPlan, batch_id, batch_key, fail_planning_record,
+from hsx.errors import BadConfig, BadDataset, BadRecord
+from hsx.layers import layer_ids_from_draft_config, parse_layer_ids, select_layers
+from hsx.layout import RUN_JSON
+from hsx.models import load_tokenizer, model_info
+from hsx.plan import (BatchPlan, batch_id, batch_key, fail_planning_record,
                        plan_complete, read_batch_list, start_planning_record)
-from core.records import BatchSummary, Planning, SampleRow, Stats
-from core.runconfig import RunConfig, check_run, check_run_id, claim_run
-from core.shard import StoreDtype
-from core.store import Store, exists, open_store
+from hsx.records import BatchSummary, Planning, SampleRow, Stats
+from hsx.runconfig import RunConfig, check_run, check_run_id, claim_run
+from hsx.shard import StoreDtype
+from hsx.store import Store, exists, open_store
 from producer.batching import cut_batches, padding_waste
 from producer.datasets import SkipCounter, dataset_files, iter_conversations
 from producer.masks import MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES, SPECIAL_TOKENS_IN_CONTENT, ChatTokeniser
@@ -117,7 +117,7 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
             f"--batch-tokens {batch_tokens} is smaller than --max-length {max_length}: a batch must hold at least one "
             f"full-length sample; raise --batch-tokens or lower --max-length"
         )
-    if opts.store_dtype not in tuple(StoreDtype):  # fp8: float8 e4m3 + per-token float32 scales (core/fp8.py)
+    if opts.store_dtype not in tuple(StoreDtype):  # fp8: float8 e4m3 + per-token float32 scales (hsx/fp8.py)
         raise BadConfig(f"--store-dtype {opts.store_dtype!r}: choose one of {', '.join(StoreDtype)}")
     if opts.limit is not None and opts.limit < 1:
         raise BadConfig(f"--limit {opts.limit}: must be a positive number of records")
@@ -214,8 +214,8 @@ def plan_run(opts: PlanOptions, settings: Settings, progress=None) -> PlannedRun
 
     Raises:
         BadConfig, BadDataset: invalid request (nothing written).
-        core.errors.RunConflict: the run id exists with another config (nothing written).
-        core.errors.StoreError: the store is unreachable.
+        hsx.errors.RunConflict: the run id exists with another config (nothing written).
+        hsx.errors.StoreError: the store is unreachable.
     """
     t0 = time.perf_counter()
     root = open_store(opts.output or settings.store_url, settings)

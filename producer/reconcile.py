@@ -35,12 +35,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from core.layout import SHARDS_PREFIX, marker_key
-from core.plan import read_batch_list
-from core.queue import EXTRACT_TASK, decode_message as _decode, make_celery
-from core.records import Failure, Marker, done_batches, read_failures
-from core.runconfig import load_run
-from core.store import Store
+from hsx.layout import SHARDS_PREFIX, marker_key
+from hsx.plan import read_batch_list
+from hsx.queue import EXTRACT_TASK, decode_message as _decode, make_celery
+from hsx.records import Failure, Marker, done_batches, read_failures
+from hsx.runconfig import load_run
+from hsx.store import Store
 from settings import Settings
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def broker_view(settings: Settings, broker_url: str, run_id: str, run_url: str, 
 
     Raises whatever redis raises when the broker does not answer.
     """
-    from core.broker import redis_client
+    from hsx.broker import redis_client
 
     client = redis_client(broker_url)
     view = BrokerView()
@@ -179,7 +179,7 @@ def clear_finished_unacked(broker_url: str, run_id: str, run_url: str, done: set
     worker still holds the message: its acknowledgement is the same ``HDEL`` / ``ZREM``, which
     does nothing on a missing entry, and the batch is done either way.
     """
-    from core.broker import redis_client
+    from hsx.broker import redis_client
 
     client = redis_client(broker_url)
     stale = [(tag, batch) for tag, batch, _ in _unacked_of_run(client, run_id, run_url) if batch in done]
@@ -252,7 +252,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
     ``workers`` (that answered ``inspect``), ``dry_run``, ``broker``, ``seconds``.
 
     Raises:
-        core.store.MissingKey: no run.json (or no complete plan) at ``run_store``.
+        hsx.store.MissingKey: no run.json (or no complete plan) at ``run_store``.
         redis errors: the broker does not answer.
     """
     t0 = time.perf_counter()
@@ -361,7 +361,7 @@ def reconcile_broker(settings: Settings):
     """The broker URL ``reconcile`` talks to: ``HSX_BROKER_URL``; else the embedded broker of this
     machine (``HSX_STATE_DIR``): the one a ``producer run`` has running, or one started from its AOF
     for the duration (batches enqueued there are taken by the next ``producer run``)."""
-    from core.broker import EmbeddedBroker, running_embedded_broker
+    from hsx.broker import EmbeddedBroker, running_embedded_broker
 
     if settings.broker_url:
         yield settings.broker_url

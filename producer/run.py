@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from core.broker import EmbeddedBroker, check_broker
-from core.errors import StoreError
-from core.records import done_batches, read_failures
+from hsx.broker import EmbeddedBroker, check_broker
+from hsx.errors import StoreError
+from hsx.records import done_batches, read_failures
 from producer.enqueue import enqueue_batches
 from producer.reconcile import RunReconciler
 from producer.planner import PlanOptions, PlannedRun, plan_run
@@ -81,7 +81,7 @@ class LocalWorkers:
 
 
 def _failed(run_store, done: set[str]) -> dict[str, dict]:
-    """The failure records (:class:`core.records.Failure`) of the batches not in ``done``, as the report's JSON."""
+    """The failure records (:class:`hsx.records.Failure`) of the batches not in ``done``, as the report's JSON."""
     return {batch: f.model_dump(exclude={"schema_version"}) for batch, f in read_failures(run_store, done).items()}
 
 
@@ -197,7 +197,7 @@ def drop_leftover_messages(broker_url: str, queue: str) -> int:
     lock), so nothing in it belongs to a live job. Returns how many task messages were dropped.
     """
     from producer.status import queue_length
-    from core.broker import redis_client
+    from hsx.broker import redis_client
 
     counts = queue_length(broker_url, queue)
     client = redis_client(broker_url)

@@ -19,16 +19,16 @@ Rows are matched by (host, pid).
 
 from __future__ import annotations
 
-from core.times import unix_seconds as _ts
+from hsx.times import unix_seconds as _ts
 
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
-from core.plan import plan_complete, planning_failed, read_batch_list, read_planning_record
-from core.records import Marker, Stats, WorkerStatus, done_batches, read_failures, read_heartbeats
-from core.runconfig import load_run
-from core.store import Store, mask_url
+from hsx.plan import plan_complete, planning_failed, read_batch_list, read_planning_record
+from hsx.records import Marker, Stats, WorkerStatus, done_batches, read_failures, read_heartbeats
+from hsx.runconfig import load_run
+from hsx.store import Store, mask_url
 
 #: Seconds of recent markers the current rate (and the ETA) is measured over (at least the last
 #: RATE_MIN_MARKERS markers, whenever they came).
@@ -74,7 +74,7 @@ def queue_length(broker_url: str, queue: str) -> dict:
 
     Raises whatever redis raises when the broker does not answer.
     """
-    from core.broker import redis_client
+    from hsx.broker import redis_client
 
     client = redis_client(broker_url)
     keys = [queue] + [f"{queue}{_PRIORITY_SEP}{p}" for p in (3, 6, 9)]
@@ -90,7 +90,7 @@ class BrokerProbe:
     """Asks the workers on a broker for ``gpu_stats`` and the queue for its length; one Celery app, reused."""
 
     def __init__(self, settings, broker_url: str):
-        from core.queue import make_celery
+        from hsx.queue import make_celery
 
         self.settings = settings
         self.broker_url = broker_url

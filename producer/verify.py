@@ -5,8 +5,8 @@ What is checked, batch by batch (a thread pool; shards are hashed as a stream, n
 - the marker: readable JSON, names its own batch, carries the ``config_sha256`` of ``run.json``'s
   identity, and belongs to a planned batch;
 - its shard: present, with the marker's byte count and sha256;
-- the shard's schema, from its safetensors header alone: :func:`core.shard.schema_problems` for
-  the run's :class:`~core.shard.ShardSpec` (``input_ids`` int32 [T], ``loss_mask`` uint8 [T],
+- the shard's schema, from its safetensors header alone: :func:`hsx.shard.schema_problems` for
+  the run's :class:`~hsx.shard.ShardSpec` (``input_ids`` int32 [T], ``loss_mask`` uint8 [T],
   ``cu_seqlens`` int64 [N+1], ``sample_index`` int64 [N], ``hidden_states`` [T, K, H] and the
   run's final states in the run's ``store_dtype``; for fp8 ``F8_E4M3`` plus
   ``hidden_states_scale`` F32 [T, K] and ``final_*_scale`` F32 [T]), contiguous data offsets
@@ -23,7 +23,7 @@ in two certified shards is reported with both batches. Shards that no marker nam
 (the loser of a race, an interrupted upload, a worker still writing): listed, not an error.
 
 ``recompute=N`` then picks N stored samples at random and runs the run's model in fp32, one
-sample at a time, through the reference forward (:func:`core.reference.reference_states`: the
+sample at a time, through the reference forward (:func:`hsx.reference.reference_states`: the
 plain transformers ``output_hidden_states`` path, where layer id ``i < N - 1`` is
 ``hidden_states[i + 1]`` and the post-norm state is ``hidden_states[N]``; the pre-norm state and
 layer ``N - 1`` come from a hook on the last decoder layer, because transformers puts the
@@ -32,7 +32,7 @@ post-norm state in the last slot). Each stored tensor must satisfy
 (:data:`RTOL_BY_DTYPE`): bf16 rounding alone is up to 2**-8 relative (8 significant bits). An fp8 run is dequantised in
 float32 (``q * scale``) and compared with ``rtol = 0.075``: with the worker's value ``x`` within
 bf16's ``1e-2 * (|ref| + rms)`` of the reference (a bf16 forward on GPU) and e4m3's bound
-``|dq - x| <= 2**-4 |x| + 2**-10 scale`` (``core/fp8.py``), ``|dq - ref| <= (2**-4 + (1 + 2**-4) *
+``|dq - x| <= 2**-4 |x| + 2**-10 scale`` (``hsx/fp8.py``), ``|dq - ref| <= (2**-4 + (1 + 2**-4) *
 1e-2) * (|ref| + rms) = 0.0731 * (|ref| + rms)``, rounded up; the scale term (``amax / 458752``)
 is covered by the ``rms(ref)`` term unless a token's largest value is ~30,000x the part's rms.
 
@@ -54,28 +54,28 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from core.errors import StoreError
-from core.fp8 import E4M3_REL_ERR
-from core.layout import RUN_JSON, SHARDS_PREFIX, batch_plan_key, marker_key
-from core.plan import BatchPlan, read_batch, read_batch_list
-from core.reader import quarantined_ids, read_markers, read_sample
-from core.records import Marker
-from core.runconfig import RunConfig, load_run
-from core.shard import Final, ShardSpec, StoreDtype, cu_seqlens_problem, schema_problems
-from core.store import MissingKey, Store, retry_transient
+from hsx.errors import StoreError
+from hsx.fp8 import E4M3_REL_ERR
+from hsx.layout import RUN_JSON, SHARDS_PREFIX, batch_plan_key, marker_key
+from hsx.plan import BatchPlan, read_batch, read_batch_list
+from hsx.reader import quarantined_ids, read_markers, read_sample
+from hsx.records import Marker
+from hsx.runconfig import RunConfig, load_run
+from hsx.shard import Final, ShardSpec, StoreDtype, cu_seqlens_problem, schema_problems
+from hsx.store import MissingKey, Store, retry_transient
 
 #: relative tolerance of ``--recompute`` by stored dtype (bf16 keeps 8 bits of mantissa).
 #: fp8: e4m3's relative rounding bound 2**-4 on top of bf16's 1e-2, rounded up (the module docstring says why).
 RTOL_BY_DTYPE = {StoreDtype.BFLOAT16: 1e-2, StoreDtype.FLOAT32: 1e-4, StoreDtype.FP8: 0.075}
 assert RTOL_BY_DTYPE[StoreDtype.FP8] >= E4M3_REL_ERR + (1 + E4M3_REL_ERR) * RTOL_BY_DTYPE[StoreDtype.BFLOAT16]
-#: numpy dtypes of the shard's index tensors' safetensors codes (core.shard.INDEX_TENSORS).
+#: numpy dtypes of the shard's index tensors' safetensors codes (hsx.shard.INDEX_TENSORS).
 _NP_DTYPES = {"I32": np.int32, "U8": np.uint8, "I64": np.int64}
 #: threads that check batches at once (S3: network-bound; local: hashing releases the GIL).
 S3_THREADS = 16
 LOCAL_THREADS = 8
 #: largest safetensors header we accept (bytes); real shard headers are a few KB.
 MAX_HEADER_BYTES = 100 << 20
-#: seconds each store call of ``verify`` retries a transient error (``core/store/retry.py``) before the
+#: seconds each store call of ``verify`` retries a transient error (``hsx/store/retry.py``) before the
 #: batch is reported ``unverified`` (not bad: ``reconcile --repair`` leaves it alone).
 VERIFY_RETRY_S = 60.0
 #: problem kind of a batch whose marker, plan or shard could not be read for a store error
@@ -113,7 +113,7 @@ class _BatchResult:
 class _ObjectReader:
     """Byte ranges and the sha256 of one stored object, through the store's interface
     (``Store.read_range`` / ``Store.sha256``), each call retried on a transient error for up to
-    ``retry_s`` seconds (``core/store/retry.py``). A :class:`~core.errors.StoreError` that outlasts the
+    ``retry_s`` seconds (``hsx/store/retry.py``). A :class:`~hsx.errors.StoreError` that outlasts the
     retries propagates: the caller reports the batch ``unverified``, never bad."""
 
     def __init__(self, run_store: Store, key: str, retry_s: float):
@@ -339,9 +339,9 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from core.models import model_info, resolve_model_path, safetensors_only
-    from core.reader import local_shard
-    from core.reference import reference_states
+    from hsx.models import model_info, resolve_model_path, safetensors_only
+    from hsx.reader import local_shard
+    from hsx.reference import reference_states
 
     rtol = rtol if rtol is not None else RTOL_BY_DTYPE[StoreDtype(config.store_dtype)]
     summary: dict = {"samples": [], "rtol": rtol, "values_compared": 0, "worst_ratio": 0.0}
@@ -376,7 +376,7 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
                 stored = read_sample(f, start, end, final.tensors, dequant_dtype=torch.float32)  # fp8: q * scale in fp32
                 S = stored["input_ids"].shape[0]
                 hidden_SKH = stored["hidden_states"].view(S, len(layer_ids), -1)
-                ref = reference_states(model, stored["input_ids"], layer_ids, final)  # core/reference.py
+                ref = reference_states(model, stored["input_ids"], layer_ids, final)  # hsx/reference.py
                 pairs = [(f"layer {i}", hidden_SKH[:, k], ref["hidden_states"][:, k]) for k, i in enumerate(layer_ids)]
                 pairs += [(name, stored[name], ref[name]) for name in final.tensors]
                 worst = (0.0, "", 0.0)
@@ -415,8 +415,8 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
     ``reconcile --repair`` never acts on).
 
     Raises:
-        core.store.MissingKey: no run.json at ``run_store``.
-        core.errors.StoreError: run.json, the plan's batch list or the markers' listing cannot be read.
+        hsx.store.MissingKey: no run.json at ``run_store``.
+        hsx.errors.StoreError: run.json, the plan's batch list or the markers' listing cannot be read.
     """
     t0 = time.perf_counter()
     retry_s = VERIFY_RETRY_S if retry_s is None else retry_s

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # tests import the project's top-level packages (core, settings...)
+if str(ROOT) not in sys.path:  # tests import the project's top-level packages (hsx, settings...)
     sys.path.insert(0, str(ROOT))
 
 from settings import Settings  # noqa: E402
@@ -81,7 +81,7 @@ def s3_client(endpoint_url: str, *, timeout_s: float = 5.0, attempts: int = 3):
     """A boto3 S3 client for the test server (path-style, dummy keys, short timeouts).
 
     Test setup only: waiting for a starting server and making buckets. What a test checks goes
-    through the store (``core.store``), the only other code that talks to boto3
+    through the store (``hsx.store``), the only other code that talks to boto3
     (tests/test_store.py checks that boundary)."""
     import boto3
     from botocore.config import Config
@@ -307,7 +307,7 @@ def moto_bucket(moto_server) -> S3Bucket:
 @pytest.fixture(params=["local", "s3"])
 def store(request, tmp_path):
     """A fresh, empty Store: a temp directory, or a fresh bucket on the test S3 server."""
-    from core.store import open_store
+    from hsx.store import open_store
 
     if request.param == "local":
         return open_store(str(tmp_path / "store"))
@@ -321,7 +321,7 @@ def store(request, tmp_path):
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> Path:
     """A cache dir holding the generated ``tiny-qwen3.5`` checkpoint (built once per session)."""
-    from core.models import resolve_model_path
+    from hsx.models import resolve_model_path
 
     cache = tmp_path_factory.mktemp("hsx-cache")
     resolve_model_path("tiny-qwen3.5", cache)
@@ -334,7 +334,7 @@ def tiny_qwen35(tiny_cache):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from core.models import resolve_model_path
+    from hsx.models import resolve_model_path
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-qwen3.5", tiny_cache), dtype=torch.float32,
                                                  use_safetensors=True)

@@ -109,7 +109,7 @@ class TcpBroker:
     """valkey-server on a loopback TCP port with a password: stands in for a cluster's Redis."""
 
     def __init__(self, state_dir: Path, password: str = "test-broker-pw"):
-        from core.broker import valkey_binary
+        from hsx.broker import valkey_binary
 
         self.port = free_port()
         self.password = password
@@ -208,7 +208,7 @@ class SharedWorker:
     """One broker and one worker process for the whole test session, and ``python -m producer``
     commands run in the test process against them.
 
-    The broker is the embedded one (``core.broker.EmbeddedBroker``: valkey-server on a unix socket,
+    The broker is the embedded one (``hsx.broker.EmbeddedBroker``: valkey-server on a unix socket,
     as ``producer run`` starts it). The worker runs the ``celery worker`` command line that
     ``python -m workers`` starts for a CPU slot (``workers.launcher.worker_command``: threads pool,
     ``task_threads`` threads, events on), with the tiny-qwen3.5 target preloaded, serving every
@@ -230,8 +230,8 @@ class SharedWorker:
     PER_JOB = frozenset({"store_url", "allowed_stores", "state_dir", "spool_dir", "broker_url"})
 
     def __init__(self, tmp: Path, cache: Path, root: Path, name: str = "cpu0"):
-        from core.access import normalise
-        from core.broker import EmbeddedBroker
+        from hsx.access import normalise
+        from hsx.broker import EmbeddedBroker
         from settings import Settings
         from workers.launcher import worker_command
 
@@ -259,7 +259,7 @@ class SharedWorker:
     def _local_workers(self, env: dict[str, str], log_path: Path, count: int | None = None) -> _SharedWorkerHandle:
         """Stands for ``producer.run.LocalWorkers(env, log_path, count)``: the job's worker settings
         (``env`` is what the workers ``run`` starts would get) must be the shared worker's."""
-        from core.access import normalise
+        from hsx.access import normalise
         from settings import Settings
 
         with environ(env):
@@ -316,9 +316,9 @@ def read_samples(run_store) -> dict[int, dict]:
 
     Fails if a sample appears twice or a shard does not match its marker's sha256 / size.
     """
-    from core.marker import done_batches, read_marker
-    from core.shard import read_shard
-    from core.store import verify
+    from hsx.marker import done_batches, read_marker
+    from hsx.shard import read_shard
+    from hsx.store import verify
 
     samples: dict[int, dict] = {}
     for batch in sorted(done_batches(run_store)):
@@ -344,7 +344,7 @@ def read_samples(run_store) -> dict[int, dict]:
 
 def plan_samples(run_store) -> dict[int, dict]:
     """Every planned sample's input ids and loss mask, keyed by sample_index (from the plan files)."""
-    from core.plan import read_batch, read_batch_list
+    from hsx.plan import read_batch, read_batch_list
 
     out = {}
     for b in read_batch_list(run_store):
@@ -357,15 +357,15 @@ def plan_samples(run_store) -> dict[int, dict]:
 
 def assert_matches_reference(model, samples: dict[int, dict], layer_ids: list[int], *, atol: float, rtol: float,
                              final: str = "postnorm") -> int:
-    """Each stored sample == the reference forward on it alone (``core/reference.py``: layer id i is
+    """Each stored sample == the reference forward on it alone (``hsx/reference.py``: layer id i is
     the output of decoder layer i, id N-1 and ``final_prenorm`` the last layer's raw output,
     ``final_postnorm`` after the model's norm), for every layer and each final ``final`` names.
 
     ``samples`` as :func:`read_samples` gives them (``hidden_states`` [S, K, H]). Returns the
     number of values compared; a mismatch fails with the sample, the tensor and the max |diff|.
     """
-    from core.reference import reference_states
-    from core.shard import Final
+    from hsx.reference import reference_states
+    from hsx.shard import Final
 
     compared = 0
     for sample, s in samples.items():

@@ -23,7 +23,7 @@ def copy_run(small_run: dict, dest: Path) -> Path:
 
 def upload_run(run_dir: Path, store) -> None:
     """Copy every file of a local run into ``store`` (an S3 run store), keys relative to the run."""
-    from core.store import write_file
+    from hsx.store import write_file
 
     for path in sorted(run_dir.rglob("*")):
         if path.is_file():

@@ -9,7 +9,7 @@ import pytest
 
 from jobfixtures import clean_env, cli_json, closed_port_url, run_here
 
-from core.store import open_store
+from hsx.store import open_store
 
 GOOD = {"conversations": [{"from": "human", "value": "What is 2 + 2?"}, {"from": "gpt", "value": "2 + 2 is 4, a small even number."}]}
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.broker import EmbeddedBroker, redis_client
-from core.errors import BadConfig
+from hsx.broker import EmbeddedBroker, redis_client
+from hsx.errors import BadConfig
 
 
 def test_a_second_embedded_broker_on_the_same_state_dir_is_refused_with_the_holders_pid(tmp_path):

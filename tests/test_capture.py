@@ -16,9 +16,9 @@ import torch
 
 from tinymodels import MODELS, TINY_LAYERS, TINY_VOCAB, random_batch, reference_forward, tiny_model
 
-from core.errors import BadConfig, FidelityError
-from core.decoder import decoder_of
-from core.layers import select_layers
+from hsx.errors import BadConfig, FidelityError
+from hsx.decoder import decoder_of
+from hsx.layers import select_layers
 from workers.capture import capture_batch, nonfinite_samples, right_padded_rows, split_by_tokens
 
 #: one batch, right-padded to 700: short rows are mostly padding, the long one crosses many GDN chunks (64)

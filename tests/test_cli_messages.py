@@ -12,8 +12,8 @@ import time
 import pytest
 
 from jobfixtures import ROOT, clean_env
-from core.errors import BadConfig
-from core.models import model_info, resolve_model_path
+from hsx.errors import BadConfig
+from hsx.models import model_info, resolve_model_path
 from producer.cli import _plan_table
 from producer.run import stopping_line
 from producer.statusview import progress_table
@@ -112,7 +112,7 @@ def test_run_says_stopping_at_once_when_interrupted(tmp_path, tiny_cache):
 
 def test_an_output_directory_given_for_a_run_names_the_runs_inside_it(tmp_path):
     """``status ./out`` (the output directory, not a run in it): the error lists the runs there."""
-    from core.store import LocalStore
+    from hsx.store import LocalStore
     from producer.cli import _no_run_message
 
     for run in ("sharegpt-aaa", "sharegpt-bbb"):

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from core.errors import BadConfig, BadRecord
+from hsx.errors import BadConfig, BadRecord
 from producer.datasets import Conversation, SkipCounter, iter_conversations
 from producer.masks import ChatTokeniser, TokenisedSample, _ContentEscape
 
-QWEN3_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "core" / "assets" / "qwen3-tokenizer"
+QWEN3_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "hsx" / "assets" / "qwen3-tokenizer"
 IM_START, IM_END, ENDOFTEXT = 151644, 151645, 151643
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 #: Text that holds special-token strings; NEUTRAL stands in for it in the reference conversation.

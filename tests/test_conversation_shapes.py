@@ -7,8 +7,8 @@ import json
 
 from jobfixtures import clean_env, cli_json, plan_samples
 
-from core.runconfig import load_run
-from core.store import open_store
+from hsx.runconfig import load_run
+from hsx.store import open_store
 
 TOOL = {"type": "function", "function": {"name": "get_time", "description": "Current time in a zone",
                                           "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.errors import BadDataset
+from hsx.errors import BadDataset
 from producer import datasets
 from producer.datasets import (
     SKIP_REASONS,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from core.errors import BadConfig
-from core.layers import dflash_layer_ids, layer_ids_from_draft_config, select_layers
+from hsx.errors import BadConfig
+from hsx.layers import dflash_layer_ids, layer_ids_from_draft_config, select_layers
 
 
 def _write(tmp_path, data) -> str:

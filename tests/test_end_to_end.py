@@ -18,9 +18,9 @@ import torch
 from jobfixtures import (TcpBroker, WorkerProcess, assert_matches_reference, clean_env, cli_json, plan_samples, read_samples,
                          run_here, wait_until)
 
-from core.marker import done_batches, marker_key
-from core.runconfig import load_run
-from core.store import open_store
+from hsx.marker import done_batches, marker_key
+from hsx.runconfig import load_run
+from hsx.store import open_store
 
 JOB = ["sharegpt", "--model", "tiny-qwen3.5", "--limit", "24", "--max-length", "384", "--batch-tokens", "1536",
        "--store-dtype", "float32"]

@@ -21,9 +21,9 @@ import pytest
 
 from smallrun import copy_run
 
-from core.broker import EmbeddedBroker, redis_client
-from core.runconfig import load_run
-from core.store import open_store
+from hsx.broker import EmbeddedBroker, redis_client
+from hsx.runconfig import load_run
+from hsx.store import open_store
 from producer.enqueue import enqueue_batches
 from producer.reconcile import UNACKED_INDEX_KEY, UNACKED_KEY, reconcile_run
 from settings import Settings

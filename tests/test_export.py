@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from jobfixtures import cli_json, read_samples, run_here
 from smallrun import copy_run
 
-from core.errors import BadConfig
-from core.runconfig import load_run
-from core.store import open_store
+from hsx.errors import BadConfig
+from hsx.runconfig import load_run
+from hsx.store import open_store
 from producer.export import check_exportable, export_run, file_stem, supervised_token_counts
 
 K, H = 3, 64

@@ -16,9 +16,9 @@ import torch
 
 from jobfixtures import assert_matches_reference, plan_samples, read_samples
 
-from core.errors import FidelityError
-from core.marker import read_marker
-from core.plan import read_batch
+from hsx.errors import FidelityError
+from hsx.marker import read_marker
+from hsx.plan import read_batch
 from settings import Settings
 
 
@@ -223,7 +223,7 @@ def test_with_the_overflow_full_a_shard_the_store_refused_is_retried_from_host_m
 
 def test_a_full_store_fails_the_batch_and_leaves_no_half_shard(planned):
     """store_full=1 (ENOSPC after the header): StoreError, no marker, no shard key, no temp file left in the run."""
-    from core.errors import StoreError
+    from hsx.errors import StoreError
     from workers.extract import extract_batch
 
     run_store, batch = planned["run"].run_store, planned["batches"][0]
@@ -240,7 +240,7 @@ def test_a_run_asking_for_the_last_layer_and_both_finals_stores_them_as_the_refe
     equal the last layer's output in the reference forward, final_postnorm equals HF hidden_states[N]
     (after the norm), and verify's recompute passes on the same shard. The two finals differ by O(1), so
     a reference reading id N-1 as hidden_states[N] (the post-norm state) would fail here."""
-    from core.reference import reference_states
+    from hsx.reference import reference_states
     from producer.planner import PlanOptions, plan_run
     from producer.verify import recompute_samples
     from workers.extract import extract_batch

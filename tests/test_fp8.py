@@ -1,6 +1,6 @@
 """``--store-dtype fp8``: float8 e4m3 hidden states with one float32 scale per token and part.
 
-From the bottom up: the quantise / dequantise functions (core/fp8.py) against e4m3's error bound
+From the bottom up: the quantise / dequantise functions (hsx/fp8.py) against e4m3's error bound
 on tensors with outliers and zero rows; the capture path quantising on the device after its NaN/Inf
 flags; a worker's batch with NaN and Inf injected (still quarantined); and a whole fp8 run made by
 ``python -m producer run`` (embedded broker, worker process) next to the same job in bf16
@@ -19,9 +19,9 @@ from jobfixtures import clean_env, cli_json, run_here
 from smallrun import SMALL_JOB
 from tinymodels import random_batch, tiny_model
 
-from core.fp8 import (E4M3_MAX, FP8_DTYPE, TOKEN_MAX_REL_ERR, dequantize_fp8, error_bound, quantize_fp8,
+from hsx.fp8 import (E4M3_MAX, FP8_DTYPE, TOKEN_MAX_REL_ERR, dequantize_fp8, error_bound, quantize_fp8,
                       bytes_per_token)
-from core.layers import select_layers
+from hsx.layers import select_layers
 from workers.capture import capture_batch
 
 #: float32 arithmetic around the e4m3 rounding (amax / 448, x / scale, q * scale) moves a value by
@@ -44,7 +44,7 @@ def outlier_tensor(seed: int = 0) -> torch.Tensor:
 
 
 def check_within_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[float, float]:
-    """Assert the elementwise and per-token bounds of core/fp8.py; return (worst token max-abs relative
+    """Assert the elementwise and per-token bounds of hsx/fp8.py; return (worst token max-abs relative
     error, global relative Frobenius error)."""
     x = x.float()
     dq = dequantize_fp8(q, scale, torch.float32)
@@ -189,8 +189,8 @@ def test_nan_and_inf_samples_are_still_quarantined_under_fp8(fp8_planned):
     the shard holds the rest as F8_E4M3 + F32 scales, finite after dequantisation."""
     from safetensors import safe_open
 
-    from core.marker import read_marker
-    from core.plan import read_batch
+    from hsx.marker import read_marker
+    from hsx.plan import read_batch
     from workers.extract import extract_batch
     from workers.target import get_target
 
@@ -253,8 +253,8 @@ def fp8_run(small_run, tmp_path_factory, shared_worker):
 def test_an_fp8_run_stores_e4m3_states_with_their_scales_and_about_half_the_bytes(fp8_run, small_run):
     from safetensors import safe_open
 
-    from core.runconfig import load_run
-    from core.store import open_store
+    from hsx.runconfig import load_run
+    from hsx.store import open_store
 
     config = load_run(open_store(fp8_run["address"]))
     assert config.store_dtype == "fp8"
@@ -278,7 +278,7 @@ def test_an_fp8_run_stores_e4m3_states_with_their_scales_and_about_half_the_byte
 def test_the_reader_returns_bf16_states_of_an_fp8_run_within_the_bound_of_the_bf16_run(fp8_run, small_run):
     """HiddenStatesDataset on the fp8 run == the same sample of the bf16 run, per token within
     1/28 of its largest value (+ bf16's rounding on both sides); raw=True gives the stored fp8 and scales."""
-    from core.reader import HiddenStatesDataset, IterableHiddenStatesDataset
+    from hsx.reader import HiddenStatesDataset, IterableHiddenStatesDataset
 
     fp8_ds, bf16_ds = HiddenStatesDataset(fp8_run["address"]), HiddenStatesDataset(small_run["address"])
     assert len(fp8_ds) == len(bf16_ds) > 0
@@ -312,10 +312,10 @@ def test_the_reader_returns_bf16_states_of_an_fp8_run_within_the_bound_of_the_bf
 def test_verify_recompute_passes_on_an_fp8_run_with_the_fp8_tolerance_and_still_catches_a_wrong_layer(fp8_run):
     import dataclasses
 
-    from core.records import Marker
-    from core.plan import read_batch
-    from core.runconfig import load_run
-    from core.store import open_store
+    from hsx.records import Marker
+    from hsx.plan import read_batch
+    from hsx.runconfig import load_run
+    from hsx.store import open_store
     from producer.verify import recompute_samples
     from settings import Settings
 
@@ -342,7 +342,7 @@ def test_verify_recompute_passes_on_an_fp8_run_with_the_fp8_tolerance_and_still_
 def test_a_speculators_export_of_an_fp8_run_holds_bf16_equal_to_the_reader(fp8_run, tmp_path):
     from safetensors.torch import load_file
 
-    from core.reader import HiddenStatesDataset
+    from hsx.reader import HiddenStatesDataset
 
     out = tmp_path / "spec"
     report = cli_json(run_here(["export", fp8_run["address"], "--format", "speculators", str(out), "--json"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.errors import BadConfig
+from hsx.errors import BadConfig
 from settings import Settings
 from workers.target import check_kernels, is_gdn
 

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from jobfixtures import ROOT, TcpBroker, clean_env, free_port, wait_until
-from core.store import exists, open_store
+from hsx.store import exists, open_store
 from settings import Settings
 from workers.heartbeat import Heartbeat, worker_name
 from workers.launcher import RestartPolicy, describe_exit, mark_dead_worker

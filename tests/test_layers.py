@@ -1,4 +1,4 @@
-"""Layer ids (core/layers.py): presets on the real models' layer counts, refusals, and what an id
+"""Layer ids (hsx/layers.py): presets on the real models' layer counts, refusals, and what an id
 means in the captured shard (output of decoder layer i = HF ``hidden_states[i + 1]``, vLLM id i + 1).
 """
 
@@ -11,9 +11,9 @@ import torch
 
 from tinymodels import random_batch, real_config, reference_forward, tiny_model
 
-from core.errors import BadConfig
-from core.layers import dflash_layer_ids, eagle3_layer_ids, parse_layer_ids, select_layers
-from core.shard import shard_metadata
+from hsx.errors import BadConfig
+from hsx.layers import dflash_layer_ids, eagle3_layer_ids, parse_layer_ids, select_layers
+from hsx.shard import shard_metadata
 from workers.capture import capture_batch
 
 

@@ -20,10 +20,10 @@ from jobfixtures import WorkerProcess, wait_until
 from test_recovery import (HOLD_S, Cluster, assert_complete, cluster, copy_run, held_batch, template,  # noqa: F401
                            wait_done, wait_log)
 
-from core.broker import redis_client
-from core.errors import FidelityError, SpoolFull, StoreError
-from core.marker import done_batches
-from core.store import MissingKey
+from hsx.broker import redis_client
+from hsx.errors import FidelityError, SpoolFull, StoreError
+from hsx.marker import done_batches
+from hsx.store import MissingKey
 from settings import Settings
 from workers.causes import DATA, PERMANENT, TRANSIENT, UNKNOWN, classify
 from workers.lease import lease_holders
@@ -191,7 +191,7 @@ def test_errors_are_sorted_by_cause():
     # A message naming a run or plan that is not in the store fails that batch; it never makes a worker refuse.
     assert classify(MissingKey("plan/b000001.npz")) == DATA
     # A task this worker must never run (outside its roots, another model) is dropped, not put back for it.
-    from core.access import Refused
+    from hsx.access import Refused
     from workers.causes import REFUSED
 
     assert classify(Refused("task run address '/elsewhere' refused")) == REFUSED
@@ -232,9 +232,9 @@ def test_a_reclaimed_batch_runs_next_not_behind_the_queue(tmp_path):
     import subprocess
     import sys
 
-    from core.broker import EmbeddedBroker
-    from core.queue import EXTRACT_TASK, decode_message, make_celery
-    from core.store import open_store
+    from hsx.broker import EmbeddedBroker
+    from hsx.queue import EXTRACT_TASK, decode_message, make_celery
+    from hsx.store import open_store
     from workers.lease import Reclaimer
 
     settings = Settings(_env_file=None, lease_s=6, reclaim_interval_s=1)

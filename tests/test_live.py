@@ -1,4 +1,4 @@
-"""``core.live``: a reader that follows a run while it is extracted yields each batch once its marker
+"""``hsx.live``: a reader that follows a run while it is extracted yields each batch once its marker
 exists, in an order fixed by the seed and the set of finished batches, resumes from its
 ``state_dict`` without repeating or skipping a sample, and stops when the run is complete or idle.
 
@@ -21,10 +21,10 @@ import torch
 from jobfixtures import read_samples
 from smallrun import copy_run, quarantine_first_sample
 
-from core.errors import BadConfig, FidelityError, HsxError
-from core.live import LiveHiddenStatesDataset, order_key, rank_of
-from core.marker import marker_key
-from core.store import MissingKey, exists, open_store, write_file
+from hsx.errors import BadConfig, FidelityError, HsxError
+from hsx.live import LiveHiddenStatesDataset, order_key, rank_of
+from hsx.marker import marker_key
+from hsx.store import MissingKey, exists, open_store, write_file
 
 K, H = 3, 64  # EAGLE-3 layers of the 8-layer tiny model, hidden size 64
 POLL_S = 0.05
@@ -207,7 +207,7 @@ def test_a_reader_stops_after_the_idle_timeout_naming_failed_batches_and_goes_on
     store.write(f"failures/{rest[0]}.json", json.dumps({"batch": rest[0], "error": "FidelityError: test"}).encode())
     reader = LiveHiddenStatesDataset(store, poll_s=POLL_S, idle_timeout_s=0.3)
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="core.live"):
+    with caplog.at_level(logging.WARNING, logger="hsx.live"):
         got = [s["batch"] for s in reader]
     assert reader.stop_reason == "idle_timeout" and time.monotonic() - t0 >= 0.3
     assert set(got) == set(first)

@@ -16,7 +16,7 @@ import sys
 
 from jobfixtures import ROOT, clean_env, read_samples, wait_until
 
-from core.store import open_store
+from hsx.store import open_store
 
 PAUSE_S = 1.5
 LIVE_JOB = ["sharegpt", "--model", "tiny-qwen3.5", "--limit", "16", "--max-length", "256", "--batch-tokens", "512"]

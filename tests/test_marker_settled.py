@@ -2,7 +2,7 @@
 in-process, the tiny model on the CPU) on an S3 store behind tests/faultproxy.py whose first 8
 conditional PUTs of the marker answer 409 ConditionalRequestConflict (more than the store's own
 ``CONFLICT_RETRIES``). The batch ends ``done`` with its marker naming the shard it wrote, the
-shard kept: an unsettled create is retried (core/store/retry.py), never taken for another worker's win.
+shard kept: an unsettled create is retried (hsx/store/retry.py), never taken for another worker's win.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import json
 
 import pytest
 
-from core.marker import read_marker
-from core.store import open_store, verify, write_file
+from hsx.marker import read_marker
+from hsx.store import open_store, verify, write_file
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_marker_conflicts_that_outlast_the_stores_retries_end_done_not_lost(small_run, s3_bucket, monkeypatch):
-    import core.store.s3 as s3_store
+    import hsx.store.s3 as s3_store
     from faultproxy import FaultProxy, Rule, proxied_settings
     from workers.extract import extract_batch
 

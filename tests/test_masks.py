@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from core.errors import BadRecord
+from hsx.errors import BadRecord
 from producer.datasets import Conversation, PretokenisedRecord, SkipCounter, TextRecord, iter_conversations
 from producer.masks import ChatTokeniser, TokenisedSample
 from producer.planner import PlanOptions, tokenise_dataset
 
-QWEN3_TOKENIZER_DIR = str(Path(__file__).resolve().parents[1] / "core" / "assets" / "qwen3-tokenizer")
+QWEN3_TOKENIZER_DIR = str(Path(__file__).resolve().parents[1] / "hsx" / "assets" / "qwen3-tokenizer")
 IM_END = 151645
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 

@@ -1,4 +1,4 @@
-"""Specifications of a target model's identity (core.models): a local checkpoint is named by its bytes.
+"""Specifications of a target model's identity (hsx.models): a local checkpoint is named by its bytes.
 
 Project issue 12, item 2: the revision of a local checkpoint is a hash of its weight bytes (a hub
 cache's blob names where they are sha256 already; every other file hashed once and cached); a run
@@ -20,11 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import core.models
-from core.errors import BadConfig, RunConflict
-from core.models import CONTENT_REVISION_PREFIX, checkpoint_files, file_sha256, model_info, resolve_model_path
-from core.runconfig import RunConfig, load_run
-from core.store import open_store
+import hsx.models
+from hsx.errors import BadConfig, RunConflict
+from hsx.models import CONTENT_REVISION_PREFIX, checkpoint_files, file_sha256, model_info, resolve_model_path
+from hsx.runconfig import RunConfig, load_run
+from hsx.store import open_store
 from producer.planner import PlanOptions, plan_run
 from settings import Settings
 
@@ -42,15 +42,15 @@ def ckpt(tmp_path, tiny_cache):
 
 @pytest.fixture
 def hashed(monkeypatch):
-    """The names of the files whose bytes core.models reads to hash them (real paths: a blob's name), in order."""
+    """The names of the files whose bytes hsx.models reads to hash them (real paths: a blob's name), in order."""
     seen: list[str] = []
-    real = core.models._sha256_of_bytes
+    real = hsx.models._sha256_of_bytes
 
     def counting(path):
         seen.append(Path(path).name)
         return real(path)
 
-    monkeypatch.setattr(core.models, "_sha256_of_bytes", counting)
+    monkeypatch.setattr(hsx.models, "_sha256_of_bytes", counting)
     return seen
 
 
@@ -150,14 +150,14 @@ def test_two_threads_hashing_the_same_file_read_it_once(ckpt, tmp_path, monkeypa
     """The cache entry's lock makes a second hasher wait and read the first one's digest (as 8 workers
     starting on one node do)."""
     reads = []
-    real = core.models._sha256_of_bytes
+    real = hsx.models._sha256_of_bytes
 
     def slow(path):
         reads.append(path)
         time.sleep(0.3)
         return real(path)
 
-    monkeypatch.setattr(core.models, "_sha256_of_bytes", slow)
+    monkeypatch.setattr(hsx.models, "_sha256_of_bytes", slow)
     out = []
     threads = [threading.Thread(target=lambda: out.append(file_sha256(ckpt / "model.safetensors", tmp_path / "c")))
                for _ in range(2)]

@@ -21,10 +21,10 @@ import pytest
 
 from jobfixtures import ROOT, WorkerProcess, clean_env, cli_json, free_port, run_cli, wait_until
 
-from core.broker import EmbeddedBroker, running_embedded_broker
-from core.marker import done_batches
-from core.plan import read_batch_list
-from core.store import open_store
+from hsx.broker import EmbeddedBroker, running_embedded_broker
+from hsx.marker import done_batches
+from hsx.plan import read_batch_list
+from hsx.store import open_store
 
 # 24 real ShareGPT records in small batches: enough batches that a running job can be watched.
 JOB = ["sharegpt", "--model", "tiny-qwen3.5", "--limit", "24", "--max-length", "256", "--batch-tokens", "768",
@@ -261,7 +261,7 @@ def test_gpu_stats_inspect_command_on_a_cpu_worker_says_there_is_no_gpu(flower_j
 
 def test_flower_refuses_a_public_address_without_basic_auth(tmp_path):
     """``producer flower --address 0.0.0.0`` without HSX_FLOWER_BASIC_AUTH is refused before anything starts."""
-    from core.errors import BadConfig
+    from hsx.errors import BadConfig
     from producer.flower import run_flower
     from settings import Settings
 

@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 
 from tinymodels import random_batch, tiny_config, tiny_model
 
-from core.errors import BadConfig
-from core.layers import select_layers
+from hsx.errors import BadConfig
+from hsx.layers import select_layers
 from workers.capture import capture_batch, right_padded_rows
 
 WORLD = 2

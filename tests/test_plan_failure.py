@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from jobfixtures import clean_env, run_here
-from core.errors import BadDataset, StoreError
-from core.plan import BATCHES_JSON, PLANNING_JSON, BatchPlan, plan_complete
-from core.store import exists, open_store
+from hsx.errors import BadDataset, StoreError
+from hsx.plan import BATCHES_JSON, PLANNING_JSON, BatchPlan, plan_complete
+from hsx.store import exists, open_store
 from producer.planner import PlanOptions, plan_run
 from producer.status import run_status
 from producer.statusview import status_view

@@ -1,4 +1,4 @@
-"""``core.reader``: the datasets users' training code reads a run with return exactly what the
+"""``hsx.reader``: the datasets users' training code reads a run with return exactly what the
 shards hold, per sample, with the documented names, shapes and dtypes."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from jobfixtures import read_samples
 from smallrun import copy_run, quarantine_first_sample, upload_run
 
-from core.errors import BadConfig, FidelityError
-from core.reader import HiddenStatesDataset, IterableHiddenStatesDataset
-from core.runconfig import load_run
-from core.store import open_store
+from hsx.errors import BadConfig, FidelityError
+from hsx.reader import HiddenStatesDataset, IterableHiddenStatesDataset
+from hsx.runconfig import load_run
+from hsx.store import open_store
 
 K, H = 3, 64  # EAGLE-3 layers of the 8-layer tiny model, hidden size 64
 

@@ -1,4 +1,4 @@
-"""The run format's records (core/records.py) and keys (core/layout.py), as a specification.
+"""The run format's records (hsx/records.py) and keys (hsx/layout.py), as a specification.
 
 Every record goes through its class: what is written reads back equal, a record of an older run
 (without the newer optional fields) still reads, fields a newer hsx added are ignored, and a
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from core import layout
-from core.errors import RecordFormatError
-from core.records import (SCHEMA_VERSIONS, BatchLease, BatchSummary, Failure, Marker, MarkerWorker, Planning,
+from hsx import layout
+from hsx.errors import RecordFormatError
+from hsx.records import (SCHEMA_VERSIONS, BatchLease, BatchSummary, Failure, Marker, MarkerWorker, Planning,
                           QuarantinedSample, Reclaim, SampleRow, ShardRef, SkipCounts, SpoolStatus, Stats, WorkerStatus,
                           done_batches, read_failures, read_heartbeats, read_markers)
-from core.store import LocalStore
+from hsx.store import LocalStore
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -22,10 +22,10 @@ import pytest
 
 from jobfixtures import WorkerProcess, clean_env, plan_samples, read_samples, run_cli, wait_until
 
-from core.broker import EmbeddedBroker
-from core.marker import done_batches, read_marker
-from core.runconfig import load_run
-from core.store import open_store
+from hsx.broker import EmbeddedBroker
+from hsx.marker import done_batches, read_marker
+from hsx.runconfig import load_run
+from hsx.store import open_store
 from settings import Settings
 
 #: how long a fault holds a batch (seconds): far longer than the test needs to act.
@@ -219,7 +219,7 @@ def test_the_broker_killed_and_restarted_mid_run_keeps_the_queue(template, clust
     time.sleep(1.0)
     cluster.broker.start()
     assert worker.proc.poll() is None
-    from core.broker import redis_client
+    from hsx.broker import redis_client
 
     client = redis_client(cluster.broker.url)
     kept = client.llen("gpu") + client.hlen("unacked") + len(done_batches(run_store))

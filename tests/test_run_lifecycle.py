@@ -12,7 +12,7 @@ import time
 import psutil
 
 from jobfixtures import ROOT, clean_env
-from core.broker import EmbeddedBroker, redis_client
+from hsx.broker import EmbeddedBroker, redis_client
 
 JOB = ["sharegpt", "--limit", "4", "--model", "tiny-qwen3.5", "--max-length", "128", "--batch-tokens", "128"]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import RunConflict, RunFormatError
-from core.runconfig import (
+from hsx.errors import RunConflict, RunFormatError
+from hsx.runconfig import (
     IDENTITY_FIELDS,
     IDENTITY_VERSION,
     NON_IDENTITY_FIELDS,
@@ -25,7 +25,7 @@ from core.runconfig import (
     claim_run,
     load_run,
 )
-from core.store import open_store
+from hsx.store import open_store
 from producer.verify import verify_run
 
 LEGACY = Path(__file__).resolve().parent / "data" / "legacy-runs"

@@ -18,9 +18,9 @@ import pytest
 
 from jobfixtures import ROOT, TcpBroker, WorkerProcess, clean_env, run_cli, wait_until
 
-from core.broker import EmbeddedBroker
-from core.errors import BadConfig
-from core.store import exists
+from hsx.broker import EmbeddedBroker
+from hsx.errors import BadConfig
+from hsx.store import exists
 from settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,8 +32,8 @@ UNPICKLING = [r"^\s*(import|from)\s+(pickle|cPickle|dill|cloudpickle|joblib|shel
 
 
 def test_no_module_of_the_package_can_unpickle():
-    """core/, producer/ and workers/ never import pickle (or dill, joblib...), call torch.load, or allow pickles in numpy."""
-    files = [p for d in ("core", "producer", "workers") for p in (ROOT / d).rglob("*.py")]
+    """hsx/, producer/ and workers/ never import pickle (or dill, joblib...), call torch.load, or allow pickles in numpy."""
+    files = [p for d in ("hsx", "producer", "workers") for p in (ROOT / d).rglob("*.py")]
     assert len(files) > 20, "the scan must see the package"
     hits = []
     for path in files:
@@ -46,7 +46,7 @@ def test_no_module_of_the_package_can_unpickle():
 
 def test_celery_sends_and_accepts_json_only():
     """Tasks and results are JSON; a worker accepts no other content type."""
-    from core.queue import celery_config
+    from hsx.queue import celery_config
 
     cfg = celery_config(Settings(_env_file=None), "redis://127.0.0.1:1/0")
     assert cfg["task_serializer"] == cfg["result_serializer"] == "json"
@@ -65,7 +65,7 @@ class _Payload:
 
 def test_a_worker_refuses_a_pickled_task_message_without_unpickling_it(tmp_path):
     """A task sent with the pickle serializer reaches a real worker: refused as untrusted content; its payload never runs."""
-    from core.queue import EXTRACT_TASK, make_celery
+    from hsx.queue import EXTRACT_TASK, make_celery
 
     state = Path(tempfile.mkdtemp(prefix="hsx-"))
     broker = EmbeddedBroker(state).start()
@@ -88,7 +88,7 @@ def test_a_worker_refuses_a_pickled_task_message_without_unpickling_it(tmp_path)
 
 def _checkpoint(tmp_path: Path, tiny_cache: Path, weights: bytes) -> Path:
     """The tiny model's config and tokenizer with ``weights`` as its only (pickle) weight file."""
-    from core.models import resolve_model_path
+    from hsx.models import resolve_model_path
 
     src = Path(resolve_model_path("tiny-qwen3.5", tiny_cache))
     ckpt = tmp_path / "pickled-ckpt"
@@ -119,7 +119,7 @@ def test_pickle_weights_load_only_when_explicitly_allowed(tmp_path, tiny_cache):
     import torch
     from safetensors.torch import load_file
 
-    from core.models import resolve_model_path
+    from hsx.models import resolve_model_path
     from workers.target import load_target
 
     src = Path(resolve_model_path("tiny-qwen3.5", tiny_cache))
@@ -136,7 +136,7 @@ def test_pickle_weights_load_only_when_explicitly_allowed(tmp_path, tiny_cache):
 
 def test_checkpoint_code_runs_only_when_trusted(tmp_path, tiny_cache):
     """A config that needs its own Python code (auto_map): refused with trust_remote_code off, and that code never runs."""
-    from core.models import model_info
+    from hsx.models import model_info
 
     ckpt = tmp_path / "custom-code"
     ckpt.mkdir()
@@ -187,8 +187,8 @@ def test_secrets_never_appear_in_output_logs_or_the_store(tmp_path, tiny_cache, 
         outputs.append(proc.stdout + proc.stderr)
         assert proc.returncode == 0, proc.stderr[-2000:]
         address = json.loads(proc.stdout)["address"]
-        from core.marker import done_batches
-        from core.store import open_store
+        from hsx.marker import done_batches
+        from hsx.store import open_store
 
         run_store = open_store(address, st)
         total = len(json.loads(run_store.read("plan/batches.json")))
@@ -218,7 +218,7 @@ def test_secrets_never_appear_in_output_logs_or_the_store(tmp_path, tiny_cache, 
 def test_the_allow_list_compares_resolved_roots_by_whole_segments(tmp_path):
     """/data/out serves /data/out/run, not /data/out2 or a link inside it that points outside; S3 by bucket and prefix
     segments; every refusal names the value, the rule and the fix."""
-    from core.access import Refused, check_run_allowed
+    from hsx.access import Refused, check_run_allowed
 
     root, outside = tmp_path / "out", tmp_path / "elsewhere"
     root.mkdir()
@@ -257,7 +257,7 @@ def test_a_worker_refuses_runs_outside_its_roots_and_runs_for_another_model_with
     """A real worker (HSX_STORE_URL=<tmp>/allowed, HSX_MODEL=tiny-qwen3.5): a task naming a path outside, a sibling
     prefix or a bad batch name is refused and nothing is created there; a run in its root planned for another checkpoint
     is refused with both models named and gets no marker."""
-    from core.queue import EXTRACT_TASK, make_celery
+    from hsx.queue import EXTRACT_TASK, make_celery
 
     allowed = tmp_path / "allowed"
     allowed.mkdir()

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from jobfixtures import clean_env, run_cli
-from core.errors import BadConfig, BadSettings
+from hsx.errors import BadConfig, BadSettings
 from settings import SECRET_FIELDS, get_settings, load_settings
 
 

@@ -1,4 +1,4 @@
-"""The shard schema (core/shard.py): one description of what a valid shard of a run holds.
+"""The shard schema (hsx/shard.py): one description of what a valid shard of a run holds.
 
 A shard is built the way a worker builds it (``shard_metadata`` + the tensors) and checked with
 ``schema_problems``, from the tensors and from the safetensors header of its serialised bytes;
@@ -13,8 +13,8 @@ import struct
 import pytest
 import torch
 
-from core.layers import select_layers
-from core.shard import Final, ShardSpec, StoreDtype, schema_problems, serialize_shard, shard_metadata
+from hsx.layers import select_layers
+from hsx.shard import Final, ShardSpec, StoreDtype, schema_problems, serialize_shard, shard_metadata
 
 T, N, H = 11, 3, 8
 LAYER_IDS = (1, 5)

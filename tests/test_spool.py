@@ -1,4 +1,4 @@
-"""A serialised shard (core.shard.serialize_shard), written to the spool or streamed into a store, is a file that safetensors reads back bit for bit."""
+"""A serialised shard (hsx.shard.serialize_shard), written to the spool or streamed into a store, is a file that safetensors reads back bit for bit."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import hashlib
 import torch
 from safetensors import safe_open
 
-from core.shard import serialize_shard
-from core.store import LocalStore
+from hsx.shard import serialize_shard
+from hsx.store import LocalStore
 from workers.spool import write_shard
 
 

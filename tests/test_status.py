@@ -15,9 +15,10 @@ from rich.console import Console
 from jobfixtures import run_here
 from smallrun import copy_run, quarantine_first_sample
 
-from core.marker import done_batches, marker_key
-from core.plan import read_batch_list
-from core.store import open_store
+from hsx.layout import WORKERS_PREFIX
+from hsx.marker import done_batches, marker_key
+from hsx.plan import read_batch_list
+from hsx.store import open_store
 from producer.status import RunWatch
 from producer.statusview import status_view
 
@@ -76,6 +77,8 @@ def test_a_run_whose_every_worker_went_quiet_is_stalled_not_running(small_run, t
     store = open_store(str(run_dir))
     last = read_batch_list(store)[-1]["batch"]
     store.delete(marker_key(last))
+    for key in store.list(WORKERS_PREFIX):  # the shared worker's own record may still be fresh
+        store.delete(key)
     now = float(int(time.time()))
     record = {"host": "node9", "pid": 43, "device": "cpu", "state": "working", "heartbeat_s": 5.0,
               "batches": [{"batch": last, "phase": "forward", "since": _utc(now - 90)}], "updated_at": _utc(now - 80)}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import closed_port
-from core.errors import BadConfig, FidelityError, StoreError
-from core.store import LocalStore, MissingKey, S3Store, Store, download, exists, mask_url, open_store, verify, write_file
+from hsx.errors import BadConfig, FidelityError, StoreError
+from hsx.store import LocalStore, MissingKey, S3Store, Store, download, exists, mask_url, open_store, verify, write_file
 from settings import Settings
 
 RACERS = 16
@@ -198,7 +198,7 @@ def test_sixteen_racing_local_processes_give_exactly_one_winner(tmp_path):
 def test_s3_create_after_a_409_conflict_on_an_existing_object_returns_false(s3_bucket, monkeypatch):
     """One 409 ConditionalRequestConflict, then the server's 412 for the object that is there: create retries the
     409 and reports the settled outcome, False, and the object keeps its first bytes."""
-    import core.store.s3 as s3_store
+    import hsx.store.s3 as s3_store
     from faultproxy import FaultProxy, proxied_settings
 
     monkeypatch.setattr(s3_store, "CONFLICT_BACKOFF_S", 0.01)
@@ -420,7 +420,7 @@ def test_sha256_streams_the_stored_bytes_and_names_an_absent_key(store):
 
 def test_open_store_without_create_refuses_a_missing_directory_and_makes_nothing(tmp_path, monkeypatch):
     """create=False (read-only commands, workers): a missing root is a StoreError naming it and the fix; no directory appears."""
-    from core.errors import StoreError
+    from hsx.errors import StoreError
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(StoreError) as info:
@@ -455,8 +455,8 @@ def _conflicts(times):
 def test_s3_create_that_never_settles_is_a_transient_error_not_a_lost_race(s3_bucket, monkeypatch):
     """409 on every attempt: create raises a transient StoreError naming the key and the 409s; it never returns False,
     and the object is not there."""
-    import core.store.s3 as s3_store
-    from core.errors import StoreError
+    import hsx.store.s3 as s3_store
+    from hsx.errors import StoreError
     from faultproxy import FaultProxy, proxied_settings
 
     monkeypatch.setattr(s3_store, "CONFLICT_BACKOFF_S", 0.01)
@@ -475,7 +475,7 @@ def test_s3_create_that_never_settles_is_a_transient_error_not_a_lost_race(s3_bu
 
 def test_s3_create_after_conflicts_that_settle_creates_once(s3_bucket, monkeypatch):
     """Two 409s, then the real server answers: create returns True and the object holds our bytes."""
-    import core.store.s3 as s3_store
+    import hsx.store.s3 as s3_store
     from faultproxy import FaultProxy, proxied_settings
 
     monkeypatch.setattr(s3_store, "CONFLICT_BACKOFF_S", 0.01)
@@ -530,7 +530,7 @@ def test_download_rides_out_cut_off_range_reads_through_the_stores_retries(s3_bu
 
 # --- the interface's boundary ------------------------------------------------------------------
 
-#: the Store Protocol's members; anything else is a helper over them (core/store/helpers.py).
+#: the Store Protocol's members; anything else is a helper over them (hsx/store/helpers.py).
 PROTOCOL_MEMBERS = {"url", "read", "write", "create", "delete", "write_stream", "read_range", "sha256", "size",
                     "local_path", "list", "list_modified", "remove_incomplete", "child", "check"}
 
@@ -544,7 +544,7 @@ def test_the_store_protocol_has_only_its_documented_members_and_both_backends_ha
 
 
 def test_no_module_outside_the_store_imports_boto3_or_touches_a_raw_client():
-    """Only core/store/ talks to boto3/botocore or a client: every other store call goes through the Protocol, whose
+    """Only hsx/store/ talks to boto3/botocore or a client: every other store call goes through the Protocol, whose
     errors say whether to retry. tests/conftest.py may, to start the test server and make buckets (setup), and
     bench/plain_upload.py, the S3 ceiling the benches compare with (boto3 alone, no code of ours)."""
     import re
@@ -555,13 +555,13 @@ def test_no_module_outside_the_store_imports_boto3_or_touches_a_raw_client():
     # http.client, which are no S3 clients), or an S3Store built around a client of one's own.
     client = re.compile(r"\w*store\w*\.(client|_probe_client)\b|\._probe_client\b|\bS3Store\("
                         r"|\.client\.(meta|\w*object\w*|download_\w+|upload_\w+|create_\w+|list_\w+|head_\w+|get_paginator)\b")
-    files = [p for d in ("core", "producer", "workers", "bench", "examples", "scripts", "tests") for p in (root / d).rglob("*.py")]
+    files = [p for d in ("hsx", "producer", "workers", "bench", "examples", "scripts", "tests") for p in (root / d).rglob("*.py")]
     files.append(root / "settings.py")
     offenders = []
     for path in files:
         rel = path.relative_to(root).as_posix()
         # bench/plain_upload.py: the S3 ceiling is boto3 itself, with none of our code on its path.
-        if rel.startswith("core/store/") or rel in ("tests/conftest.py", "tests/test_store.py", "bench/plain_upload.py"):
+        if rel.startswith("hsx/store/") or rel in ("tests/conftest.py", "tests/test_store.py", "bench/plain_upload.py"):
             continue
         text = path.read_text()
         offenders += [f"{rel}: {m.group(0).strip()}" for m in boto.finditer(text)]
@@ -571,11 +571,11 @@ def test_no_module_outside_the_store_imports_boto3_or_touches_a_raw_client():
 
 
 def test_importing_the_store_does_not_import_boto3():
-    """core.store loads boto3 only when an S3 store is built (about 0.25 s each CLI command and reader would pay)."""
+    """hsx.store loads boto3 only when an S3 store is built (about 0.25 s each CLI command and reader would pay)."""
     import subprocess
     import sys
 
-    code = "import sys, core.store; print('boto3' in sys.modules or 'botocore' in sys.modules)"
+    code = "import sys, hsx.store; print('boto3' in sys.modules or 'botocore' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "False"

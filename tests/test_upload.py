@@ -1,5 +1,5 @@
 """The upload path of a shard: spool -> store with checksums, retries on transient errors, and the
-spool's backpressure gate (workers/spool.py, core/store/helpers.py, core/store/retry.py), against the real S3
+spool's backpressure gate (workers/spool.py, hsx/store/helpers.py, hsx/store/retry.py), against the real S3
 server of conftest.py where a server is involved."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import FidelityError, SpoolFull, StoreError
-from core.store import backoff_s, exists, open_store, retry_transient, verify, write_file
+from hsx.errors import FidelityError, SpoolFull, StoreError
+from hsx.store import backoff_s, exists, open_store, retry_transient, verify, write_file
 from faultproxy import Rule
 from workers.spool import Spool, default_spool_dir, remove_dead_spool_files
 
@@ -139,7 +139,7 @@ def test_remove_incomplete_aborts_old_multipart_uploads_and_local_temp_files(s3_
 
 def test_a_stopped_server_is_a_transient_error_and_a_missing_bucket_is_not(s3_bucket, tmp_path):
     """Connection refused -> StoreError(transient=True); no such bucket -> transient=False (a retry cannot fix it)."""
-    from core.store import S3Store
+    from hsx.store import S3Store
     from settings import Settings
 
     closed = Settings(_env_file=None, s3_endpoint_url=f"http://127.0.0.1:{_closed_port()}", s3_region="us-east-1",

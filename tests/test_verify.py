@@ -12,11 +12,11 @@ import json
 from jobfixtures import run_here
 from smallrun import copy_run, quarantine_first_sample, upload_run
 
-from core.marker import marker_key
-from core.records import Marker
-from core.plan import batch_key, read_batch
-from core.runconfig import load_run
-from core.store import open_store
+from hsx.marker import marker_key
+from hsx.records import Marker
+from hsx.plan import batch_key, read_batch
+from hsx.runconfig import load_run
+from hsx.store import open_store
 from producer.verify import problem_batches, recompute_samples, verify_run
 
 
@@ -217,7 +217,7 @@ def test_a_store_that_resets_shard_reads_leaves_them_unverified_and_repair_keeps
 
 def test_shard_reads_cut_off_a_few_times_are_retried_through_the_store_and_pass(small_run, s3_bucket):
     """Six resets of shard GETs (more than botocore's own attempts of one call): verify retries through the store's
-    interface (core/store/retry.py) and passes."""
+    interface (hsx/store/retry.py) and passes."""
     from faultproxy import FaultProxy, Rule, proxied_settings
 
     run_id = small_run["report"]["run_id"]

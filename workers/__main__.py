@@ -1,6 +1,6 @@
 import sys
 
-from core.errors import HsxError
+from hsx.errors import HsxError
 from workers.launcher import main
 
 try:

@@ -14,8 +14,8 @@ import logging
 from celery.signals import worker_ready
 from celery.worker.control import inspect_command
 
-from core.errors import BadConfig
-from core.queue import make_celery
+from hsx.errors import BadConfig
+from hsx.queue import make_celery
 from settings import get_settings
 
 log = logging.getLogger(__name__)

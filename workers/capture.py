@@ -1,6 +1,6 @@
 """The capture path, top to bottom: one batched forward, hooks on the chosen layers, valid tokens
 gathered on the device, a finiteness check on the device, fp8 quantisation on the device when the
-run stores fp8 (``core/fp8.py``), one device-to-host copy per captured tensor on a side stream, the
+run stores fp8 (``hsx/fp8.py``), one device-to-host copy per captured tensor on a side stream, the
 shard's tensors.
 
 Legend (shape suffixes):
@@ -39,11 +39,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.decoder import NORM_NAMES, Decoder, decoder_of, first_output
-from core.errors import BadConfig, FidelityError
-from core.fp8 import FP8_DTYPE, quantize_states
-from core.layers import LayerSelection
-from core.shard import FINAL_POSTNORM, FINAL_PRENORM, HIDDEN_STATES, Final, scale_name
+from hsx.decoder import NORM_NAMES, Decoder, decoder_of, first_output
+from hsx.errors import BadConfig, FidelityError
+from hsx.fp8 import FP8_DTYPE, quantize_states
+from hsx.layers import LayerSelection
+from hsx.shard import FINAL_POSTNORM, FINAL_PRENORM, HIDDEN_STATES, Final, scale_name
 
 
 class _StopForward(Exception):
@@ -70,7 +70,7 @@ class CapturedBatch:
 
     ``states``: ``hidden_states`` [T, K, H] plus the final states asked for, [T, H], in the store
     dtype; for fp8 also each one's float32 scale (``hidden_states_scale`` [T, K], ``final_*_scale``
-    [T], ``core/fp8.py``). ``nonfinite``: sample position j (0..N-1) -> the parts of it that hold NaN or Inf
+    [T], ``hsx/fp8.py``). ``nonfinite``: sample position j (0..N-1) -> the parts of it that hold NaN or Inf
     (layer ids as strings, ``final_postnorm``, ``final_prenorm``); empty when every value is finite.
     """
 
@@ -171,7 +171,7 @@ def launch_capture(
         store_dtype: dtype of the returned states (the cast happens on the device, before the copy).
             ``torch.float8_e4m3fn``: fp8 with a float32 scale per token and part: the hooks keep
             the states in the model's dtype, the NaN/Inf flags are taken on them, then
-            :func:`core.fp8.quantize_states` quantises them on the device before the copy; the
+            :func:`hsx.fp8.quantize_states` quantises them on the device before the copy; the
             scales come back as ``<name>_scale``.
         host_buffer: host memory (pinned on CUDA) the copies land in; the returned tensors alias
             it and stay valid until its next use. Without it, fresh host tensors are allocated.
@@ -267,7 +267,7 @@ def launch_capture(
 
     # NaN/Inf flags per token and part, computed on the device (a host scan of [T, K, H] is not cheap)
     # and copied with the states: [T, P] bools, read after wait(). Taken before fp8 quantisation:
-    # e4m3fn has no Inf (core/fp8.py).
+    # e4m3fn has no Inf (hsx/fp8.py).
     finite_TP, parts = finite_flags(states, selection.layer_ids)
     if quantize:
         states = quantize_states(states)  # fp8: q [..., H] and a float32 <name>_scale [...] per state

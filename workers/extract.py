@@ -14,11 +14,11 @@
   that hash (S3: by the server's per-part checksums), with no read-back. If the store does not
   take it for a transient reason, the shard goes to the overflow spool and is stored from there
   with retries (``workers/spool.py``), freeing its host buffer for the next forward.
-- **certify**: the marker (:class:`core.records.Marker`), last, with a conditional create
-  (``core/marker.py``). Shard keys carry a random attempt id, so racing duplicates never overwrite
+- **certify**: the marker (:class:`hsx.records.Marker`), last, with a conditional create
+  (``hsx/marker.py``). Shard keys carry a random attempt id, so racing duplicates never overwrite
   each other's shard; the loser deletes its own.
 
-Store calls that fail for a transient reason are retried with backoff (``core/store/retry.py``); the
+Store calls that fail for a transient reason are retried with backoff (``hsx/store/retry.py``); the
 Celery message is acknowledged only after the task returns (``acks_late``), so a batch is
 acknowledged only once its marker exists. A worker that dies before that leaves the message
 unacknowledged: it is delivered again (visibility timeout) or enqueued again by ``producer
@@ -38,16 +38,16 @@ from datetime import datetime, timezone
 
 import torch
 
-from core.errors import FidelityError, NonFiniteBatch, StoreError
-from core.fp8 import SCALE_BYTES
-from core.layers import LayerSelection
-from core.layout import shard_key
-from core.plan import read_batch
-from core.records import Failure, Marker, MarkerWorker, ShardRef
-from core.runconfig import load_run
-from core.shard import Final, StoreDtype, select_samples, serialize_shard, shard_metadata
-from core.access import Refused, check_run_allowed
-from core.store import open_store, retry_transient, write_file
+from hsx.errors import FidelityError, NonFiniteBatch, StoreError
+from hsx.fp8 import SCALE_BYTES
+from hsx.layers import LayerSelection
+from hsx.layout import shard_key
+from hsx.plan import read_batch
+from hsx.records import Failure, Marker, MarkerWorker, ShardRef
+from hsx.runconfig import load_run
+from hsx.shard import Final, StoreDtype, select_samples, serialize_shard, shard_metadata
+from hsx.access import Refused, check_run_allowed
+from hsx.store import open_store, retry_transient, write_file
 from settings import Settings
 from workers.capture import launch_capture, merge_captured, right_padded_rows, split_by_tokens
 from workers import faults
@@ -58,7 +58,7 @@ from workers.target import get_target
 
 log = logging.getLogger(__name__)
 
-#: a task's batch argument: one key segment (core/plan.py names batches b000000, b000001, ...).
+#: a task's batch argument: one key segment (hsx/plan.py names batches b000000, b000001, ...).
 _BATCH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 _stores: dict[str, object] = {}
 
@@ -123,14 +123,14 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
     (a marker existed, no work), or ``lost_race`` (another worker wrote the marker first).
 
     Raises:
-        core.access.Refused: the run lies outside this worker's store roots, the batch is not a batch
+        hsx.access.Refused: the run lies outside this worker's store roots, the batch is not a batch
             name, or (``HSX_MODEL`` set) the run was planned for another checkpoint; nothing touched.
-        core.store.MissingKey: the run or the batch is not in the store.
+        hsx.store.MissingKey: the run or the batch is not in the store.
         FidelityError: the loaded model is not the run's model, or every sample of the batch
             had NaN/Inf states (nothing to write; no shard, no marker).
-        core.errors.SpoolFull: the shard had to go to the spool and the spool's disk is full, or
+        hsx.errors.SpoolFull: the shard had to go to the spool and the spool's disk is full, or
             the shard can never fit in it.
-        core.errors.StoreError: the store refused a write, or stayed unreachable for
+        hsx.errors.StoreError: the store refused a write, or stayed unreachable for
             ``HSX_STORE_RETRY_S`` seconds.
     """
     job = _Job(run_url, batch, settings)
@@ -150,7 +150,7 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     """The body of :func:`extract_batch` (same result and errors); ``job`` tracks what its wrapper releases."""
     t0 = time.perf_counter()
     # claim: the run's address must lie under this worker's store roots and the batch be one name,
-    # checked before any store call (core/access.py)
+    # checked before any store call (hsx/access.py)
     check_run_allowed(run_url, settings)
     if not isinstance(batch, str) or not _BATCH_NAME.fullmatch(batch):
         raise Refused(f"task batch {str(batch)[:80]!r} refused: a batch is one name of letters, digits, '-' and '_' "
@@ -395,7 +395,7 @@ def _write_shard(run_store, key: str, pieces: list, spool_path, batch: str, expe
 
 
 def record_failure(run_url: str, batch: str, exc: BaseException, settings: Settings) -> None:
-    """Write ``failures/<batch>.json`` (:class:`core.records.Failure`) so that ``status`` and ``run``
+    """Write ``failures/<batch>.json`` (:class:`hsx.records.Failure`) so that ``status`` and ``run``
     can show why a batch failed."""
     try:
         run_store = _run_store(run_url, settings)

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 
-from core.errors import BadConfig
+from hsx.errors import BadConfig
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +103,12 @@ def store_write(spec: str | None, pieces, key: str, batch: str):
     """The pieces of a direct store write, with ``store_down`` / ``store_full`` / ``pause_store``
     applied (the pieces themselves when ``HSX_FAULTS`` is unset).
 
-    ``store_down``: raises a transient :class:`core.errors.StoreError` before any byte;
+    ``store_down``: raises a transient :class:`hsx.errors.StoreError` before any byte;
     ``store_full``: raises ``OSError(ENOSPC)`` after the first piece; ``pause_store``: sleeps after it.
     """
     if not spec:
         return pieces
-    from core.errors import StoreError
+    from hsx.errors import StoreError
 
     if _take(spec, "store_down"):
         log.warning("fault injection: the store does not answer writing %s", key)

@@ -7,8 +7,8 @@ each batch is doing, and when and why a worker is paused. Writes are best effort
 is down delays the record, never a batch. A record not updated for three heartbeats is stale (the
 process is gone or cut off from the store).
 
-The record is :class:`core.records.WorkerStatus` (its fields and units are documented there); its
-key is :func:`core.layout.worker_key`. ``state`` is ``working`` (a batch of this run in progress),
+The record is :class:`hsx.records.WorkerStatus` (its fields and units are documented there); its
+key is :func:`hsx.layout.worker_key`. ``state`` is ``working`` (a batch of this run in progress),
 ``paused`` (a batch of this run waits for the spool), ``idle`` (none), ``refusing`` (the process
 stopped taking tasks after a permanent error: ``workers/causes.py``) or ``stopped`` (the process
 exited normally); ``batches`` lists the batches whose lease the process holds
@@ -26,7 +26,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from core.records import BatchLease, SpoolStatus, WorkerStatus
+from hsx.records import BatchLease, SpoolStatus, WorkerStatus
 
 log = logging.getLogger(__name__)
 

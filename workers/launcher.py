@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from core.errors import BadConfig
-from core.processes import pid_alive
+from hsx.errors import BadConfig
+from hsx.processes import pid_alive
 from settings import Settings, get_settings
 
 log = logging.getLogger("workers.launcher")
@@ -96,13 +96,13 @@ def check_broker(url: str, timeout_s: float) -> None:
 
     Raises:
         BadConfig: no answer within ``timeout_s``, or the broker refused us; the message names the
-            URL with its password masked (``core.store.mask_url``) and the fix.
+            URL with its password masked (``hsx.store.mask_url``) and the fix.
     """
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from core.store import mask_url
+    from hsx.store import mask_url
 
     shown = mask_url(url)
     deadline = time.monotonic() + timeout_s
@@ -176,9 +176,9 @@ def mark_dead_worker(runs_file: Path, host: str, pid: int, how: str, settings: S
     ``updated_at`` keeps the time of its last heartbeat. Best effort: a store that fails is logged.
     The file is removed. Returns the addresses whose record was marked.
     """
-    from core.layout import worker_key
-    from core.records import WorkerStatus
-    from core.store import mask_url, open_store
+    from hsx.layout import worker_key
+    from hsx.records import WorkerStatus
+    from hsx.store import mask_url, open_store
 
     try:
         urls = list(dict.fromkeys(line.strip() for line in runs_file.read_text().splitlines() if line.strip()))

@@ -37,7 +37,7 @@ so hosts must agree to a few seconds (NTP); a skew shortens or lengthens the lea
 
 from __future__ import annotations
 
-from core.times import unix_seconds as _ts
+from hsx.times import unix_seconds as _ts
 
 import json
 import logging
@@ -60,8 +60,8 @@ def stale_claims(client, lease_s: float, now: float) -> list[dict]:
     """Extraction messages of the broker at ``client`` (redis-py) claimed more than ``lease_s`` ago:
     ``[{"tag", "run_url", "batch", "task_id", "claimed_at"}]``, ``claimed_at`` being the later of the
     delivery and the message's ``eta`` (seconds since the epoch). Bodies are decoded only when JSON."""
-    from core.queue import EXTRACT_TASK
-    from core.queue import decode_message as _decode
+    from hsx.queue import EXTRACT_TASK
+    from hsx.queue import decode_message as _decode
 
     entries = client.hgetall(UNACKED_KEY)
     if not entries:
@@ -118,7 +118,7 @@ class Reclaimer:
         self._stop = threading.Event()
 
     def _store(self, run_url: str):
-        from core.store import open_store
+        from hsx.store import open_store
 
         if run_url not in self._stores:
             self._stores[run_url] = open_store(run_url, self.settings)
@@ -129,7 +129,7 @@ class Reclaimer:
 
         Raises whatever redis raises when the broker does not answer (the thread logs it and goes on).
         """
-        from core.broker import redis_client
+        from hsx.broker import redis_client
 
         now = time.time() if now is None else now
         lease_s = self.settings.lease_s
@@ -148,7 +148,7 @@ class Reclaimer:
         return done
 
     def _reclaim(self, client, claim: dict, lease_s: float, now: float, records_of: dict) -> dict | None:
-        from core.records import Marker, Reclaim, read_heartbeats
+        from hsx.records import Marker, Reclaim, read_heartbeats
 
         run_url, batch, tag = claim["run_url"], claim["batch"], claim["tag"]
         store = self._store(run_url)
@@ -191,8 +191,8 @@ class Reclaimer:
     def _attempt(self, store, batch: str, tag: str, lease_s: float, now: float) -> int | None:
         """The reclaim attempt to try for delivery ``tag``: 1, or the next after one older than the
         lease whose winner did not finish (the entry is still there); None: one is under way."""
-        from core.layout import RECLAIMS_PREFIX, reclaim_prefix
-        from core.records import Reclaim
+        from hsx.layout import RECLAIMS_PREFIX, reclaim_prefix
+        from hsx.records import Reclaim
 
         prefix = reclaim_prefix(batch, tag)
         attempts = sorted(int(k.rsplit(".", 2)[-2]) for k in store.list(RECLAIMS_PREFIX)

@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from celery.signals import task_postrun, task_prerun
 from celery.worker.control import inspect_command
 
-from core.queue import EXTRACT_TASK
+from hsx.queue import EXTRACT_TASK
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from core.errors import BadConfig
-from core.layers import LayerSelection
-from core.shard import Final
+from hsx.errors import BadConfig
+from hsx.layers import LayerSelection
+from hsx.shard import Final
 from workers.capture import PendingCapture, Rows, launch_capture
 
 log = logging.getLogger(__name__)

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from core.processes import pid_alive
-from core.store import Sha256Beside
-from core.errors import SpoolFull
+from hsx.processes import pid_alive
+from hsx.store import Sha256Beside
+from hsx.errors import SpoolFull
 from settings import Settings
 
 log = logging.getLogger(__name__)
@@ -290,7 +290,7 @@ def is_disk_full(exc: BaseException) -> bool:
 
 
 def write_shard(path: Path, pieces) -> tuple[int, str]:
-    """Write a serialised shard (:func:`core.shard.serialize_shard`'s pieces) to ``path``; return
+    """Write a serialised shard (:func:`hsx.shard.serialize_shard`'s pieces) to ``path``; return
     (bytes, sha256 hex), the hash computed beside the write over the same buffers.
 
     Raises ``OSError`` when the spool is full or unwritable.

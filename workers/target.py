@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.decoder import decoder_of
-from core.errors import BadConfig
-from core.models import model_info, resolve_model_path, safetensors_only
+from hsx.decoder import decoder_of
+from hsx.errors import BadConfig
+from hsx.models import model_info, resolve_model_path, safetensors_only
 from settings import Settings
 from workers.capture import capture_batch
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Target:
-    """A loaded target model. ``info`` is :class:`core.models.ModelInfo`; ``engine`` is for shard metadata."""
+    """A loaded target model. ``info`` is :class:`hsx.models.ModelInfo`; ``engine`` is for shard metadata."""
 
     name: str
     model: torch.nn.Module
@@ -161,11 +161,11 @@ def run_rows_as_sequences(model: torch.nn.Module) -> list[str]:
 def check_kernels(model: torch.nn.Module, device: torch.device, settings: Settings) -> dict:
     """Refuse the slow path on CUDA: a GDN model needs fla unless ``allow_slow_kernels`` is set.
 
-    Returns the kernel report. Raises :class:`core.errors.BadConfig` naming the fix.
+    Returns the kernel report. Raises :class:`hsx.errors.BadConfig` naming the fix.
     causal-conv1d is optional (it cannot be built quickly; transformers falls back to a torch conv
     that is correct and costs little next to the layers), so its absence is only logged.
     """
-    from core.errors import BadConfig
+    from hsx.errors import BadConfig
 
     report = kernel_report(model)
     if device.type == "cuda" and is_gdn(model.config):
@@ -253,7 +253,7 @@ def adopt_model(name: str, model: torch.nn.Module, info, *, warm_up: bool = True
     """Register an already-built model as this process's target ``name`` (benchmarks, tests).
 
     ``info`` must equal what the run's ``run.json`` records as its model
-    (:meth:`core.models.ModelInfo.as_dict` is compared), or tasks refuse the run.
+    (:meth:`hsx.models.ModelInfo.as_dict` is compared), or tasks refuse the run.
     """
     param = next(model.parameters())
     t0 = time.perf_counter()
@@ -273,12 +273,12 @@ def load_target(name: str, settings: Settings) -> Target:
     """Load ``name`` on this worker's device and run one warm-up forward.
 
     The checkpoint's identity (``info.revision``: a hash of a local checkpoint's bytes, or the hub
-    commit; ``core/models.py``) is computed before the weights are read and again after (from the
+    commit; ``hsx/models.py``) is computed before the weights are read and again after (from the
     hash cache: a ``stat`` per file), so ``info`` names the bytes this process loaded; tasks compare
     it with their run's ``run.json``.
 
     Raises:
-        core.errors.BadConfig: the model or its config cannot be read, its weights are pickle
+        hsx.errors.BadConfig: the model or its config cannot be read, its weights are pickle
             files and ``HSX_ALLOW_PICKLE_CHECKPOINTS`` is off (refused before any weight file is
             read), or the checkpoint's files changed while they were loaded.
     """
@@ -327,8 +327,8 @@ WARM_UP_LENGTHS = ((32, 16), (33,), (80, 47, 5), (1024,), (1041, 700))
 
 def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256) -> None:
     # Small padded batches through every layer: JIT-compiles kernels before the first real task.
-    from core.layers import select_layers
-    from core.shard import Final
+    from hsx.layers import select_layers
+    from hsx.shard import Final
 
     n = info.num_layers
     selection = select_layers(n, layer_ids=[n - 1], final=Final.POSTNORM)

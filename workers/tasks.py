@@ -13,7 +13,7 @@ failure does depends on its cause (``workers/causes.py``):
 - **refused** (a run outside this worker's store roots, a bad batch name, another model than its
   ``HSX_MODEL``): the message is dropped with an ERROR line; nothing is read or written for it.
 - **data** (and an unknown error that came back :data:`workers.causes.UNKNOWN_RETRIES` times):
-  ``failures/<batch>.json`` (:class:`core.records.Failure`), and the message is acknowledged: the
+  ``failures/<batch>.json`` (:class:`hsx.records.Failure`), and the message is acknowledged: the
   batch is failed.
 
 The batch is listed in the process's status record (phase ``claimed``) from the start of the task,
@@ -28,7 +28,7 @@ import time
 
 from celery.exceptions import Reject, Retry
 
-from core.queue import EXTRACT_TASK
+from hsx.queue import EXTRACT_TASK
 from settings import get_settings
 from workers.app import app
 from workers.causes import DATA, PERMANENT, REFUSED, TRANSIENT, UNKNOWN, UNKNOWN_RETRIES, classify, retry_countdown

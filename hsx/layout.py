@@ -3,21 +3,21 @@
 A run is a store prefix (``<output>/<run_id>``, a directory or an S3 prefix); every key below is
 relative to it. Modules name keys only through this module, so the layout is read here, once.
 
-| key | written by | what (record class: ``core/records.py``) |
+| key | written by | what (record class: ``hsx/records.py``) |
 |---|---|---|
-| ``run.json`` | the planner, once (conditional create) | the run config and identity (:class:`core.runconfig.RunConfig`) |
-| ``plan/batches/<batch>.safetensors`` | the planner | one batch's samples (:class:`core.plan.BatchPlan`) |
-| ``plan/samples.jsonl`` | the planner | one :class:`~core.records.SampleRow` a line, in ``sample_index`` order |
-| ``plan/stats.json`` | the planner | :class:`~core.records.Stats` |
-| ``plan/batches.json`` | the planner, **last** | the batch list (:class:`~core.records.BatchList`): its presence means the plan is complete |
-| ``plan/planning.json`` | the planner, while it plans | :class:`~core.records.Planning`; removed when the plan is complete |
-| ``shards/<batch>-<attempt>.safetensors`` | a worker | the hidden states of one attempt at a batch (``core/shard.py``) |
-| ``markers/<batch>.json`` | a worker, **last**, conditional create | :class:`~core.records.Marker`: the batch is done |
-| ``failures/<batch>.json`` | a worker whose task failed for good | :class:`~core.records.Failure` |
-| ``workers/<host>-<pid>.json`` | every worker process, each heartbeat | :class:`~core.records.WorkerStatus` (and the leases it holds) |
-| ``reclaims/<batch>-<tag>.<attempt>.json`` | the worker that re-enqueued an expired lease (conditional create) | :class:`~core.records.Reclaim` |
+| ``run.json`` | the planner, once (conditional create) | the run config and identity (:class:`hsx.runconfig.RunConfig`) |
+| ``plan/batches/<batch>.safetensors`` | the planner | one batch's samples (:class:`hsx.plan.BatchPlan`) |
+| ``plan/samples.jsonl`` | the planner | one :class:`~hsx.records.SampleRow` a line, in ``sample_index`` order |
+| ``plan/stats.json`` | the planner | :class:`~hsx.records.Stats` |
+| ``plan/batches.json`` | the planner, **last** | the batch list (:class:`~hsx.records.BatchList`): its presence means the plan is complete |
+| ``plan/planning.json`` | the planner, while it plans | :class:`~hsx.records.Planning`; removed when the plan is complete |
+| ``shards/<batch>-<attempt>.safetensors`` | a worker | the hidden states of one attempt at a batch (``hsx/shard.py``) |
+| ``markers/<batch>.json`` | a worker, **last**, conditional create | :class:`~hsx.records.Marker`: the batch is done |
+| ``failures/<batch>.json`` | a worker whose task failed for good | :class:`~hsx.records.Failure` |
+| ``workers/<host>-<pid>.json`` | every worker process, each heartbeat | :class:`~hsx.records.WorkerStatus` (and the leases it holds) |
+| ``reclaims/<batch>-<tag>.<attempt>.json`` | the worker that re-enqueued an expired lease (conditional create) | :class:`~hsx.records.Reclaim` |
 
-``<batch>`` is a batch name (``b000042``, :func:`core.plan.batch_id`); ``<attempt>`` 12 random hex
+``<batch>`` is a batch name (``b000042``, :func:`hsx.plan.batch_id`); ``<attempt>`` 12 random hex
 digits, so that racing duplicates never write the same shard key; ``<tag>`` a kombu delivery tag.
 """
 

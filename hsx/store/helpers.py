@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
-from core.errors import FidelityError, StoreError
-from core.store.protocol import MissingKey, Store
-from core.store.retry import retry_transient
+from hsx.errors import FidelityError, StoreError
+from hsx.store.protocol import MissingKey, Store
+from hsx.store.retry import retry_transient
 
 #: bytes read from a file per piece handed to ``write_stream`` by :func:`write_file` (8 MiB).
 FILE_PIECE_BYTES = 8 << 20
@@ -101,7 +101,7 @@ def download(store: Store, key: str, path: Path, *, retry_s: float = 0.0, part_b
     """Copy object ``key`` to the local file ``path`` (created or truncated); return (bytes, sha256 hex) of what was written.
 
     One ``size``, then ``part_bytes`` ranges read ``threads`` at a time with :meth:`Store.read_range`, each call retried
-    on a transient StoreError for up to ``retry_s`` seconds (:func:`~core.store.retry.retry_transient`),
+    on a transient StoreError for up to ``retry_s`` seconds (:func:`~hsx.store.retry.retry_transient`),
     and written and hashed in order, so that the object is never whole in memory (at most
     ``threads`` parts) and the sha256 costs no second read.
 

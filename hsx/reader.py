@@ -25,13 +25,13 @@ Each sample is::
     final_postnorm   bf16/fp32 [S, H]       when the run stored it (and it was asked for)
     final_prenorm    bf16/fp32 [S, H]       when the run stored it (and it was asked for)
 
-in the run's stored dtype, except for an fp8 run (``--store-dtype fp8``, ``core/fp8.py``): its
+in the run's stored dtype, except for an fp8 run (``--store-dtype fp8``, ``hsx/fp8.py``): its
 states are dequantised (``q * scale`` per token and layer) to ``dequant_dtype``, bf16 by default,
 so that a user never sees fp8 unless they ask: ``raw=True`` returns the stored float8_e4m3fn
 tensors as they are, with ``hidden_states_scale`` float32 [S, K] and ``final_*_scale`` float32 [S].
 
 Only batches whose marker exists and carries the run's ``config_sha256`` are read (a batch is done
-if and only if that holds, core/marker.py). Samples a marker lists as ``quarantined`` are never
+if and only if that holds, hsx/marker.py). Samples a marker lists as ``quarantined`` are never
 returned, whether or not their rows are in the shard. A sample certified by two markers is a
 corrupt run: the map-style dataset refuses it (run ``python -m producer verify``).
 """
@@ -49,12 +49,12 @@ from typing import Iterator
 
 import numpy as np
 
-from core.errors import BadConfig, FidelityError
-from core.layout import RUN_JSON
-from core.records import Marker, ShardRef, read_markers
-from core.runconfig import RunConfig, load_run
-from core.shard import HIDDEN_STATES, Final, scale_name
-from core.store import Store, download, open_store
+from hsx.errors import BadConfig, FidelityError
+from hsx.layout import RUN_JSON
+from hsx.records import Marker, ShardRef, read_markers
+from hsx.runconfig import RunConfig, load_run
+from hsx.shard import HIDDEN_STATES, Final, scale_name
+from hsx.store import Store, download, open_store
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +76,14 @@ except ImportError:  # pragma: no cover
 
 
 def quarantined_ids(marker: Marker) -> set[int]:
-    """Sample indices a marker lists as quarantined (:attr:`core.records.Marker.quarantined_ids`)."""
+    """Sample indices a marker lists as quarantined (:attr:`hsx.records.Marker.quarantined_ids`)."""
     return marker.quarantined_ids
 
 
 def marker_problem(batch: str, marker: Marker | Exception, config_sha256: str) -> str | None:
     """Why ``marker`` (read from ``markers/<batch>.json``) does not certify ``batch`` of the run whose
     ``config_sha256`` is given, or None when it does: it must be readable, name its own batch and
-    carry the run's config hash (core/marker.py)."""
+    carry the run's config hash (hsx/marker.py)."""
     if isinstance(marker, Exception):
         return f"marker of {batch} is unreadable ({marker}): skipped; run `python -m producer verify`"
     if marker.batch != batch or marker.config_sha256 != config_sha256:
@@ -113,14 +113,14 @@ def local_shard(run_store: Store, key: str, *, expect: ShardRef | None = None, t
 
     Local store: the file itself (memory-mappable, no copy). Other stores: a temp file
     downloaded into ``tmp_dir`` (default: the system temp dir) through the store's ranged reads
-    (:func:`core.store.download`, each read retried on a transient error for up to ``retry_s``
-    seconds) and deleted afterwards. ``expect`` (the marker's :class:`~core.records.ShardRef`:
+    (:func:`hsx.store.download`, each read retried on a transient error for up to ``retry_s``
+    seconds) and deleted afterwards. ``expect`` (the marker's :class:`~hsx.records.ShardRef`:
     ``bytes``, ``sha256``) makes it check the bytes (hashed as they are downloaded; a local file is
-    hashed with :meth:`Store.sha256`) and raise :class:`~core.errors.FidelityError` when they do not match.
+    hashed with :meth:`Store.sha256`) and raise :class:`~hsx.errors.FidelityError` when they do not match.
 
     Raises:
-        core.store.MissingKey: the shard is absent.
-        core.errors.StoreError: the store could not be read (after the retries, for a transient error).
+        hsx.store.MissingKey: the shard is absent.
+        hsx.errors.StoreError: the store could not be read (after the retries, for a transient error).
     """
     path = run_store.local_path(key)
     tmp: Path | None = None
@@ -155,7 +155,7 @@ def shard_index(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 def _final_names(config: RunConfig, finals: str) -> tuple[str, ...]:
     """Which final tensors to return: ``present`` (whatever the run stored) or a
-    :class:`core.shard.Final` value. Raises BadConfig when the run lacks what is asked."""
+    :class:`hsx.shard.Final` value. Raises BadConfig when the run lacks what is asked."""
     stored = Final(config.layers["final"]).tensors
     if finals == "present":
         return stored
@@ -182,7 +182,7 @@ def read_sample(f, start: int, end: int, finals: tuple[str, ...], *, dequant_dty
     """
     import torch
 
-    from core.fp8 import dequantize_fp8
+    from hsx.fp8 import dequantize_fp8
 
     hidden_SKH = f.get_slice(HIDDEN_STATES)[start:end]
     S, K, H = hidden_SKH.shape
@@ -233,7 +233,7 @@ class HiddenStatesDataset(_Dataset):
         BadConfig: the run is not on a local filesystem (use :class:`IterableHiddenStatesDataset`),
             or asked finals were not stored.
         FidelityError: a sample is certified by two batches (a corrupt run: run ``verify``).
-        core.store.MissingKey: no ``run.json`` at ``run``.
+        hsx.store.MissingKey: no ``run.json`` at ``run``.
     """
 
     def __init__(self, run: str | Path | Store, *, finals: str = "present", settings=None, dequant_dtype=None,

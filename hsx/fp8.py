@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from core.shard import SCALE_SUFFIX, StoreDtype, scale_name  # noqa: F401  (scale_name: used by the readers)
+from hsx.shard import SCALE_SUFFIX, StoreDtype, scale_name  # noqa: F401  (scale_name: used by the readers)
 
 #: the stored dtype of fp8 shards (safetensors ``F8_E4M3``).
 FP8_DTYPE = torch.float8_e4m3fn
@@ -121,7 +121,7 @@ def error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def bytes_per_token(num_parts: int, hidden_size: int, store_dtype: str) -> int:
     """Bytes of hidden states one token costs in a shard: ``num_parts`` parts (K layers + finals)
-    of ``hidden_size`` values in ``store_dtype`` (a :class:`core.shard.StoreDtype` value; ``fp8``:
+    of ``hidden_size`` values in ``store_dtype`` (a :class:`hsx.shard.StoreDtype` value; ``fp8``:
     1 byte each plus a 4-byte scale)."""
     dtype = StoreDtype(store_dtype)
     return num_parts * (hidden_size * dtype.itemsize + (SCALE_BYTES if dtype.scaled else 0))

@@ -1,10 +1,10 @@
 """The run's JSON records as typed classes (pydantic v2): every record in the store is read and
 written through one of them, so no caller parses a record itself.
 
-Where each record lives is ``core/layout.py``. The run config (``run.json``) is
-:class:`core.runconfig.RunConfig`, a dataclass with its own versioning (``identity_version``) and
+Where each record lives is ``hsx/layout.py``. The run config (``run.json``) is
+:class:`hsx.runconfig.RunConfig`, a dataclass with its own versioning (``identity_version``) and
 its own rule for unknown keys (kept and written back, never hashed), because its bytes are hashed
-into the run's identity; the shards are ``core/shard.py``.
+into the run's identity; the shards are ``hsx/shard.py``.
 
 | record | key | written by |
 |---|---|---|
@@ -15,18 +15,18 @@ into the run's identity; the shards are ``core/shard.py``.
 | :class:`Stats` (with :class:`SkipCounts`) | ``plan/stats.json`` | ``producer/planner.py`` |
 | :class:`BatchSummary` (a JSON list of them) | ``plan/batches.json`` | ``producer/planner.py``, last |
 | :class:`SampleRow` (one JSON object a line) | ``plan/samples.jsonl`` | ``producer/planner.py`` |
-| :class:`Planning` | ``plan/planning.json`` | ``core/plan.py`` for the planner |
+| :class:`Planning` | ``plan/planning.json`` | ``hsx/plan.py`` for the planner |
 
 **Schema versions.** Every record class has a ``schema_version`` field, a ``Literal`` of the one
 version this code reads and writes (:data:`SCHEMA_VERSIONS` lists them all). It goes up only for a
 change an older reader would misread (a field renamed, a meaning changed): adding an optional
 field does not change it. A record of another version is refused with
-:class:`~core.errors.RecordFormatError` ("written by a newer hsx"). Records written before the
+:class:`~hsx.errors.RecordFormatError` ("written by a newer hsx"). Records written before the
 field existed (failure, reclaim, stats and planning records of older runs) read as version 1.
 The two list files (``plan/batches.json``, ``plan/samples.jsonl``) keep their bare-list format:
 their items are written without ``schema_version`` (it would repeat on every line) and read as
 their class's version. ``run.json``'s own ``schema_version`` is another thing: the shard layout's
-version (``core/shard.py``), part of the run's identity.
+version (``hsx/shard.py``), part of the run's identity.
 
 **Unknown fields are ignored on read** (pydantic ``extra="ignore"``): a record written by a newer
 hsx that only added fields still reads here (forward compatibility), and an older record without
@@ -35,7 +35,7 @@ this code does not know; only :class:`WorkerStatus` is ever rewritten by another
 (``workers/launcher.py``), and it is the writer's own record.
 
 **Errors.** A record that is not JSON, misses a required field or holds a value of the wrong type
-raises :class:`~core.errors.RecordFormatError` (a ``ValueError``) naming the key, the record class
+raises :class:`~hsx.errors.RecordFormatError` (a ``ValueError``) naming the key, the record class
 and each bad field (``shard.key: Field required``); an absent key reads as None.
 """
 
@@ -48,9 +48,9 @@ from typing import ClassVar, Literal, TypeVar, get_args
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from core import layout
-from core.errors import RecordFormatError
-from core.store import MissingKey, Store
+from hsx import layout
+from hsx.errors import RecordFormatError
+from hsx.store import MissingKey, Store
 
 R = TypeVar("R", bound="Record")
 
@@ -135,7 +135,7 @@ class ShardRef(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     key: str
-    """``shards/<batch>-<attempt>.safetensors`` (``core/layout.py``)."""
+    """``shards/<batch>-<attempt>.safetensors`` (``hsx/layout.py``)."""
     bytes: int
     """Size of the shard object in bytes."""
     sha256: str
@@ -171,7 +171,7 @@ class Marker(Record):
     """Completion marker ``markers/<batch>.json``: batch ``batch`` of run ``run_id`` is done.
 
     A batch is done if and only if its marker exists and its ``config_sha256`` equals the run's
-    identity (``core/marker.py`` says why and how it is created). Fields before ``supervised_tokens``
+    identity (``hsx/marker.py`` says why and how it is created). Fields before ``supervised_tokens``
     are required; every later one is optional, so markers of older runs (without them) still read.
     Markers of older runs also hold ``store_s`` and ``verify_s`` (the spool path every shard took
     then): ignored.
@@ -184,7 +184,7 @@ class Marker(Record):
     run_id: str
     batch: str
     config_sha256: str
-    """sha256 of the run config's identity (:meth:`core.runconfig.RunConfig.identity_sha256`)."""
+    """sha256 of the run config's identity (:meth:`hsx.runconfig.RunConfig.identity_sha256`)."""
     shard: ShardRef
     num_samples: int
     """Samples the shard holds (quarantined samples excluded)."""
@@ -201,7 +201,7 @@ class Marker(Record):
     num_quarantined: int | None = None
     """``len(quarantined)``."""
     model_revision: str | None = None
-    """Revision of the checkpoint the worker loaded and checked against ``run.json`` (``core/models.py``:
+    """Revision of the checkpoint the worker loaded and checked against ``run.json`` (``hsx/models.py``:
     a hash of its bytes for a local directory, the commit for a hub id)."""
     worker: MarkerWorker | None = None
     seconds: float | None = None
@@ -263,7 +263,7 @@ def read_markers(store: Store, batches: list[str] | None = None) -> dict[str, "M
     """Every marker of the run (or those of ``batches``), keyed by the batch its key names.
 
     Values are the :class:`Marker`, or the exception reading it raised (a :class:`RecordFormatError`,
-    a :class:`~core.errors.StoreError`, :class:`MissingKey` for one of ``batches`` that has none), so
+    a :class:`~hsx.errors.StoreError`, :class:`MissingKey` for one of ``batches`` that has none), so
     that ``verify`` reports an unreadable marker instead of stopping.
     """
     names = sorted(done_batches(store)) if batches is None else list(batches)
@@ -494,7 +494,7 @@ class Stats(Record):
 
 
 class BatchSummary(Record):
-    """One entry of ``plan/batches.json`` (:meth:`core.plan.BatchPlan.summary`)."""
+    """One entry of ``plan/batches.json`` (:meth:`hsx.plan.BatchPlan.summary`)."""
 
     REPAIR: ClassVar[str] = Stats.REPAIR
 

@@ -3,8 +3,8 @@
 :class:`LiveHiddenStatesDataset` polls the run's ``markers/`` listing (one prefix listing per poll:
 cheap on S3 and on disk), reads each new marker once, and yields the samples of every batch once
 its marker exists. A marker is created last, with a conditional create, after its shard was stored
-and verified (core/marker.py), so a batch the reader sees is complete; the reader hashes the shard
-against the marker's sha256 where :class:`core.reader.IterableHiddenStatesDataset` does (always
+and verified (hsx/marker.py), so a batch the reader sees is complete; the reader hashes the shard
+against the marker's sha256 where :class:`hsx.reader.IterableHiddenStatesDataset` does (always
 for shards it downloads from S3, local ones with ``verify=True``).
 
 Order. Batches are scheduled in **windows**: each poll that finds newly certified batches appends
@@ -28,7 +28,7 @@ skipped (the convention of torchdata's ``StatefulDataLoader``: a state taken aft
 at item n + 1).
 
 End. Iteration stops when every planned batch (``plan/batches.json``, written last by the planner,
-core/plan.py) of this rank has been yielded (``stop_reason == "complete"``), or when no new batch
+hsx/plan.py) of this rank has been yielded (``stop_reason == "complete"``), or when no new batch
 was certified for ``idle_timeout_s`` seconds (``"idle_timeout"``: a batch that fails every time
 never gets a marker; the warning says how many planned batches have a ``failures/`` record).
 Iterating again continues from the position.
@@ -47,14 +47,14 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from core.errors import BadConfig, FidelityError, HsxError
-from core.layout import FAILURES_PREFIX, names_under
-from core.plan import planning_failed, plan_complete, read_batch_list, read_planning_record
-from core.reader import (_IterableDataset, _final_names, _open_run, local_shard, marker_problem, quarantined_ids,
+from hsx.errors import BadConfig, FidelityError, HsxError
+from hsx.layout import FAILURES_PREFIX, names_under
+from hsx.plan import planning_failed, plan_complete, read_batch_list, read_planning_record
+from hsx.reader import (_IterableDataset, _final_names, _open_run, local_shard, marker_problem, quarantined_ids,
                          read_markers, read_sample)
-from core.records import Marker, done_batches
-from core.runconfig import load_run
-from core.store import MissingKey, Store
+from hsx.records import Marker, done_batches
+from hsx.runconfig import load_run
+from hsx.store import MissingKey, Store
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +84,14 @@ def rank_of(batch: str, world_size: int) -> int:
 class LiveHiddenStatesDataset(_IterableDataset):
     """Yields the samples of a run's batches as their markers appear, local or S3 (see the module docstring).
 
-    Each sample is a dict as from :class:`core.reader.IterableHiddenStatesDataset` (``sample_index``
+    Each sample is a dict as from :class:`hsx.reader.IterableHiddenStatesDataset` (``sample_index``
     int, ``input_ids`` / ``loss_mask`` int64 [S], ``hidden_states`` [S, K*H], the asked finals
     [S, H], dequantised to bf16 for fp8 runs) plus ``batch`` (str): the batch it came from.
 
     Args:
         run: the run's address (``<output>/<run_id>``, ``s3://bucket/prefix/<run_id>``) or its Store.
         seed: the order of batches within a window (``order_key``).
-        finals, dequant_dtype, raw: as for :class:`core.reader.HiddenStatesDataset`.
+        finals, dequant_dtype, raw: as for :class:`hsx.reader.HiddenStatesDataset`.
         settings: :class:`settings.Settings` for S3 endpoint and credentials.
         poll_s: seconds between listings of ``markers/`` while waiting for a new batch.
         idle_timeout_s: stop after this many seconds without a newly certified batch (None: never).
@@ -103,7 +103,7 @@ class LiveHiddenStatesDataset(_IterableDataset):
         tmp_dir: where downloaded shards live while they are read.
 
     Raises:
-        core.store.MissingKey: no ``run.json`` at ``run`` (after ``wait_for_run_s``).
+        hsx.store.MissingKey: no ``run.json`` at ``run`` (after ``wait_for_run_s``).
         BadConfig: a bad rank / world size / poll interval, or finals the run did not store.
     """
 
@@ -172,7 +172,7 @@ class LiveHiddenStatesDataset(_IterableDataset):
 
         Raises:
             HsxError: the run's planning failed (``plan/planning.json``): no batch will ever come.
-            core.errors.StoreError: the store cannot be listed or read.
+            hsx.errors.StoreError: the store cannot be listed or read.
         """
         if self.planned is None:
             if plan_complete(self.store):

@@ -8,7 +8,7 @@ convention.
 
 Legend: S = tokens of the sample, K = asked layers, H = hidden size, N = decoder layers.
 
-Conventions (docs/FACTS.md §1, ``core/layers.py``). Layer id ``i`` is the output of decoder
+Conventions (docs/FACTS.md §1, ``hsx/layers.py``). Layer id ``i`` is the output of decoder
 layer ``i`` (0-based), the EAGLE-3 (SpecForge) and DFlash ``target_layer_ids`` convention. HF
 ``output_hidden_states`` gives a tuple of N + 1: index 0 is the embeddings and index ``i + 1`` is
 the output of layer ``i`` for ``i < N - 1``; but transformers replaces the last entry, index N,
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from core.decoder import decoder_of, first_output
-from core.errors import FidelityError
-from core.shard import FINAL_POSTNORM, FINAL_PRENORM, HIDDEN_STATES, Final
+from hsx.decoder import decoder_of, first_output
+from hsx.errors import FidelityError
+from hsx.shard import FINAL_POSTNORM, FINAL_PRENORM, HIDDEN_STATES, Final
 
 
 @torch.inference_mode()
@@ -40,7 +40,7 @@ def reference_states(model: torch.nn.Module, input_ids_S: torch.Tensor, layer_id
         input_ids_S: int tensor [S] (any device): the sample's token ids.
         layer_ids: ids in our convention (module docstring), each in ``[0, N - 1]``, in the
             order wanted (a shard's are ascending).
-        final: a :class:`core.shard.Final` value: which final states to return as well.
+        final: a :class:`hsx.shard.Final` value: which final states to return as well.
 
     Returns:
         ``hidden_states`` [S, K, H] (slot k = layer ``layer_ids[k]``) and, as ``final`` asks,
@@ -49,8 +49,8 @@ def reference_states(model: torch.nn.Module, input_ids_S: torch.Tensor, layer_id
 
     Raises:
         ValueError: a layer id outside ``[0, N - 1]``.
-        core.errors.FidelityError: the model's ``output_hidden_states`` is not N + 1 states.
-        core.errors.BadConfig: no decoder found in ``model`` (``core/decoder.py``).
+        hsx.errors.FidelityError: the model's ``output_hidden_states`` is not N + 1 states.
+        hsx.errors.BadConfig: no decoder found in ``model`` (``hsx/decoder.py``).
     """
     final = Final(final)
     decoder = decoder_of(model)

@@ -11,9 +11,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from core.errors import StoreError
-from core.store.hashing import CHUNK_BYTES, Sha256Beside, sha256_file
-from core.store.protocol import TMP_PREFIX, MissingKey, check_key, check_prefix
+from hsx.errors import StoreError
+from hsx.store.hashing import CHUNK_BYTES, Sha256Beside, sha256_file
+from hsx.store.protocol import TMP_PREFIX, MissingKey, check_key, check_prefix
 
 
 def _fsync_dir(path: Path) -> None:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
-from core.errors import BadConfig
-from core.store import mask_url
+from hsx.errors import BadConfig
+from hsx.store import mask_url
 
 if TYPE_CHECKING:
     from settings import Settings

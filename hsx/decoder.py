@@ -1,6 +1,6 @@
 """Where the decoder sits inside a model: its ``.layers`` and its final norm module.
 
-The capture hooks (``workers/capture.py``) and the reference forward (``core/reference.py``) both
+The capture hooks (``workers/capture.py``) and the reference forward (``hsx/reference.py``) both
 hook into these parts, so both find them here, the same way.
 """
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.errors import BadConfig
+from hsx.errors import BadConfig
 
 #: Where the base decoder (``.layers`` + final norm) sits inside a model, tried in order:
 #: ``*ForCausalLM`` (``.model``), a multimodal ``*ForConditionalGeneration``

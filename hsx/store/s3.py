@@ -1,7 +1,7 @@
 """An S3 bucket as a store (:class:`S3Store`); the one module that talks to boto3 and botocore.
 
 boto3 and botocore are imported inside the methods that use them, so that importing
-``core.store`` (every CLI command, every reader) does not pay for them (about 0.25 s) when the run
+``hsx.store`` (every CLI command, every reader) does not pay for them (about 0.25 s) when the run
 is local.
 """
 
@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 from urllib.parse import urlsplit
 
-from core.errors import BadConfig, FidelityError, StoreError
-from core.store.hashing import CHUNK_BYTES, Sha256Beside
-from core.store.protocol import MissingKey, check_key, check_prefix
-from core.store.urls import mask_url
+from hsx.errors import BadConfig, FidelityError, StoreError
+from hsx.store.hashing import CHUNK_BYTES, Sha256Beside
+from hsx.store.protocol import MissingKey, check_key, check_prefix
+from hsx.store.urls import mask_url
 
 if TYPE_CHECKING:
     from settings import Settings
@@ -29,7 +29,7 @@ MULTIPART_BYTES = 64 << 20
 #: parallel part uploads of one big object.
 MULTIPART_CONCURRENCY = 8
 #: S3 connect / read timeouts of ordinary calls (seconds); retries are botocore's "adaptive" mode,
-#: few of them: a worker's own retries (``core/store/retry.py``, ``HSX_STORE_RETRY_S``) ride out long
+#: few of them: a worker's own retries (``hsx/store/retry.py``, ``HSX_STORE_RETRY_S``) ride out long
 #: outages, and a shard the store does not take within seconds goes to the overflow spool.
 S3_CONNECT_TIMEOUT_S = 10
 S3_READ_TIMEOUT_S = 120
@@ -337,7 +337,7 @@ class S3Store:
         A 409 ConditionalRequestConflict (AWS: a racing conditional write is in flight) is retried
         ``CONFLICT_RETRIES`` times so the outcome settles (412 -> False, or 200 if the other writer
         failed). If it never settles, the outcome is unknown, not lost: StoreError with
-        ``transient=True`` (the caller's retries, ``core/store/retry.py``, try again; a worker must not
+        ``transient=True`` (the caller's retries, ``hsx/store/retry.py``, try again; a worker must not
         take it for another worker's marker and delete its own shard). If botocore had to retry our
         PUT and then got 412, the first attempt may have landed: the object is read back and True
         returned when it holds our bytes.

@@ -6,7 +6,7 @@ HF ``output_hidden_states`` index ``i + 1`` (index 0 is the embeddings, index N 
 *after* the norm) and vLLM / speculators id ``i + 1`` ("input to layer i+1"; id N is the final
 state *before* the norm). See docs/FACTS.md §1 for the off-by-one bugs this avoids.
 
-Final states are separate from layer ids (:class:`core.shard.Final`): ``postnorm`` is what
+Final states are separate from layer ids (:class:`hsx.shard.Final`): ``postnorm`` is what
 ``lm_head`` consumes (computed with the model's own final norm module), ``prenorm`` is the raw
 output of the last layer.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.errors import BadConfig
-from core.shard import Final
+from hsx.errors import BadConfig
+from hsx.shard import Final
 
 PRESETS = ("eagle3", "dflash")
 
@@ -47,7 +47,7 @@ def dflash_layer_ids(num_layers: int, num_draft_layers: int = 5) -> list[int]:
 class LayerSelection:
     """The captured layers of a run.
 
-    ``layer_ids`` are ascending, 0-based, output-of convention; ``final`` a :class:`core.shard.Final`
+    ``layer_ids`` are ascending, 0-based, output-of convention; ``final`` a :class:`hsx.shard.Final`
     (a plain string such as ``"both"`` is converted; ValueError for one that is not a Final).
     """
 

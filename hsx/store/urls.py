@@ -1,7 +1,7 @@
 """Store URLs: :func:`open_store` turns one into a store and probes it; :func:`mask_url` hides its secrets.
 
 :func:`open_store` probes the store once (:meth:`Store.check`), so that a wrong endpoint, bucket
-or credential fails in seconds with :class:`~core.errors.StoreError` rather than after a model has
+or credential fails in seconds with :class:`~hsx.errors.StoreError` rather than after a model has
 loaded.
 """
 
@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-from core.errors import BadConfig
+from hsx.errors import BadConfig
 
 if TYPE_CHECKING:
-    from core.store.protocol import Store
+    from hsx.store.protocol import Store
     from settings import Settings
 
 ACCEPTED_FORMS = "a local path, file:///ABS/PATH, s3://BUCKET or s3://BUCKET/PREFIX"
@@ -57,8 +57,8 @@ def open_store(url: str, settings: "Settings | None" = None, *, create: bool = T
     credentials come from ``settings`` (``HSX_S3_*``) when set, else from boto3's default chain
     (``AWS_*`` variables, ``AWS_ENDPOINT_URL``, profiles).
 
-    Raises :class:`~core.errors.BadConfig` for a URL of another form, and
-    :class:`~core.errors.StoreError` (within ~10 s) when the endpoint is unreachable, the bucket
+    Raises :class:`~hsx.errors.BadConfig` for a URL of another form, and
+    :class:`~hsx.errors.StoreError` (within ~10 s) when the endpoint is unreachable, the bucket
     is missing, the credentials are refused, or the directory cannot be created (or, with
     ``create=False``, does not exist).
     """
@@ -67,8 +67,8 @@ def open_store(url: str, settings: "Settings | None" = None, *, create: bool = T
     url = url.strip()
     m = _SCHEME.match(url)
     scheme = m.group(1).lower() if m else ""
-    from core.store.local import LocalStore
-    from core.store.s3 import S3Store  # here, not above: s3.py imports mask_url from this module
+    from hsx.store.local import LocalStore
+    from hsx.store.s3 import S3Store  # here, not above: s3.py imports mask_url from this module
 
     if scheme == "s3":
         store: Store = S3Store.from_url(url, settings)

@@ -6,19 +6,19 @@ suffix (``shards/<batch>-<attempt>.safetensors``) so that two workers racing on 
 never overwrite each other's shard; the loser of the marker race deletes its own shard.
 
 The marker's fields, their units and which are optional (older markers lack them) are documented
-on :class:`core.records.Marker`, the one class that reads and writes it; its key is
-:func:`core.layout.marker_key`. This module keeps the names other modules import.
+on :class:`hsx.records.Marker`, the one class that reads and writes it; its key is
+:func:`hsx.layout.marker_key`. This module keeps the names other modules import.
 
 A batch whose every sample is quarantined gets no shard and no marker: its task fails
-(:class:`core.errors.FidelityError`) and ``failures/<batch>.json`` (:class:`core.records.Failure`)
+(:class:`hsx.errors.FidelityError`) and ``failures/<batch>.json`` (:class:`hsx.records.Failure`)
 says why.
 """
 
 from __future__ import annotations
 
-from core.layout import MARKERS_PREFIX, marker_key, shard_key
-from core.records import Marker, done_batches
-from core.store import Store
+from hsx.layout import MARKERS_PREFIX, marker_key, shard_key
+from hsx.records import Marker, done_batches
+from hsx.store import Store
 
 __all__ = ["MARKERS_PREFIX", "Marker", "done_batches", "marker_key", "read_marker", "shard_key", "write_marker"]
 
@@ -32,6 +32,6 @@ def read_marker(run_store: Store, batch: str) -> Marker | None:
     """The marker of ``batch``, or None if the batch is not done.
 
     Raises:
-        core.errors.RecordFormatError: the stored marker is not a valid :class:`~core.records.Marker`.
+        hsx.errors.RecordFormatError: the stored marker is not a valid :class:`~hsx.records.Marker`.
     """
     return Marker.read(run_store, batch)

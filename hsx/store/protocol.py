@@ -2,7 +2,7 @@
 
 Keys are ``str``, ``/``-separated and relative to the store root (``run.json``,
 ``markers/00012.json``), never OS paths: the same key means the same object on a local directory
-(:mod:`core.store.local`) and on S3 (:mod:`core.store.s3`), and a run is just
+(:mod:`hsx.store.local`) and on S3 (:mod:`hsx.store.s3`), and a run is just
 ``store.child(run_id)``. Keys cannot escape the root (:func:`check_key`).
 
 The guarantees the marker protocol needs (README.md, "Output"):
@@ -19,18 +19,18 @@ Errors, the same on every backend and every member (``workers/causes.py`` acts o
 
 - :class:`MissingKey` (a ``KeyError``): ``read``, ``read_range`` and ``sha256`` of an absent key.
   Absence is an answer, not a failure: ``size`` returns None, ``delete`` does nothing.
-- :class:`~core.errors.BadConfig`: a key or prefix that breaks :func:`check_key`; raised before
+- :class:`~hsx.errors.BadConfig`: a key or prefix that breaks :func:`check_key`; raised before
   any I/O.
-- :class:`~core.errors.StoreError` with ``transient=True``: trying again later may succeed (no
+- :class:`~hsx.errors.StoreError` with ``transient=True``: trying again later may succeed (no
   answer, connection refused or reset, a timeout, a body cut short, throttling, HTTP 5xx, a
   conditional create whose outcome never settled). Callers retry these with
-  :func:`core.store.retry.retry_transient` for up to ``HSX_STORE_RETRY_S``; a worker then puts the
+  :func:`hsx.store.retry.retry_transient` for up to ``HSX_STORE_RETRY_S``; a worker then puts the
   task back on the queue (cause ``transient``).
-- :class:`~core.errors.StoreError` with ``transient=False``: a retry cannot fix it (credentials
+- :class:`~hsx.errors.StoreError` with ``transient=False``: a retry cannot fix it (credentials
   refused, no such bucket, HTTP 400 such as a checksum the server refused, a local disk error).
   A worker stops taking tasks (cause ``permanent``), except for a full disk (ENOSPC in the
   error's chain), which is waited for.
-- :class:`~core.errors.FidelityError` from ``write_stream`` only: the backend reports other bytes
+- :class:`~hsx.errors.FidelityError` from ``write_stream`` only: the backend reports other bytes
   than were sent (S3: a completed upload's composite SHA-256 that is not the parts'). The object
   must not be certified.
 
@@ -40,7 +40,7 @@ no botocore exception. That is what lets a caller tell "the store did not answer
 took an S3 timeout for a bad shard.
 
 Operations that a backend need not implement itself (``exists``, ``write_file``, ``verify``,
-``download``) are functions over these members in :mod:`core.store.helpers`.
+``download``) are functions over these members in :mod:`hsx.store.helpers`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Protocol, runtime_checkable
 
-from core.errors import BadConfig
+from hsx.errors import BadConfig
 
 #: local temp files start with this; they are never listed and no key segment may start with it.
 TMP_PREFIX = ".hsx-tmp-"
@@ -66,8 +66,8 @@ class Store(Protocol):
     """A flat key -> bytes store with create-if-absent; keys are ``/``-separated ``str``.
 
     ``str`` keys (not ``Path``) because the same key must address a file and an S3 object.
-    Every member raises :class:`~core.errors.BadConfig` for a key that breaks :func:`check_key`
-    and :class:`~core.errors.StoreError` (``transient`` or not, see the module docstring) when the
+    Every member raises :class:`~hsx.errors.BadConfig` for a key that breaks :func:`check_key`
+    and :class:`~hsx.errors.StoreError` (``transient`` or not, see the module docstring) when the
     backend refuses or cannot be reached after its own retries.
     """
 
@@ -89,7 +89,7 @@ class Store(Protocol):
 
         False is a settled outcome only: another writer's object is there. When the backend cannot
         say (S3: 409 ConditionalRequestConflict that never settles), this raises
-        :class:`~core.errors.StoreError` with ``transient=True``, never False.
+        :class:`~hsx.errors.StoreError` with ``transient=True``, never False.
         """
         ...
 
@@ -120,7 +120,7 @@ class Store(Protocol):
 
     def sha256(self, key: str) -> tuple[int, str]:
         """(bytes, sha256 hex) of ``key``'s stored bytes, streamed (never whole in memory).
-        Raises :class:`MissingKey` if it is absent; :class:`~core.errors.StoreError` (``transient``
+        Raises :class:`MissingKey` if it is absent; :class:`~hsx.errors.StoreError` (``transient``
         for a network error) if it cannot be read to the end."""
         ...
 
@@ -131,7 +131,7 @@ class Store(Protocol):
     def local_path(self, key: str) -> Path | None:
         """A filesystem path of ``key`` that readers may memory-map, or None where objects are not files (S3).
 
-        Why it is a member: the map-style reader (``core/reader.py``) reads one sample's rows of a
+        Why it is a member: the map-style reader (``hsx/reader.py``) reads one sample's rows of a
         10 GB shard through an mmap, which needs a file; every other caller reads through the
         members above, on any backend.
         """
@@ -164,7 +164,7 @@ class Store(Protocol):
         ...
 
     def check(self, create: bool = True) -> None:
-        """Probe the backend once; raise :class:`~core.errors.StoreError` with the fix if unusable.
+        """Probe the backend once; raise :class:`~hsx.errors.StoreError` with the fix if unusable.
 
         ``create=False``: a local root that does not exist is refused, not made (read-only opens)."""
         ...
@@ -174,7 +174,7 @@ class Store(Protocol):
 
 
 def check_key(key: str) -> str:
-    """Return ``key`` if it is a valid relative key, else raise :class:`~core.errors.BadConfig`.
+    """Return ``key`` if it is a valid relative key, else raise :class:`~hsx.errors.BadConfig`.
 
     Rule: non-empty ``/``-separated segments, none ``.`` or ``..``, no leading ``/``, no
     backslash or NUL, no segment starting with the temp-file prefix (:data:`TMP_PREFIX`).
@@ -196,7 +196,7 @@ def check_key(key: str) -> str:
 
 def check_prefix(prefix: str) -> str:
     """Return a list prefix if valid: ``''`` (everything), or a string prefix whose complete
-    segments pass :func:`check_key`; else raise :class:`~core.errors.BadConfig`."""
+    segments pass :func:`check_key`; else raise :class:`~hsx.errors.BadConfig`."""
     if prefix == "":
         return prefix
     head, _, last = prefix.rpartition("/")

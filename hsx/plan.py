@@ -1,6 +1,6 @@
 """The plan: tokenised samples and their batch assignment, as stored under ``<run>/plan/``.
 
-Layout (keys: ``core/layout.py``; the JSON records: ``core/records.py``)::
+Layout (keys: ``hsx/layout.py``; the JSON records: ``hsx/records.py``)::
 
     plan/batches/<batch>.safetensors   one per batch: the samples the worker feeds to the model
     plan/samples.jsonl                 one line per sample, in sample_index order: record id, tokens, batch (SampleRow)
@@ -29,10 +29,10 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from core.layout import BATCHES_JSON, PLANNING_JSON, SAMPLES_JSONL, batch_plan_key
-from core.processes import pid_alive
-from core.records import BatchSummary, Planning
-from core.store import Store, exists
+from hsx.layout import BATCHES_JSON, PLANNING_JSON, SAMPLES_JSONL, batch_plan_key
+from hsx.processes import pid_alive
+from hsx.records import BatchSummary, Planning
+from hsx.store import Store, exists
 
 __all__ = ["BATCHES_JSON", "PLANNING_JSON", "SAMPLES_JSONL", "BatchPlan", "batch_id", "batch_key", "read_batch",
            "read_batch_list", "plan_complete", "start_planning_record", "fail_planning_record",
@@ -45,7 +45,7 @@ def batch_id(index: int) -> str:
 
 
 def batch_key(batch: str) -> str:
-    """``plan/batches/<batch>.safetensors`` (:func:`core.layout.batch_plan_key`)."""
+    """``plan/batches/<batch>.safetensors`` (:func:`hsx.layout.batch_plan_key`)."""
     return batch_plan_key(batch)
 
 
@@ -99,17 +99,17 @@ class BatchPlan:
 
 
 def read_batch(run_store: Store, batch: str) -> BatchPlan:
-    """Read one batch of the plan. Raises :class:`core.store.MissingKey` if it was never planned."""
+    """Read one batch of the plan. Raises :class:`hsx.store.MissingKey` if it was never planned."""
     return BatchPlan.from_bytes(batch, run_store.read(batch_key(batch)))
 
 
 def read_batch_list(run_store: Store) -> list[dict]:
     """The plan's batch summaries (``batch``, ``num_samples``, ``num_tokens``, ``max_len``,
-    ``supervised_tokens``), read through :class:`core.records.BatchSummary`, as dicts.
+    ``supervised_tokens``), read through :class:`hsx.records.BatchSummary`, as dicts.
 
     Raises:
-        core.store.MissingKey: the plan is not complete.
-        core.errors.RecordFormatError: ``plan/batches.json`` is not a valid batch list.
+        hsx.store.MissingKey: the plan is not complete.
+        hsx.errors.RecordFormatError: ``plan/batches.json`` is not a valid batch list.
     """
     return [b.model_dump(exclude={"schema_version"}) for b in BatchSummary.read_list(run_store)]
 

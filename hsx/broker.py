@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.errors import BadConfig
+from hsx.errors import BadConfig
 
 _MAX_SOCKET_PATH = 100  # AF_UNIX paths are limited to 108 bytes on Linux
 #: File in the state dir holding the URL of the embedded broker while it runs.
@@ -225,7 +225,7 @@ def redis_client(url: str):
 
 def check_broker(url: str) -> None:
     """PING the broker; raises :class:`BadConfig` naming the (masked) URL when it does not answer."""
-    from core.store import mask_url
+    from hsx.store import mask_url
 
     try:
         redis_client(url).ping()

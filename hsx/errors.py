@@ -74,7 +74,7 @@ class RunFormatError(HsxError):
 
 
 class RecordFormatError(HsxError, ValueError):
-    """A JSON record in a run's store (a marker, a failure, a worker status...; ``core/records.py``)
+    """A JSON record in a run's store (a marker, a failure, a worker status...; ``hsx/records.py``)
     is not JSON, misses a required field, holds a value of the wrong type, or has a
     ``schema_version`` this code does not read. ``key`` is the record's store key and ``fields``
     the bad fields (dotted paths, ``shard.key``). A ``ValueError``, as unparsable JSON was before."""

@@ -2,7 +2,7 @@
 
 The run id is derived from the identity and the dataset's content, so the same dataset and config
 always give the same run id (re-running ``enqueue`` / ``run`` resumes), and a different config can
-never be written into an existing run by accident (:class:`core.errors.RunConflict`). Every marker
+never be written into an existing run by accident (:class:`hsx.errors.RunConflict`). Every marker
 carries the identity's sha256 (``config_sha256``); ``verify`` and the readers accept a marker only
 when it equals the one computed from ``run.json``.
 
@@ -16,7 +16,7 @@ Identity versions:
 | version | fields hashed | notes |
 |---|---|---|
 | 1 | ``model``, ``model_name``, ``layers``, ``max_length``, ``batch_tokens``, ``max_batch_samples``, ``store_dtype``, ``tokenizer``, ``dataset_fingerprint``, ``limit``, ``sample_policy``, ``schema_version`` | what every run made before ``identity_version`` existed hashed (every field but ``run_id``, ``created_at``, ``dataset_source`` and ``stats``); a ``run.json`` without ``identity_version`` is version 1. ``identity_version`` itself is not hashed, so those runs keep their ids and their markers' ``config_sha256`` |
-| 2 | version 1's, ``special_tokens_in_content`` and ``identity_version`` | special-token strings inside message content are tokenised as text (``text``) unless ``special`` is asked for (``producer/masks.py``); a version-1 run.json reads as ``special``, what its code did. And ``model.revision`` of a local checkpoint directory is ``sha256:<hex>``, a hash of its weight bytes (``core/models.py``), where version 1 recorded ``local-<16 hex>``, a hash of the weight files' names and sizes and of ``config.json``: two checkpoints with weights of the same shapes had one revision. A hub id's revision is its commit hash in both |
+| 2 | version 1's, ``special_tokens_in_content`` and ``identity_version`` | special-token strings inside message content are tokenised as text (``text``) unless ``special`` is asked for (``producer/masks.py``); a version-1 run.json reads as ``special``, what its code did. And ``model.revision`` of a local checkpoint directory is ``sha256:<hex>``, a hash of its weight bytes (``hsx/models.py``), where version 1 recorded ``local-<16 hex>``, a hash of the weight files' names and sizes and of ``config.json``: two checkpoints with weights of the same shapes had one revision. A hub id's revision is its commit hash in both |
 
 Why each version-1 field decides the bytes of the shards: ``model`` (name, type, layer count,
 hidden size, revision: which weights), ``tokenizer`` (class, vocab size, chat template sha256,
@@ -31,7 +31,7 @@ draft config it was read from (``source``): kept because version 1 hashed them. 
 Why version 2 and not only new values: a local checkpoint's revision changed how it is computed,
 so every re-planned local run gets a new run id anyway; the version says which way a run's
 ``model.revision`` was computed, so that a worker of this code can still check a version-1 run's
-checkpoint the way it was recorded (:meth:`core.models.ModelInfo.differences`), and version-1 runs
+checkpoint the way it was recorded (:meth:`hsx.models.ModelInfo.differences`), and version-1 runs
 keep their ids, their markers' ``config_sha256`` and ``verify``.
 
 Adding a field to :class:`RunConfig`:
@@ -56,10 +56,10 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from core.errors import RunConflict, RunFormatError
-from core.layout import RUN_JSON
-from core.shard import SCHEMA_VERSION  # the shard layout's version, recorded (and hashed) in run.json
-from core.store import MissingKey, Store
+from hsx.errors import RunConflict, RunFormatError
+from hsx.layout import RUN_JSON
+from hsx.shard import SCHEMA_VERSION  # the shard layout's version, recorded (and hashed) in run.json
+from hsx.store import MissingKey, Store
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 #: The identity version of the runs this code creates.
@@ -80,10 +80,10 @@ NON_IDENTITY_FIELDS = ("identity_version", "run_id", "created_at", "dataset_sour
 class RunConfig:
     """What a run extracts and how. Stored as ``<run>/run.json``; workers read it, never the CLI args.
 
-    ``model`` is :meth:`core.models.ModelInfo.as_dict`, ``layers`` is
-    :meth:`core.layers.LayerSelection.as_dict`; ``store_dtype`` is the dtype of the stored hidden
-    states, a :class:`core.shard.StoreDtype` value (``bfloat16``, ``float32`` or ``fp8``: float8 e4m3
-    with per-token scales, ``core/fp8.py``); ``layers["final"]`` is a :class:`core.shard.Final` value. ``tokenizer`` holds the tokenizer class, vocab size, chat
+    ``model`` is :meth:`hsx.models.ModelInfo.as_dict`, ``layers`` is
+    :meth:`hsx.layers.LayerSelection.as_dict`; ``store_dtype`` is the dtype of the stored hidden
+    states, a :class:`hsx.shard.StoreDtype` value (``bfloat16``, ``float32`` or ``fp8``: float8 e4m3
+    with per-token scales, ``hsx/fp8.py``); ``layers["final"]`` is a :class:`hsx.shard.Final` value. ``tokenizer`` holds the tokenizer class, vocab size, chat
     template hash, end-of-turn ids and ``enable_thinking`` (None: the template's default).
     ``sample_policy``: which records become samples and how: ``over_length`` (``truncate`` or
     ``drop``), ``allow_text`` (plain-text records used) and ``min_consecutive_supervised``; empty
@@ -272,7 +272,7 @@ def load_run(run_store: Store) -> RunConfig:
     """Read ``run.json``.
 
     Raises:
-        core.store.MissingKey: the run does not exist.
+        hsx.store.MissingKey: the run does not exist.
         RunFormatError: run.json cannot be read by this version of hsx.
     """
     return RunConfig.from_json(run_store.read(RUN_JSON))

@@ -21,7 +21,7 @@ job runs on a fresh clone with no hub and no GPU, not to train a useful draft mo
   Processes hashing the same file at once wait on a lock and hash it once;
 - a built-in model: its generated directory, as a local checkpoint.
 
-Runs of identity version 1 (``core/runconfig.py``) recorded ``local-<16 hex>`` for a local
+Runs of identity version 1 (``hsx/runconfig.py``) recorded ``local-<16 hex>`` for a local
 directory instead (a hash of the weight files' names and sizes and of ``config.json``: other
 weights of the same shapes kept it). :attr:`ModelInfo.legacy_revision` still computes it, so a
 worker can check such a run's checkpoint the way it was recorded (:meth:`ModelInfo.differences`).
@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.errors import BadConfig
+from hsx.errors import BadConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,14 @@ Legend: T = valid tokens in the batch, N = samples, K = captured layers, H = hid
 fp8 (``store_dtype`` ``fp8``, ``--store-dtype fp8``) is float8 e4m3 (safetensors ``F8_E4M3``,
 ``torch.float8_e4m3fn``) with one float32 scale per token and part: ``scale = amax(|x|) / 448``
 over the H values (1 for a zero row), ``q = x / scale``; the value is ``q.float() * scale[..., None]``
-(:func:`core.fp8.dequantize_fp8`), within ``2**-4 |x| + 2**-10 scale`` of the captured one, at most
-1/28 of the token's largest value (``core/fp8.py``). The readers (``core/reader.py``) and the
+(:func:`hsx.fp8.dequantize_fp8`), within ``2**-4 |x| + 2**-10 scale`` of the captured one, at most
+1/28 of the token's largest value (``hsx/fp8.py``). The readers (``hsx/reader.py``) and the
 exports return dequantised tensors (bf16 by default); ``raw=True`` gives the stored ones.
 
 A shard holds the batch's planned samples minus the quarantined ones: a sample whose captured
 states hold NaN or Inf is left out (its tokens, ids, mask and states; ``cu_seqlens`` and
 ``sample_index`` are recomputed without it) and listed in the marker's ``quarantined`` with its
-reason (see ``core/marker.py``). ``sample_index`` says which planned samples a shard holds.
+reason (see ``hsx/marker.py``). ``sample_index`` says which planned samples a shard holds.
 
 String metadata (safetensors header): ``schema_version``, ``run_id``, ``batch``, ``layer_ids``
 (JSON list), ``layer_id_convention``, ``hf_hidden_states_indices``, ``vllm_ids``, ``final``,
@@ -52,7 +52,7 @@ SCHEMA_VERSION = 1
 INDEX_TENSORS = {"input_ids": "I32", "loss_mask": "U8", "cu_seqlens": "I64", "sample_index": "I64"}
 #: the captured layers, [T, K, H] (the table above).
 HIDDEN_STATES = "hidden_states"
-#: the final states, [T, H]: after / before the model's final norm (core/layers.py, docs/FACTS.md §1).
+#: the final states, [T, H]: after / before the model's final norm (hsx/layers.py, docs/FACTS.md §1).
 FINAL_POSTNORM = "final_postnorm"
 FINAL_PRENORM = "final_prenorm"
 #: suffix of a state tensor's fp8 scale tensor: ``hidden_states`` -> ``hidden_states_scale``.
@@ -97,7 +97,7 @@ class Final(StrEnum):
 class StoreDtype(StrEnum):
     """The dtype of a run's stored states: ``--store-dtype``, run.json ``store_dtype``. A str enum
     (``StoreDtype.FP8 == "fp8"``). ``fp8`` is float8 e4m3 with a float32 scale per token and part
-    (``core/fp8.py``); the others are the torch dtypes of their names."""
+    (``hsx/fp8.py``); the others are the torch dtypes of their names."""
 
     BFLOAT16 = "bfloat16"
     FLOAT32 = "float32"
@@ -117,7 +117,7 @@ class StoreDtype(StrEnum):
 
     @property
     def itemsize(self) -> int:
-        """Bytes per stored value (fp8's scales not counted: :data:`core.fp8.SCALE_BYTES` per token and part)."""
+        """Bytes per stored value (fp8's scales not counted: :data:`hsx.fp8.SCALE_BYTES` per token and part)."""
         return {"bfloat16": 2, "float32": 4, "fp8": 1}[self.value]
 
     @property
@@ -135,7 +135,7 @@ def scale_name(name: str) -> str:
 class ShardSpec:
     """What every shard of one run holds, from its run.json: the layers, the finals, the dtype.
 
-    ``layer_ids`` ascending (output-of convention, core/layers.py); ``hidden_size`` H.
+    ``layer_ids`` ascending (output-of convention, hsx/layers.py); ``hidden_size`` H.
     """
 
     run_id: str
@@ -146,7 +146,7 @@ class ShardSpec:
 
     @classmethod
     def of_run(cls, config) -> "ShardSpec":
-        """The spec of a :class:`core.runconfig.RunConfig` (``layers``, ``model.hidden_size``, ``store_dtype``).
+        """The spec of a :class:`hsx.runconfig.RunConfig` (``layers``, ``model.hidden_size``, ``store_dtype``).
 
         Raises:
             ValueError: the config's ``final`` or ``store_dtype`` is not one this code knows.

@@ -1,6 +1,6 @@
 """Retrying a store call that failed for a transient reason: exponential backoff with full jitter.
 
-botocore already retries each S3 request a few times (``core.store.s3.S3_MAX_ATTEMPTS``, about half a minute
+botocore already retries each S3 request a few times (``hsx.store.s3.S3_MAX_ATTEMPTS``, about half a minute
 against a server that refuses connections). This is the outer loop on top, bounded by a total
 time (``HSX_STORE_RETRY_S``), so that an S3 outage of minutes does not fail a batch whose shard
 sits safely in the spool: each attempt that fails with ``StoreError.transient`` is logged at
@@ -15,7 +15,7 @@ import random
 import time
 from typing import Callable, TypeVar
 
-from core.errors import StoreError
+from hsx.errors import StoreError
 
 log = logging.getLogger(__name__)
 
