@@ -366,3 +366,40 @@ def small_run(tmp_path_factory, shared_worker, tiny_cache) -> dict:
     assert report["batches_done"] == report["batches_total"] >= 3, report
     run_dir = tmp / "out" / report["run_id"]
     return {"dir": run_dir, "address": str(run_dir), "report": report, "env": env, "cache": tiny_cache}
+
+
+# --- the recovery and lease tests' clusters (tests/clusters.py) ---
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory, tiny_cache):
+    """A run planned once per module of the recovery and lease tests (12 ShareGPT records, about 6
+    batches); each test copies its plan into a fresh store (``clusters.copy_plan``)."""
+    from producer.planner import PlanOptions, plan_run
+
+    tmp = tmp_path_factory.mktemp("recovery-template")
+    settings = Settings(_env_file=None, cache_dir=tiny_cache)
+    opts = PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp / "out"), limit=12, max_length=192,
+                       batch_tokens=512)
+    run = plan_run(opts, settings)
+    assert 4 <= len(run.batches) <= 12, run.batches
+    return run
+
+
+@pytest.fixture
+def cluster(tmp_path, tiny_cache):
+    """An embedded broker and the workers one test starts on it (``clusters.Cluster``), closed after."""
+    from clusters import Cluster
+
+    c = Cluster(tmp_path, tiny_cache)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def s3_cluster(tmp_path, tiny_cache, s3_bucket):
+    """:func:`cluster` with its workers and runs on the S3 server of :func:`s3_bucket`."""
+    from clusters import Cluster
+
+    c = Cluster(tmp_path, tiny_cache, s3=s3_bucket)
+    yield c
+    c.close()

@@ -17,8 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from jobfixtures import WorkerProcess, wait_until
-from test_recovery import (HOLD_S, Cluster, assert_complete, cluster, copy_run, held_batch, template,  # noqa: F401
-                           wait_done, wait_log)
+from clusters import HOLD_S, Cluster, assert_complete, copy_plan, held_batch, wait_done, wait_log
 
 from hsx.broker import redis_client
 from hsx.errors import FidelityError, SpoolFull, StoreError
@@ -43,7 +42,7 @@ def test_a_sigkilled_worker_s_batch_is_reclaimed_by_a_live_worker_with_no_comman
     worker ``lost``."""
     from producer.status import RunWatch
 
-    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     doomed = cluster.worker("doomed", wait=False, faults=f"pause_forward={HOLD_S}", **LEASE)
     cluster.worker("rescuer", **LEASE)
     doomed.wait_ready()
@@ -68,7 +67,7 @@ def test_a_sigkilled_worker_s_batch_is_reclaimed_by_a_live_worker_with_no_comman
 def test_every_worker_of_a_node_killed_while_another_node_lives_completes_the_run(template, cluster, tmp_path):
     """Two workers of one "node" SIGKILLed together, each holding a batch; the third lives: both batches are
     reclaimed (one record each) and done, with no command typed."""
-    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     node = [cluster.worker(f"node1-{i}", wait=False, faults=f"pause_forward={HOLD_S}", **LEASE) for i in (0, 1)]
     cluster.worker("node2", **LEASE)
     for w in node:
@@ -86,7 +85,7 @@ def test_every_worker_of_a_node_killed_while_another_node_lives_completes_the_ru
 @pytest.mark.timeout(150)
 def test_a_live_worker_s_long_batch_keeps_its_lease(template, cluster, tmp_path):
     """A batch that runs three times the lease on a live worker is renewed by its heartbeats: nobody reclaims it."""
-    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     slow = cluster.worker("slow", faults="pause_forward=18", **LEASE)
     first = template.batches[0]
     cluster.enqueue(run_store, [first])
@@ -123,7 +122,7 @@ def test_a_worker_with_a_wrong_s3_secret_refuses_tasks_and_the_healthy_one_does_
     s3 = SimpleNamespace(settings=settings, url=f"s3://guarded/{uuid.uuid4().hex[:8]}")
     c = Cluster(tmp_path, tiny_cache, s3=s3)
     try:
-        run_store = copy_run(template, s3.url, c.settings)
+        run_store = copy_plan(template, s3.url, c.settings)
         env = c.env(**LEASE)
         env["HSX_S3_SECRET_ACCESS_KEY"] = "wrong-secret"
         bad = WorkerProcess(env, "bad", tmp_path / "bad.log")
@@ -160,7 +159,7 @@ def test_a_worker_with_a_wrong_s3_secret_refuses_tasks_and_the_healthy_one_does_
 def test_a_transient_error_that_outlasts_the_in_task_retries_goes_back_through_the_queue(template, cluster, tmp_path):
     """The store's disk full on the first shard write (ENOSPC), no in-task retry (HSX_STORE_RETRY_S=0): the task
     is retried through Celery with backoff (no failure record, never dropped) and the run completes by itself."""
-    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     worker = cluster.worker("cramped", faults="store_full=1", store_retry_s=0, **LEASE)
     cluster.enqueue_all(run_store)
     wait_done(run_store, 90)

@@ -10,159 +10,21 @@ enough to kill the process there; the test waits for the worker's log line that 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
-from jobfixtures import WorkerProcess, clean_env, plan_samples, read_samples, run_cli, wait_until
+from clusters import HOLD_S, assert_complete, copy_plan, held_batch, shards_of, wait_done, wait_log
+from jobfixtures import clean_env, run_cli, wait_until
 
-from hsx.broker import EmbeddedBroker
 from hsx.marker import done_batches, read_marker
-from hsx.runconfig import load_run
 from hsx.store import open_store
-from settings import Settings
-
-#: how long a fault holds a batch (seconds): far longer than the test needs to act.
-HOLD_S = 60
-
-
-@pytest.fixture(scope="module")
-def template(tmp_path_factory, tiny_cache):
-    """A run planned once (12 ShareGPT records, about 6 batches); each test copies its plan into a fresh store."""
-    from producer.planner import PlanOptions, plan_run
-
-    tmp = tmp_path_factory.mktemp("recovery-template")
-    settings = Settings(_env_file=None, cache_dir=tiny_cache)
-    opts = PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp / "out"), limit=12, max_length=192,
-                       batch_tokens=512)
-    run = plan_run(opts, settings)
-    assert 4 <= len(run.batches) <= 12, run.batches
-    return run
-
-
-def copy_run(template, root_url: str, settings: Settings):
-    """The template's run.json and plan, copied under ``root_url``; returns the new run's store."""
-    dest = open_store(root_url, settings).child(template.config.run_id)
-    for key in template.run_store.list(""):
-        if key == "run.json" or key.startswith("plan/"):
-            dest.write(key, template.run_store.read(key))
-    return dest
-
-
-class Cluster:
-    """An embedded broker (short socket path, AOF) and the environment for workers of one test."""
-
-    def __init__(self, tmp: Path, cache: Path, s3=None):
-        self.tmp = tmp
-        self.state = Path(tempfile.mkdtemp(prefix="hsx-"))
-        self.broker = EmbeddedBroker(self.state).start()
-        self.settings = Settings(_env_file=None, broker_url=self.broker.url, cache_dir=cache,
-                                 **(_s3_fields(s3) if s3 else {}))
-        self.s3 = s3
-        self.workers: list[WorkerProcess] = []
-        self.cache = cache
-
-    def env(self, **extra) -> dict[str, str]:
-        s3 = self.s3
-        return clean_env(broker_url=self.broker.url, cache_dir=self.cache, spool_dir=self.tmp / "spool", model="tiny-qwen3.5",
-                         device="cpu", heartbeat_s=1, store_url=s3.url if s3 else self.tmp / "out",
-                         **(_s3_fields(s3) if s3 else {}), **extra)
-
-    def worker(self, name: str, concurrency: int = 1, wait: bool = True, **extra) -> WorkerProcess:
-        """Start a worker process (its model loaded at start); ``wait``: until it is ready."""
-        w = WorkerProcess(self.env(**extra), name, self.tmp / f"{name}.log", concurrency=concurrency)
-        self.workers.append(w)
-        if wait:
-            w.wait_ready()
-        return w
-
-    def enqueue(self, run_store, batches: list[dict]) -> None:
-        """Send one task per batch, as ``enqueue`` does."""
-        from producer.reconcile import _enqueue
-
-        _enqueue(run_store, run_store.url, load_run(run_store), batches, self.settings, self.broker.url)
-
-    def enqueue_all(self, run_store) -> None:
-        self.enqueue(run_store, json.loads(run_store.read("plan/batches.json")))
-
-    def reconcile(self, run_store, **kw) -> dict:
-        from producer.reconcile import reconcile_run
-
-        return reconcile_run(run_store, self.settings, self.broker.url, **kw)
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.kill()
-            w._log.close()
-        self.broker.stop()
-        shutil.rmtree(self.state, ignore_errors=True)
-
-
-def _s3_fields(s3) -> dict:
-    st = s3.settings
-    return {"s3_endpoint_url": st.s3_endpoint_url, "s3_region": st.s3_region, "s3_access_key_id": st.s3_access_key_id,
-            "s3_secret_access_key": st.s3_secret_access_key}
-
-
-@pytest.fixture
-def cluster(tmp_path, tiny_cache):
-    c = Cluster(tmp_path, tiny_cache)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def s3_cluster(tmp_path, tiny_cache, s3_bucket):
-    c = Cluster(tmp_path, tiny_cache, s3=s3_bucket)
-    yield c
-    c.close()
-
-
-def wait_log(worker: WorkerProcess, needle: str, timeout_s: float = 60) -> str:
-    """Wait for ``needle`` in the worker's log; returns the line."""
-    def find():
-        for line in worker.log().splitlines():
-            if needle in line:
-                return line
-        assert worker.proc.poll() is None, f"worker exited:\n{worker.log()[-3000:]}"
-        return None
-
-    return wait_until(find, timeout_s, f"{needle!r} in {worker.log_path.name}")
-
-
-def held_batch(line: str) -> str:
-    return line.rsplit("of batch ", 1)[1].strip()
-
-
-def wait_done(run_store, timeout_s: float = 90) -> None:
-    total = len(json.loads(run_store.read("plan/batches.json")))
-    wait_until(lambda: len(done_batches(run_store)) == total, timeout_s, "every batch to get its marker", poll_s=0.3)
-
-
-def assert_complete(run_store) -> None:
-    """verify passes, and every planned sample is stored exactly once."""
-    from producer.verify import verify_run
-
-    report = verify_run(run_store)
-    assert report["ok"], json.dumps(report["problems"], indent=1)[:3000]
-    stored = read_samples(run_store)  # fails on a sample stored twice
-    assert set(stored) == set(plan_samples(run_store))
-
-
-def shards_of(run_store, batch: str) -> list[str]:
-    return [k for k in run_store.list("shards/") if k.rsplit("/", 1)[-1].startswith(batch + "-")]
 
 
 @pytest.mark.timeout(150)
 def test_a_worker_killed_during_the_forward_loses_nothing_after_reconcile(template, cluster, tmp_path):
     """SIGKILL while a batch is in its forward: the others finish elsewhere; reconcile re-enqueues the orphaned one; verify passes."""
-    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     doomed = cluster.worker("doomed", wait=False, faults=f"pause_forward={HOLD_S}")
     cluster.worker("rescuer").wait_ready()
     doomed.wait_ready()
@@ -188,7 +50,7 @@ def test_a_worker_killed_during_the_forward_loses_nothing_after_reconcile(templa
 def test_a_worker_killed_in_the_middle_of_its_store_write_loses_nothing_and_leaves_nothing_visible(template, s3_cluster):
     """SIGKILL with the shard half sent to S3 (straight from host memory; no spool file on this path):
     no object of the batch is visible, reconcile redoes it, and every sample is stored once."""
-    run_store = copy_run(template, s3_cluster.s3.url, s3_cluster.settings)
+    run_store = copy_plan(template, s3_cluster.s3.url, s3_cluster.settings)
     doomed = s3_cluster.worker("doomed", wait=False, faults=f"pause_store={HOLD_S}")
     doomed.wait_ready()
     s3_cluster.enqueue_all(run_store)
@@ -210,7 +72,7 @@ def test_a_worker_killed_in_the_middle_of_its_store_write_loses_nothing_and_leav
 @pytest.mark.timeout(150)
 def test_the_broker_killed_and_restarted_mid_run_keeps_the_queue(template, cluster, tmp_path):
     """SIGKILL the embedded broker after a few batches, restart it from its AOF: the worker reconnects and the run completes."""
-    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     worker = cluster.worker("steady", faults="pause_forward=0.5")
     cluster.enqueue_all(run_store)
     wait_until(lambda: len(done_batches(run_store)) >= 2, 60, "two batches done")
@@ -240,7 +102,7 @@ def test_a_stopped_s3_server_fills_the_overflow_then_pauses_extraction_and_the_r
         template, s3_cluster, s3_server):
     """S3 stops: shards go to the spool (the overflow, at most HSX_MAX_PENDING_UPLOADS = 2), the next ones wait in
     their host buffers (2), and the next forward pauses, its status record saying why; S3 back: every batch done."""
-    run_store = copy_run(template, s3_cluster.s3.url, s3_cluster.settings)
+    run_store = copy_plan(template, s3_cluster.s3.url, s3_cluster.settings)
     # Each batch waits 3 s before its store write, so the first two are past their forward (and every
     # thread has read its plan) when S3 stops.
     worker = s3_cluster.worker("patient", concurrency=5, worker_concurrency=2, spool_max_fraction=1, faults="pause_upload=3")
@@ -268,7 +130,7 @@ def test_a_stopped_s3_server_fills_the_overflow_then_pauses_extraction_and_the_r
 @pytest.mark.timeout(150)
 def test_the_same_task_delivered_twice_at_once_to_two_workers_leaves_one_marker(template, cluster, tmp_path):
     """Two messages for one batch, two worker processes holding it at once: one marker, one valid shard, the loser's shard removed."""
-    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     a = cluster.worker("twin-a", wait=False, faults="pause_forward=1.5")
     b = cluster.worker("twin-b", faults="pause_forward=1.5")
     a.wait_ready()
@@ -289,7 +151,7 @@ def test_a_task_redelivered_after_its_visibility_timeout_leaves_one_marker(templ
     """Visibility timeout 3 s, a batch held 8 s before its upload: Redis redelivers it while the first delivery still
     runs (to the second worker, or to a free task thread of the first: each process has several); one marker, one
     valid shard."""
-    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     slow = cluster.worker("slow", faults="pause_upload=8", visibility_timeout_s=3)
     first = template.batches[0]
     cluster.enqueue(run_store, [first])
@@ -314,7 +176,7 @@ def test_a_full_store_disk_sends_the_batch_back_through_the_queue_and_the_run_co
     """ENOSPC writing the first shard into a local store: a transient cause (someone frees the disk), so the task is
     retried through Celery with backoff, its log line naming the store and the error; no failure record, no marker or
     shard of the failed attempt, no reconcile needed."""
-    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     worker = cluster.worker("cramped", faults="store_full=1", task_retry_base_s=0.5)
     cluster.enqueue_all(run_store)
     wait_done(run_store)
@@ -327,7 +189,7 @@ def test_a_full_store_disk_sends_the_batch_back_through_the_queue_and_the_run_co
 @pytest.mark.timeout(150)
 def test_a_shard_corrupted_after_its_marker_is_named_by_verify_and_redone_by_reconcile_repair(template, cluster, tmp_path):
     """Flip bytes of a certified shard: verify exits 1 naming the batch; reconcile --repair redoes it; verify passes."""
-    run_store = copy_run(template, str(tmp_path / "out"), cluster.settings)
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     cluster.worker("repairer")
     cluster.enqueue_all(run_store)
     wait_done(run_store)
