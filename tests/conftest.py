@@ -292,6 +292,20 @@ def _new_bucket(server) -> S3Bucket:
     return S3Bucket(name=name, url=f"s3://{name}", settings=_test_settings(server), server=server)
 
 
+@pytest.fixture(scope="session")
+def secured_s3(tmp_path_factory):
+    """A SeaweedFS server that checks credentials (weed mini with AWS_* set; moto accepts any
+    secret), with a bucket ``guarded``; each test writes under a prefix of its own."""
+    binary = _weed_binary()
+    if not binary:
+        pytest.skip("SeaweedFS (weed) is not installed: moto cannot check credentials")
+    server = SeaweedServer(binary, tmp_path_factory.mktemp("seaweed-secured") / "data", secured=True)
+    server.start()
+    s3_client(server.endpoint_url).create_bucket(Bucket="guarded")
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def s3_bucket(s3_server) -> S3Bucket:
     """A fresh, empty bucket on ``s3_server`` with Settings that point at it (no env involved)."""

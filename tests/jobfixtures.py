@@ -85,14 +85,22 @@ class WorkerProcess:
             self.proc.wait()
 
     def stop(self, timeout_s: float = 30) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+        """Warm shutdown (SIGTERM; SIGKILL of the process group after ``timeout_s``)."""
+        try:
+            stop_process(self.proc, timeout_s)
+        finally:
+            self._log.close()
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM ``proc``, wait up to ``timeout_s``, then SIGKILL its process group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
@@ -278,13 +286,7 @@ class SharedWorker:
     def stop(self, timeout_s: float = 30) -> None:
         """Warm shutdown of the worker (SIGTERM; SIGKILL after ``timeout_s``), then the broker."""
         try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                    self.proc.wait()
+            stop_process(self.proc, timeout_s)
         finally:
             self._log.close()
             self.broker.stop()

@@ -4,6 +4,7 @@ finishes; a bad config is refused with a clear error before any model or GPU wor
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 
@@ -137,34 +138,21 @@ def test_a_400000_character_message_and_records_of_wrong_types_do_not_stop_the_j
     assert "5" in by_id
 
 
-@pytest.fixture(scope="module")
-def secured_s3(tmp_path_factory):
-    """SeaweedFS that requires the fixture's access key and secret (weed mini with AWS_* set)."""
-    from conftest import SeaweedServer, _weed_binary, s3_client
-
-    binary = _weed_binary()
-    if not binary:
-        pytest.skip("SeaweedFS (weed) is not installed: moto cannot check credentials")
-    server = SeaweedServer(binary, tmp_path_factory.mktemp("seaweed-secured") / "data", secured=True)
-    server.start()
-    s3_client(server.endpoint_url).create_bucket(Bucket="guarded")
-    yield server
-    server.stop()
-
-
 @pytest.mark.timeout(120)
 def test_wrong_s3_credentials_are_refused_before_planning_without_printing_the_secret(tmp_path, env, secured_s3):
     """An S3 server that requires credentials, and a wrong secret: exit 2, 'credentials refused' and the fix; the secret is never printed."""
     secret = "wrong-secret-must-not-print"
     env = dict(env, HSX_S3_ENDPOINT_URL=secured_s3.endpoint_url, HSX_S3_ACCESS_KEY_ID=secured_s3.access_key,
                HSX_S3_SECRET_ACCESS_KEY=secret, HSX_S3_REGION="us-east-1")
-    proc = run_here(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", "s3://guarded/x"], env)
+    prefix = f"bad-input-{uuid.uuid4().hex[:8]}"
+    proc = run_here(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", f"s3://guarded/{prefix}"],
+                    env)
     _refused(proc, "credentials refused", "HSX_S3_SECRET_ACCESS_KEY", secured_s3.endpoint_url)
     assert secret not in proc.stderr + proc.stdout
     assert not (tmp_path / "state").exists(), "no broker or worker may start"
     from conftest import s3_client
 
-    assert "Contents" not in s3_client(secured_s3.endpoint_url).list_objects_v2(Bucket="guarded"), "nothing written"
+    assert "Contents" not in s3_client(secured_s3.endpoint_url).list_objects_v2(Bucket="guarded", Prefix=prefix), "nothing written"
 
 
 def test_an_output_that_is_a_run_is_refused_naming_its_parent(tmp_path, env):

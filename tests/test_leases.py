@@ -95,30 +95,15 @@ def test_a_live_worker_s_long_batch_keeps_its_lease(template, cluster, tmp_path)
     assert _reclaims(run_store) == [] and "Task hsx.extract_batch" not in cluster.workers[1].log()
 
 
-@pytest.fixture(scope="module")
-def guarded_s3(tmp_path_factory):
-    """SeaweedFS that checks credentials (moto accepts any secret)."""
-    from conftest import SeaweedServer, _weed_binary, s3_client
-
-    binary = _weed_binary()
-    if not binary:
-        pytest.skip("SeaweedFS (weed) is not installed: moto cannot refuse credentials")
-    server = SeaweedServer(binary, tmp_path_factory.mktemp("seaweed-leases") / "data", secured=True)
-    server.start()
-    s3_client(server.endpoint_url).create_bucket(Bucket="guarded")
-    yield server
-    server.stop()
-
-
 @pytest.mark.timeout(180)
-def test_a_worker_with_a_wrong_s3_secret_refuses_tasks_and_the_healthy_one_does_them(template, guarded_s3, tmp_path,
+def test_a_worker_with_a_wrong_s3_secret_refuses_tasks_and_the_healthy_one_does_them(template, secured_s3, tmp_path,
                                                                                        tiny_cache):
     """A worker started with a wrong secret takes a task, finds its credentials refused, stops taking tasks, logs
     why and answers ``refusing`` to status; the batch goes back to the queue and a healthy worker does every batch."""
     from producer.status import BrokerProbe, RunWatch
 
-    settings = Settings(_env_file=None, s3_endpoint_url=guarded_s3.endpoint_url, s3_region="us-east-1",
-                        s3_access_key_id=guarded_s3.access_key, s3_secret_access_key=guarded_s3.secret_key)
+    settings = Settings(_env_file=None, s3_endpoint_url=secured_s3.endpoint_url, s3_region="us-east-1",
+                        s3_access_key_id=secured_s3.access_key, s3_secret_access_key=secured_s3.secret_key)
     s3 = SimpleNamespace(settings=settings, url=f"s3://guarded/{uuid.uuid4().hex[:8]}")
     c = Cluster(tmp_path, tiny_cache, s3=s3)
     try:

@@ -1,7 +1,7 @@
 """Tiny random target models built from the real configs, and per-sample reference forwards.
 
-The configs are the real ``config.json`` files in ``tests/data/configs/`` (byte copies of
-``../shared/data/configs``; see its SOURCE.md). A tiny model keeps each architecture's code path (attention
+The configs are the real ``config.json`` files in ``tests/data/configs/`` (byte copies of the
+upstream files that its SOURCE.md names). A tiny model keeps each architecture's code path (attention
 kind, ``layer_types`` pattern, Gated DeltaNet, MoE routing, zero-centred norms, rope variant) and
 shrinks the sizes: hidden 64, 6 layers, 4 heads, a 512-token vocab, 4 experts for Qwen3-Next,
 ``initializer_range=0.1`` so that contamination between samples shows, fp32, fixed seed
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "tests" / "data" / "configs"  # byte copies of ../shared/data/configs (see its SOURCE.md)
+CONFIGS = ROOT / "tests" / "data" / "configs"  # real HF config.json files (their upstream: its SOURCE.md)
 
 #: short name -> config file in CONFIGS
 MODELS = {

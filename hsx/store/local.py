@@ -98,16 +98,21 @@ class LocalStore:
             raise
         return tmp
 
+    @staticmethod
+    def _publish(tmp: Path, final: Path) -> None:
+        """``os.replace`` the complete temp file onto its final name, then fsync the directory so
+        that the new name survives a crash (the temp file is removed if the rename fails)."""
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(final.parent)
+
     def _replace_with(self, key: str, fill) -> None:
         final = self._path(key)
         with self._os_errors("write", key):
-            tmp = self._write_tmp(final, fill)
-            try:
-                os.replace(tmp, final)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            _fsync_dir(final.parent)
+            self._publish(self._write_tmp(final, fill), final)
 
     def write(self, key: str, data: bytes) -> None:
         """Overwrite atomically: temp file in the same directory, fsync, ``os.replace``."""
@@ -141,12 +146,7 @@ class LocalStore:
                 tmp = self._write_tmp(final, fill)
             finally:
                 digest = sha.hexdigest()
-            try:
-                os.replace(tmp, final)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            _fsync_dir(final.parent)
+            self._publish(tmp, final)
             st = final.stat()
         if st.st_size != sha.nbytes:
             raise StoreError(f"write {key!r} in {self.url}: {st.st_size} bytes on disk after writing {sha.nbytes}")
