@@ -386,3 +386,17 @@ def assert_matches_reference(model, samples: dict[int, dict], layer_ids: list[in
 def closed_port_url() -> str:
     """``http://127.0.0.1:<port>`` with nothing listening on the port."""
     return f"http://127.0.0.1:{free_port()}"
+
+
+#: keys every benchmark's ``machine`` block has (``machine_info`` in bench/planning.py).
+BENCH_MACHINE_KEYS = {"date_utc", "cpus", "cpu_model", "ram_gib", "python", "torch", "transformers", "git_commit"}
+
+
+def run_bench(script: str, args: list[str], cache: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """``python bench/<script> <args>`` in a clean environment (no HSX_* / AWS_* of the machine; the tiny
+    models' cache ``cache``); asserts exit 0 and returns the finished process."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=root, env=clean_env(cache_dir=cache),
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
