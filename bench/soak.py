@@ -232,7 +232,8 @@ def _chaos_report(chaos: Chaos, run_store, markers: list[dict], measured) -> dic
     time from the kill that stranded it to its marker (the stranded time).
 
     The kill that stranded a batch is the kill of the process whose last status record still lists the
-    batch (``workers/<host>-<pid>.json``); where no record names it (killed before its first heartbeat),
+    batch (``workers/<host>-<pid>.json``: ``batches``, or ``abandoned`` once the launcher marked it
+    stopped); where no record names it (killed before its first heartbeat),
     the first kill after the delivery (``claimed_at``), which can only make the time longer. (The first
     version took the last kill before the reclaim: with a kill every 30 s and a 120 s lease, that was
     a later kill than the one that stranded the batch, and the times came out short.)"""
@@ -255,9 +256,10 @@ def _chaos_report(chaos: Chaos, run_store, markers: list[dict], measured) -> dic
         except Exception:
             continue
         if record.get("pid") in killed_at:
-            for b in record.get("batches") or []:
-                if isinstance(b, dict) and b.get("batch"):
-                    holder_kill[b["batch"]] = killed_at[record["pid"]]
+            # the launcher moves a dead child's batches to "abandoned" when it marks the record stopped
+            held = [b.get("batch") for b in record.get("batches") or [] if isinstance(b, dict)]
+            for batch in filter(None, held + list(record.get("abandoned") or [])):
+                holder_kill[batch] = killed_at[record["pid"]]
     by_batch = {m["batch"]: m for m in markers if m}
     kills = sorted(k["at"] for k in chaos.kills)
     stranded, named = [], 0

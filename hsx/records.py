@@ -385,6 +385,9 @@ class WorkerStatus(Record):
     exit: str | None = None
     """Set by ``python -m workers`` for a process it found dead: how it ended (``killed by SIGKILL``)."""
     exited_at: str | None = None
+    abandoned: list[str] = Field(default_factory=list)
+    """Set with ``exit``: the batches the dead process listed; ``python -m workers`` puts their
+    claims back on the queue at once instead of waiting out their lease (``workers/lease.py``)."""
 
     @property
     def name(self) -> str:
@@ -419,8 +422,9 @@ def read_heartbeats(store: Store) -> list[WorkerStatus]:
 
 class Reclaim(Record):
     """``reclaims/<batch>-<tag>.<attempt>.json``: a worker found the lease of delivery ``delivery_tag``
-    of ``batch`` expired and enqueues the batch again (``workers/lease.py``); created with a
-    conditional create, so of all the workers exactly one does it."""
+    of ``batch`` expired, or ``python -m workers`` saw the worker running it die, and the batch goes
+    back on the queue (``workers/lease.py``); created with a conditional create, so of all the
+    workers exactly one does it."""
 
     schema_version: Literal[1] = 1
     batch: str
@@ -432,7 +436,9 @@ class Reclaim(Record):
     claimed_at: str | None = None
     """When the message was delivered (or due), UTC ISO 8601."""
     by: str
-    """The reclaiming worker, ``<host>-<pid>``."""
+    """The reclaiming process, ``<host>-<pid>`` (a worker, or the launcher of the one that died)."""
+    why: str = "lease expired"
+    """``lease expired`` or ``its worker died``."""
     host: str = Field(default_factory=socket.gethostname)
     at_unix: float
     """When, Unix seconds."""

@@ -261,6 +261,7 @@ def test_the_status_record_of_a_dead_worker_is_marked_stopped_with_how_it_ended(
     assert mark_dead_worker(runs, socket.gethostname(), os.getpid(), describe_exit(-signal.SIGKILL), settings) == [run_url]
     after = json.loads(store.read(key))
     assert after["state"] == "stopped" and after["batches"] == [] and after["exit"].startswith("killed by SIGKILL"), after
+    assert after["abandoned"] == ["b000003", "b000004"], "the batches it listed, for the launcher to put back"
     assert after["updated_at"] == before["updated_at"] and after["exited_at"] >= before["updated_at"]
     assert not runs.exists()
     assert mark_dead_worker(runs, socket.gethostname(), os.getpid(), "killed by SIGKILL", settings) == []

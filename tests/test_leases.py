@@ -246,3 +246,54 @@ def test_a_reclaimed_batch_runs_next_not_behind_the_queue(tmp_path):
         _, raw = client.brpop("gpu", timeout=5)  # kombu's consumers BRPOP: this is what a worker takes next
         assert decode_message(raw)[1:] == ("t0", [run_url, "b000"])
         assert json.loads(raw)["headers"]["redelivered"] is True
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_the_launcher_saw_die_has_its_batch_put_back_at_once_not_after_its_lease(template, cluster, tmp_path):
+    """``python -m workers`` reaps its SIGKILLed child holding batches: it marks the child's record ``stopped`` with
+    the batches ``abandoned`` and puts their claims back at once (a reclaim record each, by the launcher, ``its
+    worker died``), so a live worker does them long before their lease (10 minutes here) would expire."""
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    from jobfixtures import ROOT
+    from hsx.records import WorkerStatus
+
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
+    long_lease = dict(lease_s=600, reclaim_interval_s=1)
+    log_path = tmp_path / "launcher.log"
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen([sys.executable, "-m", "workers", "--count", "1"], cwd=ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=cluster.env(faults=f"pause_forward={HOLD_S}", worker_restart_delay_s=120,
+                                                    worker_concurrency=1, **long_lease))
+    try:
+        wait_until(lambda: "ready." in log_path.read_text(errors="replace"), 90, "the launcher's worker ready")
+        cluster.worker("rescuer", **long_lease)
+        cluster.enqueue_all(run_store)
+        line = wait_until(lambda: next((x for x in log_path.read_text(errors="replace").splitlines()
+                                        if "fault injection: pausing" in x), None), 60, "the launcher's worker to hold a batch")
+        victim = held_batch(line)
+        time.sleep(1.5)  # a heartbeat with the batch listed
+        (child,) = psutil.Process(launcher.pid).children()
+        killed_at = time.monotonic()
+        child.kill()
+        wait_done(run_store, 60)
+        took = time.monotonic() - killed_at
+        assert took < 45, f"the batch took {took:.0f} s after the kill: it waited for something"
+        dead = WorkerStatus.read(run_store, f"{socket.gethostname()}-{child.pid}")
+        assert dead.state == "stopped" and victim in dead.abandoned and dead.batches == [], dead
+        reclaims = _reclaims(run_store)  # its task threads held more than the paused batch
+        assert sorted(r["batch"] for r in reclaims) == sorted(dead.abandoned), reclaims
+        for r in reclaims:
+            assert r["why"] == "its worker died" and r["by"] == f"{socket.gethostname()}-{launcher.pid}", r
+        assert_complete(run_store)
+        assert "put back at the head of the queue" in log_path.read_text(errors="replace")
+    finally:
+        for p in psutil.Process(launcher.pid).children(recursive=True):
+            p.kill()
+        launcher.kill()
+        launcher.wait()

@@ -172,9 +172,12 @@ def mark_dead_worker(runs_file: Path, host: str, pid: int, how: str, settings: S
     then say ``working`` until someone looked at its age. ``runs_file`` lists the addresses of the
     runs the process wrote records in (one a line, ``<HSX_WORKER_RUNS_DIR>/<pid>.runs``); each
     ``<run>/workers/<host>-<pid>.json`` not already ``stopped`` gets ``state: "stopped"``, no
-    batches, ``exit`` (how it ended, e.g. ``killed by SIGKILL``) and ``exited_at`` (UTC ISO 8601);
-    ``updated_at`` keeps the time of its last heartbeat. Best effort: a store that fails is logged.
-    The file is removed. Returns the addresses whose record was marked.
+    batches, ``exit`` (how it ended, e.g. ``killed by SIGKILL``), ``exited_at`` (UTC ISO 8601) and
+    ``abandoned`` (the batches it listed); ``updated_at`` keeps the time of its last heartbeat. With
+    a broker URL in ``settings``, the claims of the abandoned batches are then put back at the head
+    of the queue (``workers/lease.py``, "A death the launcher saw"). Best effort: a store or broker
+    that fails is logged, and the lease reclaims those batches later. The file is removed. Returns
+    the addresses whose record was marked.
     """
     from hsx.layout import worker_key
     from hsx.records import WorkerStatus
@@ -195,15 +198,37 @@ def mark_dead_worker(runs_file: Path, host: str, pid: int, how: str, settings: S
                 raise FileNotFoundError(f"no {key}")
             if record.state == "stopped":
                 continue
+            abandoned = [lease.batch for lease in record.batches]
             record.model_copy(update=dict(
-                state="stopped", batches=[], paused_reason=None, paused_since=None, exit=how,
+                state="stopped", batches=[], paused_reason=None, paused_since=None, exit=how, abandoned=abandoned,
                 exited_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))).write(store)
             marked.append(url)
         except Exception as exc:  # the store may be down, or the record never written: nothing to correct
             log.warning("status record %s of dead worker pid %d in %s not marked stopped: %s: %s",
                         key, pid, mask_url(url), exc.__class__.__name__, exc)
+            continue
+        if abandoned and settings.broker_url:
+            _reclaim_abandoned(url, abandoned, name, settings)
     runs_file.unlink(missing_ok=True)
     return marked
+
+
+def _reclaim_abandoned(url: str, batches: list[str], dead: str, settings: Settings) -> None:
+    """Put the claims of ``batches``, which worker ``dead`` was running, back on the queue now
+    (``Reclaimer.reclaim_abandoned``); a failure only leaves them to the lease."""
+    from hsx.store import mask_url
+    from workers.lease import Reclaimer
+
+    try:
+        done = Reclaimer(settings, settings.broker_url, me=f"{socket.gethostname()}-{os.getpid()}").reclaim_abandoned(
+            url, batches)
+    except Exception as exc:
+        log.warning("batches %s of dead worker %s in %s left to their lease: %s: %s", ", ".join(batches), dead,
+                    mask_url(url), exc.__class__.__name__, exc)
+        return
+    if done:
+        log.warning("worker %s died running %s of %s: put back at the head of the queue", dead,
+                    ", ".join(r["batch"] for r in done), mask_url(url))
 
 
 @dataclass(frozen=True)

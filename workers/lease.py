@@ -25,6 +25,13 @@ the hash and, for each extraction message delivered (or due, for a retry with a 
    batch therefore runs next, not after the thousands of batches queued behind it, and the
    message is never lost or doubled in between: the transaction either happens whole or not.
 
+**A death the launcher saw** needs no lease: when ``python -m workers`` reaps a child that died,
+it marks the child's status records ``stopped`` with the batches they listed (``abandoned``) and
+reclaims those batches' claims at once the same way (:meth:`Reclaimer.reclaim_abandoned`), so a
+crashed or OOM-killed GPU worker's batch runs again within seconds. The lease covers what the
+launcher cannot see: a whole node lost, a worker started without the launcher, a batch the dead
+process had prefetched but not started (it is listed nowhere).
+
 A winner that dies between 1 and 2 leaves the entry in place: after another ``HSX_LEASE_S``, the
 next look takes attempt ``n + 1``. The worst case from a SIGKILL to the batch being next in line is
 ``HSX_LEASE_S + HSX_RECLAIM_INTERVAL_S`` (2 min 15 s by default), plus the batch a free worker is
@@ -57,7 +64,13 @@ MAX_ATTEMPTS = 5
 
 
 def stale_claims(client, lease_s: float, now: float) -> list[dict]:
-    """Extraction messages of the broker at ``client`` (redis-py) claimed more than ``lease_s`` ago:
+    """Extraction messages of the broker at ``client`` (redis-py) claimed more than ``lease_s`` ago
+    (:func:`extraction_claims` older than the lease)."""
+    return [c for c in extraction_claims(client) if now - c["claimed_at"] > lease_s]
+
+
+def extraction_claims(client) -> list[dict]:
+    """Every unacknowledged extraction message of the broker at ``client`` (redis-py):
     ``[{"tag", "run_url", "batch", "task_id", "claimed_at"}]``, ``claimed_at`` being the later of the
     delivery and the message's ``eta`` (seconds since the epoch). Bodies are decoded only when JSON."""
     from hsx.queue import EXTRACT_TASK
@@ -79,10 +92,8 @@ def stale_claims(client, lease_s: float, now: float) -> list[dict]:
         if task != EXTRACT_TASK or len(args) < 2 or tag not in delivered:
             continue
         eta = _ts((message.get("headers") or {}).get("eta"))
-        claimed_at = max(delivered[tag], eta or 0.0)
-        if now - claimed_at > lease_s:
-            out.append({"tag": tag, "run_url": str(args[0]), "batch": str(args[1]), "task_id": task_id,
-                        "claimed_at": claimed_at})
+        out.append({"tag": tag, "run_url": str(args[0]), "batch": str(args[1]), "task_id": task_id,
+                    "claimed_at": max(delivered[tag], eta or 0.0)})
     return out
 
 
@@ -147,7 +158,30 @@ class Reclaimer:
                 done.append(result)
         return done
 
-    def _reclaim(self, client, claim: dict, lease_s: float, now: float, records_of: dict) -> dict | None:
+    def reclaim_abandoned(self, run_url: str, batches: list[str], now: float | None = None) -> list[dict]:
+        """Put back the claims of ``batches`` of the run at ``run_url``, which a worker that died was
+        running (its status record already says ``stopped``), without waiting for their lease: the
+        same checks and records as a lease reclaim (no marker, no live worker lists the batch, one
+        conditional create). Returns the reclaims made, as :meth:`once` does.
+
+        Raises whatever redis raises when the broker does not answer (the launcher logs it; the
+        lease reclaims those batches later)."""
+        from hsx.broker import redis_client
+
+        now = time.time() if now is None else now
+        client = redis_client(self.broker_url)
+        wanted = set(batches)
+        done, records_of = [], {}
+        for claim in extraction_claims(client):
+            if claim["run_url"] != run_url or claim["batch"] not in wanted:
+                continue
+            result = self._reclaim(client, claim, self.settings.lease_s, now, records_of, why="its worker died")
+            if result is not None:
+                done.append(result)
+        return done
+
+    def _reclaim(self, client, claim: dict, lease_s: float, now: float, records_of: dict,
+                 why: str = "lease expired") -> dict | None:
         from hsx.records import Marker, Reclaim, read_heartbeats
 
         run_url, batch, tag = claim["run_url"], claim["batch"], claim["tag"]
@@ -165,13 +199,13 @@ class Reclaimer:
             return None
         body = Reclaim(batch=batch, delivery_tag=tag, task_id=claim["task_id"], attempt=attempt,
                        claimed_at=datetime.fromtimestamp(claim["claimed_at"], timezone.utc).isoformat(timespec="seconds"),
-                       by=self.me, host=socket.gethostname(), at_unix=round(now, 3),
+                       by=self.me, why=why, host=socket.gethostname(), at_unix=round(now, 3),
                        at=datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"))
         if not body.create(store):
             return None  # another worker took it
         restored = self._restore(tag)
-        log.warning("lease of batch %s of %s expired (claimed %.0f s ago, no live worker lists it): %s",
-                    batch, run_url, now - claim["claimed_at"],
+        log.warning("batch %s of %s reclaimed, %s (claimed %.0f s ago, no live worker lists it): %s",
+                    batch, run_url, why, now - claim["claimed_at"],
                     "put back at the head of the queue" if restored else "already gone from the claims")
         return {"batch": batch, "run_url": run_url, "tag": tag, "attempt": attempt, "enqueued": restored}
 
