@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     e = result["exactly_once"]
-    return 0 if e["verify_ok"] and e["orphan_shards"] == 0 else 1
+    # under chaos a worker killed between its shard and its marker leaves an orphan shard (reconcile removes it)
+    return 0 if e["verify_ok"] and (e["orphan_shards"] == 0 or chaos) else 1
 
 
 if __name__ == "__main__":

@@ -358,7 +358,12 @@ def cmd_vocab_counts(args, settings: Settings) -> int:
 def cmd_reconcile(args, settings: Settings) -> int:
     from producer.reconcile import reconcile_broker, reconcile_run
 
+    from hsx.broker import running_embedded_broker
+
     run_store = open_store(args.run_address, settings, create=False)  # read-only: makes nothing
+    # No HSX_BROKER_URL and no `producer run` on this machine: what is enqueued waits in the embedded
+    # broker's AOF for no worker, and the next `run` drops it (producer/run.py).
+    idle_embedded = not settings.broker_url and running_embedded_broker(settings.broker_state_dir) is None
     try:
         with reconcile_broker(settings) as broker_url:
             report = reconcile_run(run_store, settings, broker_url, grace_s=args.grace, repair=args.repair, dry_run=args.dry_run)
@@ -380,6 +385,10 @@ def cmd_reconcile(args, settings: Settings) -> int:
     if report.get("cleared_unacked"):
         out.print(f"{'would clear' if args.dry_run else 'cleared'} {plural(len(report['cleared_unacked']), 'stale unacknowledged message')} "
                   f"of finished batches: {', '.join(sorted(set(report['cleared_unacked']))[:20])}", highlight=False)
+    if idle_embedded and report["enqueued"] and not args.dry_run:
+        out.print("no worker takes these now: no HSX_BROKER_URL is set and no `producer run` is running on this "
+                  "machine's embedded broker. Run this run's `producer run` command again (it enqueues every batch "
+                  "it lacks), or set HSX_BROKER_URL to the broker your workers use", highlight=False, soft_wrap=True)
     for key in report["removed_shards"]:
         out.print(f"{'would remove' if args.dry_run else 'removed'} {key} (no marker names it)", highlight=False)
     for key in report["removed_incomplete"]:

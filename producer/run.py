@@ -7,6 +7,7 @@ and starts nothing.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 from hsx.broker import EmbeddedBroker, check_broker
 from hsx.errors import StoreError
 from hsx.records import done_batches, read_failures
+from hsx.store import mask_url
 from producer.enqueue import enqueue_batches
 from producer.reconcile import RunReconciler
 from producer.planner import PlanOptions, PlannedRun, plan_run
@@ -190,22 +192,36 @@ def _stop_started(local: LocalWorkers | None, broker, console) -> None:
             broker.stop()
 
 
-def drop_leftover_messages(broker_url: str, queue: str) -> int:
+def drop_leftover_messages(broker_url: str, queue: str) -> dict[str, int]:
     """Empty the embedded broker's database (queued and unacknowledged Celery messages, results).
 
     Only for the broker ``run`` starts for itself: one ``run`` at a time holds it (its state-dir
-    lock), so nothing in it belongs to a live job. Returns how many task messages were dropped.
+    lock), so nothing in it belongs to a live job. Returns how many extraction messages were
+    dropped per run address (the task's first argument; ``"?"`` for a message that is not ours).
     """
-    from producer.status import queue_length
+    from producer.status import _PRIORITY_SEP
     from hsx.broker import redis_client
+    from hsx.queue import decode_message
 
-    counts = queue_length(broker_url, queue)
     client = redis_client(broker_url)
     try:
+        raws = []
+        for key in [queue] + [f"{queue}{_PRIORITY_SEP}{p}" for p in (3, 6, 9)]:
+            raws += client.lrange(key, 0, -1)
+        for entry in client.hvals("unacked"):  # [message, exchange, routing key]
+            try:
+                raws.append(json.dumps(json.loads(entry)[0]))
+            except (ValueError, TypeError, IndexError, KeyError):
+                raws.append(b"")
         client.flushdb()
     finally:
         client.close()
-    return counts["waiting"] + counts["unacked"]
+    dropped: dict[str, int] = {}
+    for raw in raws:
+        _task, _id, args = decode_message(raw)
+        run_url = str(args[0]) if args else "?"
+        dropped[run_url] = dropped.get(run_url, 0) + 1
+    return dropped
 
 
 def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:
@@ -231,13 +247,15 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         if not broker_url:
             broker = EmbeddedBroker(settings.broker_state_dir).start()
             broker_url = broker.url
-            # Messages left by an interrupted run (waiting or unacknowledged) would be run by this
-            # run's workers, under this run's settings. Every run enqueues every batch it lacks, so
-            # dropping them loses nothing: the next run of that job enqueues them again.
-            dropped = drop_leftover_messages(broker_url, settings.queue)
-            if dropped:
-                console.print(f"[dim]embedded broker: dropped {dropped} message(s) left by an interrupted run "
-                              "(that run enqueues them again when it is run again)[/]")
+            # Messages left by an interrupted run or a `reconcile` (waiting or unacknowledged) would
+            # be run by this run's workers, which load this run's model. Every run enqueues every
+            # batch it lacks, so dropping them loses nothing: the next run of that job enqueues them.
+            for run_url, n in sorted(drop_leftover_messages(broker_url, settings.queue).items()):
+                if run_url == planned.run_url:
+                    continue  # this run's own: enqueued again below
+                console.print(f"[dim]embedded broker: dropped {n} queued batch message(s) of {mask_url(run_url)}, "
+                              "left by an interrupted run or a reconcile; run that job's `producer run` again to "
+                              "redo them[/]", soft_wrap=True)
             console.print(f"[dim]embedded broker: valkey-server on {broker.socket_path} (AOF in {settings.broker_state_dir})[/]")
         log_path = settings.broker_state_dir.parent / "logs" / f"workers-{planned.config.run_id}.log"
         env = settings_env(settings, broker_url=broker_url, model=opts.model)

@@ -97,3 +97,19 @@ def test_a_second_enqueue_sends_only_what_is_lost_and_reconcile_clears_stale_del
     assert report["cleared_unacked"] == [held]
     assert client.hlen(UNACKED_KEY) == 0 and client.zcard(UNACKED_INDEX_KEY) == 0
     assert report["enqueued"] == [], "every other batch is still queued"
+
+
+def test_reconcile_on_an_idle_embedded_broker_says_no_worker_takes_the_batches_and_how_to_redo_them(small_run, tmp_path):
+    """No HSX_BROKER_URL and no ``producer run`` holding this machine's embedded broker: reconcile still
+    enqueues a lost batch there, and says that no worker takes it now and which command redoes it."""
+    from jobfixtures import clean_env, run_here
+    from hsx.layout import marker_key
+
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    victim = json.loads(store.read("plan/batches.json"))[0]["batch"]
+    store.delete(marker_key(victim))
+    proc = run_here(["reconcile", str(run_dir)], clean_env(cache_dir=small_run["cache"], state_dir=tmp_path / "state"))
+    said = " ".join(proc.stdout.split())
+    assert proc.returncode == 0 and f"enqueued {victim}" in said, said
+    assert "no worker takes these now" in said and "`producer run` command again" in said, said

@@ -3,6 +3,7 @@ the next run does with messages an interrupted run left in the embedded broker."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -79,13 +80,20 @@ def test_a_hangup_stops_the_run_like_ctrl_c(tmp_path, tiny_cache):
 
 
 def test_messages_left_by_an_interrupted_run_are_dropped_not_run(tmp_path, tiny_cache):
-    """A message still queued in the embedded broker (a run interrupted before its workers took it)
-    is not run by the next, unrelated run: that run says it dropped it, and does its own job."""
+    """A message still queued in the embedded broker (a run interrupted before its workers took it,
+    or a ``reconcile``) is not run by the next, unrelated run: that run says it dropped it, names
+    the run it was of and how to redo it, and does its own job."""
+    import base64
+
     state = tmp_path / "state"
+    other = str(tmp_path / "elsewhere" / "other-run")
+    body = base64.b64encode(json.dumps([[other, "b000001"], {}, {}]).encode()).decode()
+    message = {"body": body, "content-type": "application/json", "content-encoding": "utf-8",
+               "headers": {"task": "hsx.extract_batch", "id": "t-1"}, "properties": {"body_encoding": "base64"}}
     broker = EmbeddedBroker(state).start()
     try:
         client = redis_client(broker.url)
-        client.lpush("gpu", b'{"leftover": "of another run"}')
+        client.lpush("gpu", json.dumps(message).encode())
         client.close()
     finally:
         broker.stop()
@@ -93,4 +101,5 @@ def test_messages_left_by_an_interrupted_run_are_dropped_not_run(tmp_path, tiny_
     proc = subprocess.run([sys.executable, "-m", "producer", "run", *JOB, "--output", str(tmp_path / "store")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "dropped 1 message(s) left by an interrupted run" in proc.stdout + proc.stderr
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert f"dropped 1 queued batch message(s) of {other}" in said and "run that job's `producer run` again" in said, said
