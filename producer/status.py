@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from hsx.times import unix_seconds as _ts
 
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
+from hsx.processes import pid_alive
 from hsx.plan import plan_complete, planning_failed, read_batch_list, read_planning_record
 from hsx.records import Marker, Stats, WorkerStatus, done_batches, read_failures, read_heartbeats
 from hsx.runconfig import load_run
@@ -352,15 +354,20 @@ class RunWatch:
             r["paused_since"] = h.paused_since
             r["spool"] = h.spool.model_dump() if h.spool is not None else None
             beat = _ts(h.updated_at)
+            # A process of this host that is gone is dead now, not three heartbeats from now (a
+            # `producer run` stopped with a second Ctrl-C kills its workers and their launcher).
+            gone = h.state != "stopped" and h.host == socket.gethostname() and not pid_alive(h.pid)
             if beat is not None:
                 r["last_heartbeat"] = _iso(beat)
                 r["heartbeat_age_s"] = round(max(now - beat, 0.0), 1)
                 stale_s = HEARTBEAT_STALE_BEATS * (h.heartbeat_s or HEARTBEAT_DEFAULT_S)
-                r["online"] = h.state != "stopped" and now - beat <= stale_s
+                r["online"] = h.state != "stopped" and now - beat <= stale_s and not gone
                 if h.state not in ("stopped", "idle") and not r["online"]:
                     r["state"] = "lost"  # killed, or cut off from the store: its batches are reclaimed after the lease
             if h.state == "stopped" and h.exit:
                 r["state"] = "lost"  # python -m workers found it dead (killed, non-zero exit) and marked its record
+            if not r["online"]:  # of a dead worker's batches, those done since by another delivery are not its
+                r["running"] = [shown for shown, b in zip(r["running"], h.batches) if b.batch not in self.markers]
             if h.state == "refusing" and r["online"]:
                 r["refusing"] = h.refusing_reason
 

@@ -137,3 +137,32 @@ def test_the_rate_on_screen_is_the_recent_one_not_an_average_that_counts_the_war
     assert recent_rate(arrivals, 556.0) < 0.7 * recent_rate(arrivals, now)
     # One marker is not a rate.
     assert recent_rate(arrivals[:1], 301.0) is None and recent_rate([], 1.0) is None
+
+
+def test_a_worker_of_this_host_whose_process_is_gone_is_lost_at_once_and_shows_only_its_undone_batches(small_run, tmp_path):
+    """A fresh record (heartbeat 1 s ago) of a process of this host that no longer exists: ``lost`` now, not
+    three heartbeats later, and of the batches it listed only those still without a marker are shown."""
+    import socket
+    import subprocess
+    import sys
+
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    for key in store.list(WORKERS_PREFIX):
+        store.delete(key)
+    batches = [b["batch"] for b in read_batch_list(store)]
+    done, undone = batches[0], batches[-1]
+    store.delete(marker_key(undone))
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # its pid is now free: the process is gone
+    now = float(int(time.time()))
+    store.write(f"workers/{socket.gethostname()}-{child.pid}.json", json.dumps({
+        "host": socket.gethostname(), "pid": child.pid, "device": "cpu", "state": "working", "heartbeat_s": 5.0,
+        "batches": [{"batch": done, "phase": "forward", "since": _utc(now - 3)},
+                    {"batch": undone, "phase": "waiting_gpu", "since": _utc(now - 3)}],
+        "updated_at": _utc(now - 1)}).encode())
+    status = RunWatch(store).poll(now=now)
+    (row,) = [r for r in status["workers"] if r["pid"] == child.pid]
+    assert row["state"] == "lost" and row["online"] is False, row
+    assert row["running"] == [f"{undone} (waiting_gpu)"], row
+    assert status["state"] == "stalled", status["state"]
