@@ -140,13 +140,16 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
         if layer_ids is not None or opts.preset:
             raise BadConfig("--draft-config gives the layer ids: do not combine it with --layers or --preset")
         layer_ids, layer_source = layer_ids_from_draft_config(opts.draft_config, convention=opts.draft_layer_convention)
-    selection = select_layers(
-        info.num_layers,
-        layer_ids=layer_ids,
-        preset=opts.preset,
-        final=opts.final,
-        dflash_layers=opts.dflash_layers,
-    )
+    final = opts.final
+    if final is None and layer_source and "aux_hidden_state_layer_ids" in layer_source.rsplit(": ", 1)[-1]:
+        final = "postnorm"  # an EAGLE-3 draft's ids: it trains on the final state too (the eagle3 preset's default)
+    try:
+        selection = select_layers(info.num_layers, layer_ids=layer_ids, preset=opts.preset, final=final,
+                                  dflash_layers=opts.dflash_layers)
+    except BadConfig as exc:
+        if layer_source:  # say where the ids came from
+            raise BadConfig(f"{exc} (ids read from {layer_source})") from None
+        raise
     layers = selection.as_dict()
     if layer_source:
         layers["source"] = layer_source

@@ -40,3 +40,27 @@ def test_dflash_with_k_draft_layers_spreads_k_ids_and_one_layer_takes_the_middle
     assert select_layers(36, preset="dflash", dflash_layers=2).layer_ids == (1, 33)
     with pytest.raises(BadConfig):
         dflash_layer_ids(36, 0)
+
+
+def _plan_with_draft_config(tmp_path, tiny_cache, draft: dict, **opts):
+    from producer.planner import PlanOptions, plan_run
+    from settings import Settings
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    options = PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp_path / "out"), limit=2,
+                          draft_config=_write(tmp_path, draft), **opts)
+    return plan_run(options, Settings(_env_file=None, cache_dir=tiny_cache)).config.layers
+
+
+def test_an_eagle3_draft_config_stores_the_final_state_as_the_eagle3_preset_does(tmp_path, tiny_cache):
+    """EAGLE-3 ids (``eagle_aux_hidden_state_layer_ids``) without --final: the post-norm final state too, which
+    the EAGLE-3 exports need; DFlash ids (``target_layer_ids``): no final state; --final given: kept."""
+    assert _plan_with_draft_config(tmp_path / "e", tiny_cache, {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]})["final"] == "postnorm"
+    assert _plan_with_draft_config(tmp_path / "d", tiny_cache, {"target_layer_ids": [1, 3, 6]})["final"] == "none"
+    assert _plan_with_draft_config(tmp_path / "n", tiny_cache, {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]},
+                                   final="none")["final"] == "none"
+
+
+def test_draft_config_ids_out_of_range_name_the_config_file(tmp_path, tiny_cache):
+    with pytest.raises(BadConfig, match=r"out of range.*ids read from .*config\.json: eagle_aux_hidden_state_layer_ids"):
+        _plan_with_draft_config(tmp_path, tiny_cache, {"eagle_aux_hidden_state_layer_ids": [1, 3, 9]})
