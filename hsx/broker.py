@@ -90,9 +90,25 @@ class EmbeddedBroker:
             self._lock_file.close()  # closing releases the flock
             self._lock_file = None
 
-    def start(self, timeout_s: float = 10.0) -> "EmbeddedBroker":
+    def claim(self) -> "EmbeddedBroker":
+        """Take the state dir's lock (one embedded broker per state dir) without starting the server,
+        so that a second ``producer run`` is refused before it tokenises its dataset; :meth:`start`
+        keeps it, :meth:`stop` or :meth:`release` gives it back. Returns self.
+
+        Raises:
+            BadConfig: another process holds it (its pid is named, with the fix).
+        """
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock()
+        if getattr(self, "_lock_file", None) is None:
+            self._lock()
+        return self
+
+    def release(self) -> None:
+        """Give the lock back without a server having started (see :meth:`claim`)."""
+        self._unlock()
+
+    def start(self, timeout_s: float = 10.0) -> "EmbeddedBroker":
+        self.claim()
         sock = self.state_dir / "valkey.sock"
         if len(str(sock)) > _MAX_SOCKET_PATH:
             sock = Path(tempfile.mkdtemp(prefix="hsx-")) / "valkey.sock"

@@ -227,25 +227,35 @@ def drop_leftover_messages(broker_url: str, queue: str) -> dict[str, int]:
 def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:
     """Plan, start what is missing, extract every batch, stop what we started. Returns (exit code, report)."""
     t0 = time.perf_counter()
+    claimed = None
     if settings.broker_url:
         check_broker(settings.broker_url)  # a bad broker URL is refused before planning
-    with progress_factory() as progress:
-        planned = plan_run(opts, settings, progress)
-    done_before = done_batches(planned.run_store) & {b["batch"] for b in planned.batches}
+    else:  # another `run` on this machine's embedded broker: refused now, not after tokenising the dataset
+        claimed = EmbeddedBroker(settings.broker_state_dir).claim()
+    try:
+        with progress_factory() as progress:
+            planned = plan_run(opts, settings, progress)
+        done_before = done_batches(planned.run_store) & {b["batch"] for b in planned.batches}
+    except BaseException:
+        if claimed is not None:
+            claimed.release()
+        raise
     report = {"run_id": planned.config.run_id, "address": planned.run_url, "plan": planned.stats,
               "plan_reused": planned.reused, "batches_total": len(planned.batches),
               "batches_already_done": len(done_before), "batches_enqueued": 0}
     if len(done_before) == len(planned.batches):
+        if claimed is not None:
+            claimed.release()
         report["seconds"] = round(time.perf_counter() - t0, 2)
         return 0, report
 
-    broker = None
+    broker = claimed  # stopped (and its lock released) in the finally below, started or not
     local = None
     code = 0
     try:
         broker_url = settings.broker_url
         if not broker_url:
-            broker = EmbeddedBroker(settings.broker_state_dir).start()
+            broker.start()
             broker_url = broker.url
             # Messages left by an interrupted run or a `reconcile` (waiting or unacknowledged) would
             # be run by this run's workers, which load this run's model. Every run enqueues every
@@ -276,7 +286,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         elif waited["failed"]:
             code = 1
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI turns it into KeyboardInterrupt)
-        console.print(stopping_line(local is not None, broker is not None))
+        console.print(stopping_line(local is not None, broker is not None and broker.proc is not None))
         raise
     finally:
         _stop_started(local, broker, console)

@@ -33,3 +33,21 @@ def test_a_server_orphaned_by_a_killed_run_is_shut_down_and_its_queue_kept(tmp_p
         assert redis_client(fresh.url).lrange("gpu", 0, -1) == [b"task-1"]
     finally:
         fresh.stop()
+
+
+def test_a_second_run_is_refused_before_it_tokenises_its_dataset(tmp_path, tiny_cache):
+    """While another process holds this machine's embedded broker, ``producer run`` exits 2 naming its pid, and
+    nothing is planned or written: the refusal comes before the dataset is read, not after."""
+    import os
+
+    from jobfixtures import clean_env, run_here
+
+    holder = EmbeddedBroker(tmp_path / "state").claim()
+    try:
+        proc = run_here(["run", "sharegpt", "--limit", "5", "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out")],
+                        clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state"))
+    finally:
+        holder.release()
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and f"another 'producer run' (pid {os.getpid()})" in said, said
+    assert "tokenis" not in said.lower() and not (tmp_path / "out").exists(), "planning started before the refusal"
