@@ -264,12 +264,40 @@ def settings_error(exc: ValidationError, environ: dict[str, str] | None = None) 
     return BadSettings(message, problems)
 
 
+#: ``HSX_*`` variables that are not settings: read by scripts/compat.sh, scripts/test.sh and
+#: docker-compose.yml, never by the Python code.
+NOT_SETTINGS = frozenset({"HSX_COMPAT_DIR", "HSX_IMAGE", "HSX_PYTHON", "HSX_TEST_PROCESSES"})
+
+
+def unknown_variables(environ=None) -> list[str]:
+    """``HSX_*`` names in ``environ`` (default ``os.environ``) that are no setting, each with the
+    closest setting's name when one is close (a misspelling would otherwise be ignored)."""
+    import difflib
+
+    environ = os.environ if environ is None else environ
+    known = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
+    out = []
+    for var in sorted(k.upper() for k in environ):
+        if var.startswith(ENV_PREFIX) and var not in known and var not in NOT_SETTINGS:
+            close = difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.8)
+            out.append(f"{var} (did you mean {close[0]}?)" if close else var)
+    return out
+
+
 def load_settings(**overrides) -> Settings:
     """:class:`Settings` from the environment (and ``overrides``), with readable errors.
 
     Raises:
-        BadSettings: a value breaks its field's rule (see :func:`settings_error`).
+        BadSettings: a value breaks its field's rule (see :func:`settings_error`), or an ``HSX_*``
+            variable names no setting (a misspelled one would be ignored for a whole run).
     """
+    unknown = unknown_variables()
+    if unknown:
+        raise BadSettings(
+            f"{', '.join(unknown)}: not {'a setting' if len(unknown) == 1 else 'settings'} of hsx (settings.py lists "
+            "them; README 'Settings'); fix: correct the name, or unset it",
+            [{"field": None, "variable": u.split(" ", 1)[0], "value": None, "rule": "no such setting",
+              "source": "environment"} for u in unknown])
     try:
         return Settings(**overrides)
     except ValidationError as exc:

@@ -57,6 +57,18 @@ def test_one_bad_value_is_one_line(hsx_env):
                                  "to 1; fix: set a valid value, or unset HSX_WORKERS_PER_NODE")
 
 
+def test_a_misspelled_variable_is_refused_with_the_setting_it_is_closest_to(hsx_env):
+    """``HSX_BATCH_TOKEN`` would be ignored for a whole run: refused, naming ``HSX_BATCH_TOKENS``; a name close to
+    nothing is refused too, and the variables the scripts read (``HSX_TEST_PROCESSES``) are not settings to refuse."""
+    hsx_env(batch_token="5", frobnicate="1", test_processes="2")
+    with pytest.raises(BadSettings) as caught:
+        load_settings(_env_file=None)
+    message = str(caught.value)
+    assert message.startswith("HSX_BATCH_TOKEN (did you mean HSX_BATCH_TOKENS?), HSX_FROBNICATE: not settings"), message
+    assert "fix: correct the name, or unset it" in message and "TEST_PROCESSES" not in message
+    assert [p["variable"] for p in caught.value.problems] == ["HSX_BATCH_TOKEN", "HSX_FROBNICATE"]
+
+
 def test_a_failed_load_is_not_cached(hsx_env, monkeypatch):
     hsx_env(batch_tokens="lots")
     with pytest.raises(BadSettings):
