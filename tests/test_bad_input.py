@@ -163,3 +163,14 @@ def test_an_output_that_is_a_run_is_refused_naming_its_parent(tmp_path, env):
     proc = run_here(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(run_dir)], env)
     _refused(proc, "is a run", "give its parent")
     assert [p.name for p in run_dir.iterdir()] == ["run.json"], "nothing is written inside the run"
+
+
+def test_an_output_that_is_a_file_is_refused_saying_so(tmp_path, env):
+    """``--output`` naming a regular file (or a path under one): exit 2, the file named as a file, nothing else made."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    for output in (afile, afile / "runs"):
+        proc = run_here(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(output)], env)
+        said = " ".join((proc.stdout + proc.stderr).split())
+        assert proc.returncode == 2 and f"{afile} is a file, not a directory" in said, said
+    assert afile.read_text() == "not a directory"
