@@ -244,4 +244,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from hsx.errors import HsxError
+    from hsx.store import MissingKey
+
+    try:
+        raise SystemExit(main())
+    except (HsxError, MissingKey) as exc:  # a bad run, checkpoint or setting: its message says what and the fix, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

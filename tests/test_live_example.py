@@ -68,3 +68,10 @@ def test_the_example_trains_a_head_from_a_run_still_being_extracted_and_resumes_
     stored = read_samples(open_store(str(run_dir)))
     assert len(trained) == len(set(trained)) and sorted(trained) == sorted(stored)
     assert len(stored) == report["plan"]["samples"]
+
+
+def test_the_example_says_what_is_wrong_without_a_traceback(tmp_path):
+    """No run at the address: one ``error:`` line naming the address and the fix, exit 2, no traceback."""
+    proc = subprocess.run([sys.executable, EXAMPLE, str(tmp_path), "--wait-for-run-s", "0"], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: no run.json in") and "Traceback" not in proc.stderr, proc.stderr
