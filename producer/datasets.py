@@ -306,22 +306,22 @@ def _iter_json_lines(path: Path) -> Iterator[Any]:
     """One object per non-blank line; a bad line becomes a BadRecord and reading goes on."""
     index = 0
     with open(path, "rb") as f:  # bytes: invalid UTF-8 in one line must not stop the file
-        for line in f:
+        for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            rid = f"{path.name}:{index}"
+            rid = f"{path.name}:{index}"  # the record's position (0-based, blank lines skipped): its id
             index += 1
             if index == 1 and line.startswith(b"\xef\xbb\xbf"):
                 line = line[3:]
             try:
                 text = line.decode("utf-8")
             except UnicodeDecodeError as err:
-                yield BadRecord(rid, "invalid_utf8", f"line {index}: {err}")
+                yield BadRecord(rid, "invalid_utf8", f"line {lineno} of the file: byte {err.start}: {err.reason}")
                 continue
             try:
                 yield json.loads(text)
             except json.JSONDecodeError as err:
-                yield BadRecord(rid, "malformed_json", f"line {index}: {err}")
+                yield BadRecord(rid, "malformed_json", f"line {lineno} of the file: {err.msg} at character {err.pos}")
 
 
 def _iter_json_array(path: Path, skips: SkipCounter) -> Iterator[Any]:
@@ -464,7 +464,8 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *
         turns, role_key, content_key = None, "from", "value"
     if not isinstance(turns, list) or not turns:
         raise BadRecord(rid, "no_turns", "no 'conversations' or 'messages' list" if turns is None
-                        else f"turn list is {type(turns).__name__} of length {_safe_len(turns)}")
+                        else f"the turn list is of type {type(turns).__name__} and length {_safe_len(turns)}, "
+                             "not a non-empty list of turns")
 
     messages: list[dict] = []
     for i, turn in enumerate(turns):
@@ -590,7 +591,7 @@ def _normalise_turn(rid: str, i: int, turn: Any, role_key: str, content_key: str
     elif isinstance(content, list):
         content = _join_text_parts(rid, i, role, content)
     elif not isinstance(content, str):
-        raise BadRecord(rid, "bad_turn", f"turn {i} ({role}) content is a {type(content).__name__}")
+        raise BadRecord(rid, "bad_turn", f"turn {i} ({role}) content is of type {type(content).__name__}, not a string")
 
     _check_text(rid, content, f"turn {i} content")
     if _is_blank(content) and not (norm_role == "assistant" and tool_calls):

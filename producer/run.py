@@ -230,7 +230,9 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
     claimed = None
     if settings.broker_url:
         check_broker(settings.broker_url)  # a bad broker URL is refused before planning
-    else:  # another `run` on this machine's embedded broker: refused now, not after tokenising the dataset
+    elif settings.broker_state_dir.is_dir():
+        # another `run` on this machine's embedded broker: refused now, not after tokenising the dataset
+        # (no state dir yet: no other run holds it, and a refused config leaves nothing behind)
         claimed = EmbeddedBroker(settings.broker_state_dir).claim()
     try:
         with progress_factory() as progress:
@@ -250,6 +252,8 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         return 0, report
 
     broker = claimed  # stopped (and its lock released) in the finally below, started or not
+    if broker is None and not settings.broker_url:
+        broker = EmbeddedBroker(settings.broker_state_dir)
     local = None
     code = 0
     try:

@@ -42,7 +42,7 @@ def test_a_second_run_is_refused_before_it_tokenises_its_dataset(tmp_path, tiny_
 
     from jobfixtures import clean_env, run_here
 
-    holder = EmbeddedBroker(tmp_path / "state").claim()
+    holder = EmbeddedBroker(tmp_path / "state").claim()  # a state dir that exists: the machine ran jobs before
     try:
         proc = run_here(["run", "sharegpt", "--limit", "5", "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out")],
                         clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state"))
