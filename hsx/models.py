@@ -185,6 +185,13 @@ def resolve_model_path(name: str, cache_dir: Path) -> str:
             raise BadConfig(f"--model {name!r}: {path.absolute()} is a file; give the checkpoint's directory "
                             "(with its config.json)")
         return str(path) if name.startswith("~") else name
+    if "/" not in name and not Path(name).exists():
+        import difflib
+
+        close = difflib.get_close_matches(name, BUILTIN_MODELS, n=1, cutoff=0.8)
+        if close:  # a misspelled built-in would otherwise go to the hub (retries, a long wait offline)
+            raise BadConfig(f"--model {name!r}: not a built-in model, a local directory or a hub id (org/name); "
+                            f"did you mean {close[0]!r}?")
     return name
 
 

@@ -275,3 +275,14 @@ def test_a_version_1_run_is_still_checked_the_way_its_revision_was_recorded(tiny
     assert info.as_dict() != recorded
     assert info.legacy_revision == recorded["revision"] and info.differences(recorded) == []
     assert info.differences({**recorded, "revision": "local-0000000000000000"}) != []
+
+
+def test_a_misspelled_built_in_model_is_refused_at_once_naming_the_built_in(tmp_path):
+    """``tiny-qwen3`` is neither a directory nor an org/name hub id but close to ``tiny-qwen3.5``: refused before
+    any hub lookup (which retries for long offline); a hub id without an org (``gpt2``) is passed on."""
+    from hsx.errors import BadConfig
+    from hsx.models import resolve_model_path
+
+    with pytest.raises(BadConfig, match=r"did you mean 'tiny-qwen3\.5'\?"):
+        resolve_model_path("tiny-qwen3", tmp_path)
+    assert resolve_model_path("gpt2", tmp_path) == "gpt2"
