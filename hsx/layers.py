@@ -94,11 +94,16 @@ class LayerSelection:
 
 
 def parse_layer_ids(text: str) -> list[int]:
-    """Parse ``"1,16,31"``; raises :class:`BadConfig` on anything that is not a list of integers."""
+    """Parse ``"1,16,31"``; raises :class:`BadConfig` on anything that is not a non-empty list of
+    integers (an empty ``--layers`` would otherwise mean the default preset without saying so)."""
     try:
-        return [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
     except ValueError:
-        raise BadConfig(f"--layers {text!r}: expected comma-separated integers such as 1,16,31") from None
+        ids = None
+    if not ids:
+        raise BadConfig(f"--layers {text!r}: expected comma-separated integers such as 1,16,31 "
+                        "(leave --layers out for the eagle3 preset)")
+    return ids
 
 
 def select_layers(

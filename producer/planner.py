@@ -134,7 +134,7 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
             raise BadConfig(f"--run-id: {exc}") from None
     files = dataset_files(opts.dataset)  # BadDataset early, before loading a model config
     info = model_info(opts.model, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
-    layer_ids = parse_layer_ids(opts.layers) if opts.layers else None
+    layer_ids = parse_layer_ids(opts.layers) if opts.layers is not None else None
     layer_source = None
     if opts.draft_config:
         if layer_ids is not None or opts.preset:

@@ -76,6 +76,9 @@ def test_layer_lists_that_are_not_integers_are_refused():
     assert parse_layer_ids("1, 16,31") == [1, 16, 31]
     with pytest.raises(BadConfig, match=r"--layers '1,x': expected comma-separated integers"):
         parse_layer_ids("1,x")
+    for empty in ("", " ", ","):  # not the default preset in disguise
+        with pytest.raises(BadConfig, match=r"leave --layers out for the eagle3 preset"):
+            parse_layer_ids(empty)
 
 
 def test_the_last_layer_with_both_final_states_is_accepted():
