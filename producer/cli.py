@@ -10,6 +10,7 @@ import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from hsx.errors import BadSettings, HsxError
@@ -25,10 +26,21 @@ out = Console()
 FINAL_STATES = ("done", "failed", "plan_failed")
 
 
+class _BarColumn(BarColumn):
+    """A bar; a stopped task without a total (an interrupted tokenising) is drawn empty: rich draws
+    it as a pulse, which reads as complete in a log file."""
+
+    def render(self, task):
+        if task.total is None and task.stop_time is not None:
+            return ProgressBar(total=1, completed=0, width=None if self.bar_width is None else max(1, self.bar_width),
+                               style=self.style)
+        return super().render(task)
+
+
 def _progress() -> Progress:
     return Progress(
         TextColumn("[bold]{task.description:<12}"),
-        BarColumn(),
+        _BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
@@ -145,7 +157,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
     from hsx.broker import check_broker
     from hsx.records import done_batches
     from producer.enqueue import enqueue_batches
-    from producer.planner import plan_run
+    from producer.run import plan_or_interrupted
 
     if not settings.broker_url:
         console.print("error: HSX_BROKER_URL is not set: enqueue needs the broker your workers listen on "
@@ -153,7 +165,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
         return 2
     check_broker(settings.broker_url)
     with progress_factory() as progress:
-        planned = plan_run(_options(args), settings, progress)
+        planned = plan_or_interrupted(_options(args), settings, progress)
         result = enqueue_batches(planned, settings, settings.broker_url, progress)
     del done_batches
     report = {"run_id": planned.config.run_id, "address": planned.run_url, "plan": planned.stats,
@@ -496,6 +508,11 @@ def main(argv: list[str] | None = None) -> int:
     except HsxError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False)
         return 2
-    except KeyboardInterrupt:
-        console.print("interrupted: finished batches keep their markers; run the same command again to resume")
+    except KeyboardInterrupt as exc:
+        from producer.run import PlanningInterrupted
+
+        if isinstance(exc, PlanningInterrupted):
+            console.print(str(exc), highlight=False)
+        else:
+            console.print("interrupted: finished batches keep their markers; run the same command again to resume")
         return 130

@@ -24,6 +24,7 @@ from producer.enqueue import enqueue_batches
 from producer.reconcile import RunReconciler
 from producer.planner import PlanOptions, PlannedRun, plan_run
 from producer.status import recent_rate
+from producer.words import plural
 from settings import Settings
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,28 @@ def drop_leftover_messages(broker_url: str, queue: str) -> dict[str, int]:
     return dropped
 
 
+class PlanningInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) while a run was planned; ``str()`` is the line the CLI prints."""
+
+
+def plan_or_interrupted(opts: PlanOptions, settings: Settings, progress) -> PlannedRun:
+    """:func:`producer.planner.plan_run`; a Ctrl-C meanwhile raises :class:`PlanningInterrupted`
+    saying how far planning got (before its tokenising task finished, nothing was written)."""
+    try:
+        return plan_run(opts, settings, progress)
+    except KeyboardInterrupt:
+        tasks = {t.description: t for t in progress.tasks} if progress is not None else {}
+        tokenising = tasks.get("tokenising")
+        if "writing plan" not in tasks and (tokenising is None or not tokenising.finished):
+            read = f" ({plural(int(tokenising.completed), 'record')} read)" if tokenising is not None else ""
+            if tokenising is not None:
+                progress.stop_task(tokenising.id)  # its bar is drawn empty, not as a finished pulse
+            raise PlanningInterrupted(f"interrupted while tokenising the dataset{read}: nothing was written; "
+                                      "run the same command again to start over") from None
+        raise PlanningInterrupted("interrupted while writing the plan: status says the planning did not finish; "
+                                  "run the same command again: it plans the run from the start") from None
+
+
 def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:
     """Plan, start what is missing, extract every batch, stop what we started. Returns (exit code, report)."""
     t0 = time.perf_counter()
@@ -236,7 +259,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         claimed = EmbeddedBroker(settings.broker_state_dir).claim()
     try:
         with progress_factory() as progress:
-            planned = plan_run(opts, settings, progress)
+            planned = plan_or_interrupted(opts, settings, progress)
         done_before = done_batches(planned.run_store) & {b["batch"] for b in planned.batches}
     except BaseException:
         if claimed is not None:

@@ -3,6 +3,7 @@ and the line ``run`` prints at once when it is stopped."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -122,3 +123,54 @@ def test_an_output_directory_given_for_a_run_names_the_runs_inside_it(tmp_path):
     message = _no_run_message(str(tmp_path), LocalStore(tmp_path))
     assert message.endswith("Runs in this directory: sharegpt-aaa, sharegpt-bbb")
     assert _no_run_message(str(tmp_path / "empty"), LocalStore(tmp_path / "empty")).endswith("give <output>/<run_id>")
+
+
+def _interrupt_tokenising(monkeypatch, after: int) -> None:
+    """Ctrl-C once ``after`` records have been tokenised (``producer.masks.ChatTokeniser.encode_many``)."""
+    from producer.masks import ChatTokeniser
+
+    real = ChatTokeniser.encode_many
+
+    def encode_many(self, records, **kwargs):
+        for n, item in enumerate(real(self, records, **kwargs)):
+            if n == after:
+                raise KeyboardInterrupt
+            yield item
+
+    monkeypatch.setattr(ChatTokeniser, "encode_many", encode_many)
+
+
+@pytest.mark.parametrize("command", ["run", "enqueue"])
+def test_ctrl_c_while_tokenising_says_nothing_was_written(command, tmp_path, tiny_cache, monkeypatch):
+    """Interrupted before the plan is written: no batches to speak of, and no bar drawn complete."""
+    from jobfixtures import run_here
+
+    _interrupt_tokenising(monkeypatch, after=2)
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", broker_url="redis://127.0.0.1:1/0" if command == "enqueue" else None)
+    if command == "enqueue":
+        monkeypatch.setattr("hsx.broker.check_broker", lambda url: None)
+    data = tmp_path / "chats.jsonl"  # no --limit: the bar has no total ("2/?")
+    data.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"question {i}"},
+                                                          {"from": "gpt", "value": f"answer {i}"}]}) + "\n" for i in range(6)))
+    proc = run_here([command, str(data), "--model", "tiny-qwen3.5", "--max-length", "128", "--output", str(tmp_path / "out")], env)
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted while tokenising the dataset (2 records read): nothing was written" in proc.stderr, proc.stderr
+    assert "run the same command again to start over" in proc.stderr
+    assert "finished batches keep their markers" not in proc.stderr
+    tokenising = next(line for line in proc.stderr.splitlines() if line.startswith("tokenising"))
+    assert "2/?" in tokenising and "━━━━" not in tokenising, tokenising
+    assert not list((tmp_path / "out").glob("*/run.json"))
+
+
+def test_ctrl_c_while_the_plan_is_written_says_to_plan_again(tmp_path, tiny_cache, monkeypatch):
+    from jobfixtures import run_here
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("producer.planner._write_plan", interrupted)
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state")
+    proc = run_here(["run", "sharegpt", "--limit", "3", "--model", "tiny-qwen3.5", "--max-length", "128",
+                     "--output", str(tmp_path / "out")], env)
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted while writing the plan" in proc.stderr and "it plans the run from the start" in proc.stderr, proc.stderr
