@@ -207,7 +207,7 @@ def cmd_status(args, settings: Settings) -> int:
     from rich.live import Live
 
     from producer.flower import resolve_broker_url
-    from producer.status import BrokerProbe, RunWatch
+    from producer.status import BrokerProbe, RunWatch, run_broker
     from producer.statusview import status_view
 
     run_store = open_store(args.run_address, settings, create=False)  # read-only: makes nothing
@@ -216,6 +216,7 @@ def cmd_status(args, settings: Settings) -> int:
     try:
         try:
             watch = RunWatch(run_store, probe)
+            watch.broker = run_broker(settings, watch.config.run_id, broker_url)
         except MissingKey:
             console.print(_no_run_message(args.run_address, run_store), highlight=False)
             return 2

@@ -225,6 +225,11 @@ def drop_leftover_messages(broker_url: str, queue: str) -> dict[str, int]:
     return dropped
 
 
+def workers_log_path(settings: Settings, run_id: str) -> Path:
+    """Where ``run`` logs the workers it starts for ``run_id`` (``status`` reads that it ran here)."""
+    return settings.broker_state_dir.parent / "logs" / f"workers-{run_id}.log"
+
+
 class PlanningInterrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM) while a run was planned; ``str()`` is the line the CLI prints."""
 
@@ -294,7 +299,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
                               "left by an interrupted run or a reconcile; run that job's `producer run` again to "
                               "redo them[/]", soft_wrap=True)
             console.print(f"[dim]embedded broker: valkey-server on {broker.socket_path} (AOF in {settings.broker_state_dir})[/]")
-        log_path = settings.broker_state_dir.parent / "logs" / f"workers-{planned.config.run_id}.log"
+        log_path = workers_log_path(settings, planned.config.run_id)
         env = settings_env(settings, broker_url=broker_url, model=opts.model)
         local = LocalWorkers(env, log_path, count=workers)
         console.print(f"[dim]workers: python -m workers (log: {log_path})[/]")

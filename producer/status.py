@@ -150,11 +150,14 @@ class RunWatch:
     Args:
         run_store: the run (``<output>/<run_id>``).
         probe: a :class:`BrokerProbe` for worker GPU stats and the queue; None: store only.
+        broker: the run's broker as :func:`run_broker` tells it (``"embedded"``, a masked URL, or
+            None: not known); the ``restart`` advice of a stalled run depends on it.
     """
 
-    def __init__(self, run_store: Store, probe: BrokerProbe | None = None):
+    def __init__(self, run_store: Store, probe: BrokerProbe | None = None, broker: str | None = None):
         self.run_store = run_store
         self.probe = probe
+        self.broker = broker
         self.config = load_run(run_store)  # MissingKey: no run here
         self.batches: list[dict] = []
         self.stats: Stats | None = None
@@ -288,10 +291,21 @@ class RunWatch:
             parts.append(f"{len(live)} live but idle (is anything queued? `python -m producer reconcile {self.run_store.url}`)")
         if not parts:
             parts.append("every worker that served it has stopped")
-        restart = ("start workers on the run's broker: `HSX_BROKER_URL=redis://... python -m workers` (fix the refusal's "
-                   f"cause first), or run the same `python -m producer run` command again; then `python -m producer reconcile "
-                   f"{self.run_store.url}` if batches are neither queued nor running")
+        restart = self._restart(bool(refusing))
         return "no live worker works on the run: " + "; ".join(parts), restart
+
+    def _restart(self, refusing: bool) -> str:
+        """The command that restarts a stalled run, for the broker it was run on."""
+        first = "fix the refusal's cause (above) first, then " if refusing else ""
+        rerun = "run the same `python -m producer run` command again"
+        if self.broker == "embedded":  # run's own broker is gone with it; a new run enqueues every missing batch
+            return f"{first}{rerun}: it enqueues every batch without a marker"
+        reconcile = (f"; then `python -m producer reconcile {self.run_store.url}` if batches are neither queued "
+                     "nor running")
+        if self.broker:
+            return f"{first}start workers on the run's broker: `HSX_BROKER_URL={self.broker} python -m workers`{reconcile}"
+        return (f"{first}{rerun} (a run enqueued on a broker of yours: start workers on it, "
+                f"`HSX_BROKER_URL=redis://... python -m workers`){reconcile}")
 
     def _rate(self, now: float) -> dict:
         """Tokens/s over the recent window (the current rate, for the ETA) and over the whole run so far."""
@@ -396,6 +410,22 @@ class RunWatch:
                 if "inspect" not in r["sources"]:
                     r["sources"].append("inspect")
         return sorted(rows.values(), key=lambda r: (str(r["host"]), str(r["name"]), r["pid"] or 0))
+
+
+def run_broker(settings, run_id: str, broker_url: str | None) -> str | None:
+    """The broker a run was served on, as far as this machine can tell: ``"embedded"`` (``producer
+    run`` without ``HSX_BROKER_URL``: its embedded broker runs, or this machine has its workers'
+    log), ``HSX_BROKER_URL`` masked, or None (not known).
+
+    ``broker_url``: the one ``status`` resolved (:func:`producer.flower.resolve_broker_url`).
+    """
+    from producer.run import workers_log_path
+
+    if settings.broker_url:
+        return mask_url(settings.broker_url)
+    if (broker_url and broker_url.startswith("redis+socket://")) or workers_log_path(settings, run_id).exists():
+        return "embedded"
+    return None
 
 
 def run_status(run_store: Store, probe: BrokerProbe | None = None) -> dict:

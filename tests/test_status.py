@@ -89,6 +89,47 @@ def test_a_run_whose_every_worker_went_quiet_is_stalled_not_running(small_run, t
     assert RunWatch(store).poll(now=now)["state"] == "running"
 
 
+def _stalled_run(small_run, tmp_path, *, refusing: bool = False):
+    """A copy of the small run with one batch left and its only worker quiet (or refusing tasks)."""
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    last = read_batch_list(store)[-1]["batch"]
+    store.delete(marker_key(last))
+    for key in store.list(WORKERS_PREFIX):
+        store.delete(key)
+    now = float(int(time.time()))
+    record = ({"state": "refusing", "refusing_reason": "credentials refused", "updated_at": _utc(now - 1)} if refusing
+              else {"state": "working", "updated_at": _utc(now - 80)})
+    store.write("workers/node9-43.json", json.dumps({"host": "node9", "pid": 43, "device": "cpu", "heartbeat_s": 5.0,
+                                                     "batches": [], **record}).encode())
+    return run_dir, store, now
+
+
+def test_a_stalled_run_on_the_embedded_broker_is_restarted_by_running_it_again(small_run, tmp_path):
+    """``producer run``'s own broker is gone with it: the advice is that command, no broker URL and no
+    refusal to fix when no worker refuses; ``status`` finds the run's workers log on this machine."""
+    run_dir, store, now = _stalled_run(small_run, tmp_path)
+    status = RunWatch(store, broker="embedded").poll(now=now)
+    assert status["state"] == "stalled"
+    assert status["restart"] == "run the same `python -m producer run` command again: it enqueues every batch without a marker"
+    quiet = RunWatch(store, broker="redis://:***@head:6379/0").poll(now=now)["restart"]
+    assert quiet.startswith("start workers on the run's broker: `HSX_BROKER_URL=redis://:***@head:6379/0 python -m workers`")
+    assert "refusal" not in quiet and "refusal" not in RunWatch(store).poll(now=now)["restart"]
+
+    state = tmp_path / "state"
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / f"workers-{status['run_id']}.log").write_text("")
+    proc = run_here(["status", str(run_dir), "--json", "--no-broker"], {**small_run["env"], "HSX_STATE_DIR": str(state)})
+    assert json.loads(proc.stdout)["restart"] == status["restart"], proc.stderr
+
+
+def test_a_stalled_run_with_a_refusing_worker_says_to_fix_the_refusal_first(small_run, tmp_path):
+    run_dir, store, now = _stalled_run(small_run, tmp_path, refusing=True)
+    status = RunWatch(store, broker="embedded").poll(now=now)
+    assert status["state"] == "stalled" and "refuses tasks: credentials refused" in status["stalled_reason"]
+    assert status["restart"].startswith("fix the refusal's cause (above) first, then run the same `python -m producer run`")
+
+
 def test_status_watch_json_prints_one_line_per_refresh_and_stops_when_the_run_is_done(small_run):
     """``status --watch --json`` on a finished run prints one JSON line, state done, and exits 0; it needs no broker."""
     proc = run_here(["status", small_run["address"], "--watch", "--json", "--interval", "0.2"], small_run["env"])
