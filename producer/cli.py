@@ -191,9 +191,13 @@ def cmd_run(args, settings: Settings) -> int:
     out.print(_plan_table("run", report))
     total = report["batches_total"]
     done = report.get("batches_done", report["batches_already_done"])
-    out.print(f"[bold]{done}/{total}[/] {noun(total, 'batch')} done in {report['seconds']:.1f} s; shards and markers under {report['address']}")
-    if report.get("batches_enqueued", 0) == 0 and done == total:
-        out.print("nothing to do: every batch already has its marker")
+    if report["batches_already_done"] == total:  # no work ran: no "done in N s"
+        already = "its 1 batch was" if total == 1 else f"all {total:,} batches were"
+        out.print(f"nothing to do: {already} already done (every batch has its marker); shards and markers under "
+                  f"{report['address']}")
+    else:
+        out.print(f"[bold]{done}/{total}[/] {noun(total, 'batch')} done in {report['seconds']:.1f} s; "
+                  f"shards and markers under {report['address']}")
     for batch, failure in sorted((report.get("failed") or {}).items()):
         out.print(f"[red]failed[/] {batch}: {failure.get('error')}")
     if report.get("workers_log_tail"):

@@ -174,3 +174,15 @@ def test_ctrl_c_while_the_plan_is_written_says_to_plan_again(tmp_path, tiny_cach
                      "--output", str(tmp_path / "out")], env)
     assert proc.returncode == 130, proc.stderr
     assert "interrupted while writing the plan" in proc.stderr and "it plans the run from the start" in proc.stderr, proc.stderr
+
+
+def test_a_rerun_with_every_batch_done_says_so_without_a_done_in_line(small_run):
+    """Nothing was enqueued: no "N/N batches done in X s" line, which reads as if work ran."""
+    from jobfixtures import run_here
+    from smallrun import SMALL_JOB
+
+    proc = run_here(["run", *SMALL_JOB, "--output", str(small_run["dir"].parent)], small_run["env"])
+    assert proc.returncode == 0, proc.stderr
+    total = small_run["report"]["batches_total"]
+    assert f"nothing to do: all {total} batches were already done (every batch has its marker); shards and markers under" in proc.stdout
+    assert " done in " not in proc.stdout, proc.stdout
