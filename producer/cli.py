@@ -281,11 +281,12 @@ def cmd_verify(args, settings: Settings) -> int:
     t.add_row("batches", f"{report['batches_done']:,} / {report['batches_planned']:,} done ({plural(report['markers'], 'marker')})")
     t.add_row("samples", f"{report['samples_stored']:,} stored / {report['samples_planned']:,} planned, "
                          f"{report['samples_quarantined']:,} quarantined")
-    t.add_row("hashed", f"{report['bytes_hashed'] / 1e6:,.1f} MB in {report['seconds']:.1f} s")
+    t.add_row("hashed", f"{report['bytes_hashed'] / 1e6:,.1f} MB in {report['hash_seconds']:.1f} s")
     rec = report.get("recompute")
     if rec:
+        took = f" in {rec['seconds']:.1f} s (model load {rec['load_s']:.1f} s)" if "seconds" in rec else ""
         t.add_row("recompute", f"{plural(len(rec['samples']), 'sample')} (seed {rec['seed']}), worst {rec['worst_ratio']:.2f}x "
-                               f"the tolerance (rtol {rec['rtol']})")
+                               f"the tolerance (rtol {rec['rtol']}){took}")
     t.add_row("orphans", f"{plural(len(report['orphans']), 'shard')} no marker names (not an error)")
     out.print(t)
     for key in report["orphans"][:10]:

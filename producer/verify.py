@@ -409,7 +409,9 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
 
     Report keys: ``ok`` (no problem), ``problems`` (list of ``{batch, kind, detail}``), ``orphans``
     (shard keys no marker names), counts (``batches_planned``, ``batches_done``,
-    ``samples_planned``, ``samples_stored``, ``samples_quarantined``, ``bytes_hashed``) and
+    ``samples_planned``, ``samples_stored``, ``samples_quarantined``, ``bytes_hashed``), ``hash_seconds``
+    (reading and hashing the shards; ``seconds`` is the whole verify, the recompute's own time is
+    in ``recompute``) and
     ``recompute`` (when asked), ``unverified`` (batches whose marker, plan or shard could not be
     read for a store error after ``retry_s`` seconds of retries: problem kind ``unverified``, which
     ``reconcile --repair`` never acts on).
@@ -447,6 +449,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
                 elapsed = max(time.perf_counter() - t0, 1e-9)
                 progress.update(task, advance=1, info=f"{hashed / 1e6:,.0f} MB hashed  {hashed / 1e6 / elapsed:,.0f} MB/s")
 
+    hash_seconds = round(time.perf_counter() - t0, 2)  # the recompute's model load and forwards come after
     for res in results:
         problems.extend(res.problems)
     done = {r.batch for r in results if r.certified}
@@ -493,6 +496,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
         "samples_stored": len(stored),
         "samples_quarantined": len(quarantined - stored),
         "bytes_hashed": hashed,
+        "hash_seconds": hash_seconds,
         "orphans": orphans,
         "recompute": None,
     }
