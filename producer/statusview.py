@@ -69,8 +69,10 @@ def progress_table(status: dict) -> Table:
         if status["state"] == "done":
             t.add_row("rate", f"{_rate(status['overall_tokens_per_s'])}{samples_s} (first batch to last)")
         else:
-            t.add_row("rate", f"{_rate(status['tokens_per_s'])} over the last {fmt_duration(status['rate_window_s'])}"
-                              f"{samples_s}, {_rate(status['overall_tokens_per_s'])} overall")
+            window = status.get("rate_window_s")
+            recent = (f"{_rate(status['tokens_per_s'])} over the last {fmt_duration(window)}" if window
+                      else "- (a rate needs two batches done)")
+            t.add_row("rate", f"{recent}{samples_s}, {_rate(status['overall_tokens_per_s'])} overall")
         t.add_row("eta", fmt_duration(status["eta_s"]) if status["state"] != "done" else "done")
     elif status["state"] == "plan_failed":
         t.add_row("progress", Text(f"planning did not finish: {status.get('plan_error')}", style="red"))

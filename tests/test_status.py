@@ -207,3 +207,23 @@ def test_a_worker_of_this_host_whose_process_is_gone_is_lost_at_once_and_shows_o
     assert row["state"] == "lost" and row["online"] is False, row
     assert row["running"] == [f"{undone} (waiting_gpu)"], row
     assert status["state"] == "stalled", status["state"]
+
+
+def test_the_rate_window_is_the_time_the_markers_cover_not_the_full_window(small_run, tmp_path):
+    """22 s into a run, the rate is not "over the last 2m00s": it is over the time since the first
+    marker it counts."""
+    from producer.status import RATE_WINDOW_S, recent_window
+
+    assert recent_window([(10.0, 100), (14.0, 100), (18.0, 100)], now=22.0) == (200 / 12.0, 12.0)
+    assert recent_window([(10.0, 100)], now=22.0) == (None, None)
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    store.delete(marker_key(read_batch_list(store)[-1]["batch"]))
+    watch = RunWatch(store)
+    first = watch.poll()
+    ends = sorted(m["end"] for m in watch.markers.values())
+    status = watch.poll(now=ends[-1] + 10)
+    assert status["rate_window_s"] == round(ends[-1] + 10 - ends[0], 1) < RATE_WINDOW_S, (first, ends)
+    out = Console(record=True, width=200)
+    out.print(status_view({**status, "state": "running"}))
+    assert f"over the last {round(status['rate_window_s'])}s" in out.export_text()
