@@ -17,7 +17,7 @@ from hsx.errors import BadSettings, HsxError
 from hsx.layout import RUN_JSON
 from hsx.shard import Final, StoreDtype
 from hsx.store import MissingKey, mask_url, open_store
-from producer.words import noun, plural
+from producer.words import fmt_bytes, noun, plural
 from settings import Settings, get_settings
 
 console = Console(stderr=True)
@@ -281,7 +281,7 @@ def cmd_verify(args, settings: Settings) -> int:
     t.add_row("batches", f"{report['batches_done']:,} / {report['batches_planned']:,} done ({plural(report['markers'], 'marker')})")
     t.add_row("samples", f"{report['samples_stored']:,} stored / {report['samples_planned']:,} planned, "
                          f"{report['samples_quarantined']:,} quarantined")
-    t.add_row("hashed", f"{report['bytes_hashed'] / 1e6:,.1f} MB in {report['hash_seconds']:.1f} s")
+    t.add_row("hashed", f"{fmt_bytes(report['bytes_hashed'])} in {report['hash_seconds']:.1f} s")
     rec = report.get("recompute")
     if rec:
         took = f" in {rec['seconds']:.1f} s (model load {rec['load_s']:.1f} s)" if "seconds" in rec else ""
@@ -337,7 +337,7 @@ def cmd_export(args, settings: Settings) -> int:
     t.add_column()
     t.add_row("out", report["out"])
     t.add_row("samples", f"{report['samples']:,} ({report['supervised_tokens']:,} supervised tokens)")
-    t.add_row("written", f"{report['bytes'] / 1e6:,.1f} MB in {report['seconds']:.1f} s")
+    t.add_row("written", f"{fmt_bytes(report['bytes'])} in {report['seconds']:.1f} s")
     t.add_row("layers", f"{report['layer_ids']} (output-of); vLLM ids {report['vllm_layer_ids']}")
     t.add_row("final", report["final"])
     out.print(t)

@@ -11,7 +11,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from producer.words import noun
+from producer.words import fmt_bytes, noun
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -26,13 +26,6 @@ def fmt_duration(seconds: float | None) -> str:
     if s >= 60:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s}s"
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Bytes in GiB (``12.3 GiB``) or MiB below 1 GiB; ``-`` for None."""
-    if n is None:
-        return "-"
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _rate(value: float | None, unit: str = "tok/s") -> str:

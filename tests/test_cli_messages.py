@@ -186,3 +186,29 @@ def test_a_rerun_with_every_batch_done_says_so_without_a_done_in_line(small_run)
     total = small_run["report"]["batches_total"]
     assert f"nothing to do: all {total} batches were already done (every batch has its marker); shards and markers under" in proc.stdout
     assert " done in " not in proc.stdout, proc.stdout
+
+
+def test_sizes_are_decimal_with_one_decimal_and_never_read_as_zero():
+    from producer.words import fmt_bytes
+
+    assert [fmt_bytes(n) for n in (None, 0, 12_345, 400_000, 687_600_000, 999_999_999, 1_600_000_000, 3.2e12)] == [
+        "-", "0 bytes", "12,345 bytes", "0.4 MB", "687.6 MB", "1.0 GB", "1.6 GB", "3.2 TB"]
+
+
+def test_status_verify_and_export_print_the_same_size_for_the_same_shards(small_run, tmp_path):
+    """One convention for sizes: the stored bytes read the same in status, verify and export (decimal MB,
+    no MiB), and a small run's shards are not "0 MiB"."""
+    import re
+
+    from jobfixtures import run_here
+    from producer.words import fmt_bytes
+
+    env = small_run["env"]
+    status = run_here(["status", small_run["address"], "--no-broker"], env).stdout
+    verify = run_here(["verify", small_run["address"]], env).stdout
+    export = run_here(["export", small_run["address"], "--format", "specforge-eagle3", str(tmp_path / "x")], env).stdout
+    stored = json.loads(run_here(["status", small_run["address"], "--no-broker", "--json"], env).stdout)["bytes_stored"]
+    assert re.search(rf"stored\W+{re.escape(fmt_bytes(stored))} in shards", status), status
+    assert re.search(rf"hashed\W+{re.escape(fmt_bytes(stored))} in ", verify), verify
+    assert re.search(r"written\W+[\d.]+ MB in ", export), export
+    assert not any(unit in text for text in (status, verify, export) for unit in ("MiB", "GiB", " 0 MB"))

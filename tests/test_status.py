@@ -161,7 +161,7 @@ def test_status_view_shows_gpu_readings_and_eta_of_a_running_run():
     out.print(status_view(status))
     text = out.export_text()
     for expected in ("50 / 200 batches (25.0%)", "9,000 tok/s", "eta", "11m07s", "gpu0@node1", "NVIDIA H200", "97%",
-                     "100.0 GiB / 141.0 GiB", "61C 650W", "b000051 (forward)", "148 waiting", "too_long 3"):
+                     "107.4 GB / 151.4 GB", "61C 650W", "b000051 (forward)", "148 waiting", "too_long 3"):
         assert expected in text, f"{expected!r} not in the view:\n{text}"
 
 
