@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import sys
@@ -20,8 +21,21 @@ from hsx.store import MissingKey, mask_url, open_store
 from producer.words import fmt_bytes, noun, plural
 from settings import Settings, get_settings
 
-console = Console(stderr=True)
-out = Console()
+#: Width of a console whose stream is not a terminal (a log file, a pipe) when COLUMNS is not set.
+PIPED_WIDTH = 200
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A console for the CLI; when its stream is not a terminal, ``COLUMNS`` or :data:`PIPED_WIDTH`
+    columns wide: rich's 80 would break commands across lines and squeeze the workers table."""
+    c = Console(stderr=stderr)
+    if not c.is_terminal and not os.environ.get("COLUMNS", "").isdigit():  # rich reads COLUMNS itself
+        c.width = PIPED_WIDTH
+    return c
+
+
+console = make_console(stderr=True)
+out = make_console()
 #: Run states after which ``status --watch`` stops: nothing changes without a new command.
 FINAL_STATES = ("done", "failed", "plan_failed")
 
@@ -175,7 +189,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
         out.print_json(json.dumps(report))
     else:
         out.print(_plan_table("enqueued", report))
-        out.print(f"follow it with: python -m producer status {planned.run_url}")
+        out.print(f"follow it with: python -m producer status {planned.run_url}", soft_wrap=True)  # never broken: copied
     return 0
 
 

@@ -298,13 +298,15 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
                 console.print(f"[dim]embedded broker: dropped {n} queued batch message(s) of {mask_url(run_url)}, "
                               "left by an interrupted run or a reconcile; run that job's `producer run` again to "
                               "redo them[/]", soft_wrap=True)
-            console.print(f"[dim]embedded broker: valkey-server on {broker.socket_path} (AOF in {settings.broker_state_dir})[/]")
+            console.print(f"[dim]embedded broker: valkey-server on {broker.socket_path} (AOF in {settings.broker_state_dir})[/]",
+                          soft_wrap=True)
         log_path = workers_log_path(settings, planned.config.run_id)
         env = settings_env(settings, broker_url=broker_url, model=opts.model)
         local = LocalWorkers(env, log_path, count=workers)
-        console.print(f"[dim]workers: python -m workers (log: {log_path})[/]")
+        # soft_wrap: lines with commands and paths to copy are never broken
+        console.print(f"[dim]workers: python -m workers (log: {log_path})[/]", soft_wrap=True)
         console.print(f"[dim]follow it from another terminal: python -m producer status {planned.run_url} --watch "
-                      "(or python -m producer flower)[/]")
+                      "(or python -m producer flower)[/]", soft_wrap=True)
         with progress_factory() as progress:
             result = enqueue_batches(planned, settings, broker_url, progress)
             report["batches_enqueued"] = len(result.enqueued)

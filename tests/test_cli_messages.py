@@ -212,3 +212,25 @@ def test_status_verify_and_export_print_the_same_size_for_the_same_shards(small_
     assert re.search(rf"hashed\W+{re.escape(fmt_bytes(stored))} in ", verify), verify
     assert re.search(r"written\W+[\d.]+ MB in ", export), export
     assert not any(unit in text for text in (status, verify, export) for unit in ("MiB", "GiB", " 0 MB"))
+
+
+def test_piped_output_is_wide_so_addresses_and_the_workers_table_are_not_cut(small_run):
+    """stdout a pipe, no COLUMNS: not rich's 80 columns (the address cut with "…", headers "dev…")."""
+    from jobfixtures import run_cli
+
+    env = {k: v for k, v in small_run["env"].items() if k != "COLUMNS"}
+    proc = run_cli("producer", ["status", small_run["address"], "--no-broker"], env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"file://{small_run['address']}" in proc.stdout and "…" not in proc.stdout, proc.stdout
+    assert "device" in proc.stdout and "heartbeat" in proc.stdout, proc.stdout
+
+
+def test_commands_to_copy_are_never_broken_across_lines(shared_worker, tmp_path, tiny_cache):
+    """On a narrow console the "follow it" command of ``run`` stays on one line (soft wrap)."""
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool")
+    proc = shared_worker.producer(["run", "sharegpt", "--limit", "2", "--model", "tiny-qwen3.5", "--max-length", "128",
+                                   "--batch-tokens", "256", "--output", str(tmp_path / "out")], {**env, "COLUMNS": "60"})
+    assert proc.returncode == 0, proc.stderr
+    follow = next(line for line in proc.stderr.splitlines() if line.startswith("follow it from another terminal"))
+    assert follow.endswith("--watch (or python -m producer flower)") and str(tmp_path / "out") in follow, proc.stderr
+    assert "follow it with" not in proc.stdout
