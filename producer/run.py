@@ -243,10 +243,11 @@ def plan_or_interrupted(opts: PlanOptions, settings: Settings, progress) -> Plan
         tasks = {t.description: t for t in progress.tasks} if progress is not None else {}
         tokenising = tasks.get("tokenising")
         if "writing plan" not in tasks and (tokenising is None or not tokenising.finished):
-            read = f" ({plural(int(tokenising.completed), 'record')} read)" if tokenising is not None else ""
+            where = "before planning"  # loading the tokenizer, hashing the dataset, reading a finished plan
             if tokenising is not None:
                 progress.stop_task(tokenising.id)  # its bar is drawn empty, not as a finished pulse
-            raise PlanningInterrupted(f"interrupted while tokenising the dataset{read}: nothing was written; "
+                where = f"while tokenising the dataset ({plural(int(tokenising.completed), 'record')} read)"
+            raise PlanningInterrupted(f"interrupted {where}: nothing was written; "
                                       "run the same command again to start over") from None
         raise PlanningInterrupted("interrupted while writing the plan: status says the planning did not finish; "
                                   "run the same command again: it plans the run from the start") from None
