@@ -4,31 +4,57 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from hsx.errors import BadSettings, HsxError
 from hsx.layout import RUN_JSON
 from hsx.shard import Final, StoreDtype
 from hsx.store import MissingKey, mask_url, open_store
-from producer.words import noun, plural
+from producer.words import fmt_bytes, noun, plural
 from settings import Settings, get_settings
 
-console = Console(stderr=True)
-out = Console()
+#: Width of a console whose stream is not a terminal (a log file, a pipe) when COLUMNS is not set.
+PIPED_WIDTH = 200
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A console for the CLI; when its stream is not a terminal, ``COLUMNS`` or :data:`PIPED_WIDTH`
+    columns wide: rich's 80 would break commands across lines and squeeze the workers table."""
+    c = Console(stderr=stderr)
+    if not c.is_terminal and not os.environ.get("COLUMNS", "").isdigit():  # rich reads COLUMNS itself
+        c.width = PIPED_WIDTH
+    return c
+
+
+console = make_console(stderr=True)
+out = make_console()
 #: Run states after which ``status --watch`` stops: nothing changes without a new command.
 FINAL_STATES = ("done", "failed", "plan_failed")
+
+
+class _BarColumn(BarColumn):
+    """A bar; a stopped task without a total (an interrupted tokenising) is drawn empty: rich draws
+    it as a pulse, which reads as complete in a log file."""
+
+    def render(self, task):
+        if task.total is None and task.stop_time is not None:
+            return ProgressBar(total=1, completed=0, width=None if self.bar_width is None else max(1, self.bar_width),
+                               style=self.style)
+        return super().render(task)
 
 
 def _progress() -> Progress:
     return Progress(
         TextColumn("[bold]{task.description:<12}"),
-        BarColumn(),
+        _BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
@@ -145,7 +171,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
     from hsx.broker import check_broker
     from hsx.records import done_batches
     from producer.enqueue import enqueue_batches
-    from producer.planner import plan_run
+    from producer.run import plan_or_interrupted
 
     if not settings.broker_url:
         console.print("error: HSX_BROKER_URL is not set: enqueue needs the broker your workers listen on "
@@ -153,7 +179,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
         return 2
     check_broker(settings.broker_url)
     with progress_factory() as progress:
-        planned = plan_run(_options(args), settings, progress)
+        planned = plan_or_interrupted(_options(args), settings, progress)
         result = enqueue_batches(planned, settings, settings.broker_url, progress)
     del done_batches
     report = {"run_id": planned.config.run_id, "address": planned.run_url, "plan": planned.stats,
@@ -163,7 +189,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
         out.print_json(json.dumps(report))
     else:
         out.print(_plan_table("enqueued", report))
-        out.print(f"follow it with: python -m producer status {planned.run_url}")
+        out.print(f"follow it with: python -m producer status {planned.run_url}", soft_wrap=True)  # never broken: copied
     return 0
 
 
@@ -179,9 +205,13 @@ def cmd_run(args, settings: Settings) -> int:
     out.print(_plan_table("run", report))
     total = report["batches_total"]
     done = report.get("batches_done", report["batches_already_done"])
-    out.print(f"[bold]{done}/{total}[/] {noun(total, 'batch')} done in {report['seconds']:.1f} s; shards and markers under {report['address']}")
-    if report.get("batches_enqueued", 0) == 0 and done == total:
-        out.print("nothing to do: every batch already has its marker")
+    if report["batches_already_done"] == total:  # no work ran: no "done in N s"
+        already = "its 1 batch was" if total == 1 else f"all {total:,} batches were"
+        out.print(f"nothing to do: {already} already done (every batch has its marker); shards and markers under "
+                  f"{report['address']}")
+    else:
+        out.print(f"[bold]{done}/{total}[/] {noun(total, 'batch')} done in {report['seconds']:.1f} s; "
+                  f"shards and markers under {report['address']}")
     for batch, failure in sorted((report.get("failed") or {}).items()):
         out.print(f"[red]failed[/] {batch}: {failure.get('error')}")
     if report.get("workers_log_tail"):
@@ -195,7 +225,7 @@ def cmd_status(args, settings: Settings) -> int:
     from rich.live import Live
 
     from producer.flower import resolve_broker_url
-    from producer.status import BrokerProbe, RunWatch
+    from producer.status import BrokerProbe, RunWatch, run_broker
     from producer.statusview import status_view
 
     run_store = open_store(args.run_address, settings, create=False)  # read-only: makes nothing
@@ -204,6 +234,7 @@ def cmd_status(args, settings: Settings) -> int:
     try:
         try:
             watch = RunWatch(run_store, probe)
+            watch.broker = run_broker(settings, watch.config.run_id, broker_url)
         except MissingKey:
             console.print(_no_run_message(args.run_address, run_store), highlight=False)
             return 2
@@ -264,11 +295,12 @@ def cmd_verify(args, settings: Settings) -> int:
     t.add_row("batches", f"{report['batches_done']:,} / {report['batches_planned']:,} done ({plural(report['markers'], 'marker')})")
     t.add_row("samples", f"{report['samples_stored']:,} stored / {report['samples_planned']:,} planned, "
                          f"{report['samples_quarantined']:,} quarantined")
-    t.add_row("hashed", f"{report['bytes_hashed'] / 1e6:,.1f} MB in {report['seconds']:.1f} s")
+    t.add_row("hashed", f"{fmt_bytes(report['bytes_hashed'])} in {report['hash_seconds']:.1f} s")
     rec = report.get("recompute")
     if rec:
+        took = f" in {rec['seconds']:.1f} s (model load {rec['load_s']:.1f} s)" if "seconds" in rec else ""
         t.add_row("recompute", f"{plural(len(rec['samples']), 'sample')} (seed {rec['seed']}), worst {rec['worst_ratio']:.2f}x "
-                               f"the tolerance (rtol {rec['rtol']})")
+                               f"the tolerance (rtol {rec['rtol']}){took}")
     t.add_row("orphans", f"{plural(len(report['orphans']), 'shard')} no marker names (not an error)")
     out.print(t)
     for key in report["orphans"][:10]:
@@ -319,7 +351,7 @@ def cmd_export(args, settings: Settings) -> int:
     t.add_column()
     t.add_row("out", report["out"])
     t.add_row("samples", f"{report['samples']:,} ({report['supervised_tokens']:,} supervised tokens)")
-    t.add_row("written", f"{report['bytes'] / 1e6:,.1f} MB in {report['seconds']:.1f} s")
+    t.add_row("written", f"{fmt_bytes(report['bytes'])} in {report['seconds']:.1f} s")
     t.add_row("layers", f"{report['layer_ids']} (output-of); vLLM ids {report['vllm_layer_ids']}")
     t.add_row("final", report["final"])
     out.print(t)
@@ -496,6 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     except HsxError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False)
         return 2
-    except KeyboardInterrupt:
-        console.print("interrupted: finished batches keep their markers; run the same command again to resume")
+    except KeyboardInterrupt as exc:
+        from producer.run import PlanningInterrupted
+
+        if isinstance(exc, PlanningInterrupted):
+            console.print(str(exc), highlight=False)
+        else:
+            console.print("interrupted: finished batches keep their markers; run the same command again to resume")
         return 130

@@ -391,7 +391,7 @@ def _iter_json_array(path: Path, skips: SkipCounter) -> Iterator[Any]:
                 if len(buf) - pos > MAX_RECORD_BYTES:
                     raise BadDataset(
                         f"{path}: a record near byte {consumed_bytes} is still incomplete after "
-                        f"{MAX_RECORD_BYTES} bytes: the file is malformed; fix it or convert it to JSON lines"
+                        f"{MAX_RECORD_BYTES:,} bytes: the file is malformed; fix it or convert it to JSON lines"
                     )
                 if refill():
                     continue

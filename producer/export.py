@@ -113,6 +113,7 @@ from hsx.records import SampleRow
 from hsx.runconfig import RunConfig, load_run
 from hsx.shard import FINAL_POSTNORM, FINAL_PRENORM, Final
 from hsx.store import Store
+from producer.words import fmt_bytes
 
 FORMATS = ("specforge-eagle3", "specforge-dflash", "specforge-dspark", "speculators", "eagle-ge-data", "modelopt")
 #: the final state each format writes (what the reader is asked for).
@@ -487,7 +488,7 @@ def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP
                         written_bytes += pending.pop(0).result()
                         if task is not None:
                             elapsed = max(time.perf_counter() - t0, 1e-9)
-                            progress.update(task, advance=1, info=f"{written_bytes / 1e6:,.0f} MB  {written_bytes / 1e6 / elapsed:,.0f} MB/s")
+                            progress.update(task, advance=1, info=f"{fmt_bytes(written_bytes)}  {fmt_bytes(written_bytes / elapsed)}/s")
             for fut in pending:
                 written_bytes += fut.result()
                 if task is not None:

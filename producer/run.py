@@ -24,6 +24,7 @@ from producer.enqueue import enqueue_batches
 from producer.reconcile import RunReconciler
 from producer.planner import PlanOptions, PlannedRun, plan_run
 from producer.status import recent_rate
+from producer.words import plural
 from settings import Settings
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,34 @@ def drop_leftover_messages(broker_url: str, queue: str) -> dict[str, int]:
     return dropped
 
 
+def workers_log_path(settings: Settings, run_id: str) -> Path:
+    """Where ``run`` logs the workers it starts for ``run_id`` (``status`` reads that it ran here)."""
+    return settings.broker_state_dir.parent / "logs" / f"workers-{run_id}.log"
+
+
+class PlanningInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) while a run was planned; ``str()`` is the line the CLI prints."""
+
+
+def plan_or_interrupted(opts: PlanOptions, settings: Settings, progress) -> PlannedRun:
+    """:func:`producer.planner.plan_run`; a Ctrl-C meanwhile raises :class:`PlanningInterrupted`
+    saying how far planning got (before its tokenising task finished, nothing was written)."""
+    try:
+        return plan_run(opts, settings, progress)
+    except KeyboardInterrupt:
+        tasks = {t.description: t for t in progress.tasks} if progress is not None else {}
+        tokenising = tasks.get("tokenising")
+        if "writing plan" not in tasks and (tokenising is None or not tokenising.finished):
+            where = "before planning"  # loading the tokenizer, hashing the dataset, reading a finished plan
+            if tokenising is not None:
+                progress.stop_task(tokenising.id)  # its bar is drawn empty, not as a finished pulse
+                where = f"while tokenising the dataset ({plural(int(tokenising.completed), 'record')} read)"
+            raise PlanningInterrupted(f"interrupted {where}: nothing was written; "
+                                      "run the same command again to start over") from None
+        raise PlanningInterrupted("interrupted while writing the plan: status says the planning did not finish; "
+                                  "run the same command again: it plans the run from the start") from None
+
+
 def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:
     """Plan, start what is missing, extract every batch, stop what we started. Returns (exit code, report)."""
     t0 = time.perf_counter()
@@ -236,7 +265,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         claimed = EmbeddedBroker(settings.broker_state_dir).claim()
     try:
         with progress_factory() as progress:
-            planned = plan_run(opts, settings, progress)
+            planned = plan_or_interrupted(opts, settings, progress)
         done_before = done_batches(planned.run_store) & {b["batch"] for b in planned.batches}
     except BaseException:
         if claimed is not None:
@@ -270,13 +299,15 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
                 console.print(f"[dim]embedded broker: dropped {n} queued batch message(s) of {mask_url(run_url)}, "
                               "left by an interrupted run or a reconcile; run that job's `producer run` again to "
                               "redo them[/]", soft_wrap=True)
-            console.print(f"[dim]embedded broker: valkey-server on {broker.socket_path} (AOF in {settings.broker_state_dir})[/]")
-        log_path = settings.broker_state_dir.parent / "logs" / f"workers-{planned.config.run_id}.log"
+            console.print(f"[dim]embedded broker: valkey-server on {broker.socket_path} (AOF in {settings.broker_state_dir})[/]",
+                          soft_wrap=True)
+        log_path = workers_log_path(settings, planned.config.run_id)
         env = settings_env(settings, broker_url=broker_url, model=opts.model)
         local = LocalWorkers(env, log_path, count=workers)
-        console.print(f"[dim]workers: python -m workers (log: {log_path})[/]")
+        # soft_wrap: lines with commands and paths to copy are never broken
+        console.print(f"[dim]workers: python -m workers (log: {log_path})[/]", soft_wrap=True)
         console.print(f"[dim]follow it from another terminal: python -m producer status {planned.run_url} --watch "
-                      "(or python -m producer flower)[/]")
+                      "(or python -m producer flower)[/]", soft_wrap=True)
         with progress_factory() as progress:
             result = enqueue_batches(planned, settings, broker_url, progress)
             report["batches_enqueued"] = len(result.enqueued)

@@ -38,25 +38,34 @@ RATE_WINDOW_S = 120.0
 RATE_MIN_MARKERS = 4
 
 
-def recent_rate(arrivals: list[tuple[float, float]], now: float, window_s: float = RATE_WINDOW_S,
-                min_markers: int = RATE_MIN_MARKERS) -> float | None:
-    """Units per second (tokens, samples) at which markers arrive now, from ``(arrival time, units)``.
+def recent_window(arrivals: list[tuple[float, float]], now: float, window_s: float = RATE_WINDOW_S,
+                  min_markers: int = RATE_MIN_MARKERS) -> tuple[float | None, float | None]:
+    """``(units per second, seconds measured over)`` at which markers arrive now, from ``(arrival time, units)``.
 
     The markers of the last ``window_s`` seconds (at least the last ``min_markers``): the units of
     every marker after the first, over the time from the first to ``now``. The first one only
     opens the window: its work began before it, with the model load and the warm-up for a worker's
     first batch, which an average from the start of the run would count (a 27B run showed 3,620
     tok/s that way while its steady rate was 7,900). Measured up to ``now``, so a run that stalls
-    shows a falling rate. None with fewer than two markers.
+    shows a falling rate. The seconds are the span actually measured (less than ``window_s`` early
+    in a run). ``(None, None)`` with fewer than two markers.
     """
     arrivals = sorted(arrivals)
     recent = [a for a in arrivals if a[0] >= now - window_s]
     if len(recent) < min_markers:
         recent = arrivals[-min_markers:]
     if len(recent) < 2:
-        return None
+        return None, None
     span = max(now, recent[-1][0]) - recent[0][0]
-    return sum(u for _, u in recent[1:]) / span if span > 0 else None
+    return (sum(u for _, u in recent[1:]) / span, span) if span > 0 else (None, None)
+
+
+def recent_rate(arrivals: list[tuple[float, float]], now: float, window_s: float = RATE_WINDOW_S,
+                min_markers: int = RATE_MIN_MARKERS) -> float | None:
+    """The rate of :func:`recent_window` alone: units per second now, None with fewer than two markers."""
+    return recent_window(arrivals, now, window_s, min_markers)[0]
+
+
 #: A heartbeat record not updated for this many of its intervals is stale (``online: False``),
 #: as workers/heartbeat.py defines it.
 HEARTBEAT_STALE_BEATS = 3
@@ -150,11 +159,14 @@ class RunWatch:
     Args:
         run_store: the run (``<output>/<run_id>``).
         probe: a :class:`BrokerProbe` for worker GPU stats and the queue; None: store only.
+        broker: the run's broker as :func:`run_broker` tells it (``"embedded"``, a masked URL, or
+            None: not known); the ``restart`` advice of a stalled run depends on it.
     """
 
-    def __init__(self, run_store: Store, probe: BrokerProbe | None = None):
+    def __init__(self, run_store: Store, probe: BrokerProbe | None = None, broker: str | None = None):
         self.run_store = run_store
         self.probe = probe
+        self.broker = broker
         self.config = load_run(run_store)  # MissingKey: no run here
         self.batches: list[dict] = []
         self.stats: Stats | None = None
@@ -288,16 +300,27 @@ class RunWatch:
             parts.append(f"{len(live)} live but idle (is anything queued? `python -m producer reconcile {self.run_store.url}`)")
         if not parts:
             parts.append("every worker that served it has stopped")
-        restart = ("start workers on the run's broker: `HSX_BROKER_URL=redis://... python -m workers` (fix the refusal's "
-                   f"cause first), or run the same `python -m producer run` command again; then `python -m producer reconcile "
-                   f"{self.run_store.url}` if batches are neither queued nor running")
+        restart = self._restart(bool(refusing))
         return "no live worker works on the run: " + "; ".join(parts), restart
+
+    def _restart(self, refusing: bool) -> str:
+        """The command that restarts a stalled run, for the broker it was run on."""
+        first = "fix the refusal's cause (above) first, then " if refusing else ""
+        rerun = "run the same `python -m producer run` command again"
+        if self.broker == "embedded":  # run's own broker is gone with it; a new run enqueues every missing batch
+            return f"{first}{rerun}: it enqueues every batch without a marker"
+        reconcile = (f"; then `python -m producer reconcile {self.run_store.url}` if batches are neither queued "
+                     "nor running")
+        if self.broker:
+            return f"{first}start workers on the run's broker: `HSX_BROKER_URL={self.broker} python -m workers`{reconcile}"
+        return (f"{first}{rerun} (a run enqueued on a broker of yours: start workers on it, "
+                f"`HSX_BROKER_URL=redis://... python -m workers`){reconcile}")
 
     def _rate(self, now: float) -> dict:
         """Tokens/s over the recent window (the current rate, for the ETA) and over the whole run so far."""
         timed = [m for m in self.markers.values() if m["end"] is not None]
         out = {"tokens_per_s": None, "samples_per_s": None, "overall_tokens_per_s": None, "overall_samples_per_s": None,
-               "started_at": None, "last_done_at": None, "rate_window_s": RATE_WINDOW_S}
+               "started_at": None, "last_done_at": None, "rate_window_s": None}
         if not timed:
             return out
         start = min(m["start"] for m in timed)
@@ -306,10 +329,11 @@ class RunWatch:
         span = max(last - start, 1.0)  # finished_at has a resolution of one second
         out["overall_tokens_per_s"] = round(sum(m["planned_tokens"] for m in timed) / span, 1)
         out["overall_samples_per_s"] = round(sum(m["samples"] + m["quarantined"] for m in timed) / span, 2)
-        tokens = recent_rate([(m["end"], m["planned_tokens"]) for m in timed], now)
+        tokens, window = recent_window([(m["end"], m["planned_tokens"]) for m in timed], now)
         samples = recent_rate([(m["end"], m["samples"] + m["quarantined"]) for m in timed], now)
         out["tokens_per_s"] = round(tokens, 1) if tokens is not None else None
         out["samples_per_s"] = round(samples, 2) if samples is not None else None
+        out["rate_window_s"] = round(window, 1) if window is not None else None
         return out
 
     def _workers(self, now: float, broker: dict | None) -> list[dict]:
@@ -396,6 +420,22 @@ class RunWatch:
                 if "inspect" not in r["sources"]:
                     r["sources"].append("inspect")
         return sorted(rows.values(), key=lambda r: (str(r["host"]), str(r["name"]), r["pid"] or 0))
+
+
+def run_broker(settings, run_id: str, broker_url: str | None) -> str | None:
+    """The broker a run was served on, as far as this machine can tell: ``"embedded"`` (``producer
+    run`` without ``HSX_BROKER_URL``: its embedded broker runs, or this machine has its workers'
+    log), ``HSX_BROKER_URL`` masked, or None (not known).
+
+    ``broker_url``: the one ``status`` resolved (:func:`producer.flower.resolve_broker_url`).
+    """
+    from producer.run import workers_log_path
+
+    if settings.broker_url:
+        return mask_url(settings.broker_url)
+    if (broker_url and broker_url.startswith("redis+socket://")) or workers_log_path(settings, run_id).exists():
+        return "embedded"
+    return None
 
 
 def run_status(run_store: Store, probe: BrokerProbe | None = None) -> dict:

@@ -11,7 +11,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from producer.words import noun
+from producer.words import fmt_bytes, noun
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -26,13 +26,6 @@ def fmt_duration(seconds: float | None) -> str:
     if s >= 60:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s}s"
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Bytes in GiB (``12.3 GiB``) or MiB below 1 GiB; ``-`` for None."""
-    if n is None:
-        return "-"
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _rate(value: float | None, unit: str = "tok/s") -> str:
@@ -69,8 +62,10 @@ def progress_table(status: dict) -> Table:
         if status["state"] == "done":
             t.add_row("rate", f"{_rate(status['overall_tokens_per_s'])}{samples_s} (first batch to last)")
         else:
-            t.add_row("rate", f"{_rate(status['tokens_per_s'])} over the last {fmt_duration(status['rate_window_s'])}"
-                              f"{samples_s}, {_rate(status['overall_tokens_per_s'])} overall")
+            window = status.get("rate_window_s")
+            recent = (f"{_rate(status['tokens_per_s'])} over the last {fmt_duration(window)}" if window
+                      else "- (a rate needs two batches done)")
+            t.add_row("rate", f"{recent}{samples_s}, {_rate(status['overall_tokens_per_s'])} overall")
         t.add_row("eta", fmt_duration(status["eta_s"]) if status["state"] != "done" else "done")
     elif status["state"] == "plan_failed":
         t.add_row("progress", Text(f"planning did not finish: {status.get('plan_error')}", style="red"))

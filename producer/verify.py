@@ -63,6 +63,7 @@ from hsx.records import Marker
 from hsx.runconfig import RunConfig, load_run
 from hsx.shard import Final, ShardSpec, StoreDtype, cu_seqlens_problem, schema_problems
 from hsx.store import MissingKey, Store, retry_transient
+from producer.words import fmt_bytes
 
 #: relative tolerance of ``--recompute`` by stored dtype (bf16 keeps 8 bits of mantissa).
 #: fp8: e4m3's relative rounding bound 2**-4 on top of bf16's 1e-2, rounded up (the module docstring says why).
@@ -135,7 +136,7 @@ class _ObjectReader:
 def _read_header(reader: _ObjectReader, size: int) -> tuple[dict, int]:
     """The safetensors header (JSON) and the offset where tensor data starts; ValueError if malformed."""
     if size < 8:
-        raise ValueError(f"{size} bytes: too short for a safetensors file")
+        raise ValueError(f"{size:,} bytes: too short for a safetensors file")
     (n,) = struct.unpack("<Q", reader.read(0, 8))
     if n > MAX_HEADER_BYTES or 8 + n > size:
         raise ValueError(f"header length {n} does not fit a {size}-byte file")
@@ -238,7 +239,7 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
     altered = n != shard.bytes or digest != shard.sha256.lower()
     if altered:
         problem("shard_altered", f"shard {key}: sha256 {digest[:16]}... ({n:,} bytes), the marker says "
-                                 f"{shard.sha256[:16]}... ({shard.bytes} bytes)")
+                                 f"{shard.sha256[:16]}... ({shard.bytes:,} bytes)")
     try:
         header, data_start = _read_header(reader, n)
         tensors = {k: v for k, v in header.items() if k != "__metadata__"}
@@ -409,7 +410,9 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
 
     Report keys: ``ok`` (no problem), ``problems`` (list of ``{batch, kind, detail}``), ``orphans``
     (shard keys no marker names), counts (``batches_planned``, ``batches_done``,
-    ``samples_planned``, ``samples_stored``, ``samples_quarantined``, ``bytes_hashed``) and
+    ``samples_planned``, ``samples_stored``, ``samples_quarantined``, ``bytes_hashed``), ``hash_seconds``
+    (reading and hashing the shards; ``seconds`` is the whole verify, the recompute's own time is
+    in ``recompute``) and
     ``recompute`` (when asked), ``unverified`` (batches whose marker, plan or shard could not be
     read for a store error after ``retry_s`` seconds of retries: problem kind ``unverified``, which
     ``reconcile --repair`` never acts on).
@@ -445,8 +448,9 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
             hashed += res.bytes_hashed
             if task is not None:
                 elapsed = max(time.perf_counter() - t0, 1e-9)
-                progress.update(task, advance=1, info=f"{hashed / 1e6:,.0f} MB hashed  {hashed / 1e6 / elapsed:,.0f} MB/s")
+                progress.update(task, advance=1, info=f"{fmt_bytes(hashed)} hashed  {fmt_bytes(hashed / elapsed)}/s")
 
+    hash_seconds = round(time.perf_counter() - t0, 2)  # the recompute's model load and forwards come after
     for res in results:
         problems.extend(res.problems)
     done = {r.batch for r in results if r.certified}
@@ -493,6 +497,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
         "samples_stored": len(stored),
         "samples_quarantined": len(quarantined - stored),
         "bytes_hashed": hashed,
+        "hash_seconds": hash_seconds,
         "orphans": orphans,
         "recompute": None,
     }

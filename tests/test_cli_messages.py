@@ -3,6 +3,7 @@ and the line ``run`` prints at once when it is stopped."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -122,3 +123,114 @@ def test_an_output_directory_given_for_a_run_names_the_runs_inside_it(tmp_path):
     message = _no_run_message(str(tmp_path), LocalStore(tmp_path))
     assert message.endswith("Runs in this directory: sharegpt-aaa, sharegpt-bbb")
     assert _no_run_message(str(tmp_path / "empty"), LocalStore(tmp_path / "empty")).endswith("give <output>/<run_id>")
+
+
+def _interrupt_tokenising(monkeypatch, after: int) -> None:
+    """Ctrl-C once ``after`` records have been tokenised (``producer.masks.ChatTokeniser.encode_many``)."""
+    from producer.masks import ChatTokeniser
+
+    real = ChatTokeniser.encode_many
+
+    def encode_many(self, records, **kwargs):
+        for n, item in enumerate(real(self, records, **kwargs)):
+            if n == after:
+                raise KeyboardInterrupt
+            yield item
+
+    monkeypatch.setattr(ChatTokeniser, "encode_many", encode_many)
+
+
+@pytest.mark.parametrize("command", ["run", "enqueue"])
+def test_ctrl_c_while_tokenising_says_nothing_was_written(command, tmp_path, tiny_cache, monkeypatch):
+    """Interrupted before the plan is written: no batches to speak of, and no bar drawn complete."""
+    from jobfixtures import run_here
+
+    _interrupt_tokenising(monkeypatch, after=2)
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", broker_url="redis://127.0.0.1:1/0" if command == "enqueue" else None)
+    if command == "enqueue":
+        monkeypatch.setattr("hsx.broker.check_broker", lambda url: None)
+    data = tmp_path / "chats.jsonl"  # no --limit: the bar has no total ("2/?")
+    data.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"question {i}"},
+                                                          {"from": "gpt", "value": f"answer {i}"}]}) + "\n" for i in range(6)))
+    proc = run_here([command, str(data), "--model", "tiny-qwen3.5", "--max-length", "128", "--output", str(tmp_path / "out")], env)
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted while tokenising the dataset (2 records read): nothing was written" in proc.stderr, proc.stderr
+    assert "run the same command again to start over" in proc.stderr
+    assert "finished batches keep their markers" not in proc.stderr
+    tokenising = next(line for line in proc.stderr.splitlines() if line.startswith("tokenising"))
+    assert "2/?" in tokenising and "━━━━" not in tokenising, tokenising
+    assert not list((tmp_path / "out").glob("*/run.json"))
+
+
+def test_ctrl_c_while_the_plan_is_written_says_to_plan_again(tmp_path, tiny_cache, monkeypatch):
+    from jobfixtures import run_here
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("producer.planner._write_plan", interrupted)
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state")
+    proc = run_here(["run", "sharegpt", "--limit", "3", "--model", "tiny-qwen3.5", "--max-length", "128",
+                     "--output", str(tmp_path / "out")], env)
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted while writing the plan" in proc.stderr and "it plans the run from the start" in proc.stderr, proc.stderr
+
+
+def test_a_rerun_with_every_batch_done_says_so_without_a_done_in_line(small_run):
+    """Nothing was enqueued: no "N/N batches done in X s" line, which reads as if work ran."""
+    from jobfixtures import run_here
+    from smallrun import SMALL_JOB
+
+    proc = run_here(["run", *SMALL_JOB, "--output", str(small_run["dir"].parent)], small_run["env"])
+    assert proc.returncode == 0, proc.stderr
+    total = small_run["report"]["batches_total"]
+    assert f"nothing to do: all {total} batches were already done (every batch has its marker); shards and markers under" in proc.stdout
+    assert " done in " not in proc.stdout, proc.stdout
+
+
+def test_sizes_are_decimal_with_one_decimal_and_never_read_as_zero():
+    from producer.words import fmt_bytes
+
+    assert [fmt_bytes(n) for n in (None, 0, 12_345, 400_000, 687_600_000, 999_999_999, 1_600_000_000, 3.2e12)] == [
+        "-", "0 bytes", "12,345 bytes", "0.4 MB", "687.6 MB", "1.0 GB", "1.6 GB", "3.2 TB"]
+
+
+def test_status_verify_and_export_print_the_same_size_for_the_same_shards(small_run, tmp_path):
+    """One convention for sizes: the stored bytes read the same in status, verify and export (decimal MB,
+    no MiB), and a small run's shards are not "0 MiB"."""
+    import re
+
+    from jobfixtures import run_here
+    from producer.words import fmt_bytes
+
+    env = small_run["env"]
+    status = run_here(["status", small_run["address"], "--no-broker"], env).stdout
+    verify = run_here(["verify", small_run["address"]], env).stdout
+    export = run_here(["export", small_run["address"], "--format", "specforge-eagle3", str(tmp_path / "x")], env).stdout
+    stored = json.loads(run_here(["status", small_run["address"], "--no-broker", "--json"], env).stdout)["bytes_stored"]
+    assert re.search(rf"stored\W+{re.escape(fmt_bytes(stored))} in shards", status), status
+    assert re.search(rf"hashed\W+{re.escape(fmt_bytes(stored))} in ", verify), verify
+    assert re.search(r"written\W+[\d.]+ MB in ", export), export
+    assert not any(unit in text for text in (status, verify, export) for unit in ("MiB", "GiB", " 0 MB"))
+
+
+def test_piped_output_is_wide_so_addresses_and_the_workers_table_are_not_cut(small_run):
+    """stdout a pipe, no COLUMNS: not rich's 80 columns (the address cut with "…", headers "dev…")."""
+    from jobfixtures import run_cli
+
+    env = {k: v for k, v in small_run["env"].items() if k != "COLUMNS"}
+    proc = run_cli("producer", ["status", small_run["address"], "--no-broker"], env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"file://{small_run['address']}" in proc.stdout and "…" not in proc.stdout, proc.stdout
+    assert "device" in proc.stdout and "heartbeat" in proc.stdout, proc.stdout
+
+
+def test_commands_to_copy_are_never_broken_across_lines(shared_worker, tmp_path, tiny_cache):
+    """On a narrow console the "follow it" command of ``run`` stays on one line (soft wrap)."""
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool")
+    proc = shared_worker.producer(["run", "sharegpt", "--limit", "2", "--model", "tiny-qwen3.5", "--max-length", "128",
+                                   "--batch-tokens", "256", "--output", str(tmp_path / "out")], {**env, "COLUMNS": "60"})
+    assert proc.returncode == 0, proc.stderr
+    follow = next(line for line in proc.stderr.splitlines() if line.startswith("follow it from another terminal"))
+    assert follow.endswith("--watch (or python -m producer flower)") and str(tmp_path / "out") in follow, proc.stderr
+    assert "follow it with" not in proc.stdout

@@ -89,6 +89,47 @@ def test_a_run_whose_every_worker_went_quiet_is_stalled_not_running(small_run, t
     assert RunWatch(store).poll(now=now)["state"] == "running"
 
 
+def _stalled_run(small_run, tmp_path, *, refusing: bool = False):
+    """A copy of the small run with one batch left and its only worker quiet (or refusing tasks)."""
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    last = read_batch_list(store)[-1]["batch"]
+    store.delete(marker_key(last))
+    for key in store.list(WORKERS_PREFIX):
+        store.delete(key)
+    now = float(int(time.time()))
+    record = ({"state": "refusing", "refusing_reason": "credentials refused", "updated_at": _utc(now - 1)} if refusing
+              else {"state": "working", "updated_at": _utc(now - 80)})
+    store.write("workers/node9-43.json", json.dumps({"host": "node9", "pid": 43, "device": "cpu", "heartbeat_s": 5.0,
+                                                     "batches": [], **record}).encode())
+    return run_dir, store, now
+
+
+def test_a_stalled_run_on_the_embedded_broker_is_restarted_by_running_it_again(small_run, tmp_path):
+    """``producer run``'s own broker is gone with it: the advice is that command, no broker URL and no
+    refusal to fix when no worker refuses; ``status`` finds the run's workers log on this machine."""
+    run_dir, store, now = _stalled_run(small_run, tmp_path)
+    status = RunWatch(store, broker="embedded").poll(now=now)
+    assert status["state"] == "stalled"
+    assert status["restart"] == "run the same `python -m producer run` command again: it enqueues every batch without a marker"
+    quiet = RunWatch(store, broker="redis://:***@head:6379/0").poll(now=now)["restart"]
+    assert quiet.startswith("start workers on the run's broker: `HSX_BROKER_URL=redis://:***@head:6379/0 python -m workers`")
+    assert "refusal" not in quiet and "refusal" not in RunWatch(store).poll(now=now)["restart"]
+
+    state = tmp_path / "state"
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / f"workers-{status['run_id']}.log").write_text("")
+    proc = run_here(["status", str(run_dir), "--json", "--no-broker"], {**small_run["env"], "HSX_STATE_DIR": str(state)})
+    assert json.loads(proc.stdout)["restart"] == status["restart"], proc.stderr
+
+
+def test_a_stalled_run_with_a_refusing_worker_says_to_fix_the_refusal_first(small_run, tmp_path):
+    run_dir, store, now = _stalled_run(small_run, tmp_path, refusing=True)
+    status = RunWatch(store, broker="embedded").poll(now=now)
+    assert status["state"] == "stalled" and "refuses tasks: credentials refused" in status["stalled_reason"]
+    assert status["restart"].startswith("fix the refusal's cause (above) first, then run the same `python -m producer run`")
+
+
 def test_status_watch_json_prints_one_line_per_refresh_and_stops_when_the_run_is_done(small_run):
     """``status --watch --json`` on a finished run prints one JSON line, state done, and exits 0; it needs no broker."""
     proc = run_here(["status", small_run["address"], "--watch", "--json", "--interval", "0.2"], small_run["env"])
@@ -120,7 +161,7 @@ def test_status_view_shows_gpu_readings_and_eta_of_a_running_run():
     out.print(status_view(status))
     text = out.export_text()
     for expected in ("50 / 200 batches (25.0%)", "9,000 tok/s", "eta", "11m07s", "gpu0@node1", "NVIDIA H200", "97%",
-                     "100.0 GiB / 141.0 GiB", "61C 650W", "b000051 (forward)", "148 waiting", "too_long 3"):
+                     "107.4 GB / 151.4 GB", "61C 650W", "b000051 (forward)", "148 waiting", "too_long 3"):
         assert expected in text, f"{expected!r} not in the view:\n{text}"
 
 
@@ -166,3 +207,23 @@ def test_a_worker_of_this_host_whose_process_is_gone_is_lost_at_once_and_shows_o
     assert row["state"] == "lost" and row["online"] is False, row
     assert row["running"] == [f"{undone} (waiting_gpu)"], row
     assert status["state"] == "stalled", status["state"]
+
+
+def test_the_rate_window_is_the_time_the_markers_cover_not_the_full_window(small_run, tmp_path):
+    """22 s into a run, the rate is not "over the last 2m00s": it is over the time since the first
+    marker it counts."""
+    from producer.status import RATE_WINDOW_S, recent_window
+
+    assert recent_window([(10.0, 100), (14.0, 100), (18.0, 100)], now=22.0) == (200 / 12.0, 12.0)
+    assert recent_window([(10.0, 100)], now=22.0) == (None, None)
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    store.delete(marker_key(read_batch_list(store)[-1]["batch"]))
+    watch = RunWatch(store)
+    first = watch.poll()
+    ends = sorted(m["end"] for m in watch.markers.values())
+    status = watch.poll(now=ends[-1] + 10)
+    assert status["rate_window_s"] == round(ends[-1] + 10 - ends[0], 1) < RATE_WINDOW_S, (first, ends)
+    out = Console(record=True, width=200)
+    out.print(status_view({**status, "state": "running"}))
+    assert f"over the last {round(status['rate_window_s'])}s" in out.export_text()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 from jobfixtures import run_here
 from smallrun import copy_run, quarantine_first_sample, upload_run
@@ -229,3 +230,20 @@ def test_shard_reads_cut_off_a_few_times_are_retried_through_the_store_and_pass(
         assert proxy.rules[0].hits == 6
     finally:
         proxy.stop()
+
+
+def test_verify_reports_the_hashing_time_apart_from_the_recompute(small_run, monkeypatch):
+    """``--recompute``'s model load and forwards are not counted as hashing time; they are reported on their own."""
+    import re
+
+    def slow_recompute(run_store, config, picks, settings, *, rtol=None, progress=None):
+        time.sleep(1.5)
+        return {"samples": [{"sample_index": 0}], "rtol": 0.01, "values_compared": 1, "worst_ratio": 0.1,
+                "load_s": 1.2, "seconds": 1.5}, []
+
+    monkeypatch.setattr("producer.verify.recompute_samples", slow_recompute)
+    proc = run_here(["verify", small_run["address"], "--recompute", "1"], small_run["env"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    hashed = re.search(r"hashed\W+[\d.,]+ [MG]B in ([\d.]+) s", proc.stdout)
+    assert hashed and float(hashed.group(1)) < 1.0, proc.stdout
+    assert "worst 0.10x the tolerance (rtol 0.01) in 1.5 s (model load 1.2 s)" in proc.stdout, proc.stdout
