@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def clean_env(**hsx) -> dict[str, str]:
-    """os.environ without HSX_* / AWS_* / CUDA vars, plus ``HSX_<KEY>=value`` for each keyword."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSX_", "AWS_"))}
+    """os.environ without HSX_* / AWS_* vars and the terminal's size (``COLUMNS`` / ``LINES``: output
+    must not wrap as the terminal running the tests does), plus ``HSX_<KEY>=value`` for each keyword."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSX_", "AWS_")) and k not in ("COLUMNS", "LINES")}
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
