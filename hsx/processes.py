@@ -16,3 +16,13 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def pid_namespace() -> str | None:
+    """This process's PID namespace (``pid:[4026531836]``, from ``/proc/self/ns/pid``), None where
+    there is none to read. Two processes with the same host name see each other's pids only when
+    this is the same: a container on the host's network shares its host name, not its pids."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None

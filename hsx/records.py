@@ -362,6 +362,9 @@ class WorkerStatus(Record):
     schema_version: Literal[1] = 1
     host: str
     pid: int
+    pid_ns: str | None = None
+    """The process's PID namespace (``hsx.processes.pid_namespace``): ``status`` on the same host and
+    namespace tells a dead process at once, from its missing pid."""
     worker: str | None = None
     """``<host>-<pid>``, the key's name."""
     device: str | None = None

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
-from hsx.processes import pid_alive
+from hsx.processes import pid_alive, pid_namespace
 from hsx.plan import plan_complete, planning_failed, read_batch_list, read_planning_record
 from hsx.records import Marker, Stats, WorkerStatus, done_batches, read_failures, read_heartbeats
 from hsx.runconfig import load_run
@@ -380,7 +380,8 @@ class RunWatch:
             beat = _ts(h.updated_at)
             # A process of this host that is gone is dead now, not three heartbeats from now (a
             # `producer run` stopped with a second Ctrl-C kills its workers and their launcher).
-            gone = h.state != "stopped" and h.host == socket.gethostname() and not pid_alive(h.pid)
+            gone = (h.state != "stopped" and h.host == socket.gethostname() and h.pid_ns is not None
+                    and h.pid_ns == pid_namespace() and not pid_alive(h.pid))
             if beat is not None:
                 r["last_heartbeat"] = _iso(beat)
                 r["heartbeat_age_s"] = round(max(now - beat, 0.0), 1)

@@ -181,8 +181,9 @@ def test_the_rate_on_screen_is_the_recent_one_not_an_average_that_counts_the_war
 
 
 def test_a_worker_of_this_host_whose_process_is_gone_is_lost_at_once_and_shows_only_its_undone_batches(small_run, tmp_path):
-    """A fresh record (heartbeat 1 s ago) of a process of this host that no longer exists: ``lost`` now, not
-    three heartbeats later, and of the batches it listed only those still without a marker are shown."""
+    """A fresh record (heartbeat 1 s ago) of a process of this host and PID namespace that no longer exists:
+    ``lost`` now, not three heartbeats later, and of the batches it listed only those still without a marker are
+    shown. The same record from another PID namespace (a container on the host's network) stays online."""
     import socket
     import subprocess
     import sys
@@ -197,8 +198,11 @@ def test_a_worker_of_this_host_whose_process_is_gone_is_lost_at_once_and_shows_o
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # its pid is now free: the process is gone
     now = float(int(time.time()))
+    from hsx.processes import pid_namespace
+
     store.write(f"workers/{socket.gethostname()}-{child.pid}.json", json.dumps({
-        "host": socket.gethostname(), "pid": child.pid, "device": "cpu", "state": "working", "heartbeat_s": 5.0,
+        "host": socket.gethostname(), "pid": child.pid, "pid_ns": pid_namespace(), "device": "cpu", "state": "working",
+        "heartbeat_s": 5.0,
         "batches": [{"batch": done, "phase": "forward", "since": _utc(now - 3)},
                     {"batch": undone, "phase": "waiting_gpu", "since": _utc(now - 3)}],
         "updated_at": _utc(now - 1)}).encode())
@@ -207,6 +211,10 @@ def test_a_worker_of_this_host_whose_process_is_gone_is_lost_at_once_and_shows_o
     assert row["state"] == "lost" and row["online"] is False, row
     assert row["running"] == [f"{undone} (waiting_gpu)"], row
     assert status["state"] == "stalled", status["state"]
+    store.write(f"workers/{socket.gethostname()}-{child.pid}.json", json.dumps({
+        **json.loads(store.read(f"workers/{socket.gethostname()}-{child.pid}.json")), "pid_ns": "pid:[1]"}).encode())
+    (row,) = [r for r in RunWatch(store).poll(now=now)["workers"] if r["pid"] == child.pid]
+    assert row["state"] == "working" and row["online"] is True, row
 
 
 def test_the_rate_window_is_the_time_the_markers_cover_not_the_full_window(small_run, tmp_path):

@@ -26,6 +26,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from hsx.processes import pid_namespace
 from hsx.records import BatchLease, SpoolStatus, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,8 @@ class Heartbeat:
             except OSError:
                 usage = None
         return WorkerStatus(
-            host=socket.gethostname(), pid=os.getpid(), worker=worker_name(), device=self.device, state=state,
+            host=socket.gethostname(), pid=os.getpid(), pid_ns=pid_namespace(), worker=worker_name(), device=self.device,
+            state=state,
             paused_reason=(spool.paused_reason if spool is not None else None) if paused else None,
             paused_since=_utc(spool.paused_since if spool is not None else None) if paused else None,
             refusing_reason=refusing["reason"] if refusing else None,
