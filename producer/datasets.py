@@ -464,8 +464,8 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *
         turns, role_key, content_key = None, "from", "value"
     if not isinstance(turns, list) or not turns:
         raise BadRecord(rid, "no_turns", "no 'conversations' or 'messages' list" if turns is None
-                        else f"the turn list is of type {type(turns).__name__} and length {_safe_len(turns)}, "
-                             "not a non-empty list of turns")
+                        else "the turn list is empty" if isinstance(turns, list)
+                        else f"the turn list is of type {type(turns).__name__} (length {_safe_len(turns)}), not a list")
 
     messages: list[dict] = []
     for i, turn in enumerate(turns):
