@@ -457,6 +457,25 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+#: options whose value may start with "-" (a negative layer id, which the range check then names).
+_MAY_BE_NEGATIVE = ("--layers",)
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--layers -1,2`` -> ``--layers=-1,2``: argparse takes a value starting with ``-`` for an option
+    and says "expected one argument" instead of the rule the value breaks."""
+    out, i = [], 0
+    while i < len(argv):
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        if argv[i] in _MAY_BE_NEGATIVE and value.startswith("-") and value[1:2].isdigit():
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m producer", description="Extract a target model's hidden states for draft-model training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -507,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repair", action="store_true", help="first run verify; redo every batch whose stored shard is bad")
     p.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
     # Recorded in plan/planning.json (status shows it when planning failed); any URL password masked.
     args.command_line = shlex.join(["python", "-m", "producer",
                                     *(mask_url(a) for a in (sys.argv[1:] if argv is None else argv))])

@@ -174,3 +174,11 @@ def test_an_output_that_is_a_file_is_refused_saying_so(tmp_path, env):
         said = " ".join((proc.stdout + proc.stderr).split())
         assert proc.returncode == 2 and f"{afile} is a file, not a directory" in said, said
     assert afile.read_text() == "not a directory"
+
+
+def test_a_negative_layer_id_is_refused_by_its_range_not_by_argparse(tmp_path, env):
+    """``--layers -1,2`` (a value that starts with '-'): the layer range rule, not argparse's "expected one argument"."""
+    proc = run_here(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--layers", "-1,2",
+                     "--output", str(tmp_path / "out")], env)
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and "out of range" in said and "expected one argument" not in said, said
