@@ -31,8 +31,16 @@ if TYPE_CHECKING:
 
 
 class Refused(BadConfig):
-    """A worker refuses a task: its run is outside the store roots the worker serves, or it was planned
-    for another model than the worker's ``HSX_MODEL``. Raised before anything is touched."""
+    """A worker refuses a task whose message is at fault: its run address is not a store URL, or its
+    batch is not a batch name. Raised before anything is touched; the message is dropped."""
+
+
+class NotServed(Refused):
+    """A task for a run this worker does not serve: outside the store roots it serves, or planned for
+    another model than its ``HSX_MODEL``. Raised before anything is touched. The message is good for
+    a worker configured for it, so this worker stops taking tasks (like a permanent error, with the
+    fix in its log and in ``status``) and the message goes back to the queue: one misconfigured
+    worker must not drain a run's queue (``workers/causes.py``)."""
 
 
 @dataclass(frozen=True)
@@ -107,8 +115,8 @@ def check_run_allowed(run_url: str, settings: "Settings") -> None:
     that exist).
 
     Raises:
-        Refused: the URL is outside every root, or is not a store URL at all; the message names
-            the value, the roots and the fix.
+        NotServed: the URL is outside every root; Refused: it is not a store URL at all. The
+            message names the value, the roots and the fix.
     """
     roots = allowed_roots(settings)
     shown = ", ".join(str(r) for r in roots)
@@ -119,11 +127,11 @@ def check_run_allowed(run_url: str, settings: "Settings") -> None:
                       f"{shown} only (HSX_STORE_URL plus HSX_ALLOWED_STORES). Fix: send the run's address as "
                       "producer enqueue writes it; nothing was read or created") from None
     if not any(r.contains(root) for r in roots):
-        raise Refused(
+        raise NotServed(
             f"task run address {mask_url(run_url)!r} (resolved: {root}) refused: this worker serves runs under "
             f"{shown} only (HSX_STORE_URL plus HSX_ALLOWED_STORES, compared by whole path segments after "
             "resolving links). Fix: if the run is yours, add its store root to HSX_ALLOWED_STORES "
             "(comma-separated) on the workers and restart them; nothing was read or created there")
 
 
-__all__ = ["Refused", "Root", "normalise", "allowed_roots", "check_run_allowed"]
+__all__ = ["Refused", "NotServed", "Root", "normalise", "allowed_roots", "check_run_allowed"]

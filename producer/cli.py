@@ -410,9 +410,11 @@ def cmd_reconcile(args, settings: Settings) -> int:
         out.print_json(json.dumps(report))
         return 0
     verb = "would enqueue" if args.dry_run else "enqueued"
+    answered = (f"({plural(len(report['workers']), 'worker')} answered)" if report.get("workers_asked", True)
+                else "(workers not asked: no open claim of its batches to check)")
     out.print(f"reconcile {report['run_id']}: {report['batches_done']}/{report['batches_total']} "
               f"{noun(report['batches_total'], 'batch')} done; {len(report['queued'])} queued, {len(report['running'])} running "
-              f"({plural(len(report['workers']), 'worker')} answered)", highlight=False)
+              f"{answered}", highlight=False)
     for batch, kinds in sorted(report["repaired"].items()):
         out.print(f"[yellow]repaired[/] {batch}: {', '.join(kinds)} (marker and shard removed)", highlight=False)
     for item in report["lost"]:

@@ -73,6 +73,8 @@ class BrokerView:
     """Delivered, unacknowledged messages that no live worker holds (their worker died)."""
     workers: list[str] = field(default_factory=list)
     """Workers that answered ``inspect``."""
+    asked: bool = False
+    """Whether the workers were asked at all (only when a claim of the batches asked about is open)."""
 
 
 def _batch_of(task: str | None, task_id: str | None, args: list, run_id: str, run_url: str) -> str | None:
@@ -153,6 +155,7 @@ def broker_view(settings: Settings, broker_url: str, run_id: str, run_url: str, 
     unacked = _unacked_of_run(client, run_id, run_url)
     held: set[str] = set()  # task ids live workers hold
     ask = only is None or any(b in only for _, b, _ in unacked)
+    view.asked = ask
     for reply in (_inspect(settings, broker_url, inspect_timeout_s) if ask else []):
         for worker, tasks in reply.items():
             if worker not in view.workers:
@@ -325,6 +328,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         "removed_shards": removed_shards,
         "removed_incomplete": removed_incomplete,
         "workers": view.workers,
+        "workers_asked": view.asked,
         "dry_run": dry_run,
         "broker": bool(broker_url),
         "seconds": round(time.perf_counter() - t0, 2),

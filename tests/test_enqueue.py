@@ -107,9 +107,12 @@ def test_reconcile_on_an_idle_embedded_broker_says_no_worker_takes_the_batches_a
 
     run_dir = copy_run(small_run, tmp_path)
     store = open_store(str(run_dir))
+    env = clean_env(cache_dir=small_run["cache"], state_dir=tmp_path / "state")
+    done = " ".join(run_here(["reconcile", str(run_dir)], env).stdout.split())  # every batch done: nobody is asked
+    assert "(workers not asked: no open claim of its batches to check)" in done and "nothing to do" in done, done
     victim = json.loads(store.read("plan/batches.json"))[0]["batch"]
     store.delete(marker_key(victim))
-    proc = run_here(["reconcile", str(run_dir)], clean_env(cache_dir=small_run["cache"], state_dir=tmp_path / "state"))
+    proc = run_here(["reconcile", str(run_dir)], env)
     said = " ".join(proc.stdout.split())
     assert proc.returncode == 0 and f"enqueued {victim}" in said, said
     assert "no worker takes these now" in said and "`producer run` command again" in said, said

@@ -174,11 +174,14 @@ def test_errors_are_sorted_by_cause():
     assert classify(FidelityError("batch b1 of run r: all 3 samples have NaN/Inf hidden states (first: ...)")) == DATA
     # A message naming a run or plan that is not in the store fails that batch; it never makes a worker refuse.
     assert classify(MissingKey("plan/b000001.npz")) == DATA
-    # A task this worker must never run (outside its roots, another model) is dropped, not put back for it.
-    from hsx.access import Refused
+    # A task whose message is at fault (not a store URL, a bad batch name) is dropped: no worker could run it.
+    # A run this worker does not serve (outside its roots, another model) is the worker's configuration: it
+    # refuses tasks and the message goes back for the others.
+    from hsx.access import NotServed, Refused
     from workers.causes import REFUSED
 
-    assert classify(Refused("task run address '/elsewhere' refused")) == REFUSED
+    assert classify(Refused("task batch '../x' refused")) == REFUSED
+    assert classify(NotServed("task run address '/elsewhere' refused")) == PERMANENT
     assert classify(KeyError("layer_ids")) == UNKNOWN
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from jobfixtures import ROOT, TcpBroker, WorkerProcess, clean_env, run_cli, wait_until
 
-from hsx.broker import EmbeddedBroker
+from hsx.broker import EmbeddedBroker, redis_client
 from hsx.errors import BadConfig
 from hsx.store import exists
 from settings import Settings
@@ -254,9 +254,9 @@ def test_read_only_commands_create_nothing_for_an_address_that_is_not_a_run(tmp_
 
 
 def test_a_worker_refuses_runs_outside_its_roots_and_runs_for_another_model_without_touching_them(tmp_path, tiny_cache):
-    """A real worker (HSX_STORE_URL=<tmp>/allowed, HSX_MODEL=tiny-qwen3.5): a task naming a path outside, a sibling
-    prefix or a bad batch name is refused and nothing is created there; a run in its root planned for another checkpoint
-    is refused with both models named and gets no marker."""
+    """A real worker (HSX_STORE_URL=<tmp>/allowed, HSX_MODEL=tiny-qwen3.5): a bad batch name is dropped; a task naming
+    a path outside or a sibling prefix makes the worker refuse tasks, goes back to the queue, and nothing is created
+    there; a run in its root planned for another checkpoint is refused the same way, both models named, no marker."""
     from hsx.queue import EXTRACT_TASK, make_celery
 
     allowed = tmp_path / "allowed"
@@ -281,21 +281,38 @@ def test_a_worker_refuses_runs_outside_its_roots_and_runs_for_another_model_with
         worker.wait_ready()
         app = make_celery(Settings(_env_file=None), broker.url, name="attacker")
         victims = [tmp_path / "outside" / "run", Path(f"{allowed}2") / "run"]
-        for v in victims:
-            app.send_task(EXTRACT_TASK, args=[str(v), "b000000"], queue="gpu")
+        # A message at fault (a bad batch name): dropped, and the worker goes on.
         app.send_task(EXTRACT_TASK, args=[planned.run_url, "../../escape"], queue="gpu")
-        app.send_task(EXTRACT_TASK, args=[planned.run_url, batch], queue="gpu")
-        app.close()
-        wait_until(lambda: worker.log().count("Refused") >= 4, 60, "the worker to refuse the four tasks")
+        wait_until(lambda: "task batch '../../escape' refused" in worker.log(), 60, "the bad batch name refused")
+        # A run outside its roots: not this worker's to serve. It refuses tasks from now on, names the fix, and the
+        # message goes back to the queue for a worker that serves it (one misconfigured worker drains nothing).
+        app.send_task(EXTRACT_TASK, args=[str(victims[0]), "b000000"], queue="gpu")
+        wait_until(lambda: "refuses tasks from now on" in worker.log(), 60, "the worker to refuse tasks")
         log = worker.log()
-        assert all(f"task run address {str(v)!r}" in log for v in victims), log[-3000:]
-        assert "HSX_ALLOWED_STORES" in log and "task batch '../../escape' refused" in log
-        assert "was planned for model 'someone/else'" in log and "HSX_MODEL='tiny-qwen3.5'" in log, log[-3000:]
+        assert f"task run address {str(victims[0])!r}" in log and "HSX_ALLOWED_STORES" in log, log[-3000:]
+        app.send_task(EXTRACT_TASK, args=[str(victims[1]), "b000000"], queue="gpu")
+        client = redis_client(broker.url)
+        wait_until(lambda: client.llen("gpu") == 2, 30, "both outside tasks back in (or left in) the queue")
         assert not (tmp_path / "outside").exists() and not Path(f"{allowed}2").exists()
-        assert not exists(planned.run_store, f"markers/{batch}.json")
-        # The run inside the worker's root held its lease while the worker read run.json, then let it go.
-        wait_until(lambda: not any(json.loads(planned.run_store.read(k)).get("batches") for k in planned.run_store.list("workers/")),
-                   20, "no status record to list the refused batch")
+        worker.kill()
+        client.delete("gpu")
+        # A run in its root planned for another checkpoint than HSX_MODEL: refused the same way, both models named.
+        second = WorkerProcess(env, "guarded2", tmp_path / "guarded2.log")
+        try:
+            second.wait_ready()
+            app.send_task(EXTRACT_TASK, args=[planned.run_url, batch], queue="gpu")
+            wait_until(lambda: "refuses tasks from now on" in second.log(), 60, "the second worker to refuse tasks")
+            log = second.log()
+            assert "was planned for model 'someone/else'" in log and "HSX_MODEL='tiny-qwen3.5'" in log, log[-3000:]
+            wait_until(lambda: client.llen("gpu") == 1, 30, "the other model's task back in the queue")
+            assert not exists(planned.run_store, f"markers/{batch}.json")
+            # The run inside the worker's root held its lease while the worker read run.json, then let it go.
+            wait_until(lambda: not any(json.loads(planned.run_store.read(k)).get("batches")
+                                       for k in planned.run_store.list("workers/")), 20, "no status record to list the batch")
+        finally:
+            second.kill()
+            second._log.close()
+            app.close()
     finally:
         worker.kill()
         worker._log.close()

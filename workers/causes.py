@@ -3,8 +3,8 @@
 | cause | examples | what happens |
 |---|---|---|
 | ``transient`` | a store timeout, refused connection, HTTP 5xx or throttling that outlasted ``HSX_STORE_RETRY_S``; a full store disk or spool (ENOSPC); a broker hiccup; CUDA out of memory | the task goes back to the queue through Celery (``Task.retry``) after ``HSX_TASK_RETRY_BASE_S`` doubling up to ``HSX_TASK_RETRY_MAX_S``, for as long as it takes; no failure record |
-| ``permanent`` | credentials refused, bucket missing (a non-transient ``StoreError``), a bad setting (``BadConfig``), a checkpoint that is not the run's model, a ``run.json`` this code cannot read (``RunFormatError``, written by a newer hsx) | this worker stops taking tasks (``refusing``, the error in its log and in ``status``); the message goes back to the queue for healthy workers |
-| ``refused`` | the task names a run outside the store roots this worker serves, a bad batch name, or a run planned for another checkpoint than its ``HSX_MODEL`` (``hsx.access.Refused``) | the message is dropped (acknowledged) with an ERROR line naming it; nothing is read or written for it, and the worker goes on with other tasks: a task it must never run is not put back for it to meet again |
+| ``permanent`` | credentials refused, bucket missing (a non-transient ``StoreError``), a bad setting (``BadConfig``), a checkpoint that is not the run's model, a ``run.json`` this code cannot read (``RunFormatError``, written by a newer hsx), a run this worker does not serve (outside its store roots, another checkpoint than its ``HSX_MODEL``: ``hsx.access.NotServed``) | this worker stops taking tasks (``refusing``, the error in its log and in ``status``); the message goes back to the queue for healthy workers |
+| ``refused`` | the task's message is at fault: its run address is not a store URL, or its batch is not a batch name (``hsx.access.Refused``) | the message is dropped (acknowledged) with an ERROR line naming it; nothing is read or written for it, and the worker goes on with other tasks: no worker could run it |
 | ``data`` | every sample of the batch had NaN/Inf hidden states (``FidelityError``); the run or the batch's plan is not in the store (``MissingKey``: the run was deleted, or the message names a batch that was never planned) | the batch is failed: ``failures/<batch>.json`` (:class:`hsx.records.Failure`; best effort: the run may be gone), the message acknowledged. A message that names what is not there is that message's problem, not the worker's: refusing would let one deleted run idle every worker |
 | ``unknown`` | anything else (a bug) | retried like a transient error :data:`UNKNOWN_RETRIES` times, then failed like a data error |
 """
@@ -48,8 +48,10 @@ def _broker_error(exc: BaseException) -> bool:
 
 def classify(exc: BaseException) -> str:
     """The cause of a task's error: :data:`TRANSIENT`, :data:`PERMANENT`, :data:`DATA` or :data:`UNKNOWN` (table above)."""
-    from hsx.access import Refused
+    from hsx.access import NotServed, Refused
 
+    if isinstance(exc, NotServed):  # the worker's configuration, not the message: others may serve it
+        return PERMANENT
     if isinstance(exc, Refused):
         return REFUSED
     if isinstance(exc, SpoolFull):

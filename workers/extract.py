@@ -46,7 +46,7 @@ from hsx.plan import read_batch
 from hsx.records import Failure, Marker, MarkerWorker, ShardRef
 from hsx.runconfig import load_run
 from hsx.shard import Final, StoreDtype, select_samples, serialize_shard, shard_metadata
-from hsx.access import Refused, check_run_allowed
+from hsx.access import NotServed, Refused, check_run_allowed
 from hsx.store import open_store, retry_transient, write_file
 from settings import Settings
 from workers.capture import launch_capture, merge_captured, right_padded_rows, split_by_tokens
@@ -123,8 +123,9 @@ def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
     (a marker existed, no work), or ``lost_race`` (another worker wrote the marker first).
 
     Raises:
-        hsx.access.Refused: the run lies outside this worker's store roots, the batch is not a batch
-            name, or (``HSX_MODEL`` set) the run was planned for another checkpoint; nothing touched.
+        hsx.access.NotServed: the run lies outside this worker's store roots, or (``HSX_MODEL`` set)
+            was planned for another checkpoint; nothing touched.
+        hsx.access.Refused: the run address is not a store URL or the batch is not a batch name.
         hsx.store.MissingKey: the run or the batch is not in the store.
         FidelityError: the loaded model is not the run's model, or every sample of the batch
             had NaN/Inf states (nothing to write; no shard, no marker).
@@ -169,7 +170,7 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
         target = get_target(settings.model, settings)
         differences = target.info.differences(config.model)
         if differences:
-            raise Refused(
+            raise NotServed(
                 f"batch {batch}: run {config.run_id} was planned for model {config.model_name!r}, and this worker serves "
                 f"HSX_MODEL={settings.model!r}, another checkpoint ({'; '.join(differences)}). Fix: send the run to "
                 "workers started with its model, or plan it with this worker's model")
