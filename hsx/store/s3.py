@@ -202,21 +202,23 @@ class S3Store:
             ) from e
         except ClientError as e:
             code, status = _error_code(e)
+            # a HEAD answer has no body: its "code" is the status again
+            http = f"HTTP {status}" if code in (None, "", str(status)) else f"HTTP {status} {code}"
             server = e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("server")
             if server:  # a 404 from something that is not an S3 server reads the same otherwise
                 where += f" (server: {server})"
             if status == 404 or code in ("404", "NoSuchBucket", "NotFound"):
                 raise StoreError(
-                    f"{where}: bucket {self.bucket!r} does not exist (HTTP {status} {code}). Fix: create "
+                    f"{where}: bucket {self.bucket!r} does not exist ({http}). Fix: create "
                     f"it (aws s3 mb s3://{self.bucket} --endpoint-url {self.endpoint}) or correct "
                     "the store URL / HSX_S3_ENDPOINT_URL"
                 ) from e
             if status in (401, 403) or code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
                 raise StoreError(
-                    f"{where}: credentials refused (HTTP {status} {code}). Fix: check "
+                    f"{where}: credentials refused ({http}). Fix: check "
                     "HSX_S3_ACCESS_KEY_ID / HSX_S3_SECRET_ACCESS_KEY and the bucket's permissions"
                 ) from e
-            raise StoreError(f"{where}: head_bucket failed (HTTP {status} {code}): {e}",
+            raise StoreError(f"{where}: head_bucket failed ({http}): {e}",
                              transient=transient_s3_error(e)) from e
         except BotoCoreError as e:
             raise StoreError(
