@@ -80,3 +80,23 @@ def decode_message(raw: bytes | str) -> tuple[str | None, str | None, list]:
         return headers.get("task"), headers.get("id"), list(args) if isinstance(args, (list, tuple)) else []
     except (ValueError, TypeError, AttributeError):
         return None, None, []
+
+
+#: Key separator kombu's Redis transport puts between a queue's name and a priority.
+PRIORITY_SEP = "\x06\x16"
+
+
+def queue_keys(queue: str) -> list[str]:
+    """The Redis lists kombu keeps for ``queue``: the queue itself and its priority steps 3, 6, 9
+    (kombu ``transport/redis.py``, ``PRIORITY_STEPS``)."""
+    return [queue] + [f"{queue}{PRIORITY_SEP}{p}" for p in (3, 6, 9)]
+
+
+def unacked_message(entry: bytes | str) -> dict | None:
+    """The message of a kombu ``unacked`` hash value (``[message, exchange, routing key]``, JSON);
+    None for anything else. Decode its task with :func:`decode_message` of ``json.dumps`` of it."""
+    try:
+        message = json.loads(entry)[0]
+    except (ValueError, TypeError, IndexError, KeyError):
+        return None
+    return message if isinstance(message, dict) else None

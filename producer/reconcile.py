@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 from hsx.layout import SHARDS_PREFIX, marker_key
 from hsx.plan import read_batch_list
-from hsx.queue import EXTRACT_TASK, decode_message as _decode, make_celery
+from hsx.queue import EXTRACT_TASK, decode_message as _decode, make_celery, unacked_message
 from hsx.records import Failure, Marker, done_batches, read_failures
 from hsx.runconfig import load_run
 from hsx.store import Store
@@ -118,9 +118,8 @@ def _unacked_of_run(client, run_id: str, run_url: str) -> list[tuple[bytes, str,
     ``unacked`` hash (its value is ``[message, exchange, routing_key]``; JSON messages only)."""
     out = []
     for tag, raw in client.hgetall(UNACKED_KEY).items():
-        try:
-            message = json.loads(raw)[0]
-        except (ValueError, TypeError, IndexError, KeyError):
+        message = unacked_message(raw)
+        if message is None:
             continue
         task, task_id, args = _decode(json.dumps(message))
         batch = _batch_of(task, task_id, args, run_id, run_url)

@@ -200,20 +200,15 @@ def drop_leftover_messages(broker_url: str, queue: str) -> dict[str, int]:
     lock), so nothing in it belongs to a live job. Returns how many extraction messages were
     dropped per run address (the task's first argument; ``"?"`` for a message that is not ours).
     """
-    from producer.status import _PRIORITY_SEP
     from hsx.broker import redis_client
-    from hsx.queue import decode_message
+    from hsx.queue import decode_message, queue_keys, unacked_message
 
     client = redis_client(broker_url)
     try:
         raws = []
-        for key in [queue] + [f"{queue}{_PRIORITY_SEP}{p}" for p in (3, 6, 9)]:
+        for key in queue_keys(queue):
             raws += client.lrange(key, 0, -1)
-        for entry in client.hvals("unacked"):  # [message, exchange, routing key]
-            try:
-                raws.append(json.dumps(json.loads(entry)[0]))
-            except (ValueError, TypeError, IndexError, KeyError):
-                raws.append(b"")
+        raws += [json.dumps(unacked_message(entry)) for entry in client.hvals("unacked")]  # null: not ours
         client.flushdb()
     finally:
         client.close()

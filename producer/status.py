@@ -71,8 +71,6 @@ def recent_rate(arrivals: list[tuple[float, float]], now: float, window_s: float
 HEARTBEAT_STALE_BEATS = 3
 #: The interval assumed for a record that does not state its ``heartbeat_s``.
 HEARTBEAT_DEFAULT_S = 5.0
-#: Key separator kombu's Redis transport puts between a queue's name and a priority.
-_PRIORITY_SEP = "\x06\x16"
 
 
 def _iso(ts: float | None) -> str | None:
@@ -86,9 +84,10 @@ def queue_length(broker_url: str, queue: str) -> dict:
     Raises whatever redis raises when the broker does not answer.
     """
     from hsx.broker import redis_client
+    from hsx.queue import queue_keys
 
     client = redis_client(broker_url)
-    keys = [queue] + [f"{queue}{_PRIORITY_SEP}{p}" for p in (3, 6, 9)]
+    keys = queue_keys(queue)
     pipe = client.pipeline()
     for k in keys:
         pipe.llen(k)

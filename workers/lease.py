@@ -75,6 +75,7 @@ def extraction_claims(client) -> list[dict]:
     delivery and the message's ``eta`` (seconds since the epoch). Bodies are decoded only when JSON."""
     from hsx.queue import EXTRACT_TASK
     from hsx.queue import decode_message as _decode
+    from hsx.queue import unacked_message
 
     entries = client.hgetall(UNACKED_KEY)
     if not entries:
@@ -84,9 +85,8 @@ def extraction_claims(client) -> list[dict]:
     out = []
     for tag, raw in entries.items():
         tag = tag.decode() if isinstance(tag, bytes) else tag
-        try:
-            message = json.loads(raw)[0]
-        except (ValueError, TypeError, IndexError, KeyError):
+        message = unacked_message(raw)
+        if message is None:
             continue
         task, task_id, args = _decode(json.dumps(message))
         if task != EXTRACT_TASK or len(args) < 2 or tag not in delivered:
