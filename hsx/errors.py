@@ -24,6 +24,9 @@ class BadRecord(HsxError):
         self.detail = detail
         super().__init__(f"record {record_id}: {reason}" + (f" ({detail})" if detail else ""))
 
+    def __reduce__(self):  # picklable: the planner's tokenising processes send them back
+        return (BadRecord, (self.record_id, self.reason, self.detail))
+
 
 class BadConfig(HsxError):
     """A setting or option is invalid; raised before any model or GPU work starts."""

@@ -7,7 +7,9 @@ relative to it. Modules name keys only through this module, so the layout is rea
 |---|---|---|
 | ``run.json`` | the planner, once (conditional create) | the run config and identity (:class:`hsx.runconfig.RunConfig`) |
 | ``plan/batches/<batch>.safetensors`` | the planner | one batch's samples (:class:`hsx.plan.BatchPlan`) |
-| ``plan/samples.jsonl`` | the planner | one :class:`~hsx.records.SampleRow` a line, in ``sample_index`` order |
+| ``plan/samples/<window>.jsonl`` | the planner, one per window | one :class:`~hsx.records.SampleRow` a line, in ``sample_index`` order |
+| ``plan/windows/<window>.json`` | the planner, after the window's batches and samples | :class:`~hsx.records.PlanWindow`: its presence means the window's batches may be enqueued |
+| ``plan/samples.jsonl`` | the planner of runs made before the streamed plan | all the run's :class:`~hsx.records.SampleRow` (read, never written now) |
 | ``plan/stats.json`` | the planner | :class:`~hsx.records.Stats` |
 | ``plan/batches.json`` | the planner, **last** | the batch list (:class:`~hsx.records.BatchList`): its presence means the plan is complete |
 | ``plan/planning.json`` | the planner, while it plans | :class:`~hsx.records.Planning`; removed when the plan is complete |
@@ -17,7 +19,8 @@ relative to it. Modules name keys only through this module, so the layout is rea
 | ``workers/<host>-<pid>.json`` | every worker process, each heartbeat | :class:`~hsx.records.WorkerStatus` (and the leases it holds) |
 | ``reclaims/<batch>-<tag>.<attempt>.json`` | the worker that re-enqueued an expired lease (conditional create) | :class:`~hsx.records.Reclaim` |
 
-``<batch>`` is a batch name (``b000042``, :func:`hsx.plan.batch_id`); ``<attempt>`` 12 random hex
+``<batch>`` is a batch name (``b000042``, :func:`hsx.plan.batch_id`); ``<window>`` a window name
+(``w000003``, :func:`hsx.plan.window_id`); ``<attempt>`` 12 random hex
 digits, so that racing duplicates never write the same shard key; ``<tag>`` a kombu delivery tag.
 """
 
@@ -28,6 +31,8 @@ RUN_JSON = "run.json"
 PLAN_PREFIX = "plan/"
 PLAN_BATCHES_PREFIX = "plan/batches/"
 SAMPLES_JSONL = "plan/samples.jsonl"
+PLAN_WINDOWS_PREFIX = "plan/windows/"
+PLAN_SAMPLES_PREFIX = "plan/samples/"
 STATS_JSON = "plan/stats.json"
 BATCHES_JSON = "plan/batches.json"
 PLANNING_JSON = "plan/planning.json"
@@ -44,6 +49,16 @@ _JSON = ".json"
 def batch_plan_key(batch: str) -> str:
     """``plan/batches/<batch>.safetensors``: the planned samples of ``batch``."""
     return f"{PLAN_BATCHES_PREFIX}{batch}.safetensors"
+
+
+def window_key(window: str) -> str:
+    """``plan/windows/<window>.json``: the record of one window of the plan (``w000003``)."""
+    return f"{PLAN_WINDOWS_PREFIX}{window}{_JSON}"
+
+
+def window_samples_key(window: str) -> str:
+    """``plan/samples/<window>.jsonl``: the sample rows of one window of the plan."""
+    return f"{PLAN_SAMPLES_PREFIX}{window}.jsonl"
 
 
 def shard_key(batch: str, attempt: str) -> str:

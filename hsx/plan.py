@@ -3,10 +3,16 @@
 Layout (keys: ``hsx/layout.py``; the JSON records: ``hsx/records.py``)::
 
     plan/batches/<batch>.safetensors   one per batch: the samples the worker feeds to the model
-    plan/samples.jsonl                 one line per sample, in sample_index order: record id, tokens, batch (SampleRow)
+    plan/samples/<window>.jsonl        one line per sample of the window, in sample_index order: record id, tokens, batch (SampleRow)
+    plan/windows/<window>.json         one per window, after its batches and samples: the window's batches (PlanWindow)
     plan/stats.json                    what the plan holds (Stats)
     plan/batches.json                  the batch list (BatchSummary); written LAST, so its presence means the plan is complete
-    plan/planning.json                 while the plan is written: who plans it; if planning failed: why (Planning)
+    plan/planning.json                 while the plan is written: who plans it and how far it got; if planning failed: why (Planning)
+
+**The plan is streamed.** The planner writes it one window at a time (``producer/planner.py``):
+a window's batches are in the store, and may be enqueued, as soon as its record is; the batches
+planned so far are the windows' batches (:func:`planned_batches`). ``plan/batches.json``, the
+whole list, comes last. Runs made before windows have ``plan/samples.jsonl`` and no windows.
 
 Each batch file holds (legend: T = tokens in the batch, N = samples in the batch):
 
@@ -31,17 +37,22 @@ from safetensors.numpy import save as st_save
 
 from hsx.layout import BATCHES_JSON, PLANNING_JSON, SAMPLES_JSONL, batch_plan_key
 from hsx.processes import pid_alive
-from hsx.records import BatchSummary, Planning
-from hsx.store import Store, exists
+from hsx.records import BatchSummary, Planning, PlanWindow, read_windows
+from hsx.store import MissingKey, Store, exists
 
-__all__ = ["BATCHES_JSON", "PLANNING_JSON", "SAMPLES_JSONL", "BatchPlan", "batch_id", "batch_key", "read_batch",
-           "read_batch_list", "plan_complete", "start_planning_record", "fail_planning_record",
+__all__ = ["BATCHES_JSON", "PLANNING_JSON", "SAMPLES_JSONL", "BatchPlan", "PlanWindow", "batch_id", "window_id",
+           "batch_key", "read_batch", "read_batch_list", "read_windows", "planned_batches", "plan_complete", "start_planning_record", "fail_planning_record",
            "read_planning_record", "planning_failed"]
 
 
 def batch_id(index: int) -> str:
     """Stable, sortable batch name: ``b000042``."""
     return f"b{index:06d}"
+
+
+def window_id(index: int) -> str:
+    """Stable, sortable window name: ``w000003``."""
+    return f"w{index:06d}"
 
 
 def batch_key(batch: str) -> str:
@@ -114,7 +125,25 @@ def read_batch_list(run_store: Store) -> list[dict]:
     return [b.model_dump(exclude={"schema_version"}) for b in BatchSummary.read_list(run_store)]
 
 
+def planned_batches(run_store: Store) -> tuple[list[dict], bool]:
+    """The batches planned so far and whether the plan is complete: ``plan/batches.json`` when it
+    is, else the batches of the windows written so far (in batch order; dicts as
+    :func:`read_batch_list` gives). A run being planned has some; one not planned yet, none.
+
+    Raises:
+        hsx.errors.RecordFormatError: a damaged batch list or window record.
+    """
+    if plan_complete(run_store):
+        try:
+            return read_batch_list(run_store), True
+        except MissingKey:  # a race with a delete: fall through to the windows
+            pass
+    batches = [b.model_dump(exclude={"schema_version"}) for w in read_windows(run_store) for b in w.batches]
+    return batches, False
+
+
 def plan_complete(run_store: Store) -> bool:
+    """True when ``plan/batches.json`` exists: every batch of the run is planned."""
     return exists(run_store, BATCHES_JSON)
 
 

@@ -14,7 +14,8 @@ into the run's identity; the shards are ``hsx/shard.py``.
 | :class:`Reclaim` | ``reclaims/<batch>-<tag>.<attempt>.json`` | ``workers/lease.py``, conditional create |
 | :class:`Stats` (with :class:`SkipCounts`) | ``plan/stats.json`` | ``producer/planner.py`` |
 | :class:`BatchSummary` (a JSON list of them) | ``plan/batches.json`` | ``producer/planner.py``, last |
-| :class:`SampleRow` (one JSON object a line) | ``plan/samples.jsonl`` | ``producer/planner.py`` |
+| :class:`SampleRow` (one JSON object a line) | ``plan/samples/<window>.jsonl`` (``plan/samples.jsonl`` in runs made before windows) | ``producer/planner.py`` |
+| :class:`PlanWindow` | ``plan/windows/<window>.json`` | ``producer/planner.py``, after the window's batch files and samples |
 | :class:`Planning` | ``plan/planning.json`` | ``hsx/plan.py`` for the planner |
 
 **Schema versions.** Every record class has a ``schema_version`` field, a ``Literal`` of the one
@@ -493,6 +494,13 @@ class Stats(Record):
     """Fraction of a padded layout's tokens that would be padding (``producer/batching.py``)."""
     skipped: SkipCounts = Field(default_factory=SkipCounts)
     plan_seconds: float | None = None
+    windows: int | None = None
+    """Windows of the streamed plan (None: a run planned before windows, sorted as a whole)."""
+    records_read: int | None = None
+    """Records of the dataset read, skipped ones included."""
+    bytes_read: int | None = None
+    num_proc: int | None = None
+    """Tokenising processes the plan was made with (it does not change the plan)."""
 
     @classmethod
     def read(cls, store: Store) -> "Stats | None":
@@ -533,7 +541,8 @@ _BATCH_LIST = TypeAdapter(list[BatchSummary])
 
 
 class SampleRow(Record):
-    """One line of ``plan/samples.jsonl`` (lines in ``sample_index`` order)."""
+    """One line of a window's ``plan/samples/<window>.jsonl`` (lines in ``sample_index`` order);
+    runs made before the streamed plan hold them all in ``plan/samples.jsonl``."""
 
     REPAIR: ClassVar[str] = Stats.REPAIR
 
@@ -548,23 +557,122 @@ class SampleRow(Record):
 
     @staticmethod
     def read_all(store: Store) -> list["SampleRow"]:
-        """Every line of ``plan/samples.jsonl``. Raises :class:`RecordFormatError` naming the line."""
+        """Every sample row of the plan, in ``sample_index`` order: the windows' files (those written
+        so far while the plan is streamed), or ``plan/samples.jsonl`` of a run made before windows.
+
+        Raises :class:`RecordFormatError` naming the file and line.
+        """
+        try:
+            return SampleRow._parse(store.read(layout.SAMPLES_JSONL), layout.SAMPLES_JSONL)
+        except MissingKey:
+            pass
+        windows = read_windows(store)
+        with ThreadPoolExecutor(8) as pool:
+            parts = list(pool.map(lambda w: SampleRow.read_window(store, w.name), windows))
+        return [row for part in parts for row in part]
+
+    @staticmethod
+    def read_window(store: Store, window: str) -> list["SampleRow"]:
+        """The rows of one window (``plan/samples/<window>.jsonl``). Raises :class:`MissingKey` if absent."""
+        key = layout.window_samples_key(window)
+        return SampleRow._parse(store.read(key), key)
+
+    @staticmethod
+    def _parse(data: bytes, key: str) -> list["SampleRow"]:
         out = []
-        for n, line in enumerate(store.read(layout.SAMPLES_JSONL).decode().splitlines(), start=1):
+        for n, line in enumerate(data.decode().splitlines(), start=1):
             if line.strip():
-                out.append(SampleRow.from_json(line, f"{layout.SAMPLES_JSONL} line {n}"))
+                out.append(SampleRow.from_json(line, f"{key} line {n}"))
         return out
 
     @staticmethod
-    def write_all(store: Store, rows) -> None:
-        """Write ``plan/samples.jsonl`` from an iterable of rows."""
-        lines = (json.dumps(r.model_dump(mode="json", exclude={"schema_version"})) for r in rows)
-        store.write(layout.SAMPLES_JSONL, ("\n".join(lines) + "\n").encode())
+    def rows_bytes(rows) -> bytes:
+        """The JSON-lines bytes of ``rows`` (what :meth:`write_window` stores)."""
+        lines = [json.dumps(r.model_dump(mode="json", exclude={"schema_version"})) for r in rows]
+        return ("\n".join(lines) + "\n").encode() if lines else b""
+
+    @staticmethod
+    def write_window(store: Store, window: str, rows) -> None:
+        """Write ``plan/samples/<window>.jsonl`` from an iterable of rows."""
+        store.write(layout.window_samples_key(window), SampleRow.rows_bytes(rows))
+
+
+class PlanWindow(Record):
+    """``plan/windows/<window>.json``: one window of the streamed plan (``producer/planner.py``).
+
+    The planner reads the dataset in order and cuts it into windows of consecutive samples; each
+    window's samples are sorted by length and cut into batches on their own, so its batches can be
+    enqueued while later windows are still tokenised. The record is written after the window's
+    batch files and sample rows: its presence means those are in the store. Windows are numbered
+    from 0 without gaps; their samples and batches follow each other (window k's first sample is
+    window k-1's ``first_sample + num_samples``, the same for batches).
+    """
+
+    REPAIR: ClassVar[str] = Stats.REPAIR
+
+    schema_version: Literal[1] = 1
+    window: int
+    """0-based index; the record's name is ``w<window:06d>``."""
+    first_sample: int
+    num_samples: int
+    first_batch: int
+    """The index of its first batch (``b<first_batch:06d>``)."""
+    batches: list[BatchSummary]
+    tokens: int
+    supervised_tokens: int
+    truncated_samples: int = 0
+    padded_tokens: int
+    """Sum over its batches of rows x longest row: the padding waste is ``1 - tokens / padded_tokens``."""
+    records_read: int
+    """Records of the dataset read through the end of this window (counted from the start of the
+    dataset, skipped ones included): a resumed plan starts reading after them."""
+    skipped: SkipCounts = Field(default_factory=SkipCounts)
+    """The records of this window that became no sample (this window's only, not cumulative)."""
+    claimed_ids: list[str] = Field(default_factory=list)
+    """Ids that records of this window claimed (they passed the record checks) but that became no
+    sample (too long, no supervised tokens, template error): with the samples' ids, what a resumed
+    plan needs to skip a later record with the same id as ``duplicate_id``, as one pass would."""
+    last: bool = False
+    """The dataset ended (or ``--limit`` was reached) in this window."""
+
+    @property
+    def name(self) -> str:
+        return f"w{self.window:06d}"
+
+    @classmethod
+    def read(cls, store: Store, window: str) -> "PlanWindow | None":
+        return cls._read(store, layout.window_key(window))
+
+    def write(self, store: Store) -> None:
+        store.write(layout.window_key(self.name), self.to_json())
+
+
+def read_windows(store: Store) -> list[PlanWindow]:
+    """The plan's windows written so far, in order: ``w000000``, ``w000001``... up to the first gap.
+
+    A window after a gap (written by a planner that raced ahead, if ever) is not returned: a window
+    counts only when every earlier one is in the store. Raises :class:`RecordFormatError` for a
+    damaged window record.
+    """
+    names = sorted(layout.names_under(store.list(layout.PLAN_WINDOWS_PREFIX), layout.PLAN_WINDOWS_PREFIX))
+    with ThreadPoolExecutor(8) as pool:
+        windows = [w for w in pool.map(lambda n: PlanWindow.read(store, n), names) if w is not None]
+    out = []
+    for w in sorted(windows, key=lambda w: w.window):
+        if w.window != len(out):
+            break
+        out.append(w)
+    return out
 
 
 class Planning(Record):
-    """``plan/planning.json``: who plans the run while the plan is written, and why planning failed.
-    Removed when the plan is complete; ignored once ``plan/batches.json`` exists."""
+    """``plan/planning.json``: who plans the run and how far it got, while the plan is written; and
+    why planning failed. Removed when the plan is complete; ignored once ``plan/batches.json`` exists.
+
+    The progress fields are rewritten after each window of the plan (``producer/planner.py``), so
+    ``status`` shows a run that is still planning: records read, samples, windows and batches so far,
+    and the dataset's bytes read out of its total (the planning's ETA).
+    """
 
     schema_version: Literal[1] = 1
     state: Literal["planning", "failed"]
@@ -575,6 +683,20 @@ class Planning(Record):
     """The command line that plans it."""
     error: str | None = None
     failed_at: str | None = None
+    records_read: int | None = None
+    samples: int | None = None
+    windows: int | None = None
+    batches: int | None = None
+    bytes_read: int | None = None
+    bytes_total: int | None = None
+    """The dataset's size in bytes (None: not known, e.g. a hub dataset streamed)."""
+    records_total: int | None = None
+    """Records the plan reads in all, when known before reading (``--limit``, ``--sample``)."""
+    updated_at: str | None = None
+    updated_unix: float | None = None
+    started_unix: float | None = None
+    num_proc: int | None = None
+    """Tokenising processes."""
 
     @classmethod
     def read(cls, store: Store) -> "Planning | None":
@@ -590,4 +712,5 @@ class Planning(Record):
 
 #: Every record class and the schema version it reads and writes (the module doc says when it changes).
 SCHEMA_VERSIONS: dict[str, int] = {c.__name__: c.VERSION for c in
-                                   (Marker, Failure, WorkerStatus, Reclaim, Stats, BatchSummary, SampleRow, Planning)}
+                                   (Marker, Failure, WorkerStatus, Reclaim, Stats, BatchSummary, SampleRow, PlanWindow,
+                                    Planning)}

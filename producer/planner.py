@@ -1,5 +1,15 @@
 """Planning a run: dataset -> chat template -> token ids and loss masks -> batches -> the plan in the store.
 
+**The plan is streamed.** The dataset is read once, in order; its records are tokenised on every
+core (``producer/tokenising.py``) and collected into windows of consecutive samples
+(:data:`PLAN_WINDOWS`). Each window is sorted by length and cut into token-budget batches on its
+own (``producer/batching.py``), written to the store (batch files, sample rows, then the window's
+record: ``hsx/plan.py``) and handed to ``on_window``, which enqueues its batches, while the next
+window is tokenised. The first batches reach the queue seconds after the start, whatever the
+dataset's size, and the planner holds one window in memory. An interrupted plan resumes after the
+last window written: the windows before are reused as they are, and the dataset is read on from
+the record after them.
+
 Everything that can be refused is refused here, before any model weights are loaded or any GPU
 work is queued: unknown model, layer ids out of range, a batch budget smaller than one sample,
 an unreachable store, a run id that exists with another config.
@@ -7,31 +17,35 @@ an unreachable store, a run id that exists with another config.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
 from hsx.errors import BadConfig, BadDataset, BadRecord
 from hsx.layers import layer_ids_from_draft_config, parse_layer_ids, select_layers
-from hsx.layout import RUN_JSON
-from hsx.models import load_tokenizer, model_info
-from hsx.plan import (BatchPlan, batch_id, batch_key, fail_planning_record,
-                       plan_complete, read_batch_list, start_planning_record)
-from hsx.records import BatchSummary, Planning, SampleRow, Stats
+from hsx.layout import RUN_JSON, window_samples_key
+from hsx.models import model_info
+from hsx.plan import (BatchPlan, batch_id, batch_key, fail_planning_record, plan_complete, read_batch_list,
+                      read_windows, start_planning_record)
+from hsx.records import BatchSummary, Planning, PlanWindow, SampleRow, SkipCounts, Stats
 from hsx.runconfig import RunConfig, check_run, check_run_id, claim_run
 from hsx.shard import StoreDtype
 from hsx.store import Store, exists, open_store
-from producer.batching import cut_batches, padding_waste
-from producer.datasets import SkipCounter, dataset_files, iter_conversations
-from producer.masks import MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES, SPECIAL_TOKENS_IN_CONTENT, ChatTokeniser
+from producer.batching import cut_batches
+from producer.datasets import EXAMPLES_PER_REASON, SkipCounter, dataset_files, iter_conversations
+from producer.masks import MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES, SPECIAL_TOKENS_IN_CONTENT
+from producer.sources import Source, SourceOptions, open_source
+from producer.tokenising import TokeniserSpec, Tokenisers, default_num_proc
+from producer.words import plural
 from settings import Settings
+
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +80,18 @@ class PlanOptions:
     special_tokens_in_content: str = "text"
     #: The command line that asked for the plan, recorded in plan/planning.json (status shows it when planning failed).
     command: str | None = None
+    #: Of a Hugging Face dataset: the split and the subset (config name); None: its default.
+    split: str | None = None
+    subset: str | None = None
+    #: Read the records in a seeded random order (needs seed).
+    shuffle: bool = False
+    seed: int | None = None
+    #: A seeded random subset of this many records (needs seed).
+    sample: int | None = None
+    #: A Jinja chat template file that replaces the tokenizer's (SpecForge's --chat-template).
+    chat_template: str | None = None
+    #: Tokenising processes (None: HSX_PLAN_NUM_PROC, else the machine's cores). Does not change the plan.
+    num_proc: int | None = None
 
 
 @dataclass
@@ -82,23 +108,29 @@ class PlannedRun:
     extras: dict = field(default_factory=dict)
 
 
-def dataset_fingerprint(source: str) -> str:
-    """sha256 over the dataset files' names, sizes and bytes (the run id changes if the data does)."""
-    h = hashlib.sha256()
-    for path in dataset_files(source):
-        h.update(f"{path.name}:{path.stat().st_size};".encode())
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
+#: Samples per window of the streamed plan, ``(first, largest)``: the first window is small, so the
+#: first batches reach the queue seconds after the start; each next window is twice the one
+#: before, up to the largest, where sorting within a window wastes about as little padding as
+#: sorting the whole dataset (BENCHMARKS.md, "Planning"). Recorded (and hashed) in run.json.
+PLAN_WINDOWS = (1024, 32768)
+#: Below this many records (``--limit``, ``--sample``), one process tokenises: starting more costs
+#: more than they save. The plan is the same either way.
+SMALL_PLAN_RECORDS = 2000
+#: Threads that write a window's batch files.
+WRITE_THREADS = 16
 
 
-def _dataset_name(source: str) -> str:
-    return source if source == "sharegpt" else Path(source).stem or "dataset"
+def window_samples(index: int, windows: tuple[int, int] | list[int] = PLAN_WINDOWS) -> int:
+    """Samples in window ``index`` (0-based): ``first * 2**index``, at most ``largest``."""
+    first, largest = int(windows[0]), int(windows[1])
+    return min(largest, first << min(index, 40))
 
 
-def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[RunConfig, object]:
-    """Validate the request and build the run config; returns it with the loaded tokenizer.
+def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[RunConfig, object, Source]:
+    """Validate the request and build the run config; returns it with the loaded ChatTokeniser and the source.
+
+    The dataset is fingerprinted here (one read of its bytes, in parallel blocks:
+    ``producer/sources.py``); nothing is written.
 
     Raises:
         BadConfig: any option is invalid (the message names it and says how to fix it).
@@ -121,6 +153,8 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
         raise BadConfig(f"--store-dtype {opts.store_dtype!r}: choose one of {', '.join(StoreDtype)}")
     if opts.limit is not None and opts.limit < 1:
         raise BadConfig(f"--limit {opts.limit}: must be a positive number of records")
+    if opts.num_proc is not None and opts.num_proc < 1:
+        raise BadConfig(f"--num-proc {opts.num_proc}: must be at least 1 process")
     if opts.over_length not in OVER_LENGTH_POLICIES:
         raise BadConfig(f"over_length {opts.over_length!r}: choose one of {', '.join(OVER_LENGTH_POLICIES)} "
                         "(--truncate or --drop-long)")
@@ -132,7 +166,10 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
             check_run_id(opts.run_id)
         except ValueError as exc:
             raise BadConfig(f"--run-id: {exc}") from None
-    files = dataset_files(opts.dataset)  # BadDataset early, before loading a model config
+    template_text = _chat_template_text(opts.chat_template)
+    options = SourceOptions(split=opts.split, subset=opts.subset, shuffle=opts.shuffle, seed=opts.seed,
+                            sample=opts.sample)
+    source = open_source(opts.dataset, options, cache_dir=settings.cache_dir)  # BadDataset early, before a model config
     info = model_info(opts.model, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     layer_ids = parse_layer_ids(opts.layers) if opts.layers is not None else None
     layer_source = None
@@ -153,9 +190,11 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
     layers = selection.as_dict()
     if layer_source:
         layers["source"] = layer_source
-    tokenizer = load_tokenizer(opts.model, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
-    chat = ChatTokeniser(tokenizer, max_length=max_length, enable_thinking=opts.enable_thinking,
-                         over_length=opts.over_length, special_tokens_in_content=opts.special_tokens_in_content)
+    spec = TokeniserSpec(model=opts.model, cache_dir=str(settings.cache_dir), trust_remote_code=settings.trust_remote_code,
+                         max_length=max_length, enable_thinking=opts.enable_thinking, over_length=opts.over_length,
+                         special_tokens_in_content=opts.special_tokens_in_content, allow_text=opts.allow_text,
+                         chat_template=template_text)
+    tokenizer, chat = spec.build()
     config = RunConfig(
         model=info.as_dict(),
         model_name=opts.model,
@@ -174,20 +213,55 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
         sample_policy={"over_length": opts.over_length, "allow_text": opts.allow_text,
                        "min_consecutive_supervised": MIN_CONSECUTIVE_SUPERVISED},
         special_tokens_in_content=opts.special_tokens_in_content,
-        dataset_fingerprint=dataset_fingerprint(opts.dataset),
-        dataset_source=opts.dataset if opts.dataset == "sharegpt" else str(Path(opts.dataset).resolve()),
+        plan_windows=list(PLAN_WINDOWS),
+        dataset_options=options.identity(),
+        dataset_fingerprint=source.fingerprint(),
+        dataset_source=source.location(),
+        dataset=source.describe(),
+        chat_template_file=str(Path(opts.chat_template).resolve()) if opts.chat_template else None,
         limit=opts.limit,
     )
-    config.run_id = opts.run_id or config.default_run_id(_dataset_name(opts.dataset))
+    config.run_id = opts.run_id or config.default_run_id(source.name)
     config.created_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    del files
-    return config, chat
+    return config, (spec, chat), source
 
 
-def tokenise_dataset(opts: PlanOptions, chat: ChatTokeniser, skips: SkipCounter, progress=None):
-    """Stream the dataset through the chat template. Returns (record ids, input ids, loss masks, truncated flags)."""
+def _chat_template_text(path: str | None) -> str | None:
+    """The text of a ``--chat-template`` file. Raises BadConfig for a missing or empty file."""
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadConfig(f"--chat-template {path!r}: cannot read it ({exc}); give a Jinja chat template file") from None
+    if not text.strip():
+        raise BadConfig(f"--chat-template {path!r} is empty: give a Jinja chat template file")
+    try:
+        from jinja2 import Environment
+
+        Environment().parse(text)
+    except Exception as exc:  # jinja2.TemplateSyntaxError
+        raise BadConfig(f"--chat-template {path!r} is not a valid Jinja template: {exc}") from None
+    return text
+
+
+def _num_proc(opts: PlanOptions, settings: Settings, source: Source) -> int:
+    """Tokenising processes: --num-proc, else HSX_PLAN_NUM_PROC, else the machine's cores; one for a small plan."""
+    asked = opts.num_proc or settings.plan_num_proc
+    if asked:
+        return asked
+    small = min(n for n in (opts.limit, opts.sample, source.total_records, 10**12) if n is not None)
+    return 1 if small < SMALL_PLAN_RECORDS else default_num_proc()
+
+
+def tokenise_dataset(opts: PlanOptions, chat, skips: SkipCounter, progress=None):
+    """Tokenise a whole dataset in this process (tests and benches; the planner streams it in windows).
+
+    Returns (record ids, input ids, loss masks, truncated flags) of the samples, in dataset order;
+    skipped records are counted in ``skips``.
+    """
     record_ids, ids, masks, truncated = [], [], [], []
-    task = progress.add_task("tokenising", total=opts.limit) if progress else None
     for item in chat.encode_many(iter_conversations(opts.dataset, skips, limit=opts.limit, allow_text=opts.allow_text)):
         if isinstance(item, BadRecord):
             skips.add(item)
@@ -196,64 +270,303 @@ def tokenise_dataset(opts: PlanOptions, chat: ChatTokeniser, skips: SkipCounter,
             ids.append(item.input_ids)
             masks.append(item.loss_mask)
             truncated.append(item.truncated)
-        if progress:
-            progress.advance(task)
-    if progress:
-        progress.update(task, completed=progress.tasks[task].completed, total=progress.tasks[task].completed)
     return record_ids, ids, masks, truncated
 
 
-def plan_run(opts: PlanOptions, settings: Settings, progress=None) -> PlannedRun:
-    """Plan (or find the existing plan of) a run and write it to the store.
+def plan_run(opts: PlanOptions, settings: Settings, progress=None, on_window=None) -> PlannedRun:
+    """Plan (or resume, or find the finished plan of) a run, streamed into the store one window at a time.
 
-    The same dataset and config give the same run id; when that run's plan is already complete
-    in the store it is reused as is (no tokenisation).
+    ``on_window(job, batches)`` is called with each window's batch summaries (dicts) once they are
+    in the store, in order, while later windows are tokenised: ``enqueue`` and ``run`` send them
+    to the workers there. A resumed plan first calls it with the batches of the windows already
+    written; a finished plan, once with all its batches.
 
-    Nothing is written until the dataset is tokenised: a dataset with no usable record, or a
-    Ctrl-C while tokenising, leaves no run behind. Then ``run.json`` is claimed and the plan is
-    written with ``plan/planning.json`` saying who writes it; ``plan/batches.json`` last. A failure
-    from there on (Ctrl-C, a store error) is recorded in ``plan/planning.json``, so ``status``
-    says the planning did not finish; running the same command again plans the run from the start.
+    Same dataset and config, same run id (the run id names the dataset's bytes and the config:
+    ``hsx/runconfig.py``). Nothing is written until the first window is tokenised: a dataset with
+    no usable record, or a Ctrl-C before, leaves no run. Then ``run.json`` is claimed and
+    ``plan/planning.json`` says who plans the run and how far it got. A failure from there on
+    (Ctrl-C, a store error, the dataset changing) is recorded in ``plan/planning.json``; the same
+    command later resumes after the last window written. ``plan/batches.json`` is written last.
 
     Raises:
         BadConfig, BadDataset: invalid request (nothing written).
+        producer.sources.DatasetChanged: the dataset's bytes changed while they were planned.
         hsx.errors.RunConflict: the run id exists with another config (nothing written).
         hsx.errors.StoreError: the store is unreachable.
     """
-    t0 = time.perf_counter()
+    return prepare_plan(opts, settings, progress).run(progress, on_window)
+
+
+def prepare_plan(opts: PlanOptions, settings: Settings, progress=None) -> "PlanJob":
+    """Check the request, fingerprint the dataset and find the run; writes nothing.
+
+    Raises what :func:`plan_run` raises before anything is written.
+    """
     root = open_store(opts.output or settings.store_url, settings)
     if exists(root, RUN_JSON):
         # --output takes the store root that holds runs; README examples write runs as ./out/<run_id>.
         raise BadConfig(f"--output {opts.output or settings.store_url!r} is a run (it holds run.json), not the store root "
                         "that runs are written under; a run here would be nested inside that one. Fix: give its parent "
                         "directory (e.g. --output ./out)")
-    config, chat = build_config(opts, settings, progress)
+    config, (spec, chat), source = build_config(opts, settings, progress)
     run_store = root.child(config.run_id)
-    run_url = run_store.url
-    existed = check_run(run_store, config) is not None  # RunConflict before any work
-    if existed and plan_complete(run_store):
-        return _reuse(run_store, root, config, run_url)
+    check_run(run_store, config)  # RunConflict before any work
+    return PlanJob(opts, settings, root, run_store, config, spec, chat, source)
 
-    record = None
-    try:
-        skips = SkipCounter()
-        record_ids, ids, masks, truncated = tokenise_dataset(opts, chat, skips, progress)
-        if not ids:
-            raise BadDataset(no_usable_record_message(opts.dataset, skips))
-        claim_run(run_store, config)
-        if plan_complete(run_store):  # another planner of the same run finished meanwhile
-            return _reuse(run_store, root, config, run_url)
-        record = start_planning_record(run_store, opts.command)
-        planned = _write_plan(run_store, root, config, run_url, record_ids, ids, masks, truncated, skips, progress, t0)
-    except BaseException as exc:
-        if record is not None:  # our plan is half written: say why it is not complete
-            fail_planning_record(run_store, record, _describe(exc))
-        raise
-    try:
-        Planning.delete(run_store)
-    except Exception:  # only a record: status ignores it once batches.json exists
-        pass
-    return planned
+
+@dataclass
+class _Window:
+    """Samples of the window being filled (the planner's memory: one window at a time)."""
+
+    index: int
+    first_sample: int
+    first_batch: int
+    record_ids: list = field(default_factory=list)
+    ids: list = field(default_factory=list)
+    masks: list = field(default_factory=list)
+    truncated: list = field(default_factory=list)
+    claimed_ids: list = field(default_factory=list)
+    skips: SkipCounter = field(default_factory=SkipCounter)
+
+
+class PlanJob:
+    """One run being planned: :func:`prepare_plan` makes it, :meth:`run` streams the windows."""
+
+    def __init__(self, opts, settings, root, run_store, config, spec, chat, source):
+        self.opts, self.settings, self.root, self.run_store = opts, settings, root, run_store
+        self.config, self.spec, self.chat, self.source = config, spec, chat, source
+        self.run_url = run_store.url
+        self.num_proc = _num_proc(opts, settings, source)
+        self.windows: list[PlanWindow] = []
+        self._record: Planning | None = None
+        self._claimed_run = False
+
+    # ------------------------------------------------------------------------------------------
+
+    def run(self, progress=None, on_window=None) -> PlannedRun:
+        t0 = time.perf_counter()
+        store = self.run_store
+        if plan_complete(store):
+            planned = self._reuse()
+            if on_window is not None:
+                on_window(self, planned.batches)
+            return planned
+        self.windows = read_windows(store)
+        self._claimed_run = bool(self.windows)  # windows are written after run.json
+        if self.windows and on_window is not None:
+            on_window(self, [b.model_dump(exclude={"schema_version"}) for w in self.windows for b in w.batches])
+        try:
+            if not (self.windows and self.windows[-1].last):
+                self._stream(progress, on_window, t0)
+            return self._finish(t0)
+        except BaseException as exc:
+            if self._record is not None:  # our plan is half written: say why it is not complete
+                fail_planning_record(store, self._record, _describe(exc))
+            raise
+
+    def _stream(self, progress, on_window, t0: float) -> None:
+        """Read the dataset after the windows already written, tokenise, publish each window."""
+        store, config = self.run_store, self.config
+        done = self.windows
+        seen: set[str] = set()
+        for w in done:  # rebuild the duplicate-id check of one pass over the dataset
+            seen.update(str(r.record_id) for r in SampleRow.read_window(store, w.name))
+            seen.update(w.claimed_ids)
+        records_read = done[-1].records_read if done else 0
+        source_skips = SkipCounter()  # what the readers note about whole files (a truncated JSON array)
+        raw = self.source.raw_records(source_skips)
+        items = ((item.fallback_id, item.raw) for item in islice(raw, records_read, None))
+        window = self._new_window(len(done))
+        task = None
+        if progress is not None:
+            total = self.source.total_bytes
+            task = progress.add_task("tokenising", total=total, bytes=total is not None)
+        writer = ThreadPoolExecutor(1, thread_name_prefix="plan-writer")
+        pending = None
+        limit = self.opts.limit
+        last_tick = 0.0
+        try:
+            with Tokenisers(self.spec, self.num_proc, chat=self.chat if self.num_proc == 1 else None) as pool:
+                for (_fid, _raw), outcome in pool.map(items):
+                    records_read += 1
+                    rid = outcome.claimed
+                    if rid is None:
+                        window.skips.add(outcome.skip)
+                    elif rid in seen:
+                        window.skips.add(BadRecord(rid, "duplicate_id",
+                                                   f"id {rid!r} belongs to an earlier usable record of this source"))
+                    else:
+                        seen.add(rid)
+                        for name in outcome.fixes:
+                            window.skips.fix(name)
+                        if outcome.sample is None:
+                            window.skips.add(outcome.skip)
+                            window.claimed_ids.append(rid)
+                        else:
+                            ids_S, mask_S, truncated = outcome.sample
+                            window.record_ids.append(rid)
+                            window.ids.append(ids_S)
+                            window.masks.append(mask_S)
+                            window.truncated.append(truncated)
+                    stop = limit is not None and len(seen) >= limit
+                    if len(window.ids) >= window_samples(window.index, config.plan_windows) or stop:
+                        pending = self._publish(writer, pending, window, records_read, False, on_window, t0)
+                        window = self._new_window(window.index + 1)
+                    if task is not None and (stop or time.monotonic() - last_tick > 0.2):
+                        last_tick = time.monotonic()
+                        self._tick(progress, task, records_read)
+                    if stop:
+                        break
+            window.skips.truncated_bytes.update(source_skips.truncated_bytes)
+            pending = self._publish(writer, pending, window, records_read, True, on_window, t0)
+            if pending is not None:
+                pending.result()
+            if task is not None:
+                self._tick(progress, task, records_read, final=True)
+        finally:
+            writer.shutdown(wait=True, cancel_futures=True)
+
+    def _tick(self, progress, task, records_read: int, final: bool = False) -> None:
+        samples = sum(w.num_samples for w in self.windows)
+        batches = sum(len(w.batches) for w in self.windows)
+        info = f"{plural(records_read, 'record')} read, {plural(samples, 'sample')} in {plural(batches, 'batch')} planned"
+        total = self.source.total_bytes
+        if total is not None:
+            progress.update(task, completed=total if final else self.source.bytes_read, info=info)
+        else:
+            progress.update(task, completed=records_read, info=info, **({"total": records_read} if final else {}))
+
+    def _new_window(self, index: int) -> _Window:
+        prev = self.windows[-1] if self.windows else None
+        return _Window(index=index, first_sample=prev.first_sample + prev.num_samples if prev else 0,
+                       first_batch=prev.first_batch + len(prev.batches) if prev else 0)
+
+    def _publish(self, writer, pending, window: _Window, records_read: int, last: bool, on_window, t0: float):
+        """Cut the window into batches and hand its writing to the writer thread (one window in flight).
+
+        The window's record is computed here, so that the next window's numbering follows at once;
+        ``self.windows`` gets it only once it is in the store.
+        """
+        if pending is not None:
+            pending.result()  # the previous window is in the store (or its error is raised here)
+        if not window.ids and not last:
+            return None
+        if not window.ids and not self.windows and not self._claimed_run:
+            raise BadDataset(no_usable_record_message(self.opts.dataset, window.skips))
+        if not self._claimed_run:
+            claim_run(self.run_store, self.config)
+            self._claimed_run = True
+        if self._record is None:
+            self._record = start_planning_record(self.run_store, self.opts.command)
+        record, plans, rows = _cut_window(window, self.config, records_read, last)
+        bytes_read = self.source.bytes_read or None  # read ahead of the window: progress only
+        self.windows.append(record)  # numbering of the next window; written below before anyone reads it
+        bytes_total = self.source.total_bytes
+        started = self._record
+
+        def write() -> None:
+            store = self.run_store
+            with ThreadPoolExecutor(WRITE_THREADS) as pool:
+                list(pool.map(lambda p: store.write(batch_key(p.batch), p.to_bytes()), plans))
+            store.write(window_samples_key(record.name), SampleRow.rows_bytes(rows))
+            record.write(store)  # last: the window's batches may now be enqueued
+            now = time.time()
+            progress_record = started.model_copy(update={
+                "records_read": records_read, "samples": record.first_sample + record.num_samples,
+                "windows": record.window + 1, "batches": record.first_batch + len(record.batches),
+                "bytes_read": bytes_read, "bytes_total": bytes_total,
+                "records_total": self.source.total_records or self.opts.limit, "num_proc": self.num_proc,
+                "updated_unix": now, "updated_at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
+                "started_unix": started.started_unix or (now - (time.perf_counter() - t0))})
+            try:
+                progress_record.write(store)
+            except Exception:  # only a record: status falls back to the windows
+                pass
+            if on_window is not None and record.batches:
+                on_window(self, [b.model_dump(exclude={"schema_version"}) for b in record.batches])
+
+        return writer.submit(write)
+
+    def _finish(self, t0: float) -> PlannedRun:
+        """Stats and the batch list (last: the plan is complete) from the windows."""
+        store, windows = self.run_store, self.windows
+        batches = [b.model_dump(exclude={"schema_version"}) for w in windows for b in w.batches]
+        skipped = _merge_skips(w.skipped for w in windows)
+        tokens = sum(w.tokens for w in windows)
+        padded = sum(w.padded_tokens for w in windows)
+        stats = Stats(
+            samples=sum(w.num_samples for w in windows), tokens=tokens,
+            supervised_tokens=sum(w.supervised_tokens for w in windows),
+            truncated_samples=sum(w.truncated_samples for w in windows), batches=len(batches),
+            padding_waste=round(1.0 - tokens / padded, 4) if padded else 0.0, skipped=skipped,
+            plan_seconds=round(time.perf_counter() - t0, 2), windows=len(windows),
+            records_read=windows[-1].records_read if windows else 0,
+            bytes_read=self.source.bytes_read or None, num_proc=self.num_proc,
+        )
+        stats.write(store)
+        BatchSummary.write_list(store, [b for w in windows for b in w.batches])  # last: the plan is complete
+        try:
+            Planning.delete(store)
+        except Exception:  # only a record: status ignores it once batches.json exists
+            pass
+        out = stats.model_dump(exclude={"schema_version"})
+        # One line for the whole plan: skipped records are counted per reason, never logged one by one.
+        log.info("plan %s", json.dumps({"run": self.config.run_id, "samples": out["samples"], "tokens": out["tokens"],
+                                        "batches": out["batches"], "windows": out["windows"],
+                                        "skipped": out["skipped"]["counts"], "repaired": out["skipped"]["fixes"],
+                                        "truncated": out["truncated_samples"]}))
+        return PlannedRun(store, self.root, self.config, batches, out, reused=False, run_url=self.run_url)
+
+    def _reuse(self) -> PlannedRun:
+        batches = read_batch_list(self.run_store)
+        stats = Stats.read(self.run_store)
+        stats = {} if stats is None else stats.model_dump(exclude={"schema_version"})
+        return PlannedRun(self.run_store, self.root, self.config, batches, stats, reused=True, run_url=self.run_url)
+
+
+def _cut_window(window: _Window, config: RunConfig, records_read: int, last: bool) -> tuple[PlanWindow, list[BatchPlan], list[SampleRow]]:
+    """The window's batches (its samples sorted by length, ``producer/batching.py``), sample rows and record."""
+    lengths_N = np.array([len(x) for x in window.ids], dtype=np.int64)
+    groups = cut_batches(lengths_N, batch_tokens=config.batch_tokens, max_batch_samples=config.max_batch_samples) \
+        if len(lengths_N) else []
+    batch_of = np.empty(len(lengths_N), dtype=np.int64)
+    plans = []
+    for b, members in enumerate(groups):
+        batch_of[members] = window.first_batch + b
+        cu = np.zeros(len(members) + 1, dtype=np.int64)
+        cu[1:] = np.cumsum(lengths_N[members])
+        plans.append(BatchPlan(batch_id(window.first_batch + b),
+                               np.concatenate([window.ids[i] for i in members]).astype(np.int32),
+                               np.concatenate([window.masks[i] for i in members]).astype(np.uint8),
+                               cu, (members + window.first_sample).astype(np.int64)))
+    supervised = [int(m.sum()) for m in window.masks]
+    rows = [SampleRow(sample_index=window.first_sample + i, record_id=window.record_ids[i], num_tokens=int(lengths_N[i]),
+                      supervised_tokens=supervised[i], truncated=bool(window.truncated[i]),
+                      batch=batch_id(int(batch_of[i])))
+            for i in range(len(lengths_N))]
+    record = PlanWindow(
+        window=window.index, first_sample=window.first_sample, num_samples=len(lengths_N),
+        first_batch=window.first_batch, batches=[BatchSummary(**p.summary()) for p in plans],
+        tokens=int(lengths_N.sum()), supervised_tokens=sum(supervised), truncated_samples=int(sum(window.truncated)),
+        padded_tokens=sum(int(lengths_N[g].max()) * len(g) for g in groups), records_read=records_read,
+        skipped=SkipCounts(**window.skips.as_dict()), claimed_ids=window.claimed_ids, last=last,
+    )
+    return record, plans, rows
+
+
+def _merge_skips(parts) -> SkipCounts:
+    """The skip counts of the whole plan from its windows' (examples: the first few of each reason)."""
+    total = SkipCounter()
+    for part in parts:
+        for reason, n in part.counts.items():
+            total.counts[reason] = total.counts.get(reason, 0) + n
+        for reason, items in part.examples.items():
+            have = total.examples.setdefault(reason, [])
+            have.extend(items[:max(0, EXAMPLES_PER_REASON - len(have))])
+        for name, n in part.fixes.items():
+            total.fixes[name] = total.fixes.get(name, 0) + n
+        total.truncated_bytes.update(part.truncated_bytes)
+    return SkipCounts(**total.as_dict())
 
 
 def no_usable_record_message(dataset: str, skips: SkipCounter) -> str:
@@ -279,60 +592,3 @@ def _describe(exc: BaseException) -> str:
     return f"{exc.__class__.__name__}: {str(exc)[:500]}"
 
 
-def _reuse(run_store: Store, root: Store, config: RunConfig, run_url: str) -> PlannedRun:
-    batches = read_batch_list(run_store)
-    stats = Stats.read(run_store)
-    stats = {} if stats is None else stats.model_dump(exclude={"schema_version"})
-    return PlannedRun(run_store, root, config, batches, stats, reused=True, run_url=run_url)
-
-
-def _write_plan(run_store: Store, root: Store, config: RunConfig, run_url: str, record_ids, ids, masks, truncated,
-                skips: SkipCounter, progress, t0: float) -> PlannedRun:
-    """Cut the tokenised samples into batches and write the plan; ``plan/batches.json`` last."""
-    lengths_N = np.array([len(x) for x in ids], dtype=np.int64)
-    groups = cut_batches(lengths_N, batch_tokens=config.batch_tokens, max_batch_samples=config.max_batch_samples)
-
-    batch_of = np.empty(len(ids), dtype=np.int64)
-    plans = []
-    for b, members in enumerate(groups):
-        batch_of[members] = b
-        cu = np.zeros(len(members) + 1, dtype=np.int64)
-        cu[1:] = np.cumsum(lengths_N[members])
-        plans.append(
-            BatchPlan(
-                batch_id(b),
-                np.concatenate([ids[i] for i in members]).astype(np.int32),
-                np.concatenate([masks[i] for i in members]).astype(np.uint8),
-                cu,
-                members.astype(np.int64),
-            )
-        )
-    task = progress.add_task("writing plan", total=len(plans)) if progress else None
-
-    def put(plan: BatchPlan) -> dict:
-        run_store.write(batch_key(plan.batch), plan.to_bytes())
-        if progress:
-            progress.advance(task)
-        return plan.summary()
-
-    with ThreadPoolExecutor(16) as pool:
-        batches = list(pool.map(put, plans))
-    SampleRow.write_all(run_store, (
-        SampleRow(sample_index=i, record_id=record_ids[i], num_tokens=int(lengths_N[i]),
-                  supervised_tokens=int(masks[i].sum()), truncated=bool(truncated[i]), batch=batch_id(int(batch_of[i])))
-        for i in range(len(ids))
-    ))
-    record = Stats(
-        samples=len(ids), tokens=int(lengths_N.sum()), supervised_tokens=int(sum(int(m.sum()) for m in masks)),
-        truncated_samples=int(sum(truncated)), batches=len(batches),
-        padding_waste=round(padding_waste(lengths_N, groups), 4), skipped=skips.as_dict(),
-        plan_seconds=round(time.perf_counter() - t0, 2),
-    )
-    record.write(run_store)
-    BatchSummary.write_list(run_store, [BatchSummary(**b) for b in batches])  # last: the plan is complete
-    stats = record.model_dump(exclude={"schema_version"})
-    # One line for the whole plan: skipped records are counted per reason, never logged one by one.
-    log.info("plan %s", json.dumps({"run": config.run_id, "samples": stats["samples"], "tokens": stats["tokens"],
-                                    "batches": stats["batches"], "skipped": stats["skipped"]["counts"],
-                                    "repaired": stats["skipped"]["fixes"], "truncated": stats["truncated_samples"]}))
-    return PlannedRun(run_store, root, config, batches, stats, reused=False, run_url=run_url)

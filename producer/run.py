@@ -1,8 +1,9 @@
 """``python -m producer run``: the whole job on one machine.
 
-Plan -> (embedded broker if no broker URL is set) -> local workers -> enqueue -> wait with a
-progress bar -> stop what we started -> summary. A second run of the same job finds every marker
-and starts nothing.
+Check the request -> (embedded broker if no broker URL is set) -> local workers (they load the
+model meanwhile) -> plan, each window's batches enqueued as it is written -> wait with a progress
+bar -> stop what we started -> summary. A second run of the same job finds every marker and starts
+nothing.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from hsx.broker import EmbeddedBroker, check_broker
 from hsx.errors import StoreError
 from hsx.records import done_batches, read_failures
 from hsx.store import mask_url
-from producer.enqueue import enqueue_batches
+from hsx.layout import window_key
+from hsx.plan import plan_complete
+from hsx.store import exists
+from producer.enqueue import WindowSender
 from producer.reconcile import RunReconciler
-from producer.planner import PlanOptions, PlannedRun, plan_run
+from producer.planner import PlanJob, PlanOptions, PlannedRun, prepare_plan
 from producer.status import recent_rate
 from producer.words import plural
 from settings import Settings
@@ -229,27 +233,45 @@ class PlanningInterrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM) while a run was planned; ``str()`` is the line the CLI prints."""
 
 
-def plan_or_interrupted(opts: PlanOptions, settings: Settings, progress) -> PlannedRun:
-    """:func:`producer.planner.plan_run`; a Ctrl-C meanwhile raises :class:`PlanningInterrupted`
-    saying how far planning got (before its tokenising task finished, nothing was written)."""
+def plan_or_interrupted(opts: PlanOptions | PlanJob, settings: Settings, progress, on_window=None) -> PlannedRun:
+    """:func:`producer.planner.plan_run` (or the run of a prepared :class:`PlanJob`); a Ctrl-C
+    meanwhile raises :class:`PlanningInterrupted` saying how far planning got."""
+    job = opts if isinstance(opts, PlanJob) else None
     try:
-        return plan_run(opts, settings, progress)
+        if job is None:
+            job = prepare_plan(opts, settings, progress)
+        return job.run(progress, on_window)
     except KeyboardInterrupt:
-        tasks = {t.description: t for t in progress.tasks} if progress is not None else {}
-        tokenising = tasks.get("tokenising")
-        if "writing plan" not in tasks and (tokenising is None or not tokenising.finished):
-            where = "before planning"  # loading the tokenizer, hashing the dataset, reading a finished plan
-            if tokenising is not None:
-                progress.stop_task(tokenising.id)  # its bar is drawn empty, not as a finished pulse
-                where = f"while tokenising the dataset ({plural(int(tokenising.completed), 'record')} read)"
-            raise PlanningInterrupted(f"interrupted {where}: nothing was written; "
+        if job is None:  # loading the tokenizer, fingerprinting the dataset
+            raise PlanningInterrupted("interrupted before planning: nothing was written; "
                                       "run the same command again to start over") from None
-        raise PlanningInterrupted("interrupted while writing the plan: status says the planning did not finish; "
-                                  "run the same command again: it plans the run from the start") from None
+        written = [w for w in job.windows if exists(job.run_store, window_key(w.name))] if job.windows else []
+        if not written:
+            tasks = {t.description: t for t in progress.tasks} if progress is not None else {}
+            tokenising = tasks.get("tokenising")
+            if tokenising is not None:
+                progress.stop_task(tokenising.id)
+            raise PlanningInterrupted("interrupted while tokenising the dataset, before its first window was "
+                                      "written: nothing was written; run the same command again to start over") from None
+        batches = sum(len(w.batches) for w in written)
+        samples = sum(w.num_samples for w in written)
+        raise PlanningInterrupted(
+            f"interrupted while planning: {plural(len(written), 'window')} of the plan ({plural(samples, 'sample')} in "
+            f"{plural(batches, 'batch')}) are in the store; run the same command again: it resumes after them") from None
+
+
+def _plan_report(planned: PlannedRun, done_before: set[str]) -> dict:
+    return {"run_id": planned.config.run_id, "address": planned.run_url, "plan": planned.stats,
+            "plan_reused": planned.reused, "batches_total": len(planned.batches),
+            "batches_already_done": len(done_before), "batches_enqueued": 0}
 
 
 def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:
-    """Plan, start what is missing, extract every batch, stop what we started. Returns (exit code, report)."""
+    """Start what is missing, plan (streamed: each window's batches are enqueued while the next is
+    tokenised), extract every batch, stop what we started. Returns (exit code, report).
+
+    The workers start before planning, so they load the model while the dataset is tokenised.
+    """
     t0 = time.perf_counter()
     claimed = None
     if settings.broker_url:
@@ -259,27 +281,31 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         # (no state dir yet: no other run holds it, and a refused config leaves nothing behind)
         claimed = EmbeddedBroker(settings.broker_state_dir).claim()
     try:
-        with progress_factory() as progress:
-            planned = plan_or_interrupted(opts, settings, progress)
-        done_before = done_batches(planned.run_store) & {b["batch"] for b in planned.batches}
+        try:
+            job = prepare_plan(opts, settings)  # every refusal before anything starts
+        except KeyboardInterrupt:
+            raise PlanningInterrupted("interrupted before planning: nothing was written; "
+                                      "run the same command again to start over") from None
+        if plan_complete(job.run_store):
+            planned = job.run()
+            done_before = done_batches(planned.run_store) & {b["batch"] for b in planned.batches}
+            if len(done_before) == len(planned.batches):
+                if claimed is not None:
+                    claimed.release()
+                report = _plan_report(planned, done_before)
+                report["seconds"] = round(time.perf_counter() - t0, 2)
+                return 0, report
     except BaseException:
         if claimed is not None:
             claimed.release()
         raise
-    report = {"run_id": planned.config.run_id, "address": planned.run_url, "plan": planned.stats,
-              "plan_reused": planned.reused, "batches_total": len(planned.batches),
-              "batches_already_done": len(done_before), "batches_enqueued": 0}
-    if len(done_before) == len(planned.batches):
-        if claimed is not None:
-            claimed.release()
-        report["seconds"] = round(time.perf_counter() - t0, 2)
-        return 0, report
 
     broker = claimed  # stopped (and its lock released) in the finally below, started or not
     if broker is None and not settings.broker_url:
         broker = EmbeddedBroker(settings.broker_state_dir)
     local = None
     code = 0
+    report: dict = {}
     try:
         broker_url = settings.broker_url
         if not broker_url:
@@ -289,23 +315,26 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
             # be run by this run's workers, which load this run's model. Every run enqueues every
             # batch it lacks, so dropping them loses nothing: the next run of that job enqueues them.
             for run_url, n in sorted(drop_leftover_messages(broker_url, settings.queue).items()):
-                if run_url == planned.run_url:
+                if run_url == job.run_url:
                     continue  # this run's own: enqueued again below
                 console.print(f"[dim]embedded broker: dropped {n} queued batch message(s) of {mask_url(run_url)}, "
                               "left by an interrupted run or a reconcile; run that job's `producer run` again to "
                               "redo them[/]", soft_wrap=True)
             console.print(f"[dim]embedded broker: valkey-server on {broker.socket_path} (AOF in {settings.broker_state_dir})[/]",
                           soft_wrap=True)
-        log_path = workers_log_path(settings, planned.config.run_id)
+        log_path = workers_log_path(settings, job.config.run_id)
         env = settings_env(settings, broker_url=broker_url, model=opts.model)
         local = LocalWorkers(env, log_path, count=workers)
         # soft_wrap: lines with commands and paths to copy are never broken
         console.print(f"[dim]workers: python -m workers (log: {log_path})[/]", soft_wrap=True)
-        console.print(f"[dim]follow it from another terminal: python -m producer status {planned.run_url} --watch "
+        console.print(f"[dim]follow it from another terminal: python -m producer status {job.run_url} --watch "
                       "(or python -m producer flower)[/]", soft_wrap=True)
         with progress_factory() as progress:
-            result = enqueue_batches(planned, settings, broker_url, progress)
-            report["batches_enqueued"] = len(result.enqueued)
+            sender = WindowSender(settings, broker_url, progress)
+            planned = plan_or_interrupted(job, settings, progress, on_window=sender)
+            done_before = set(sender.result.already_done)
+            report = _plan_report(planned, done_before)
+            report["batches_enqueued"] = len(sender.result.enqueued)
             reconciler = RunReconciler(planned.run_store, settings, broker_url)
             waited = wait_for_markers(planned, local, progress, reconcile=reconciler)
         report["reconciled"] = reconciler.redone
@@ -317,6 +346,8 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
             code = 1
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI turns it into KeyboardInterrupt)
         console.print(stopping_line(local is not None, broker is not None and broker.proc is not None))
+        raise
+    except BaseException:
         raise
     finally:
         _stop_started(local, broker, console)

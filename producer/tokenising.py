@@ -1,0 +1,181 @@
+"""Tokenising on every core: records in dataset order -> samples or skips, in the same order.
+
+The records are checked (``producer/datasets.py`` ``_normalise``), rendered with the chat template,
+tokenised and given their loss masks (``producer/masks.py``) in ``num_proc`` worker processes
+(``spawn``: a fresh interpreter each, no state forked from the planner's threads), each with its
+own :class:`~producer.masks.ChatTokeniser` built from the same :class:`TokeniserSpec`. The planner
+process only reads the records, checks ids for duplicates (that needs every earlier id) and puts
+the results in order. ``num_proc=1`` runs the same functions in the planner process. Each result
+depends only on its record, so the plan is the same whatever ``num_proc`` is.
+
+Memory stays bounded: at most :data:`IN_FLIGHT_PER_PROC` chunks of :data:`CHUNK_RECORDS` records per
+process are read ahead of the results.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from hsx.errors import BadRecord
+from producer.datasets import SkipCounter, _normalise
+
+log = logging.getLogger(__name__)
+
+#: Records sent to a worker process at a time.
+CHUNK_RECORDS = 128
+#: Chunks in flight per worker process (read ahead of the results).
+IN_FLIGHT_PER_PROC = 3
+
+
+@dataclass(frozen=True)
+class TokeniserSpec:
+    """What a process needs to build the planner's :class:`~producer.masks.ChatTokeniser` (picklable).
+
+    ``chat_template``: the template text that replaces the tokenizer's (``--chat-template``), or None.
+    """
+
+    model: str
+    cache_dir: str
+    trust_remote_code: bool
+    max_length: int
+    enable_thinking: bool | None
+    over_length: str
+    special_tokens_in_content: str
+    allow_text: bool
+    chat_template: str | None = None
+
+    def build(self):
+        """The tokenizer (loaded from the model) and its ChatTokeniser. Raises BadConfig."""
+        from hsx.models import load_tokenizer
+        from producer.masks import ChatTokeniser
+
+        tokenizer = load_tokenizer(self.model, Path(self.cache_dir), trust_remote_code=self.trust_remote_code)
+        if self.chat_template is not None:
+            tokenizer.chat_template = self.chat_template
+        return tokenizer, ChatTokeniser(tokenizer, max_length=self.max_length, enable_thinking=self.enable_thinking,
+                                        over_length=self.over_length,
+                                        special_tokens_in_content=self.special_tokens_in_content)
+
+
+@dataclass
+class Outcome:
+    """What one record became.
+
+    ``claimed``: the id the record claims (it passed the record checks), or None; ``sample``:
+    ``(input_ids int32 [S], loss_mask uint8 [S], truncated)`` or None; ``skip``: the BadRecord
+    when it became no sample; ``fixes``: repairs made to it (``leading_assistant_dropped``).
+    """
+
+    claimed: str | None
+    sample: tuple[np.ndarray, np.ndarray, bool] | None
+    skip: BadRecord | None
+    fixes: tuple[str, ...] = ()
+
+
+_CHAT = None  # this process's ChatTokeniser (worker processes: built by _init)
+_ALLOW_TEXT = False
+
+
+def _init(spec: TokeniserSpec) -> None:
+    global _CHAT, _ALLOW_TEXT
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _CHAT = spec.build()[1]
+    _ALLOW_TEXT = spec.allow_text
+
+
+def encode_chunk(items: list[tuple[str, object]], chat=None, allow_text: bool | None = None) -> list[Outcome]:
+    """The :class:`Outcome` of each ``(fallback_id, raw record or BadRecord)``, in order.
+
+    Runs in a worker process (``chat`` None: the process's own) or in the planner (``num_proc=1``).
+    """
+    chat = _CHAT if chat is None else chat
+    allow_text = _ALLOW_TEXT if allow_text is None else allow_text
+    out: list[Outcome | None] = [None] * len(items)
+    records, where = [], []
+    for k, (fallback_id, raw) in enumerate(items):
+        if isinstance(raw, BadRecord):  # a line that did not parse
+            out[k] = Outcome(None, None, raw)
+            continue
+        local = SkipCounter()
+        try:
+            record = _normalise(raw, fallback_id, set(), local, allow_text=allow_text)
+        except BadRecord as err:
+            out[k] = Outcome(None, None, err)
+            continue
+        out[k] = Outcome(record.record_id, None, None, tuple(name for name, n in local.fixes.items() for _ in range(n)))
+        records.append(record)
+        where.append(k)
+    for k, result in zip(where, chat.encode_many(records, chunk_records=max(1, len(records)))):
+        if isinstance(result, BadRecord):
+            out[k].skip = result
+        else:
+            out[k].sample = (result.input_ids.astype(np.int32, copy=False), result.loss_mask.astype(np.uint8, copy=False),
+                             bool(result.truncated))
+    return out  # type: ignore[return-value]
+
+
+def default_num_proc() -> int:
+    """The machine's cores available to this process (``sched_getaffinity``; a container's CPU set)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class Tokenisers:
+    """``num_proc`` tokenising processes (or none for 1); :meth:`map` keeps the input order.
+
+    Use as a context manager: the processes are stopped on exit (Ctrl-C included).
+    """
+
+    def __init__(self, spec: TokeniserSpec, num_proc: int, chat=None):
+        self.spec = spec
+        self.num_proc = max(1, int(num_proc))
+        self._chat = chat
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> "Tokenisers":
+        if self.num_proc > 1:
+            self._pool = ProcessPoolExecutor(self.num_proc, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_init, initargs=(self.spec,))
+        elif self._chat is None:
+            self._chat = self.spec.build()[1]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            # cancel what is queued; a Ctrl-C reached the workers too (same process group) and they exit
+            self._pool.shutdown(wait=exc[0] is None, cancel_futures=True)
+            self._pool = None
+
+    def map(self, items: Iterable[tuple[str, object]]) -> Iterator[tuple[tuple[str, object], Outcome]]:
+        """``(item, outcome)`` for each item, in input order; at most a few chunks read ahead."""
+        it = iter(items)
+        if self._pool is None:
+            while chunk := list(islice(it, CHUNK_RECORDS)):
+                yield from zip(chunk, encode_chunk(chunk, self._chat, self.spec.allow_text))
+            return
+        pending: deque[tuple[list, Future]] = deque()
+        limit = self.num_proc * IN_FLIGHT_PER_PROC
+        exhausted = False
+        while True:
+            while not exhausted and len(pending) < limit:
+                chunk = list(islice(it, CHUNK_RECORDS))
+                if not chunk:
+                    exhausted = True
+                    break
+                pending.append((chunk, self._pool.submit(encode_chunk, chunk)))
+            if not pending:
+                return
+            chunk, fut = pending.popleft()
+            yield from zip(chunk, fut.result())
