@@ -113,9 +113,11 @@ class PlannedRun:
 #: before, up to the largest, where sorting within a window wastes about as little padding as
 #: sorting the whole dataset (BENCHMARKS.md, "Planning"). Recorded (and hashed) in run.json.
 PLAN_WINDOWS = (1024, 32768)
-#: Below this many records (``--limit``, ``--sample``), one process tokenises: starting more costs
-#: more than they save. The plan is the same either way.
+#: Below this many records (``--limit``, ``--sample``) or bytes of dataset, one process tokenises:
+#: starting more (about 3 s each to import transformers and load the tokenizer) costs more than
+#: they save. The plan is the same either way.
 SMALL_PLAN_RECORDS = 2000
+SMALL_PLAN_BYTES = 4 << 20
 #: Threads that write a window's batch files.
 WRITE_THREADS = 16
 
@@ -252,7 +254,8 @@ def _num_proc(opts: PlanOptions, settings: Settings, source: Source) -> int:
     if asked:
         return asked
     small = min(n for n in (opts.limit, opts.sample, source.total_records, 10**12) if n is not None)
-    return 1 if small < SMALL_PLAN_RECORDS else default_num_proc()
+    small_bytes = source.total_bytes is not None and source.total_bytes < SMALL_PLAN_BYTES
+    return 1 if small < SMALL_PLAN_RECORDS or small_bytes else default_num_proc()
 
 
 def tokenise_dataset(opts: PlanOptions, chat, skips: SkipCounter, progress=None):
@@ -339,7 +342,7 @@ class PlanJob:
         self.num_proc = _num_proc(opts, settings, source)
         self.windows: list[PlanWindow] = []
         self._record: Planning | None = None
-        self._claimed_run = False
+        self.claimed_run = False
 
     # ------------------------------------------------------------------------------------------
 
@@ -352,7 +355,7 @@ class PlanJob:
                 on_window(self, planned.batches)
             return planned
         self.windows = read_windows(store)
-        self._claimed_run = bool(self.windows)  # windows are written after run.json
+        self.claimed_run = bool(self.windows)  # windows are written after run.json
         if self.windows and on_window is not None:
             on_window(self, [b.model_dump(exclude={"schema_version"}) for w in self.windows for b in w.batches])
         try:
@@ -451,11 +454,11 @@ class PlanJob:
             pending.result()  # the previous window is in the store (or its error is raised here)
         if not window.ids and not last:
             return None
-        if not window.ids and not self.windows and not self._claimed_run:
+        if not window.ids and not self.windows and not self.claimed_run:
             raise BadDataset(no_usable_record_message(self.opts.dataset, window.skips))
-        if not self._claimed_run:
+        if not self.claimed_run:
             claim_run(self.run_store, self.config)
-            self._claimed_run = True
+            self.claimed_run = True
         if self._record is None:
             self._record = start_planning_record(self.run_store, self.opts.command)
         record, plans, rows = _cut_window(window, self.config, records_read, last)

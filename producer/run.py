@@ -245,19 +245,22 @@ def plan_or_interrupted(opts: PlanOptions | PlanJob, settings: Settings, progres
         if job is None:  # loading the tokenizer, fingerprinting the dataset
             raise PlanningInterrupted("interrupted before planning: nothing was written; "
                                       "run the same command again to start over") from None
-        written = [w for w in job.windows if exists(job.run_store, window_key(w.name))] if job.windows else []
+        tasks = {t.description: t for t in progress.tasks} if progress is not None else {}
+        if tasks.get("tokenising") is not None:
+            progress.stop_task(tasks["tokenising"].id)  # drawn as it was, not as a finished pulse
+        written = [w for w in job.windows if exists(job.run_store, window_key(w.name))]
+        if not written and not job.claimed_run:
+            raise PlanningInterrupted("interrupted while tokenising the dataset, before the plan's first window: "
+                                      "nothing was written; run the same command again to start over") from None
         if not written:
-            tasks = {t.description: t for t in progress.tasks} if progress is not None else {}
-            tokenising = tasks.get("tokenising")
-            if tokenising is not None:
-                progress.stop_task(tokenising.id)
-            raise PlanningInterrupted("interrupted while tokenising the dataset, before its first window was "
-                                      "written: nothing was written; run the same command again to start over") from None
+            raise PlanningInterrupted("interrupted while writing the plan's first window: status says the planning "
+                                      "did not finish; run the same command again: it plans the run from the start") from None
         batches = sum(len(w.batches) for w in written)
         samples = sum(w.num_samples for w in written)
         raise PlanningInterrupted(
             f"interrupted while planning: {plural(len(written), 'window')} of the plan ({plural(samples, 'sample')} in "
-            f"{plural(batches, 'batch')}) are in the store; run the same command again: it resumes after them") from None
+            f"{plural(batches, 'batch')}) are in the store, their batches enqueued; run the same command again: it "
+            "resumes after them") from None
 
 
 def _plan_report(planned: PlannedRun, done_before: set[str]) -> dict:
@@ -266,11 +269,56 @@ def _plan_report(planned: PlannedRun, done_before: set[str]) -> dict:
             "batches_already_done": len(done_before), "batches_enqueued": 0}
 
 
-def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:
-    """Start what is missing, plan (streamed: each window's batches are enqueued while the next is
-    tokenised), extract every batch, stop what we started. Returns (exit code, report).
+class _Launch:
+    """``on_window`` of ``run``: at the first window in the store, start the embedded broker (if
+    no broker URL is set) and the local workers, then enqueue each window's batches.
 
-    The workers start before planning, so they load the model while the dataset is tokenised.
+    Nothing starts before the first window: a dataset with no usable record, or a refused config,
+    starts no process; from the first window on, the workers load the model while the rest of the
+    dataset is tokenised.
+    """
+
+    def __init__(self, settings: Settings, opts: PlanOptions, console, broker, workers: int | None, progress):
+        self.settings, self.opts, self.console, self.workers, self.progress = settings, opts, console, workers, progress
+        self.broker = broker
+        self.broker_url = settings.broker_url
+        self.local: LocalWorkers | None = None
+        self.sender: WindowSender | None = None
+
+    def __call__(self, job: PlanJob, batches: list[dict]) -> None:
+        if self.sender is None:
+            self._start(job)
+        self.sender(job, batches)
+
+    def _start(self, job: PlanJob) -> None:
+        settings, console = self.settings, self.console
+        if not self.broker_url:
+            self.broker.start()
+            self.broker_url = self.broker.url
+            # Messages left by an interrupted run or a `reconcile` (waiting or unacknowledged) would
+            # be run by this run's workers, which load this run's model. Every run enqueues every
+            # batch it lacks, so dropping them loses nothing: the next run of that job enqueues them.
+            for run_url, n in sorted(drop_leftover_messages(self.broker_url, settings.queue).items()):
+                if run_url == job.run_url:
+                    continue  # this run's own: enqueued again below
+                console.print(f"[dim]embedded broker: dropped {n} queued batch message(s) of {mask_url(run_url)}, "
+                              "left by an interrupted run or a reconcile; run that job's `producer run` again to "
+                              "redo them[/]", soft_wrap=True)
+            console.print(f"[dim]embedded broker: valkey-server on {self.broker.socket_path} "
+                          f"(AOF in {settings.broker_state_dir})[/]", soft_wrap=True)
+        log_path = workers_log_path(settings, job.config.run_id)
+        env = settings_env(settings, broker_url=self.broker_url, model=self.opts.model)
+        self.local = LocalWorkers(env, log_path, count=self.workers)
+        # soft_wrap: lines with commands and paths to copy are never broken
+        console.print(f"[dim]workers: python -m workers (log: {log_path})[/]", soft_wrap=True)
+        console.print(f"[dim]follow it from another terminal: python -m producer status {job.run_url} --watch "
+                      "(or python -m producer flower)[/]", soft_wrap=True)
+        self.sender = WindowSender(settings, self.broker_url, self.progress)
+
+
+def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:
+    """Plan (streamed), start the broker and workers at the first window, enqueue each window's
+    batches as it is written, extract every batch, stop what we started. Returns (exit code, report).
     """
     t0 = time.perf_counter()
     claimed = None
@@ -303,54 +351,30 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
     broker = claimed  # stopped (and its lock released) in the finally below, started or not
     if broker is None and not settings.broker_url:
         broker = EmbeddedBroker(settings.broker_state_dir)
-    local = None
+    launch = None
     code = 0
-    report: dict = {}
     try:
-        broker_url = settings.broker_url
-        if not broker_url:
-            broker.start()
-            broker_url = broker.url
-            # Messages left by an interrupted run or a `reconcile` (waiting or unacknowledged) would
-            # be run by this run's workers, which load this run's model. Every run enqueues every
-            # batch it lacks, so dropping them loses nothing: the next run of that job enqueues them.
-            for run_url, n in sorted(drop_leftover_messages(broker_url, settings.queue).items()):
-                if run_url == job.run_url:
-                    continue  # this run's own: enqueued again below
-                console.print(f"[dim]embedded broker: dropped {n} queued batch message(s) of {mask_url(run_url)}, "
-                              "left by an interrupted run or a reconcile; run that job's `producer run` again to "
-                              "redo them[/]", soft_wrap=True)
-            console.print(f"[dim]embedded broker: valkey-server on {broker.socket_path} (AOF in {settings.broker_state_dir})[/]",
-                          soft_wrap=True)
-        log_path = workers_log_path(settings, job.config.run_id)
-        env = settings_env(settings, broker_url=broker_url, model=opts.model)
-        local = LocalWorkers(env, log_path, count=workers)
-        # soft_wrap: lines with commands and paths to copy are never broken
-        console.print(f"[dim]workers: python -m workers (log: {log_path})[/]", soft_wrap=True)
-        console.print(f"[dim]follow it from another terminal: python -m producer status {job.run_url} --watch "
-                      "(or python -m producer flower)[/]", soft_wrap=True)
         with progress_factory() as progress:
-            sender = WindowSender(settings, broker_url, progress)
-            planned = plan_or_interrupted(job, settings, progress, on_window=sender)
-            done_before = set(sender.result.already_done)
-            report = _plan_report(planned, done_before)
-            report["batches_enqueued"] = len(sender.result.enqueued)
-            reconciler = RunReconciler(planned.run_store, settings, broker_url)
-            waited = wait_for_markers(planned, local, progress, reconcile=reconciler)
+            launch = _Launch(settings, opts, console, broker, workers, progress)
+            planned = plan_or_interrupted(job, settings, progress, on_window=launch)
+            sender = launch.sender
+            report = _plan_report(planned, set(sender.result.already_done) if sender else set())
+            report["batches_enqueued"] = len(sender.result.enqueued) if sender else 0
+            reconciler = RunReconciler(planned.run_store, settings, launch.broker_url)
+            waited = wait_for_markers(planned, launch.local, progress, reconcile=reconciler)
         report["reconciled"] = reconciler.redone
         report["failed"] = waited["failed"]
         if waited["workers_died"]:
-            report["workers_log_tail"] = local.log_tail()
+            report["workers_log_tail"] = launch.local.log_tail()
             code = 1
         elif waited["failed"]:
             code = 1
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI turns it into KeyboardInterrupt)
+        local = launch.local if launch is not None else None
         console.print(stopping_line(local is not None, broker is not None and broker.proc is not None))
         raise
-    except BaseException:
-        raise
     finally:
-        _stop_started(local, broker, console)
+        _stop_started(launch.local if launch is not None else None, broker, console)
     report["batches_done"] = len(done_batches(planned.run_store) & {b["batch"] for b in planned.batches})
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return code, report

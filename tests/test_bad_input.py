@@ -10,6 +10,7 @@ import pytest
 
 from jobfixtures import clean_env, cli_json, closed_port_url, run_here
 
+from hsx.records import SampleRow
 from hsx.store import open_store
 
 GOOD = {"conversations": [{"from": "human", "value": "What is 2 + 2?"}, {"from": "gpt", "value": "2 + 2 is 4, a small even number."}]}
@@ -50,7 +51,7 @@ def test_a_file_of_pathological_records_finishes_with_each_skip_counted(tmp_path
     assert report["plan"]["skipped"]["fixes"] == {"leading_assistant_dropped": 1}
     assert report["plan"]["samples"] == 8  # 6 good + the repaired one + bing normalised to assistant
     assert report["batches_done"] == report["batches_total"]
-    samples = [json.loads(line)["record_id"] for line in open_store(report["address"]).read("plan/samples.jsonl").decode().splitlines()]
+    samples = [row.record_id for row in SampleRow.read_all(open_store(report["address"]))]
     assert sorted(samples) == sorted([f"good-{i}" for i in range(6)] + ["lead", "bing"])
 
 
@@ -132,7 +133,7 @@ def test_a_400000_character_message_and_records_of_wrong_types_do_not_stop_the_j
     assert counts == {"no_turns": 2, "bad_turn": 6, "bad_pretokenised": 2}, counts
     assert report["plan"]["samples"] == 5 and report["plan"]["truncated_samples"] == 1
     assert report["batches_done"] == report["batches_total"]
-    lines = [json.loads(x) for x in open_store(report["address"]).read("plan/samples.jsonl").decode().splitlines()]
+    lines = [row.model_dump() for row in SampleRow.read_all(open_store(report["address"]))]
     by_id = {x["record_id"]: x for x in lines}
     assert by_id["huge"]["num_tokens"] == 256 and by_id["huge"]["truncated"], by_id["huge"]
     assert "5" in by_id

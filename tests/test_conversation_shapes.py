@@ -8,6 +8,7 @@ import json
 from jobfixtures import clean_env, cli_json, plan_samples
 
 from hsx.runconfig import load_run
+from hsx.records import SampleRow
 from hsx.store import open_store
 
 TOOL = {"type": "function", "function": {"name": "get_time", "description": "Current time in a zone",
@@ -45,7 +46,7 @@ def test_every_record_form_becomes_a_sample_of_a_completed_run(tmp_path, tiny_ca
     assert report["batches_done"] == report["batches_total"]
 
     run_store = open_store(report["address"])
-    lines = [json.loads(line) for line in run_store.read("plan/samples.jsonl").decode().splitlines()]
+    lines = [row.model_dump() for row in SampleRow.read_all(run_store)]
     assert sorted(s["record_id"] for s in lines) == sorted(r["id"] for r in RECORDS)
     by_id = {s["record_id"]: s for s in lines}
     assert by_id["pretokenised"]["num_tokens"] == 6 and by_id["pretokenised"]["supervised_tokens"] == 3

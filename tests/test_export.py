@@ -19,6 +19,7 @@ from smallrun import copy_run
 
 from hsx.errors import BadConfig
 from hsx.runconfig import load_run
+from hsx.records import SampleRow
 from hsx.store import open_store
 from producer.export import check_exportable, export_run, file_stem, supervised_token_counts
 
@@ -251,12 +252,11 @@ def test_eagle_ge_data_export_holds_only_data_files_without_a_batch_axis(small_r
 def test_modelopt_export_writes_one_pt_per_conversation_named_by_its_record_id(small_run, stored, tmp_path):
     """OUT/{conversation_id}.pt with input_ids int64 [S], hidden_states bf16 [S, H] = final post-norm,
     aux_hidden_states bf16 [S, K*H] (layers in id order), loss_mask int64 [S] and conversation_id =
-    the record id of plan/samples.jsonl (ModelOpt 0.47.0 OfflineSupervisedDataset)."""
+    the record id of the plan's sample rows (ModelOpt 0.47.0 OfflineSupervisedDataset)."""
     out = tmp_path / "modelopt"
     report = export_run(open_store(small_run["address"]), "modelopt", out)
     assert report["warnings"] == [], "the shared run has ModelOpt's default EAGLE ids"
-    plan_lines = (small_run["dir"] / "plan" / "samples.jsonl").read_text().splitlines()
-    record_id = {row["sample_index"]: row["record_id"] for row in map(json.loads, plan_lines)}
+    record_id = {row.sample_index: row.record_id for row in SampleRow.read_all(open_store(small_run["address"]))}
     files = sorted(out.glob("*.pt"))
     assert len(files) == len(stored) == len(_index(out))
     seen = set()

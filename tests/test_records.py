@@ -15,9 +15,9 @@ import pytest
 
 from hsx import layout
 from hsx.errors import RecordFormatError
-from hsx.records import (SCHEMA_VERSIONS, BatchLease, BatchSummary, Failure, Marker, MarkerWorker, Planning,
+from hsx.records import (SCHEMA_VERSIONS, BatchLease, BatchSummary, Failure, Marker, MarkerWorker, Planning, PlanWindow,
                           QuarantinedSample, Reclaim, SampleRow, ShardRef, SkipCounts, SpoolStatus, Stats, WorkerStatus,
-                          done_batches, read_failures, read_heartbeats, read_markers)
+                          done_batches, read_failures, read_heartbeats, read_markers, read_windows)
 from hsx.store import LocalStore
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -103,7 +103,8 @@ def test_a_reclaim_is_created_once_under_its_delivery_and_attempt(run_store):
 
 
 def test_the_plans_list_files_round_trip_and_keep_their_bare_list_format(run_store):
-    """plan/batches.json is a JSON list, plan/samples.jsonl one object a line; neither repeats schema_version."""
+    """plan/batches.json is a JSON list, a window's plan/samples/<window>.jsonl one object a line; neither
+    repeats schema_version. Sample rows are read from the windows in window order."""
     batches = [BatchSummary(batch="b000000", num_samples=2, num_tokens=30, max_len=20, supervised_tokens=12),
                BatchSummary(batch="b000001", num_samples=1, num_tokens=9, max_len=9, supervised_tokens=4)]
     BatchSummary.write_list(run_store, batches)
@@ -112,10 +113,29 @@ def test_the_plans_list_files_round_trip_and_keep_their_bare_list_format(run_sto
                                                                 "max_len": 20, "supervised_tokens": 12}
     rows = [SampleRow(sample_index=0, record_id="conv-1", num_tokens=20, supervised_tokens=8, truncated=False, batch="b000000"),
             SampleRow(sample_index=1, record_id=42, num_tokens=10, supervised_tokens=4, truncated=True, batch="b000000")]
-    SampleRow.write_all(run_store, rows)
-    assert SampleRow.read_all(run_store) == rows
-    lines = run_store.read("plan/samples.jsonl").decode().splitlines()
+    SampleRow.write_window(run_store, "w000000", rows)
+    later = [SampleRow(sample_index=2, record_id="conv-3", num_tokens=9, supervised_tokens=4, batch="b000001")]
+    SampleRow.write_window(run_store, "w000001", later)
+    for index, (first, part, batch) in enumerate([(0, rows, batches[:1]), (2, later, batches[1:])]):
+        PlanWindow(window=index, first_sample=first, num_samples=len(part), first_batch=index, batches=batch,
+                   tokens=sum(r.num_tokens for r in part), supervised_tokens=sum(r.supervised_tokens for r in part),
+                   padded_tokens=40, records_read=first + len(part)).write(run_store)
+    assert SampleRow.read_all(run_store) == rows + later
+    lines = run_store.read("plan/samples/w000000.jsonl").decode().splitlines()
     assert len(lines) == 2 and "schema_version" not in lines[0] and json.loads(lines[1])["record_id"] == 42
+
+
+def test_a_window_counts_only_when_every_earlier_window_is_in_the_store(run_store):
+    """read_windows stops at the first gap: w000002 without w000001 is not part of the plan yet."""
+    def window(index):
+        return PlanWindow(window=index, first_sample=index, num_samples=1, first_batch=index,
+                          batches=[BatchSummary(batch=f"b{index:06d}", num_samples=1, num_tokens=5)], tokens=5,
+                          supervised_tokens=2, padded_tokens=5, records_read=index + 1)
+    window(0).write(run_store)
+    window(2).write(run_store)
+    assert [w.name for w in read_windows(run_store)] == ["w000000"]
+    window(1).write(run_store)
+    assert [w.name for w in read_windows(run_store)] == ["w000000", "w000001", "w000002"]
 
 
 def test_failures_of_batches_that_are_done_are_left_out_and_damaged_ones_skipped(run_store):
@@ -174,7 +194,7 @@ def test_old_failure_records_without_schema_version_read_as_version_1(run_store)
 
 def test_every_record_class_has_one_schema_version_listed():
     assert SCHEMA_VERSIONS == {"Marker": 1, "Failure": 1, "WorkerStatus": 1, "Reclaim": 1, "Stats": 1,
-                               "BatchSummary": 1, "SampleRow": 1, "Planning": 1}
+                               "BatchSummary": 1, "SampleRow": 1, "PlanWindow": 1, "Planning": 1}
 
 
 # --- errors ----------------------------------------------------------------------------------

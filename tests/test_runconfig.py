@@ -108,15 +108,17 @@ def test_version_1_hashes_exactly_what_runs_before_identity_version_hashed():
 
 
 def _new_config(**changes) -> RunConfig:
-    """The legacy run's options as this code's planner records them (identity version 2, content as text)."""
+    """The legacy run's options as this code's planner records them (identity version 3: content as
+    text, the streamed plan's windows)."""
     return dataclasses.replace(_legacy_config(), **{"identity_version": IDENTITY_VERSION,
-                                                    "special_tokens_in_content": "text", **changes})
+                                                    "special_tokens_in_content": "text",
+                                                    "plan_windows": [1024, 32768], **changes})
 
 
 def test_new_runs_record_their_identity_version_and_it_round_trips():
     config = _new_config()
     written = json.loads(config.to_json())
-    assert written["identity_version"] == IDENTITY_VERSION == 2
+    assert written["identity_version"] == IDENTITY_VERSION == 3
     assert written["special_tokens_in_content"] == "text"
     again = RunConfig.from_json(config.to_json())
     assert again == config and again.identity_sha256() == config.identity_sha256() != LEGACY_SHA
@@ -134,9 +136,37 @@ def test_a_version_1_run_json_is_written_back_as_version_1_with_its_hash():
 
 def test_version_2_hashes_version_1_and_how_special_tokens_in_content_were_tokenised():
     assert IDENTITY_FIELDS[2] == IDENTITY_FIELDS[1] + ("special_tokens_in_content",)
-    identity = _new_config().identity()
+    identity = _new_config(identity_version=2).identity()
     assert set(identity) == set(IDENTITY_FIELDS[2]) | {"identity_version"}
     assert identity["identity_version"] == 2 and identity["special_tokens_in_content"] == "text"
+
+
+# --- version 3: the streamed plan's windows, which records are read ---------------------------
+
+
+def test_version_3_hashes_version_2_the_plan_windows_and_the_dataset_options():
+    """The windows decide which samples share a batch; shuffle, seed, sample, split and subset which
+    records are read: both decide the shards' bytes. The source's description and the chat template's
+    path are recorded but never hashed (the bytes they name are: dataset_fingerprint, the template's sha256)."""
+    assert IDENTITY_FIELDS[3] == IDENTITY_FIELDS[2] + ("plan_windows", "dataset_options")
+    config = _new_config()
+    assert set(config.identity()) == set(IDENTITY_FIELDS[3]) | {"identity_version"}
+    assert config.identity()["identity_version"] == 3
+    other_windows = _new_config(plan_windows=[512, 32768])
+    shuffled = _new_config(dataset_options={"shuffle": True, "seed": 1})
+    assert len({c.default_run_id("chats") for c in (config, other_windows, shuffled)}) == 3
+    moved = _new_config(dataset={"kind": "files", "files": [{"name": "x.jsonl", "bytes": 3}]},
+                        chat_template_file="/elsewhere/template.jinja", dataset_source="/elsewhere/chats.jsonl")
+    assert moved.identity_sha256() == config.identity_sha256()
+
+
+def test_a_version_2_run_reads_as_sorted_whole_with_every_record_in_order():
+    """Runs before the streamed plan sorted the whole dataset: plan_windows reads as None, dataset_options as {}."""
+    old = RunConfig.from_json(json.dumps({k: v for k, v in json.loads(_new_config(identity_version=2).to_json()).items()
+                                          if k not in ("plan_windows", "dataset_options", "dataset",
+                                                       "chat_template_file")}).encode())
+    assert old.identity_version == 2 and old.plan_windows is None and old.dataset_options == {}
+    assert set(old.identity()) == set(IDENTITY_FIELDS[2]) | {"identity_version"}
 
 
 def test_a_version_1_run_reads_as_special_tokens_in_content_special_and_does_not_hash_it():
