@@ -15,6 +15,26 @@ Where a worker row's fields come from, in order of precedence:
 | markers | batches and tokens it certified for this run, its tokens/s over the last :data:`RATE_WINDOW_S` | always |
 
 Rows are matched by (host, pid).
+
+**A run whose plan is still written** (the plan is streamed one window at a time, ``hsx/plan.py``)
+is ``planning``: its batches so far are those of the windows written (each window's batches are
+enqueued as it is written, so workers extract them meanwhile), and ``batches_total`` /
+``samples_total`` / ``tokens_total`` count those so far. ``planning`` (null once the plan is
+complete) says how far the planning got, from the windows and ``plan/planning.json``: ``windows``,
+``batches`` (= ``batches_enqueued``: the planner hands each window's batches to the queue as it
+writes it), ``samples``, ``tokens`` (planned so far), ``records_read`` / ``records_total`` and
+``bytes_read`` / ``bytes_total`` of the dataset (a total is null when not known), ``percent`` (of
+the records when their total is known, as with ``--limit``, else of the bytes), ``records_per_s`` /
+``bytes_per_s`` (since the planning started), ``elapsed_s``, ``updated_at`` / ``updated_age_s``
+(when the last window was written), ``num_proc``, ``eta_s`` (the planning alone: the fraction
+left at the rate so far, less the time since the last window) and ``tokens_estimated`` (the
+plan's tokens, extrapolated from those planned per fraction read). The run's ``eta_s`` then counts
+the planning: the larger of the planning's ETA and the estimated tokens not done over the current
+extraction rate (null before a rate). A planner that failed (or whose process on this host is
+gone) makes the run ``plan_failed``, with the windows it wrote. While the planner writes windows,
+idle workers are not a stall (they wait for the next window): the run is ``stalled`` only when
+planned batches are left, no live worker works on them, and no window came for
+:data:`PLANNING_STALL_GRACE_S`.
 """
 
 from __future__ import annotations
@@ -26,11 +46,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
+from hsx.layout import PLAN_WINDOWS_PREFIX, names_under
 from hsx.processes import pid_alive, pid_namespace
 from hsx.plan import plan_complete, planning_failed, read_batch_list, read_planning_record
-from hsx.records import Marker, Stats, WorkerStatus, done_batches, read_failures, read_heartbeats
+from hsx.records import (Marker, Planning, PlanWindow, Stats, WorkerStatus, done_batches, read_failures,
+                         read_heartbeats)
 from hsx.runconfig import load_run
-from hsx.store import Store, mask_url
+from hsx.store import MissingKey, Store, mask_url
 
 #: Seconds of recent markers the current rate (and the ETA) is measured over (at least the last
 #: RATE_MIN_MARKERS markers, whenever they came).
@@ -71,6 +93,12 @@ def recent_rate(arrivals: list[tuple[float, float]], now: float, window_s: float
 HEARTBEAT_STALE_BEATS = 3
 #: The interval assumed for a record that does not state its ``heartbeat_s``.
 HEARTBEAT_DEFAULT_S = 5.0
+#: While the plan is written, quiet workers make the run ``stalled`` only once no window came for
+#: this long: the batches of a window just written are still being enqueued and picked up, and
+#: workers that finished every earlier batch wait, idle, for them.
+PLANNING_STALL_GRACE_S = HEARTBEAT_STALE_BEATS * HEARTBEAT_DEFAULT_S
+#: threads that read window records.
+WINDOW_READ_THREADS = 8
 
 
 def _iso(ts: float | None) -> str | None:
@@ -147,6 +175,57 @@ def _gpu_row(gpus: list[dict]) -> dict | None:
     return {k: g.get(k) for k in keys}
 
 
+def planning_progress(windows: list[PlanWindow], record: Planning | None, now: float,
+                      failed: bool = False) -> dict:
+    """How far the planning of a plan still being written got: the ``planning`` object of the
+    status (the module docstring lists its fields).
+
+    ``windows``: the windows written so far, in order; ``record``: ``plan/planning.json`` (None:
+    absent or unreadable; a failed planner's record may lack the progress fields, which then come
+    from the windows alone); ``failed``: the planning will not go on (no ETA).
+    """
+    rec = record if record is not None else Planning(state="planning")
+    last = windows[-1] if windows else None
+    batches = sum(len(w.batches) for w in windows)
+    # The windows are the truth for what is planned; the record, rewritten just after each window,
+    # adds the bytes and the times (and may lag one window behind for a moment).
+    records_read = max((n for n in (rec.records_read, last.records_read if last else None) if n is not None), default=None)
+    bytes_read, bytes_total, records_total = rec.bytes_read, rec.bytes_total, rec.records_total
+    if records_total and records_read is not None:  # exact counts (--limit, --sample): not the file's bytes
+        fraction = min(records_read / records_total, 1.0)
+    elif bytes_total and bytes_read is not None:
+        fraction = min(bytes_read / bytes_total, 1.0)
+    else:
+        fraction = None
+    elapsed = (rec.updated_unix - rec.started_unix) if rec.updated_unix is not None and rec.started_unix is not None else None
+    fast = elapsed is not None and elapsed > 0
+    tokens = sum(b.num_tokens for w in windows for b in w.batches)
+    eta = None
+    if fraction and fast and not failed:
+        # the fraction left at the rate of the fraction done, less what has passed since the last window
+        eta = round(max(elapsed * (1.0 - fraction) / fraction - max(now - rec.updated_unix, 0.0), 0.0), 1)
+    return {
+        "windows": len(windows),
+        "batches": batches,
+        "batches_enqueued": batches,
+        "samples": sum(w.num_samples for w in windows),
+        "tokens": tokens,
+        "records_read": records_read,
+        "records_total": records_total,
+        "bytes_read": bytes_read,
+        "bytes_total": bytes_total,
+        "percent": round(100.0 * fraction, 1) if fraction is not None else None,
+        "records_per_s": round(records_read / elapsed, 1) if fast and records_read is not None else None,
+        "bytes_per_s": round(bytes_read / elapsed, 1) if fast and bytes_read is not None else None,
+        "elapsed_s": round(elapsed, 1) if elapsed is not None else None,
+        "updated_at": rec.updated_at,
+        "updated_age_s": round(max(now - rec.updated_unix, 0.0), 1) if rec.updated_unix is not None else None,
+        "num_proc": rec.num_proc,
+        "eta_s": eta,
+        "tokens_estimated": round(tokens / fraction) if fraction and tokens else None,
+    }
+
+
 def _heartbeat_batches(h: WorkerStatus) -> list[str]:
     """``b000003 (forward)`` for each batch a heartbeat record says is in progress."""
     return [f"{b.batch} ({b.phase})" if b.phase else b.batch for b in h.batches]
@@ -168,6 +247,12 @@ class RunWatch:
         self.broker = broker
         self.config = load_run(run_store)  # MissingKey: no run here
         self.batches: list[dict] = []
+        """The batches planned so far: the batch list once the plan is complete, else the windows'."""
+        self.plan_complete = False
+        """``plan/batches.json`` was read: ``batches`` is final and not read again."""
+        self.windows: list[PlanWindow] = []
+        """The plan's windows written so far (while the plan is not complete; empty for runs made before windows)."""
+        self._window_cache: dict[str, PlanWindow] = {}  # a window record is written once: read once
         self.stats: Stats | None = None
         self.markers: dict[str, dict] = {}
 
@@ -195,17 +280,57 @@ class RunWatch:
             "device": worker.device if worker else None,
         }
 
+    def _read_plan(self) -> None:
+        """``batches``: the batch list once the plan is complete (read once), else the batches of the
+        windows written so far (read again each poll; each window record only once)."""
+        store = self.run_store
+        if plan_complete(store):
+            try:
+                self.batches = read_batch_list(store)
+            except MissingKey:  # deleted between the two looks: read the windows this time
+                pass
+            else:
+                self.plan_complete, self.windows, self._window_cache = True, [], {}
+                try:
+                    self.stats = Stats.read(store)
+                except ValueError:  # RecordFormatError: the counts of skipped records are only shown
+                    self.stats = None
+                return
+        self.windows = self._read_windows()
+        self.batches = [b.model_dump(exclude={"schema_version"}) for w in self.windows for b in w.batches]
+
+    def _read_windows(self) -> list[PlanWindow]:
+        """The windows written so far, in order up to the first gap (as :func:`hsx.records.read_windows`),
+        reading only the records not read by an earlier poll; a damaged record is left out (``verify`` names it)."""
+        store = self.run_store
+        names = names_under(store.list(PLAN_WINDOWS_PREFIX), PLAN_WINDOWS_PREFIX)
+        new = [n for n in names if n not in self._window_cache]
+
+        def read(name: str) -> PlanWindow | None:
+            try:
+                return PlanWindow.read(store, name)
+            except ValueError:  # RecordFormatError: read it again next time
+                return None
+
+        with ThreadPoolExecutor(WINDOW_READ_THREADS) as pool:
+            for name, window in zip(new, pool.map(read, new)):
+                if window is not None:
+                    self._window_cache[name] = window
+        out: list[PlanWindow] = []
+        for w in sorted(self._window_cache.values(), key=lambda w: w.window):
+            if w.window != len(out):
+                break
+            out.append(w)
+        return out
+
     def poll(self, now: float | None = None) -> dict:
-        """The run's status now (the JSON ``status --json`` prints; fields in the README)."""
+        """The run's status now (the JSON ``status --json`` prints; fields in the README and, for a
+        run still planning, the module docstring)."""
         now = time.time() if now is None else now
         store = self.run_store
-        planner, plan_error = None, None
-        if not self.batches and plan_complete(store):
-            self.batches = read_batch_list(store)
-            try:
-                self.stats = Stats.read(store)
-            except ValueError:  # RecordFormatError: the counts of skipped records are only shown
-                self.stats = None
+        planner, plan_error, planning = None, None, None
+        if not self.plan_complete:
+            self._read_plan()
         by_name = {b["batch"]: b for b in self.batches}
         done = done_batches(store) & set(by_name)
         for gone in set(self.markers) - done:  # a marker deleted to rerun its batch
@@ -222,15 +347,17 @@ class RunWatch:
         tokens_done = sum(by_name[b]["num_tokens"] for b in done)
         rate = self._rate(now)
         remaining_tokens = tokens_total - tokens_done
-        if total and len(done) == total:
+        if self.plan_complete and len(done) == total:
             state, eta = "done", 0.0
             rate["tokens_per_s"] = rate["overall_tokens_per_s"]  # nothing is running: the run's own rate
             rate["samples_per_s"] = rate["overall_samples_per_s"]
-        elif not self.batches:
+        elif not self.plan_complete:
             record = read_planning_record(store)
             plan_error = planning_failed(record)
             planner = record.model_dump(exclude={"schema_version"}) if record is not None else None
-            state, eta = ("plan_failed" if plan_error else "planning"), None
+            planning = planning_progress(self.windows, record, now, failed=plan_error is not None)
+            state = "plan_failed" if plan_error else "planning"
+            eta = None if plan_error else self._planning_eta(planning, tokens_done, rate["tokens_per_s"])
         else:
             left = set(by_name) - done
             state = "failed" if left and left <= set(failures) else "running"
@@ -239,10 +366,14 @@ class RunWatch:
         broker = self.probe.poll() if self.probe is not None else None
         workers = self._workers(now, broker)
         stalled_reason = restart = None
-        if state == "running" and workers and not any(self._works_on_it(w, now) for w in workers):
+        # While windows keep coming, idle workers wait for the next one: no stall (PLANNING_STALL_GRACE_S).
+        quiet_planner = (state == "planning" and len(done) < total and planning["updated_age_s"] is not None
+                         and planning["updated_age_s"] > PLANNING_STALL_GRACE_S)
+        if (state == "running" or quiet_planner) and workers and not any(self._works_on_it(w, now) for w in workers):
             # Workers reported, but no live one works on the run now (dead, lost, refusing, idle): no ETA.
+            planning_now = state == "planning"
             state, eta = "stalled", None
-            stalled_reason, restart = self._stalled(workers)
+            stalled_reason, restart = self._stalled(workers, planning=planning_now)
         skipped = self.stats.skipped.counts if self.stats is not None else {}
         return {
             "run_id": self.config.run_id,
@@ -251,9 +382,11 @@ class RunWatch:
             "state": state,
             "stalled_reason": stalled_reason,
             "restart": restart,
-            "planned": bool(self.batches),
+            "planned": self.plan_complete,
+            "plan_complete": self.plan_complete,
             "plan_error": plan_error,
             "planner": planner,
+            "planning": planning,
             "batches_total": total,
             "batches_done": len(done),
             "batches_failed": len(failures),
@@ -277,6 +410,16 @@ class RunWatch:
         }
 
     @staticmethod
+    def _planning_eta(planning: dict, tokens_done: int, tokens_per_s: float | None) -> float | None:
+        """Seconds left of a run still planning: the larger of the planning's ETA and the estimated
+        tokens not done over the extraction rate; None before an extraction rate or a token estimate."""
+        estimated = planning["tokens_estimated"]
+        if estimated is None or not tokens_per_s:
+            return None
+        extract_s = max(estimated - tokens_done, 0) / tokens_per_s
+        return round(max(extract_s, planning["eta_s"] or 0.0), 1)
+
+    @staticmethod
     def _works_on_it(w: dict, now: float) -> bool:
         """A live worker row that runs a batch of the run, or certified one within three heartbeats
         (the moment between two batches is not a stall)."""
@@ -285,8 +428,9 @@ class RunWatch:
         last = _ts(w.get("last_batch_at"))
         return bool(w["running"]) or (last is not None and now - last <= HEARTBEAT_STALE_BEATS * HEARTBEAT_DEFAULT_S)
 
-    def _stalled(self, workers: list[dict]) -> tuple[str, str]:
-        """(why no worker works on the run, the command that restarts it)."""
+    def _stalled(self, workers: list[dict], planning: bool = False) -> tuple[str, str]:
+        """(why no worker works on the run, the command that restarts it); ``planning``: the plan is
+        still written (by a live planner)."""
         refusing = [w for w in workers if w.get("refusing") and w["online"]]
         lost = [w for w in workers if w.get("state") == "lost"]
         live = [w for w in workers if w["online"] and not w.get("refusing")]
@@ -299,13 +443,19 @@ class RunWatch:
             parts.append(f"{len(live)} live but idle (is anything queued? `python -m producer reconcile {self.run_store.url}`)")
         if not parts:
             parts.append("every worker that served it has stopped")
-        restart = self._restart(bool(refusing))
-        return "no live worker works on the run: " + "; ".join(parts), restart
+        restart = self._restart(bool(refusing), planning)
+        why = "no live worker works on the run: " + "; ".join(parts)
+        if planning:
+            why += " (the planner still writes the plan)"
+        return why, restart
 
-    def _restart(self, refusing: bool) -> str:
+    def _restart(self, refusing: bool, planning: bool = False) -> str:
         """The command that restarts a stalled run, for the broker it was run on."""
         first = "fix the refusal's cause (above) first, then " if refusing else ""
         rerun = "run the same `python -m producer run` command again"
+        if planning and self.broker == "embedded":  # the run's own workers are gone, its planner is not
+            return (f"{first}stop the `python -m producer run` that still plans it (Ctrl-C) and run it again: it "
+                    "resumes the plan after the windows written and enqueues every batch without a marker")
         if self.broker == "embedded":  # run's own broker is gone with it; a new run enqueues every missing batch
             return f"{first}{rerun}: it enqueues every batch without a marker"
         reconcile = (f"; then `python -m producer reconcile {self.run_store.url}` if batches are neither queued "

@@ -11,7 +11,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from producer.words import fmt_bytes, noun
+from producer.words import fmt_bytes, noun, plural
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -32,50 +32,91 @@ def _rate(value: float | None, unit: str = "tok/s") -> str:
     return "-" if value is None else f"{value:,.0f} {unit}"
 
 
+def _planning_rows(t: Table, status: dict) -> None:
+    """What a plan still being written holds so far, and how fast the dataset is read."""
+    p = status.get("planning") or {}
+    planner = status.get("planner") or {}
+    who = (f"pid {planner.get('pid')} on {planner.get('host')}, since {planner.get('started_at')}"
+           if planner.get("pid") else "")
+    failed = status["state"] == "plan_failed"
+    if p.get("windows"):
+        records = f", {p['records_read']:,} records read" if p.get("records_read") is not None else ""
+        t.add_row("planned", f"{plural(p['windows'], 'window')} written{' before it stopped' if failed else ''}: "
+                             f"{plural(p['samples'], 'sample')} in {plural(p['batches'], 'batch')}, enqueued as "
+                             f"written{records}")
+    elif not failed:
+        t.add_row("planning", "tokenising the first window: no batch planned yet" + (f" ({who})" if who else ""))
+    read = []
+    if p.get("records_total") and p.get("records_read") is not None:
+        read.append(f"{p['records_read']:,} / {p['records_total']:,} records")
+    if p.get("bytes_total") and p.get("bytes_read") is not None:
+        read.append(f"{fmt_bytes(p['bytes_read'])} / {fmt_bytes(p['bytes_total'])}")
+    elif p.get("bytes_read"):
+        read.append(f"{fmt_bytes(p['bytes_read'])} (total not known)")
+    rates = [f"{fmt_bytes(p['bytes_per_s'])}/s" if p.get("bytes_per_s") else "",
+             f"{p['records_per_s']:,.0f} records/s" if p.get("records_per_s") else "",
+             plural(p["num_proc"], "process", "processes") if p.get("num_proc") else ""]
+    rates = [r for r in rates if r]
+    if read or rates:
+        pct = f" ({p['percent']:.1f}%)" if p.get("percent") is not None else ""
+        t.add_row("read", ", ".join(read) + pct + (f" at {', '.join(rates)}" if rates else ""))
+    if p.get("windows") and not failed:
+        age = f"last window {fmt_duration(p['updated_age_s'])} ago" if p.get("updated_age_s") is not None else ""
+        t.add_row("planner", "; ".join(x for x in (who, age, f"planning eta {fmt_duration(p.get('eta_s'))}") if x))
+
+
 def progress_table(status: dict) -> Table:
-    """The run's totals: state, a bar of batches done, samples, tokens, rate, ETA, skips."""
+    """The run's totals: state, a bar of batches done, samples, tokens, rate, ETA, skips; while the plan
+    is written, the planning's progress and the batches planned so far."""
     t = Table(title=f"run {status['run_id']}", show_header=False, title_justify="left", box=None, padding=(0, 1))
     t.add_column(style="bold")
     t.add_column()
     total, done = status["batches_total"], status["batches_done"]
+    state = status["state"]
     state_style = {"done": "green", "failed": "red", "plan_failed": "red", "running": "cyan", "stalled": "yellow",
-                   "planning": "yellow"}.get(status["state"], "")
-    t.add_row("state", Text(status["state"], style=state_style))
+                   "planning": "yellow"}.get(state, "")
+    t.add_row("state", Text(state, style=state_style))
     if status.get("stalled_reason"):
         t.add_row("stalled", Text(status["stalled_reason"], style="yellow"))
         t.add_row("to restart", Text(status.get("restart") or ""))
     t.add_row("address", Text(status["address"]))
     t.add_row("model", Text(status["model"]))
-    if status["planned"]:
+    streaming = status.get("planning") is not None  # the plan is still written: totals are so far
+    if state == "plan_failed":
+        t.add_row("progress", Text(f"planning did not finish: {status.get('plan_error')}", style="red"))
+        command = (status.get("planner") or {}).get("command") or "the same `python -m producer run` / `enqueue` command"
+        windows = (status.get("planning") or {}).get("windows")
+        after = f"it resumes after the {plural(windows, 'window')} written" if windows else "it plans the run from the start"
+        t.add_row("to resume", Text(f"run {command} again: {after}"))
+    if streaming:
+        _planning_rows(t, status)
+    if status["planned"] or total:
+        so_far = " planned so far" if streaming else ""
         pct = 100 * done / total if total else 0.0
         bar = Table.grid(padding=(0, 1))
         bar.add_row(ProgressBar(total=max(total, 1), completed=done, width=40),
-                    Text(f"{done:,} / {total:,} {noun(total, 'batch')} ({pct:.1f}%)"))
+                    Text(f"{done:,} / {total:,} {noun(total, 'batch')}{so_far} ({pct:.1f}%)"))
         t.add_row("progress", bar)
-        t.add_row("samples", f"{status['samples_done']:,} / {status['samples_total']:,}"
+        t.add_row("samples", f"{status['samples_done']:,} / {status['samples_total']:,}{so_far}"
                   + (f"  ({status['samples_quarantined']:,} quarantined)" if status["samples_quarantined"] else ""))
-        t.add_row("tokens", f"{status['tokens_done']:,} / {status['tokens_total']:,}")
+        estimated = (status.get("planning") or {}).get("tokens_estimated")
+        t.add_row("tokens", f"{status['tokens_done']:,} / {status['tokens_total']:,}{so_far}"
+                  + (f" (about {estimated:,} in all)" if streaming and estimated else ""))
         if status.get("bytes_stored"):
             t.add_row("stored", f"{fmt_bytes(status['bytes_stored'])} in shards; longest batch "
                                 f"{fmt_duration(status.get('batch_seconds_max'))}")
         samples_s = f", {status['samples_per_s']:,.1f} samples/s" if status.get("samples_per_s") else ""
-        if status["state"] == "done":
+        if state == "done":
             t.add_row("rate", f"{_rate(status['overall_tokens_per_s'])}{samples_s} (first batch to last)")
         else:
             window = status.get("rate_window_s")
             recent = (f"{_rate(status['tokens_per_s'])} over the last {fmt_duration(window)}" if window
                       else "- (a rate needs two batches done)")
             t.add_row("rate", f"{recent}{samples_s}, {_rate(status['overall_tokens_per_s'])} overall")
-        t.add_row("eta", fmt_duration(status["eta_s"]) if status["state"] != "done" else "done")
-    elif status["state"] == "plan_failed":
-        t.add_row("progress", Text(f"planning did not finish: {status.get('plan_error')}", style="red"))
-        command = (status.get("planner") or {}).get("command") or "the same `python -m producer run` / `enqueue` command"
-        t.add_row("to resume", Text(f"run {command} again: it plans the run from the start"))
-    else:
-        planner = status.get("planner") or {}
-        who = (f" (pid {planner.get('pid')} on {planner.get('host')}, since {planner.get('started_at')})"
-               if planner.get("pid") else "")
-        t.add_row("progress", f"planning: the batch list is not written yet{who}")
+        if state == "done":
+            t.add_row("eta", "done")
+        elif state != "plan_failed":
+            t.add_row("eta", fmt_duration(status["eta_s"]) + (" (planning and extraction)" if streaming else ""))
     if status["skipped"]:
         t.add_row("skipped", ", ".join(f"{k} {v:,}" for k, v in status["skipped"].items()) + " (at planning)")
     broker = status.get("broker")
