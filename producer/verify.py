@@ -17,6 +17,26 @@ What is checked, batch by batch (a thread pool; shards are hashed as a stream, n
 - token-id echo: every stored sample's ``input_ids`` and ``loss_mask`` equal the plan's, and the
   shard holds exactly the batch's planned samples minus the marker's ``quarantined`` ones.
 
+The plan itself, when it was streamed in windows (``hsx/plan.py``; runs made before windows, with
+``plan/samples.jsonl``, are not checked here), so that every sample of the plan is in exactly one
+batch (problem kind ``plan_mismatch``, naming the batch or the window; ``plan_unreadable`` for a
+record that does not parse; ``plan_missing`` for a missing batch file):
+
+- the windows are numbered from 0 without a gap, each record under its own name; each one's
+  samples start where the previous one's end (``first_sample``), its batches likewise
+  (``first_batch``, named ``b<first_batch + i>``); only the last window is marked ``last``;
+- each window's sample rows (``plan/samples/<window>.jsonl``) are exactly its ``sample_index``
+  range, in order, and each row's ``batch`` is one of the window's batches;
+- each batch file's ``sample_index`` values are exactly the rows that name the batch, each
+  sample's length and supervised tokens are its row's, and the batch's sample and token counts
+  are its window's summary;
+- once the plan is complete: ``plan/batches.json`` is the windows' batches, in order, and
+  ``plan/stats.json`` counts their samples, batches and windows.
+
+A plan not complete yet (``plan/batches.json`` not written) is reported ``plan_incomplete``, with
+the windows written so far and whether its planner still runs; the markers are then checked
+against the batches of those windows, and the windows as above.
+
 Across the run: every planned sample is present exactly once (a quarantined sample counts as
 accounted for, not missing); a planned batch without a marker is reported as not done; a sample
 in two certified shards is reported with both batches. Shards that no marker names are orphans
@@ -56,14 +76,16 @@ import numpy as np
 
 from hsx.errors import StoreError
 from hsx.fp8 import E4M3_REL_ERR
-from hsx.layout import RUN_JSON, SHARDS_PREFIX, batch_plan_key, marker_key
-from hsx.plan import BatchPlan, read_batch, read_batch_list
+from hsx.layout import (PLAN_WINDOWS_PREFIX, RUN_JSON, SAMPLES_JSONL, SHARDS_PREFIX, batch_plan_key, marker_key,
+                        names_under, window_key, window_samples_key)
+from hsx.plan import (BatchPlan, batch_id, plan_complete, planning_failed, read_batch, read_batch_list,
+                      read_planning_record, window_id)
 from hsx.reader import quarantined_ids, read_markers, read_sample
-from hsx.records import Marker
+from hsx.records import Marker, PlanWindow, SampleRow, Stats
 from hsx.runconfig import RunConfig, load_run
 from hsx.shard import Final, ShardSpec, StoreDtype, cu_seqlens_problem, schema_problems
-from hsx.store import MissingKey, Store, retry_transient
-from producer.words import fmt_bytes
+from hsx.store import MissingKey, Store, exists, retry_transient
+from producer.words import fmt_bytes, plural
 
 #: relative tolerance of ``--recompute`` by stored dtype (bf16 keeps 8 bits of mantissa).
 #: fp8: e4m3's relative rounding bound 2**-4 on top of bf16's 1e-2, rounded up (the module docstring says why).
@@ -86,11 +108,13 @@ UNVERIFIED = "unverified"
 
 @dataclass
 class Problem:
-    """One thing wrong with the run. ``batch`` names the batch (or batches, comma-separated)."""
+    """One thing wrong with the run. ``batch`` names the batch (or batches, comma-separated; ``-``
+    for none); ``window`` the plan's window (``w000003``) a problem of the plan is in, else None."""
 
     batch: str
     kind: str
     detail: str
+    window: str | None = None
 
 
 @dataclass
@@ -207,7 +231,7 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
 
     plan: BatchPlan | None = None
     if batch not in planned:
-        problem("not_planned", f"{batch} is not a batch of the plan (plan/batches.json)")
+        problem("not_planned", f"{batch} is not a batch of the plan (plan/batches.json, or the windows written so far)")
     else:
         try:
             plan = store_call(lambda: read_batch(run_store, batch), "read its plan")
@@ -317,6 +341,275 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
     return res
 
 
+# --- the plan -------------------------------------------------------------------------------
+
+
+@dataclass
+class PlanCheck:
+    """What :func:`check_plan` found: the batches to check the markers against, and the plan's problems."""
+
+    batches: list[dict]
+    """The batch list once the plan is complete, else the batches of the windows written so far."""
+    complete: bool
+    windows: int | None
+    """Windows of the streamed plan read (None: a run planned before windows)."""
+    problems: list[Problem] = field(default_factory=list)
+    missing_files: set[str] = field(default_factory=set)
+    """Batches whose plan file is missing (already reported: the per-marker check does not repeat it)."""
+
+
+def _summary_fields(b: dict) -> tuple:
+    return b["batch"], b["num_samples"], b["num_tokens"], b.get("max_len"), b.get("supervised_tokens")
+
+
+def check_plan(run_store: Store, *, threads: int = LOCAL_THREADS, retry_s: float = VERIFY_RETRY_S) -> PlanCheck:
+    """Check the plan's windows, sample rows and batch files against each other (the module
+    docstring lists the checks); a run planned before windows only has its batch list read.
+
+    Raises:
+        hsx.errors.StoreError: the plan's listing or its batch list cannot be read.
+        hsx.errors.RecordFormatError: ``plan/batches.json`` is not a batch list.
+    """
+    def call(fn, what: str):
+        return retry_transient(fn, f"verify: {what}", total_s=retry_s)
+
+    complete = call(lambda: plan_complete(run_store), "look for plan/batches.json")
+    listed = sorted(names_under(call(lambda: run_store.list(PLAN_WINDOWS_PREFIX), "list the windows"),
+                                PLAN_WINDOWS_PREFIX))
+    batch_list = call(lambda: read_batch_list(run_store), "read plan/batches.json") if complete else None
+    if not listed:
+        if complete:
+            check = PlanCheck(batch_list, True, None)
+            stats = _read_stats(run_store, call, check)
+            if stats is not None and stats.windows and not call(lambda: exists(run_store, SAMPLES_JSONL), "look for samples"):
+                check.problems.append(Problem("-", "plan_mismatch", f"plan/stats.json counts {plural(stats.windows, 'window')} "
+                                                                   f"but no window record is in {PLAN_WINDOWS_PREFIX}"))
+            return check  # a run planned before windows (plan/samples.jsonl): its batch list, as before
+        check = PlanCheck([], False, 0)
+        check.problems.append(Problem("-", "plan_incomplete", "plan/batches.json is missing: the plan is not complete; "
+                                      f"no window is written yet. {_planning_said(run_store)}"))
+        return check
+
+    problems: list[Problem] = []
+    windows: list[PlanWindow] = []
+    for name in listed:
+        try:
+            w = call(lambda: PlanWindow.read(run_store, name), f"read {window_key(name)}")
+        except ValueError as exc:  # RecordFormatError
+            problems.append(Problem("-", "plan_unreadable", str(exc), window=name))
+            continue
+        except StoreError as exc:
+            problems.append(Problem("-", UNVERIFIED, f"{window_key(name)} could not be read ({exc})", window=name))
+            continue
+        if w is None:  # deleted since the listing
+            continue
+        if w.name != name:
+            problems.append(Problem("-", "plan_mismatch", f"{window_key(name)} holds window {w.window} ({w.name})",
+                                    window=name))
+            continue
+        windows.append(w)
+    windows.sort(key=lambda w: w.window)
+    # In order from 0 up to the first gap: what readers (hsx.records.read_windows) count as planned.
+    chain: list[PlanWindow] = []
+    for w in windows:
+        if w.window != len(chain):
+            break
+        chain.append(w)
+    after_gap = windows[len(chain):]
+    if after_gap:
+        gap = window_id(len(chain))
+        problems.append(Problem("-", "plan_mismatch", f"window {gap} is missing: the windows after it "
+                                f"({', '.join(w.name for w in after_gap[:5])}{' ...' if len(after_gap) > 5 else ''}) "
+                                "follow a gap, so readers count none of their batches", window=gap))
+
+    expected_sample = expected_batch = 0
+    for w in chain:
+        where = f"window {w.name}"
+        if w.first_sample != expected_sample:
+            problems.append(Problem("-", "plan_mismatch", f"{where} starts at sample {w.first_sample}, the windows before "
+                                                          f"end at sample {expected_sample}", window=w.name))
+        if w.first_batch != expected_batch:
+            problems.append(Problem("-", "plan_mismatch", f"{where} starts at batch {batch_id(w.first_batch)}, the windows "
+                                                          f"before end at {batch_id(expected_batch)}", window=w.name))
+        names = [b.batch for b in w.batches]
+        want = [batch_id(w.first_batch + i) for i in range(len(w.batches))]
+        if names != want:
+            wrong = [n for n, x in zip(names, want) if n != x][:5]
+            problems.append(Problem(", ".join(wrong) or "-", "plan_mismatch",
+                                    f"{where}'s batches are not {want[0] if want else '-'}.. in order: {names[:10]}",
+                                    window=w.name))
+        if w.last and w is not chain[-1]:
+            problems.append(Problem("-", "plan_mismatch", f"{where} is marked last but windows follow it", window=w.name))
+        expected_sample = w.first_sample + w.num_samples
+        expected_batch = w.first_batch + len(w.batches)
+
+    check = PlanCheck([b.model_dump(exclude={"schema_version"}) for w in chain for b in w.batches], complete, len(chain),
+                      problems)
+    with ThreadPoolExecutor(threads) as pool:
+        for window_problems, missing in pool.map(lambda w: _check_window(run_store, w, call), chain):
+            problems.extend(window_problems)
+            check.missing_files |= missing
+
+    if complete:
+        if chain and not chain[-1].last:
+            problems.append(Problem("-", "plan_mismatch", f"the plan is complete but its last window {chain[-1].name} "
+                                                          "is not marked last", window=chain[-1].name))
+        listed_batches = {b["batch"]: b for b in batch_list}
+        in_windows = {b["batch"]: b for b in check.batches}
+        absent = [b for b in listed_batches if b not in in_windows]
+        if absent:
+            problems.append(Problem(", ".join(absent[:20]), "plan_mismatch",
+                                    f"{plural(len(absent), 'batch')} of plan/batches.json ({', '.join(absent[:5])}"
+                                    f"{' ...' if len(absent) > 5 else ''}) are in no window"))
+        unlisted = [b for b in in_windows if b not in listed_batches]
+        if unlisted:
+            problems.append(Problem(", ".join(unlisted[:20]), "plan_mismatch",
+                                    f"{plural(len(unlisted), 'batch')} of the windows ({', '.join(unlisted[:5])}"
+                                    f"{' ...' if len(unlisted) > 5 else ''}) are not in plan/batches.json"))
+        differ = [b for b in listed_batches if b in in_windows
+                  and _summary_fields(listed_batches[b]) != _summary_fields(in_windows[b])]
+        if differ:
+            problems.append(Problem(", ".join(differ[:20]), "plan_mismatch",
+                                    f"plan/batches.json and the windows differ on {', '.join(differ[:5])}: "
+                                    f"{_summary_fields(listed_batches[differ[0]])} vs {_summary_fields(in_windows[differ[0]])}"))
+        if not absent and not unlisted and [b["batch"] for b in batch_list] != list(in_windows):
+            problems.append(Problem("-", "plan_mismatch", "plan/batches.json lists the windows' batches in another order"))
+        stats = _read_stats(run_store, call, check)
+        if stats is not None:
+            counted = {"samples": sum(w.num_samples for w in chain), "batches": len(check.batches),
+                       "windows": len(chain), "tokens": sum(w.tokens for w in chain)}
+            wrong = [f"{k} {getattr(stats, k)} (the windows: {v})" for k, v in counted.items()
+                     if getattr(stats, k) is not None and getattr(stats, k) != v]
+            if wrong:
+                problems.append(Problem("-", "plan_mismatch", "plan/stats.json differs from the windows: " + ", ".join(wrong)))
+        check.batches = batch_list  # the markers are checked against the list readers use
+    else:
+        samples = sum(w.num_samples for w in chain)
+        problems.append(Problem("-", "plan_incomplete",
+                                f"plan/batches.json is missing: the plan is not complete; {plural(len(chain), 'window')} "
+                                f"written so far ({plural(samples, 'sample')} in {plural(len(check.batches), 'batch')}). "
+                                f"{_planning_said(run_store)}"))
+    return check
+
+
+def _read_stats(run_store: Store, call, check: PlanCheck) -> Stats | None:
+    try:
+        return call(lambda: Stats.read(run_store), "read plan/stats.json")
+    except ValueError as exc:  # RecordFormatError
+        check.problems.append(Problem("-", "plan_unreadable", str(exc)))
+    except StoreError as exc:
+        check.problems.append(Problem("-", UNVERIFIED, f"plan/stats.json could not be read ({exc})"))
+    return None
+
+
+def _planning_said(run_store: Store) -> str:
+    """What ``plan/planning.json`` says of a plan not complete: still planned, or why it stopped."""
+    record = read_planning_record(run_store)
+    if record is None:
+        return "No planner record (plan/planning.json): run the same `producer run` / `enqueue` command to finish it."
+    why = planning_failed(record)
+    if why:
+        return (f"Its planning stopped: {why}; run {record.command or 'the same `producer run` / `enqueue` command'} "
+                "again: it resumes after the windows written.")
+    return f"The planner (pid {record.pid} on {record.host}) is still writing it: verify again once it is done."
+
+
+def _check_window(run_store: Store, w: PlanWindow, call) -> tuple[list[Problem], set[str]]:
+    """The window's sample rows against its range and batches, and its batch files against its rows."""
+    problems: list[Problem] = []
+    missing: set[str] = set()
+
+    def problem(batch: str, kind: str, detail: str) -> None:
+        problems.append(Problem(batch, kind, detail, window=w.name))
+
+    key = window_samples_key(w.name)
+    try:
+        rows = call(lambda: SampleRow.read_window(run_store, w.name), f"read {key}")
+    except MissingKey:
+        problem("-", "plan_mismatch", f"{key} is missing: window {w.name}'s {plural(w.num_samples, 'sample')} have no rows")
+        rows = None
+    except ValueError as exc:  # RecordFormatError
+        problem("-", "plan_unreadable", str(exc))
+        rows = None
+    except StoreError as exc:
+        problem("-", UNVERIFIED, f"{key} could not be read ({exc})")
+        rows = None
+    summaries = {b.batch: b for b in w.batches}
+    by_batch: dict[str, list[SampleRow]] = defaultdict(list)
+    if rows is not None:
+        got = [r.sample_index for r in rows]
+        want = list(range(w.first_sample, w.first_sample + w.num_samples))
+        if got != want:
+            extra = sorted(set(got) - set(want))
+            lost = sorted(set(want) - set(got))
+            twice = sorted({s for s in got if got.count(s) > 1}) if len(got) != len(set(got)) else []
+            parts = [f"{len(got)} rows for the {plural(w.num_samples, 'sample')} {w.first_sample}..{w.first_sample + w.num_samples - 1}"]
+            if lost:
+                parts.append(f"samples {lost[:10]} have no row")
+            if extra:
+                parts.append(f"rows {extra[:10]} are outside the window")
+            if twice:
+                parts.append(f"samples {twice[:10]} have two rows")
+            if not (lost or extra or twice):
+                parts.append("not in sample_index order")
+            problem("-", "plan_mismatch", f"{key}: " + "; ".join(parts))
+        for r in rows:
+            if r.batch not in summaries:
+                problem(r.batch, "plan_mismatch", f"{key}: sample {r.sample_index} names batch {r.batch}, not one of "
+                                                  f"window {w.name}'s ({w.batches[0].batch if w.batches else '-'}.."
+                                                  f"{w.batches[-1].batch if w.batches else '-'})")
+            by_batch[r.batch].append(r)
+
+    for b in w.batches:
+        try:
+            plan = call(lambda: read_batch(run_store, b.batch), f"read {batch_plan_key(b.batch)}")
+        except MissingKey:
+            problem(b.batch, "plan_missing", f"{batch_plan_key(b.batch)} is missing (window {w.name})")
+            missing.add(b.batch)
+            continue
+        except StoreError as exc:
+            problem(b.batch, UNVERIFIED, f"{batch_plan_key(b.batch)} could not be read ({exc})")
+            continue
+        except Exception as exc:  # the bytes are not a batch file
+            problem(b.batch, "plan_unreadable", f"{batch_plan_key(b.batch)}: {type(exc).__name__}: {exc}")
+            continue
+        counts = {"num_samples": plan.num_samples, "num_tokens": plan.num_tokens}
+        wrong = [f"{k} {getattr(b, k)} (file: {v})" for k, v in counts.items() if getattr(b, k) != v]
+        if wrong:
+            problem(b.batch, "plan_mismatch", f"window {w.name}'s summary of {b.batch} differs from its file: " + ", ".join(wrong))
+        if rows is None:
+            continue
+        in_file = plan.sample_index_N.tolist()
+        named = by_batch.get(b.batch, [])
+        if sorted(in_file) != sorted(r.sample_index for r in named) or len(set(in_file)) != len(in_file):
+            not_named = sorted(set(in_file) - {r.sample_index for r in named})
+            not_in = sorted({r.sample_index for r in named} - set(in_file))
+            problem(b.batch, "plan_mismatch",
+                    f"{batch_plan_key(b.batch)} holds {plural(len(in_file), 'sample')}, {plural(len(named), 'row')} of {key} "
+                    f"name {b.batch}: " + "; ".join(x for x in (
+                        f"samples {not_named[:10]} are in the file but their rows name another batch" if not_named else "",
+                        f"samples {not_in[:10]} are named but not in the file" if not_in else "",
+                        "a sample is in the file twice" if len(set(in_file)) != len(in_file) else "") if x))
+            continue
+        cu = plan.cu_seqlens_N1.astype(np.int64)
+        bad_cu = cu_seqlens_problem(cu, plan.num_tokens)
+        if bad_cu or plan.loss_mask_T.shape[0] != plan.num_tokens:
+            problem(b.batch, "plan_mismatch", f"{batch_plan_key(b.batch)}: "
+                    + (bad_cu or f"{plan.loss_mask_T.shape[0]} loss_mask values for {plan.num_tokens} tokens"))
+            continue
+        lengths = np.diff(cu).tolist()
+        mask_csum = np.concatenate([[0], np.cumsum(plan.loss_mask_T.astype(np.int64))])
+        supervised = (mask_csum[cu[1:]] - mask_csum[cu[:-1]]).tolist()
+        row_of = {r.sample_index: r for r in named}
+        off = [f"sample {s}: {n} tokens ({sup} supervised) in the file, its row says {row_of[s].num_tokens} "
+               f"({row_of[s].supervised_tokens})"
+               for s, n, sup in zip(in_file, lengths, supervised)
+               if row_of[s].num_tokens != n or row_of[s].supervised_tokens != sup]
+        if off:
+            problem(b.batch, "plan_mismatch", f"{batch_plan_key(b.batch)} and {key} differ: " + "; ".join(off[:5]))
+    return problems, missing
+
+
 # --- recompute ------------------------------------------------------------------------------
 
 
@@ -408,10 +701,13 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
                settings=None, progress=None, threads: int | None = None, retry_s: float | None = None) -> dict:
     """Check the run at ``run_store`` (see the module docstring) and return the report.
 
-    Report keys: ``ok`` (no problem), ``problems`` (list of ``{batch, kind, detail}``), ``orphans``
+    Report keys: ``ok`` (no problem), ``problems`` (list of ``{batch, kind, detail, window}``: ``window``
+    names the plan's window of a plan problem, else null), ``plan_complete`` (``plan/batches.json``
+    exists; if not, a ``plan_incomplete`` problem and the batches planned so far are those of the
+    windows), ``windows`` (windows of the streamed plan; null for a run planned before windows), ``orphans``
     (shard keys no marker names), counts (``batches_planned``, ``batches_done``,
-    ``samples_planned``, ``samples_stored``, ``samples_quarantined``, ``bytes_hashed``), ``hash_seconds``
-    (reading and hashing the shards; ``seconds`` is the whole verify, the recompute's own time is
+    ``samples_planned``, ``samples_stored``, ``samples_quarantined``, ``bytes_hashed``), ``plan_seconds``
+    (checking the plan), ``hash_seconds`` (reading and hashing the shards; ``seconds`` is the whole verify, the recompute's own time is
     in ``recompute``) and
     ``recompute`` (when asked), ``unverified`` (batches whose marker, plan or shard could not be
     read for a store error after ``retry_s`` seconds of retries: problem kind ``unverified``, which
@@ -419,23 +715,23 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
 
     Raises:
         hsx.store.MissingKey: no run.json at ``run_store``.
-        hsx.errors.StoreError: run.json, the plan's batch list or the markers' listing cannot be read.
+        hsx.errors.StoreError: run.json, the plan's batch list or listing, or the markers' listing cannot be read.
+        hsx.errors.RecordFormatError: ``plan/batches.json`` is not a batch list.
     """
     t0 = time.perf_counter()
     retry_s = VERIFY_RETRY_S if retry_s is None else retry_s
     config = load_run(run_store)
     config_sha = config.identity_sha256()
-    problems: list[Problem] = []
-    try:
-        plan_list = read_batch_list(run_store)
-    except MissingKey:
-        plan_list = []
-        problems.append(Problem("-", "plan_missing", "plan/batches.json is missing: the plan is not complete"))
+    if threads is None:
+        threads = S3_THREADS if run_store.local_path(RUN_JSON) is None else LOCAL_THREADS
+    plan_check = check_plan(run_store, threads=threads, retry_s=retry_s)
+    plan_seconds = round(time.perf_counter() - t0, 2)
+    t_hash = time.perf_counter()
+    problems: list[Problem] = list(plan_check.problems)
+    plan_list = plan_check.batches
     planned = {b["batch"]: b for b in plan_list}
     markers = read_markers(run_store)
     names = sorted(markers)
-    if threads is None:
-        threads = S3_THREADS if run_store.local_path(RUN_JSON) is None else LOCAL_THREADS
     task = progress.add_task("verifying", total=len(names)) if progress is not None else None
     results: list[_BatchResult] = []
     hashed = 0
@@ -447,12 +743,12 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
             results.append(res)
             hashed += res.bytes_hashed
             if task is not None:
-                elapsed = max(time.perf_counter() - t0, 1e-9)
+                elapsed = max(time.perf_counter() - t_hash, 1e-9)
                 progress.update(task, advance=1, info=f"{fmt_bytes(hashed)} hashed  {fmt_bytes(hashed / elapsed)}/s")
 
-    hash_seconds = round(time.perf_counter() - t0, 2)  # the recompute's model load and forwards come after
-    for res in results:
-        problems.extend(res.problems)
+    hash_seconds = round(time.perf_counter() - t_hash, 2)  # the recompute's model load and forwards come after
+    for res in results:  # a missing plan file was named by check_plan already
+        problems.extend(p for p in res.problems if not (p.kind == "plan_missing" and p.batch in plan_check.missing_files))
     done = {r.batch for r in results if r.certified}
     for batch in sorted(set(planned) - done):
         if batch in markers:
@@ -490,6 +786,8 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
     report = {
         "run_id": config.run_id,
         "address": run_store.url,
+        "plan_complete": plan_check.complete,
+        "windows": plan_check.windows,
         "batches_planned": len(planned),
         "batches_done": len(done & set(planned)),
         "markers": len(markers),
@@ -498,6 +796,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
         "samples_quarantined": len(quarantined - stored),
         "bytes_hashed": hashed,
         "hash_seconds": hash_seconds,
+        "plan_seconds": plan_seconds,
         "orphans": orphans,
         "recompute": None,
     }
@@ -536,4 +835,4 @@ def problem_batches(report: dict) -> list[str]:
     return sorted(out)
 
 
-__all__ = ["verify_run", "recompute_samples", "problem_batches", "Problem", "RTOL_BY_DTYPE", "UNVERIFIED", "VERIFY_RETRY_S"]
+__all__ = ["verify_run", "check_plan", "PlanCheck", "recompute_samples", "problem_batches", "Problem", "RTOL_BY_DTYPE", "UNVERIFIED", "VERIFY_RETRY_S"]
