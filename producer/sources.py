@@ -194,8 +194,14 @@ class LocalFiles(Source):
         return self.source if self.source == SHAREGPT else str(Path(self.source).resolve())
 
     def describe(self) -> dict:
-        return {"kind": "files", "files": [{"name": f.path.name, "bytes": f.size} for f in self.files],
-                "fingerprint": FINGERPRINT_METHOD}
+        from producer.selection import describe_order
+
+        out = {"kind": "files", "files": [{"name": f.path.name, "bytes": f.size} for f in self.files],
+               "fingerprint": FINGERPRINT_METHOD}
+        order = describe_order(self.options)  # --shuffle / --sample: how the records were chosen
+        if order:
+            out["order"] = order
+        return out
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:
