@@ -23,6 +23,13 @@ with ``HGETALL``; message bodies are decoded only when their content type is JSO
 unpickled). A race (a message claimed between the two looks, a worker slow to answer ``inspect``)
 can make reconcile enqueue a batch that is in fact running; that is harmless: the second delivery
 finds the marker, or loses the marker race and deletes its own shard.
+
+A run whose plan is still written (streamed one window at a time, ``hsx/plan.py``) is reconciled
+on the batches of the windows written so far: the planner enqueues each window's batches as it
+writes it, so a batch of an earlier window that is neither done, queued nor running was lost
+like any other. The report says the plan is not complete (``plan_complete``, ``plan_note``), and
+the batches of the newest window are left alone for :data:`ENQUEUE_GRACE_S` after a live planner
+wrote it (``just_planned``): it is still sending them to the queue.
 """
 
 from __future__ import annotations
@@ -35,12 +42,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from hsx.layout import SHARDS_PREFIX, marker_key
-from hsx.plan import read_batch_list
+from hsx.layout import PLAN_WINDOWS_PREFIX, SHARDS_PREFIX, marker_key, names_under
+from hsx.plan import planned_batches, planning_failed, read_planning_record, window_id
 from hsx.queue import EXTRACT_TASK, decode_message as _decode, make_celery, unacked_message
-from hsx.records import Failure, Marker, done_batches, read_failures
+from hsx.records import Failure, Marker, PlanWindow, done_batches, read_failures
 from hsx.runconfig import load_run
 from hsx.store import Store
+from producer.words import plural
 from settings import Settings
 
 log = logging.getLogger(__name__)
@@ -56,6 +64,9 @@ UNACKED_INDEX_KEY = "unacked_index"
 #: verify problem kinds that mean the batch's stored shard (or its marker) was read and found bad:
 #: redo the batch. ``unverified`` (the store did not answer) is not one of them: nothing is known
 #: to be wrong, and deleting a good marker and shard would lose finished work.
+#: seconds after a live planner wrote a window during which its batches are not counted lost: the
+#: planner enqueues them just after writing the window (``producer/planner.py``, ``on_window``).
+ENQUEUE_GRACE_S = 30.0
 REPAIRABLE = {"shard_altered", "shard_missing", "shard_unreadable", "schema", "counts", "token_echo",
               "loss_mask_echo", "missing_samples", "unplanned_sample", "marker_unreadable", "marker_mismatch",
               "config_mismatch", "recompute"}
@@ -253,14 +264,24 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
     :func:`clear_finished_unacked`), ``removed_shards``, ``removed_incomplete``,
     ``workers`` (that answered ``inspect``), ``dry_run``, ``broker``, ``seconds``.
 
+    A plan not complete yet: the batches of the windows written so far are reconciled;
+    ``plan_complete`` is False, ``plan_note`` says so (None once complete), ``windows`` counts the
+    windows written (None once complete), ``just_planned`` lists the newest window's batches left
+    alone because a live planner is enqueueing them (:data:`ENQUEUE_GRACE_S`).
+
     Raises:
-        hsx.store.MissingKey: no run.json (or no complete plan) at ``run_store``.
+        hsx.store.MissingKey: no run.json at ``run_store``.
+        hsx.errors.RecordFormatError: a damaged batch list or window record.
         redis errors: the broker does not answer.
     """
     t0 = time.perf_counter()
     config = load_run(run_store)
-    batches = read_batch_list(run_store)
+    batches, complete = planned_batches(run_store)
     run_url = run_store.url
+    plan_note, windows, just_planned = None, None, set()
+    if not complete:
+        plan_note, windows, just_planned = _plan_in_progress(run_store, batches)
+        log.warning("reconcile %s: %s", config.run_id, plan_note)
     repaired = {} if (not repair or dry_run) else repair_bad_batches(run_store, settings)
     done = done_batches(run_store)
     missing = [b for b in batches if b["batch"] not in done]
@@ -271,7 +292,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
     why: dict[str, str] = {}
     for b in missing:
         name = b["batch"]
-        if name in view.queued or name in view.running:
+        if name in view.queued or name in view.running or name in just_planned:
             continue
         lost.append(b)
         if name in repaired:
@@ -317,6 +338,10 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         "address": run_url,
         "batches_total": len(batches),
         "batches_done": len(done & {b["batch"] for b in batches}),
+        "plan_complete": complete,
+        "plan_note": plan_note,
+        "windows": windows,
+        "just_planned": sorted(just_planned - done),
         "repaired": repaired,
         "queued": sorted(view.queued),
         "running": sorted(view.running),
@@ -332,6 +357,35 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         "broker": bool(broker_url),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def _plan_in_progress(run_store: Store, batches: list[dict]) -> tuple[str, int, set[str]]:
+    """(the note, windows written, the newest window's batches a live planner is enqueueing) of a
+    plan not complete yet."""
+    record = read_planning_record(run_store)
+    why = planning_failed(record)
+    windows = record.windows if record is not None else None
+    if windows is None:  # a failed planner's record may not carry the progress: one listing counts them
+        windows = len(names_under(run_store.list(PLAN_WINDOWS_PREFIX), PLAN_WINDOWS_PREFIX))
+    just_planned: set[str] = set()
+    fresh = (record is not None and why is None and record.updated_unix is not None
+             and time.time() - record.updated_unix < ENQUEUE_GRACE_S)
+    if fresh and windows:
+        try:
+            newest = PlanWindow.read(run_store, window_id(windows - 1))
+        except ValueError:  # RecordFormatError: verify names it
+            newest = None
+        if newest is not None:
+            just_planned = {b.batch for b in newest.batches}
+    so_far = (f"{plural(len(batches), 'batch')} of the windows written so far" if batches
+              else "no window is written yet")
+    if why:
+        state = f"its planning stopped ({why}); run the same `producer run` / `enqueue` command again to finish it"
+    elif record is None:
+        state = "no planner record (plan/planning.json)"
+    else:
+        state = f"the planner (pid {record.pid} on {record.host}) is still writing it"
+    return f"the plan is not complete: reconciling the {so_far}; {state}", windows, just_planned
 
 
 class RunReconciler:
