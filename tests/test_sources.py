@@ -94,6 +94,13 @@ def _save_to_disk(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def _as_messages(record: dict) -> dict:
+    """The record in the OpenAI form (``messages`` of ``role`` / ``content``)."""
+    roles = {"human": "user", "gpt": "assistant"}
+    out = {"messages": [{"role": roles[t["from"]], "content": t["value"]} for t in record["conversations"]]}
+    return {"id": record["id"], **out} if "id" in record else out
+
+
 def _tree(path: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
 
@@ -226,13 +233,14 @@ def test_a_parquet_directory_in_the_hubs_layout_is_streamed_split_by_split(tmp_p
 
 
 def test_a_json_directory_with_readme_configs_is_read_by_subset_and_split(tmp_path, settings, records):
-    """JSON lines in subfolders, a README.md whose YAML header declares two configs: ``--subset``
-    picks the config (refused, with the list, when missing or unknown), ``--split`` its split; the
-    subset is part of the fingerprint and recorded in ``dataset_options``."""
+    """JSON lines in subfolders (ShareGPT records in one config, the same in the OpenAI ``messages``
+    form in the other), a README.md whose YAML header declares the two configs: ``--subset`` picks
+    the config (refused, with the list, when missing or unknown), ``--split`` its split; the subset
+    is part of the fingerprint and recorded in ``dataset_options``."""
     root = tmp_path / "json-hub"
     _jsonl(root / "chat" / "short" / "train.jsonl", records[:15])
     _jsonl(root / "chat" / "short" / "test.jsonl", records[15:20])
-    _jsonl(root / "chat" / "more" / "train.jsonl", records[20:])
+    _jsonl(root / "chat" / "more" / "train.jsonl", [_as_messages(r) for r in records[20:]])
     (root / "README.md").write_text(
         "---\nconfigs:\n- config_name: short\n  data_files:\n  - split: train\n    path: chat/short/train.jsonl\n"
         "  - split: test\n    path: chat/short/test.jsonl\n- config_name: more\n  data_files:\n  - split: train\n"
@@ -250,6 +258,7 @@ def test_a_json_directory_with_readme_configs_is_read_by_subset_and_split(tmp_pa
     assert _run_json(short_test)["dataset"]["builder"] == "json"
     more = _plan(tmp_path, settings, root, subset="more")
     assert _ids(more) == _expected_ids(records[20:], "train")
+    assert more.stats["samples"] == N_RECORDS - 20  # every messages record became a sample
     assert more.config.dataset_fingerprint != short_test.config.dataset_fingerprint
 
 
