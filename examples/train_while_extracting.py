@@ -16,9 +16,13 @@ linear layer to [S, H]; at position t that feature is joined with the embedding 
 one causal decoder layer predicts token t+2 over a draft vocabulary of V' tokens, through the rows
 of the target's own ``lm_head`` for those tokens (frozen); the embedding is the target's, frozen too.
 The draft vocabulary is, as in SpecForge's ``generate_vocab_mapping_file``, the ``--draft-vocab`` most
-frequent supervised tokens of the dataset, here counted in the run's plan (``plan/batches/``, which
-is complete before the first batch is enqueued); positions whose target is outside it are left out
-of the loss. The loss is cross-entropy on the supervised tokens (``loss_mask``). Not reproduced
+frequent supervised tokens of the dataset, here counted in the run's plan (``plan/batches/``). The
+plan is streamed, one window of the dataset at a time (hsx/plan.py), so the count is over the
+samples planned once at least ``--vocab-samples`` are (default 1024: the first window, planned
+seconds after the start), or over the whole plan when it is smaller or complete; ``--vocab-samples
+0`` waits for the whole plan (SpecForge's count, but no training before the planning ends).
+Positions whose target is outside it are left out of the loss. The reader follows the plan's
+windows as they appear, and the run's batches as they are certified. The loss is cross-entropy on the supervised tokens (``loss_mask``). Not reproduced
 here: SpecForge's training-time-test unroll and its soft targets from the target's logits. With
 ``tiny-qwen3.5`` the states are those of a random-weight model: the loss shows that training runs,
 not that the head is useful.
@@ -27,7 +31,8 @@ Every ``--save-every`` steps (and at the end) it writes ``--checkpoint`` (head, 
 the reader's position, one ``torch.save`` file replaced atomically); started again with the same
 checkpoint, it continues after the last sample it trained on, whatever the run did meanwhile.
 ``--log-jsonl`` writes one JSON line per step (``step``, ``loss``, ``batches``, ``samples``
-trained on, ``certified`` / ``planned`` batches at that moment) and a last line with ``done``.
+trained on, ``certified`` / ``planned`` batches at that moment, ``plan_complete``: whether ``planned``
+is all of them) and a last line with ``done``.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 
 from hsx.live import LiveHiddenStatesDataset  # noqa: E402
 from hsx.models import resolve_model_path  # noqa: E402
-from hsx.plan import plan_complete, read_batch, read_batch_list  # noqa: E402
+from hsx.plan import planned_batches, planning_failed, read_batch, read_planning_record  # noqa: E402
 from settings import Settings  # noqa: E402
 
 
@@ -77,29 +82,41 @@ def target_embeddings(model_name: str, cache_dir: Path) -> tuple[torch.Tensor, t
     return embed, embed if lm_head is None else lm_head  # tied embeddings: lm_head is the embedding
 
 
-def draft_vocabulary(run_store, size: int, *, wait_s: float, poll_s: float) -> torch.Tensor:
-    """``d2t_D`` int64, ascending: the target ids of the ``size`` most frequent supervised tokens of the
-    run's plan (ties by id). SpecForge stores the same set as offsets (``d2t[i] = id - i``).
+def draft_vocabulary(run_store, size: int, *, min_samples: int, wait_s: float, poll_s: float) -> tuple[torch.Tensor, int]:
+    """``(d2t_D int64 ascending, samples counted)``: the target ids of the ``size`` most frequent
+    supervised tokens of the run's plan (ties by id), counted over the batches planned once at
+    least ``min_samples`` samples are (0: once the plan is complete), or all of a complete plan.
+    SpecForge stores the same set as offsets (``d2t[i] = id - i``).
 
     SpecForge (``specforge/data/preprocessing.py``, ``generate_vocab_mapping_file``) counts the
-    loss-masked tokens of the training set the same way. The plan is complete before any batch is
-    enqueued (``plan/batches.json`` is written last, hsx/plan.py), so a live run has it.
+    loss-masked tokens of the whole training set the same way; a streamed plan's first windows are
+    the dataset's first records, in its order.
 
     Raises:
-        SystemExit: the plan is not complete after ``wait_s`` seconds.
+        SystemExit: not enough samples are planned after ``wait_s`` seconds, or the planning failed first.
     """
     deadline = time.monotonic() + wait_s
-    while not plan_complete(run_store):
+    while True:
+        batches, complete = planned_batches(run_store)
+        samples = sum(b["num_samples"] for b in batches)
+        if complete or (min_samples and samples >= min_samples):
+            break
+        why = planning_failed(read_planning_record(run_store))
+        if why and not batches:
+            raise SystemExit(f"{run_store.url}: its planning failed ({why}) before any batch was planned; "
+                             "fix the cause and run the producer again")
+        if why:  # the windows it wrote are all there will be until the producer runs again
+            break
         if time.monotonic() > deadline:
-            raise SystemExit(f"{run_store.url}: no complete plan after {wait_s:.0f} s (plan/batches.json); "
-                             f"`python -m producer status {run_store.url}` says why")
+            raise SystemExit(f"{run_store.url}: {samples} samples planned after {wait_s:.0f} s, fewer than --vocab-samples "
+                             f"{min_samples}; `python -m producer status {run_store.url}` says why")
         time.sleep(poll_s)
     counts = collections.Counter()
-    for b in read_batch_list(run_store):
+    for b in batches:
         plan = read_batch(run_store, b["batch"])
         counts.update(plan.input_ids_T[plan.loss_mask_T.astype(bool)].tolist())
     top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
-    return torch.tensor(sorted(t for t, _ in top), dtype=torch.int64)
+    return torch.tensor(sorted(t for t, _ in top), dtype=torch.int64), samples
 
 
 class Eagle3Head(nn.Module):
@@ -161,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-every", type=int, default=5, help="steps between checkpoints")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size D (SpecForge: 32000)")
+    ap.add_argument("--vocab-samples", type=int, default=1024,
+                    help="count the draft vocabulary once this many samples are planned (0: over the whole plan, "
+                         "waiting for the planning to end)")
     ap.add_argument("--seed", type=int, default=0, help="batch order and head initialisation")
     ap.add_argument("--poll-s", type=float, default=2.0, help="seconds between looks for new markers")
     ap.add_argument("--idle-timeout-s", type=float, default=600.0, help="stop after this long without a new batch")
@@ -182,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         state = torch.load(args.checkpoint, weights_only=True)  # tensors and plain containers only: no pickle code
         d2t_D = state["head"]["d2t_D"]
     else:
-        d2t_D = draft_vocabulary(reader.store, args.draft_vocab, wait_s=args.wait_for_run_s, poll_s=args.poll_s)
+        d2t_D, counted = draft_vocabulary(reader.store, args.draft_vocab, min_samples=args.vocab_samples,
+                                          wait_s=args.wait_for_run_s, poll_s=args.poll_s)
+        print(f"draft vocabulary: the {d2t_D.shape[0]:,} most frequent supervised tokens of {counted:,} planned samples")
     head = Eagle3Head(embed_VH, lm_head_VH, d2t_D)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=args.lr)
     step = 0
@@ -212,9 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         line = {"step": step, "loss": round(float(total.detach()) / max(count, 1), 4), "tokens": count,
                 "batches": sorted({s["batch"] for s in group}), "samples": [s["sample_index"] for s in group],
                 "certified": progress["certified"], "planned": progress["planned"],
-                "seconds": round(time.perf_counter() - t0, 3)}
+                "plan_complete": reader.plan_complete, "seconds": round(time.perf_counter() - t0, 3)}
+        so_far = "" if reader.plan_complete else " planned so far"
         print(f"step {step:4d}  loss {line['loss']:.3f}  {count:5d} tokens  from {','.join(line['batches'])}  "
-              f"run: {progress['certified']}/{progress['planned'] or '?'} batches certified")
+              f"run: {progress['certified']}/{progress['planned'] or '?'} batches{so_far} certified")
         if log:
             log.write(json.dumps(line) + "\n")
             log.flush()

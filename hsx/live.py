@@ -27,11 +27,21 @@ world size continues right after the last sample the trainer received: no sample
 skipped (the convention of torchdata's ``StatefulDataLoader``: a state taken after item n resumes
 at item n + 1).
 
-End. Iteration stops when every planned batch (``plan/batches.json``, written last by the planner,
-hsx/plan.py) of this rank has been yielded (``stop_reason == "complete"``), or when no new batch
-was certified for ``idle_timeout_s`` seconds (``"idle_timeout"``: a batch that fails every time
-never gets a marker; the warning says how many planned batches have a ``failures/`` record).
-Iterating again continues from the position.
+Plan. The plan is streamed (hsx/plan.py): while it is written, the planned batches are those of
+the windows written so far, and their batches are extracted meanwhile, so the reader follows the
+windows too. Each poll before the plan is complete reads the batches planned so far again
+(:func:`hsx.plan.planned_batches`): ``planned`` grows window by window, and a marker is taken
+only for a batch planned (one whose window appeared after the poll read the windows waits for
+the next poll).
+
+End. Iteration stops when the plan is complete (``plan/batches.json``, written last by the
+planner) and every planned batch of this rank has been yielded (``stop_reason == "complete"``),
+or when for ``idle_timeout_s`` seconds no new batch was certified and no new window planned
+(``"idle_timeout"``: a batch that fails every time never gets a marker; the warning says how
+many planned batches have a ``failures/`` record). If the planning failed (``plan/planning.json``),
+the batches of the windows it wrote are still yielded as they are certified; once all of this
+rank's are, iterating raises :class:`~hsx.errors.HsxError` (no batch will come until the
+producer is run again). Iterating again continues from the position.
 
 Ranks. With ``world_size`` W, batch b belongs to rank ``rank_of(b, W)`` (a hash of its id): every
 rank decides alone, whatever it saw when, and the ranks' batches are disjoint and cover the run.
@@ -49,7 +59,7 @@ from typing import Iterator
 
 from hsx.errors import BadConfig, FidelityError, HsxError
 from hsx.layout import FAILURES_PREFIX, names_under
-from hsx.plan import planning_failed, plan_complete, read_batch_list, read_planning_record
+from hsx.plan import planned_batches, planning_failed, read_planning_record
 from hsx.reader import (_IterableDataset, _final_names, _open_run, local_shard, marker_problem, quarantined_ids,
                          read_markers, read_sample)
 from hsx.records import Marker, done_batches
@@ -132,7 +142,12 @@ class LiveHiddenStatesDataset(_IterableDataset):
         self.offset = 0
         """Shard rows of ``schedule[cursor]`` already yielded (quarantined rows count as passed)."""
         self.planned: set[str] | None = None
-        """This rank's planned batches, once ``plan/batches.json`` exists."""
+        """This rank's batches planned so far: those of the windows written, or of the batch list once
+        the plan is complete (None before the first poll)."""
+        self.plan_complete = False
+        """``plan/batches.json`` was read: ``planned`` is final."""
+        self.plan_failed: str | None = None
+        """Why the planning stopped before the plan was complete (``plan/planning.json``), or None."""
         self.stop_reason: str | None = None
         """Why the last iteration ended: ``complete`` or ``idle_timeout`` (None while it runs)."""
         self._markers: dict[str, Marker] = {}
@@ -163,34 +178,39 @@ class LiveHiddenStatesDataset(_IterableDataset):
 
     # --- following the run -------------------------------------------------------------------
 
+    def _read_plan(self) -> None:
+        """``planned`` (and ``plan_complete``, ``plan_failed``): this rank's batches planned so far."""
+        batches, complete = planned_batches(self.store)
+        self.planned = {b["batch"] for b in batches if self._mine(b["batch"])}
+        self.plan_complete = complete
+        self.plan_failed = None if complete else planning_failed(read_planning_record(self.store))
+
     def poll(self) -> list[str]:
-        """One look at the run: list ``markers/``, read the markers not seen before, and append the
-        newly certified batches of this rank to ``schedule`` as one window (seeded order).
+        """One look at the run: the batches planned so far (until the plan is complete), then list
+        ``markers/``, read the markers not seen before, and append the newly certified batches of
+        this rank to ``schedule`` as one window (seeded order).
 
         Returns the window (empty when nothing new). Markers that do not certify this run's batch
-        (unreadable, another config, a batch the plan does not hold) are skipped with one warning each.
+        (unreadable, another config, a batch the complete plan does not hold) are skipped with one
+        warning each; while the plan is written, a marker of a batch not planned yet waits for a
+        later poll.
 
         Raises:
-            HsxError: the run's planning failed (``plan/planning.json``): no batch will ever come.
+            hsx.errors.RecordFormatError: a damaged batch list or window record.
             hsx.errors.StoreError: the store cannot be listed or read.
         """
-        if self.planned is None:
-            if plan_complete(self.store):
-                self.planned = {b["batch"] for b in read_batch_list(self.store) if self._mine(b["batch"])}
-            else:
-                why = planning_failed(read_planning_record(self.store))
-                if why:
-                    raise HsxError(f"run {self.config.run_id} in {self.store.url}: its planning failed ({why}); "
-                                   "no batch will be certified. Fix the cause and run the producer again.")
+        if not self.plan_complete:
+            self._read_plan()
         known = set(self.schedule)
         names = sorted(done_batches(self.store))
-        new = [b for b in names if b not in known and self._mine(b)]
+        new = [b for b in names if b not in known and self._mine(b)
+               and (self.plan_complete or b in self.planned)]  # its window read after ours: next poll
         if not new:
             return []
         window = []
         for batch, marker in read_markers(self.store, new).items():
             problem = marker_problem(batch, marker, self.config_sha256)
-            if problem is None and self.planned is not None and batch not in self.planned:
+            if problem is None and batch not in self.planned:
                 problem = f"marker of {batch}: the run's plan has no batch {batch}: skipped"
             if problem:
                 self._warn_once(batch, problem)
@@ -202,17 +222,21 @@ class LiveHiddenStatesDataset(_IterableDataset):
         return window
 
     def complete(self) -> bool:
-        """True when every planned batch of this rank is in the schedule (the run is done for us)."""
-        return self.planned is not None and self.planned.issubset(self.schedule)
+        """True when the plan is complete and every planned batch of this rank is in the schedule
+        (the run is done for us)."""
+        return self.plan_complete and self.planned is not None and self.planned.issubset(self.schedule)
 
     def progress(self) -> dict:
-        """``{"yielded": batches fully or partly read, "certified": batches scheduled, "planned": int | None}``."""
+        """``{"yielded": batches fully or partly read, "certified": batches scheduled, "planned": int | None}``;
+        ``planned`` counts this rank's batches planned so far (``plan_complete`` says whether that is all)."""
         return {"yielded": self.cursor, "certified": len(self.schedule),
                 "planned": None if self.planned is None else len(self.planned)}
 
     def _next_batch(self) -> str | None:
         """The batch at ``cursor``, polling (and sleeping ``poll_s``) until one is certified; None
-        when the run is complete for this rank or ``idle_timeout_s`` passed without a new batch."""
+        when the run is complete for this rank or ``idle_timeout_s`` passed without a new batch or
+        window. Raises :class:`HsxError` when the planning failed and every batch it planned for
+        this rank was yielded."""
         last_new = time.monotonic()
         while True:
             if self.cursor < len(self.schedule):
@@ -220,11 +244,18 @@ class LiveHiddenStatesDataset(_IterableDataset):
             if self.complete():
                 self.stop_reason = "complete"
                 return None
+            planned_before = len(self.planned or ())
             if self.poll():
                 last_new = time.monotonic()
                 continue
             if self.complete():
                 continue
+            if self.plan_failed and self.planned.issubset(self.schedule):
+                raise HsxError(f"run {self.config.run_id} in {self.store.url}: its planning failed ({self.plan_failed}) "
+                               f"after {len(self.planned)} batches of this rank, all read; no more batch will be "
+                               "certified. Fix the cause and run the producer again (it resumes the plan), then iterate again.")
+            if len(self.planned) > planned_before:  # a new window: the run goes on
+                last_new = time.monotonic()
             idle_s = time.monotonic() - last_new
             if self.idle_timeout_s is not None and idle_s >= self.idle_timeout_s:
                 self.stop_reason = "idle_timeout"
@@ -240,10 +271,11 @@ class LiveHiddenStatesDataset(_IterableDataset):
             failed = len(failures.intersection(missing))
         log.warning(
             "run %s: no new batch certified for %.0f s (idle_timeout_s=%s): stopping after %d batches; %s planned "
-            "batches of this rank have no marker yet (%d with a failures/ record). `python -m producer status %s` "
+            "batches of this rank have no marker yet (%d with a failures/ record)%s. `python -m producer status %s` "
             "says why; iterate again to go on following the run",
             self.config.run_id, idle_s, self.idle_timeout_s, self.cursor,
-            "?" if missing is None else len(missing), failed, self.store.url)
+            "?" if missing is None else len(missing), failed,
+            "" if self.plan_complete else "; the plan is not complete (no new window either)", self.store.url)
 
     def _marker(self, batch: str) -> Marker:
         marker = self._markers.get(batch)

@@ -268,7 +268,7 @@ def test_a_reader_waits_for_the_run_to_appear_and_raises_when_its_planning_faile
     timer.start()
     reader = LiveHiddenStatesDataset(store, wait_for_run_s=10, poll_s=POLL_S)
     assert reader.config.run_id == small_run["report"]["run_id"]
-    assert reader.poll() == [] and reader.planned is None and not reader.complete()
+    assert reader.poll() == [] and reader.planned == set() and not reader.plan_complete and not reader.complete()
     store.write("plan/planning.json", json.dumps({"state": "failed", "error": "BadDataset: no usable record"}).encode())
     with pytest.raises(HsxError, match="planning failed.*no usable record"):
         next(iter(reader))
