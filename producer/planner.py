@@ -196,7 +196,11 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
                          max_length=max_length, enable_thinking=opts.enable_thinking, over_length=opts.over_length,
                          special_tokens_in_content=opts.special_tokens_in_content, allow_text=opts.allow_text,
                          chat_template=template_text)
-    tokenizer, chat = spec.build()
+    try:
+        tokenizer, chat = spec.build()
+    except BadRecord as exc:  # the template fails on the probe conversation (producer/masks.py)
+        where = f"--chat-template {opts.chat_template!r}" if opts.chat_template else f"the chat template of {opts.model!r}"
+        raise BadConfig(f"{where} cannot render a conversation ({exc.detail}): fix the template") from None
     config = RunConfig(
         model=info.as_dict(),
         model_name=opts.model,
@@ -240,10 +244,14 @@ def _chat_template_text(path: str | None) -> str | None:
     if not text.strip():
         raise BadConfig(f"--chat-template {path!r} is empty: give a Jinja chat template file")
     try:
-        from jinja2 import Environment
+        try:  # compiled as transformers renders chat templates ({% break %}, {% generation %}; unknown filters fail)
+            from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+        except ImportError:
+            from jinja2 import Environment
 
-        Environment().parse(text)
-    except Exception as exc:  # jinja2.TemplateSyntaxError
+            compile_template = Environment(extensions=["jinja2.ext.loopcontrols"]).from_string
+        compile_template(text)
+    except Exception as exc:  # jinja2.TemplateSyntaxError, TemplateAssertionError
         raise BadConfig(f"--chat-template {path!r} is not a valid Jinja template: {exc}") from None
     return text
 
@@ -388,6 +396,8 @@ class PlanJob:
         pending = None
         limit = self.opts.limit
         last_tick = 0.0
+        if limit is not None and len(seen) >= limit:
+            items = iter(())  # a resumed plan that had reached --limit: only its last window is missing
         try:
             with Tokenisers(self.spec, self.num_proc, chat=self.chat if self.num_proc == 1 else None) as pool:
                 for (_fid, _raw), outcome in pool.map(items):
