@@ -504,13 +504,27 @@ def test_a_chat_template_file_changes_the_tokens_the_template_hash_and_the_run_i
     (None, "cannot read it"),
     ("", "is empty"),
     ("{% for m in messages %}{{ m.content }}", "not a valid Jinja template"),
+    ("{% for m in messages %}{{ m.content | no_such_filter }}{% endfor %}", "not a valid Jinja template.*no_such_filter"),
+    ("{{ raise_exception('this template renders nothing') }}", "cannot render a conversation.*renders nothing"),
 ])
-def test_a_missing_empty_or_invalid_chat_template_is_refused_naming_the_file(tmp_path, settings, records, content, said):
+def test_a_missing_empty_invalid_or_failing_chat_template_is_refused_naming_the_file(tmp_path, settings, records, content, said):
     path = tmp_path / "template.jinja"
     if content is not None:
         path.write_text(content)
     with pytest.raises(BadConfig, match=rf"--chat-template '{path}'.*{said}"):
         _plan(tmp_path, settings, _jsonl(tmp_path / "c.jsonl", records[:3]), chat_template=str(path))
+
+
+def test_a_chat_template_is_checked_as_transformers_compiles_it(tmp_path, settings, records):
+    """Loop controls (``{% break %}``), which transformers' template environment has and plain Jinja
+    has not, are accepted."""
+    from hsx.models import load_tokenizer
+
+    own = load_tokenizer("tiny-qwen3.5", settings.cache_dir).chat_template
+    template = tmp_path / "with-break.jinja"
+    template.write_text("{%- for m in messages %}{%- if loop.first %}{% break %}{% endif %}{%- endfor %}" + own)
+    planned = _plan(tmp_path, settings, _jsonl(tmp_path / "c.jsonl", records[:3]), chat_template=str(template))
+    assert planned.stats["samples"] == 3
 
 
 # --------------------------------------------------------------------------------------------
