@@ -177,3 +177,36 @@ def test_bad_plan_options_are_refused_before_anything_is_read(tmp_path, tiny_cac
     with pytest.raises(BadConfig, match="--num-proc 0"):
         prepare_plan(_opts(tmp_path / "out", num_proc=0), _settings(tiny_cache))
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_enqueue_sends_each_windows_batches_while_later_windows_are_tokenised(cluster, tmp_path):
+    """Through the real broker: after the first window the queue holds exactly its batches and the
+    plan is not complete; after the plan, every batch once; the same command again sends nothing
+    (every batch is queued already)."""
+    from hsx.broker import redis_client
+    from hsx.queue import queue_keys
+    from producer.enqueue import WindowSender
+
+    client = redis_client(cluster.broker.url)
+
+    def queued() -> int:
+        return sum(client.llen(k) for k in queue_keys(cluster.settings.queue))
+
+    sender = WindowSender(cluster.settings, cluster.broker.url)
+    looks = []
+
+    def on_window(job, batches):
+        sender(job, batches)
+        looks.append((queued(), len(sender.result.enqueued), plan_complete(job.run_store)))
+
+    planned = plan_run(_opts(tmp_path / "out", limit=2600, num_proc=1, max_length=128), cluster.settings,
+                       on_window=on_window)
+    first_window = len(read_windows(planned.run_store)[0].batches)
+    assert looks[0] == (first_window, first_window, False)
+    assert queued() == len(sender.result.enqueued) == len(planned.batches)
+
+    again = WindowSender(cluster.settings, cluster.broker.url)
+    plan_run(_opts(tmp_path / "out", limit=2600, num_proc=1, max_length=128), cluster.settings, on_window=again)
+    assert again.result.enqueued == [] and len(again.result.in_flight) == len(planned.batches)
+    assert queued() == len(planned.batches)
+    client.close()
