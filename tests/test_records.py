@@ -260,8 +260,8 @@ def test_the_layout_is_the_one_the_readme_documents():
     documented = set(re.findall(r"^<output>/<run_id>/(\S+)", text, flags=re.M))
     assert documented, "the README's layout block was not found"
     assert documented == {
-        layout.RUN_JSON, layout.BATCHES_JSON, layout.PLANNING_JSON, layout.batch_plan_key("<batch>"), layout.SAMPLES_JSONL,
-        layout.STATS_JSON, layout.shard_key("<batch>", "<attempt>"), layout.marker_key("<batch>"),
+        layout.RUN_JSON, layout.BATCHES_JSON, layout.PLANNING_JSON, layout.batch_plan_key("<batch>"),
+        layout.window_key("<window>"), layout.window_samples_key("<window>"), layout.STATS_JSON, layout.shard_key("<batch>", "<attempt>"), layout.marker_key("<batch>"),
         layout.failure_key("<batch>"),
     }
     assert f"<run>/{layout.worker_key('<host>-<pid>')}" in text
