@@ -288,12 +288,14 @@ def _open_binary(path: Path):
     return open(path, "rb")
 
 
-def iter_raw_records(path: Path, skips: SkipCounter, opener=_open_binary) -> Iterator[Any]:
+def iter_raw_records(path: Path, skips: SkipCounter, opener=_open_binary, *, lazy: bool = False) -> Iterator[Any]:
     """The records of one file as parsed (objects, or a BadRecord for a line that did not parse), in order.
 
     ``opener(path)`` gives the binary file object to read (default ``open(path, "rb")``; the planner
     passes one that checks every block it reads against the dataset's fingerprint,
-    ``producer/sources.py``). Raises BadDataset for a file of no known format.
+    ``producer/sources.py``). ``lazy``: the lines of a JSON-lines file come as :class:`RawLine`, to be
+    parsed by :func:`parse_raw` (in the planner's tokenising processes). Raises BadDataset for a file
+    of no known format.
     """
     suffix = path.suffix.lower()
     if suffix == ".parquet":
@@ -304,7 +306,7 @@ def iter_raw_records(path: Path, skips: SkipCounter, opener=_open_binary) -> Ite
     if suffix == ".json" and head[:1] == b"[":
         yield from _iter_json_array(path, skips, opener)
     elif head[:1] in (b"{", b"") or suffix == ".jsonl":
-        yield from _iter_json_lines(path, opener)
+        yield from _iter_json_lines(path, opener, lazy)
     else:
         raise BadDataset(
             f"{path} starts with {head[:20]!r}: expected a JSON array ('[') or JSON lines ('{{'); "
@@ -312,8 +314,36 @@ def iter_raw_records(path: Path, skips: SkipCounter, opener=_open_binary) -> Ite
         )
 
 
-def _iter_json_lines(path: Path, opener=_open_binary) -> Iterator[Any]:
-    """One object per non-blank line; a bad line becomes a BadRecord and reading goes on."""
+@dataclass(frozen=True)
+class RawLine:
+    """One line of a JSON-lines file, not parsed yet (:func:`parse_raw`): the planner's reading
+    process hands lines to its tokenising processes, which parse them there."""
+
+    record_id: str
+    data: bytes
+    lineno: int
+
+
+def parse_raw(raw: Any) -> Any:
+    """The object a :class:`RawLine` holds (or a BadRecord for a line that is not JSON or not
+    UTF-8); anything else is returned as it is."""
+    if not isinstance(raw, RawLine):
+        return raw
+    try:
+        text = raw.data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return BadRecord(raw.record_id, "invalid_utf8", f"line {raw.lineno}: byte {err.start}: {err.reason}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        return BadRecord(raw.record_id, "malformed_json", f"line {raw.lineno}: {err.msg} at character {err.pos}")
+
+
+def _iter_json_lines(path: Path, opener=_open_binary, lazy: bool = False) -> Iterator[Any]:
+    """One object per non-blank line; a bad line becomes a BadRecord and reading goes on.
+
+    ``lazy``: yield each line as a :class:`RawLine`, parsed later by :func:`parse_raw`.
+    """
     index = 0
     with opener(path) as f:  # bytes: invalid UTF-8 in one line must not stop the file
         for lineno, line in enumerate(f, start=1):
@@ -323,15 +353,8 @@ def _iter_json_lines(path: Path, opener=_open_binary) -> Iterator[Any]:
             index += 1
             if index == 1 and line.startswith(b"\xef\xbb\xbf"):
                 line = line[3:]
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield BadRecord(rid, "invalid_utf8", f"line {lineno} of the file: byte {err.start}: {err.reason}")
-                continue
-            try:
-                yield json.loads(text)
-            except json.JSONDecodeError as err:
-                yield BadRecord(rid, "malformed_json", f"line {lineno} of the file: {err.msg} at character {err.pos}")
+            raw = RawLine(rid, line, lineno)
+            yield raw if lazy else parse_raw(raw)
 
 
 def _iter_json_array(path: Path, skips: SkipCounter, opener=_open_binary) -> Iterator[Any]:

@@ -91,8 +91,9 @@ class SourceOptions:
 
 @dataclass
 class RawItem:
-    """One record of the source as read: ``raw`` is the parsed object (or a BadRecord for one that
-    did not parse); ``fallback_id`` its id when it has none of its own (``<file name>:<index>``)."""
+    """One record of the source as read: ``raw`` is the parsed object, a BadRecord for one that did
+    not parse, or a :class:`producer.datasets.RawLine` still to be parsed (``parse_raw``, in the
+    tokenising process); ``fallback_id`` its id when it has none of its own (``<file name>:<index>``)."""
 
     fallback_id: str
     raw: Any
@@ -239,7 +240,7 @@ class LocalFiles(Source):
                 opened.append(raw)
                 return io.BufferedReader(raw, buffer_size=1 << 20)
 
-            for index, raw in enumerate(iter_raw_records(f.path, skips, opener)):
+            for index, raw in enumerate(iter_raw_records(f.path, skips, opener, lazy=True)):
                 yield RawItem(f"{f.path.name}:{index}", raw)
                 self.bytes_read = done + (opened[-1].high_water if opened else 0)
             done += f.size

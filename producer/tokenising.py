@@ -27,7 +27,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from hsx.errors import BadRecord
-from producer.datasets import SkipCounter, _normalise
+from producer.datasets import SkipCounter, _normalise, parse_raw
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +93,21 @@ def _init(spec: TokeniserSpec) -> None:
     _ALLOW_TEXT = spec.allow_text
 
 
-def encode_chunk(items: list[tuple[str, object]], chat=None, allow_text: bool | None = None) -> list[Outcome]:
-    """The :class:`Outcome` of each ``(fallback_id, raw record or BadRecord)``, in order.
+def encode_chunk(items: list[tuple[str, object]], chat=None, allow_text: bool | None = None
+                 ) -> tuple[list[Outcome], np.ndarray, np.ndarray]:
+    """The :class:`Outcome` of each ``(fallback_id, raw record, BadRecord or RawLine)``, in order.
 
     Runs in a worker process (``chat`` None: the process's own) or in the planner (``num_proc=1``).
+    Returns the outcomes without their arrays, and the samples' ``input_ids`` (int32 [T]) and
+    ``loss_mask`` (uint8 [T]) concatenated in order: one array each per chunk crosses the process
+    boundary, not two per record. :func:`split_chunk` puts them back on the outcomes.
     """
     chat = _CHAT if chat is None else chat
     allow_text = _ALLOW_TEXT if allow_text is None else allow_text
     out: list[Outcome | None] = [None] * len(items)
     records, where = [], []
     for k, (fallback_id, raw) in enumerate(items):
+        raw = parse_raw(raw)
         if isinstance(raw, BadRecord):  # a line that did not parse
             out[k] = Outcome(None, None, raw)
             continue
@@ -115,13 +120,30 @@ def encode_chunk(items: list[tuple[str, object]], chat=None, allow_text: bool | 
         out[k] = Outcome(record.record_id, None, None, tuple(name for name, n in local.fixes.items() for _ in range(n)))
         records.append(record)
         where.append(k)
+    ids, masks = [], []
     for k, result in zip(where, chat.encode_many(records, chunk_records=max(1, len(records)))):
         if isinstance(result, BadRecord):
             out[k].skip = result
         else:
-            out[k].sample = (result.input_ids.astype(np.int32, copy=False), result.loss_mask.astype(np.uint8, copy=False),
-                             bool(result.truncated))
-    return out  # type: ignore[return-value]
+            ids.append(result.input_ids)
+            masks.append(result.loss_mask)
+            out[k].sample = (result.num_tokens, bool(result.truncated))  # the arrays travel concatenated
+    ids_T = np.concatenate(ids).astype(np.int32, copy=False) if ids else np.zeros(0, np.int32)
+    mask_T = np.concatenate(masks).astype(np.uint8, copy=False) if masks else np.zeros(0, np.uint8)
+    return out, ids_T, mask_T  # type: ignore[return-value]
+
+
+def split_chunk(result: tuple[list[Outcome], np.ndarray, np.ndarray]) -> list[Outcome]:
+    """The outcomes of :func:`encode_chunk` with their ``sample`` as ``(input_ids [S], loss_mask [S],
+    truncated)``: views into the chunk's concatenated arrays."""
+    outcomes, ids_T, mask_T = result
+    at = 0
+    for o in outcomes:
+        if o.sample is not None:
+            n, truncated = o.sample
+            o.sample = (ids_T[at:at + n], mask_T[at:at + n], truncated)
+            at += n
+    return outcomes
 
 
 def default_num_proc() -> int:
@@ -163,7 +185,7 @@ class Tokenisers:
         it = iter(items)
         if self._pool is None:
             while chunk := list(islice(it, CHUNK_RECORDS)):
-                yield from zip(chunk, encode_chunk(chunk, self._chat, self.spec.allow_text))
+                yield from zip(chunk, split_chunk(encode_chunk(chunk, self._chat, self.spec.allow_text)))
             return
         pending: deque[tuple[list, Future]] = deque()
         limit = self.num_proc * IN_FLIGHT_PER_PROC
@@ -178,4 +200,4 @@ class Tokenisers:
             if not pending:
                 return
             chunk, fut = pending.popleft()
-            yield from zip(chunk, fut.result())
+            yield from zip(chunk, split_chunk(fut.result()))
