@@ -16,9 +16,10 @@ O(records) integers (20 bytes a JSON record), never the records themselves.
 
 **Reading back**: a JSON record is read with one ``pread`` of its byte range and its digest is
 compared with the index pass's, so a record reaches the planner only if its bytes are those that
-were checked against the fingerprint (:class:`~producer.sources.DatasetChanged` otherwise); it is
-then parsed exactly as ``producer/datasets.py``'s readers parse it (the same BadRecord for a line
-that is not UTF-8 or not JSON). Parquet rows are read per row group through the checked file, a
+were checked against the fingerprint (:class:`~producer.sources.DatasetChanged` otherwise); a JSON
+line is then handed on as the streaming reader hands it, a :class:`~producer.datasets.RawLine`
+that the tokenising process parses (``parse_raw``: the same BadRecord for a line that is not UTF-8
+or not JSON), a JSON array element parsed as that reader parses it. Parquet rows are read per row group through the checked file, a
 chunk of :data:`CHUNK_RECORDS` chosen records at a time (each needed row group read once per chunk).
 
 Fallback ids stay ``<file name>:<index>`` with the record's position in its file, as without
@@ -37,8 +38,8 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from hsx.errors import BadDataset, BadRecord
-from producer.datasets import MAX_RECORD_BYTES, READ_CHUNK_BYTES, SkipCounter, _may_be_incomplete
+from hsx.errors import BadDataset
+from producer.datasets import MAX_RECORD_BYTES, READ_CHUNK_BYTES, RawLine, SkipCounter, _may_be_incomplete
 
 if TYPE_CHECKING:
     from producer.sources import LocalFiles, RawItem, SourceOptions
@@ -95,7 +96,7 @@ class _FileIndex:
     lengths: np.ndarray | None = None  # uint32 [count]
     digests: np.ndarray | None = None  # uint64 [count]
     #: JSON lines: record indices after which blank lines were seen, and the blank lines before each
-    #: (the line number of record i is i + 1 + the blanks before it: BadRecord details name it).
+    #: (the line number of record i is i + 1 + the blanks before it: a RawLine carries it).
     blank_at: np.ndarray | None = None
     blank_before: np.ndarray | None = None
     row_group_starts: np.ndarray | None = None  # parquet: int64 [groups + 1]
@@ -291,7 +292,8 @@ class _Reader:
             "file is a new dataset: it gets a new run id)")
 
     def json_record(self, k: int, i: int):
-        """Record ``i`` of JSON file ``k``: the parsed object, or a BadRecord (as the streaming readers give)."""
+        """Record ``i`` of JSON file ``k`` as the streaming readers give it: a JSON array's element
+        parsed, a JSON line as a :class:`~producer.datasets.RawLine` (parsed where it is tokenised)."""
         index = self.indexes[k]
         f = self.source.files[k]
         fd = self._fds.get(k)
@@ -309,15 +311,7 @@ class _Reader:
             return json.loads(data.decode("utf-8", "surrogateescape"))
         if i == 0 and data.startswith(_BOM):
             data = data[3:]
-        lineno = index.line_number(i)
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as err:
-            return BadRecord(rid, "invalid_utf8", f"line {lineno} of the file: byte {err.start}: {err.reason}")
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as err:
-            return BadRecord(rid, "malformed_json", f"line {lineno} of the file: {err.msg} at character {err.pos}")
+        return RawLine(rid, data, index.line_number(i))
 
     def parquet_rows(self, k: int, rows: np.ndarray) -> dict[int, dict]:
         """Rows ``rows`` (positions in file ``k``) as dicts, each needed row group read once."""
