@@ -390,8 +390,10 @@ class PlanJob:
         window = self._new_window(len(done))
         task = None
         if progress is not None:
-            total = self.source.total_bytes
-            task = progress.add_task("tokenising", total=total, bytes=total is not None)
+            # --limit: usable records out of the limit; else the dataset's bytes (records when unknown)
+            total = self.opts.limit if self.opts.limit is not None else self.source.total_bytes
+            task = progress.add_task("tokenising", total=total,
+                                     bytes=self.opts.limit is None and self.source.total_bytes is not None)
         writer = ThreadPoolExecutor(1, thread_name_prefix="plan-writer")
         pending = None
         limit = self.opts.limit
@@ -427,7 +429,7 @@ class PlanJob:
                         window = self._new_window(window.index + 1)
                     if task is not None and (stop or time.monotonic() - last_tick > 0.2):
                         last_tick = time.monotonic()
-                        self._tick(progress, task, records_read)
+                        self._tick(progress, task, records_read, len(seen))
                     if stop:
                         break
             window.skips.truncated_bytes.update(source_skips.truncated_bytes)
@@ -435,17 +437,18 @@ class PlanJob:
             if pending is not None:
                 pending.result()
             if task is not None:
-                self._tick(progress, task, records_read, final=True)
+                self._tick(progress, task, records_read, len(seen), final=True)
         finally:
             writer.shutdown(wait=True, cancel_futures=True)
 
-    def _tick(self, progress, task, records_read: int, final: bool = False) -> None:
+    def _tick(self, progress, task, records_read: int, claimed: int, final: bool = False) -> None:
         samples = sum(w.num_samples for w in self.windows)
         batches = sum(len(w.batches) for w in self.windows)
         info = f"{plural(records_read, 'record')} read, {plural(samples, 'sample')} in {plural(batches, 'batch')} planned"
-        total = self.source.total_bytes
-        if total is not None:
-            progress.update(task, completed=total if final else self.source.bytes_read, info=info)
+        if self.opts.limit is not None:
+            progress.update(task, completed=claimed, info=info, **({"total": claimed} if final else {}))
+        elif self.source.total_bytes is not None:
+            progress.update(task, completed=self.source.total_bytes if final else self.source.bytes_read, info=info)
         else:
             progress.update(task, completed=records_read, info=info, **({"total": records_read} if final else {}))
 
@@ -601,7 +604,7 @@ def no_usable_record_message(dataset: str, skips: SkipCounter) -> str:
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, KeyboardInterrupt):
-        return "interrupted (Ctrl-C or SIGTERM) while writing the plan"
+        return "interrupted (Ctrl-C or SIGTERM) while planning; the same command resumes after the last window written"
     return f"{exc.__class__.__name__}: {str(exc)[:500]}"
 
 

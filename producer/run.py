@@ -93,8 +93,11 @@ def _failed(run_store, done: set[str]) -> dict[str, dict]:
 
 
 def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress=None, poll_s: float | None = None,
-                     reconcile=None, reconcile_after_s: float = 300.0) -> dict:
+                     reconcile=None, reconcile_after_s: float = 300.0, task=None) -> dict:
     """Block until every batch has a marker, or every unfinished batch has failed, or the workers died.
+
+    ``task``: the progress task to show the markers on (``run``'s, shown since the first window);
+    None: a new ``extracting`` task.
 
     ``reconcile`` (a :class:`producer.reconcile.RunReconciler`) is called when every unfinished
     batch has failed, before giving up, and after ``reconcile_after_s`` seconds without a new
@@ -108,9 +111,10 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
         # Each poll lists markers/ (1,000 keys per S3 page): poll big runs less often.
         poll_s = min(10.0, 0.5 + len(by_name) / 20_000)
     seen: set[str] = set()
-    task = None
-    if progress:
+    if progress and task is None:
         task = progress.add_task("extracting", total=len(by_name), samples=0, tokens=0)
+    elif progress:
+        progress.update(task, total=len(by_name))
     started = time.monotonic()
     tokens = samples = 0
     failed: dict = {}
@@ -146,7 +150,7 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
             # The rate of the last markers, not an average since the start: that would count planning,
             # the model load and the warm-up (producer/status.py recent_rate).
             rate = recent_rate(arrivals, now)
-            progress.update(task, advance=new_done, samples=samples, tok_s=rate if rate is not None else float("nan"))
+            progress.update(task, completed=len(seen), samples=samples, tok_s=rate if rate is not None else float("nan"))
         remaining = set(by_name) - seen
         if not remaining:
             break
@@ -284,11 +288,23 @@ class _Launch:
         self.broker_url = settings.broker_url
         self.local: LocalWorkers | None = None
         self.sender: WindowSender | None = None
+        self.task = None  # "extracting": batches planned so far, and their markers
+        self.planned = 0
 
     def __call__(self, job: PlanJob, batches: list[dict]) -> None:
         if self.sender is None:
             self._start(job)
         self.sender(job, batches)
+        self.planned += len(batches)
+        if self.progress is not None:
+            if self.task is None:
+                self.task = self.progress.add_task("extracting", total=None, samples=0, tokens=0)
+            try:
+                done = len(done_batches(job.run_store))
+            except Exception:  # only a progress figure: the store may be slow to list
+                done = None
+            self.progress.update(self.task, total=self.planned, **({} if done is None else {"completed": done}),
+                                 info="while planning")
 
     def _start(self, job: PlanJob) -> None:
         settings, console = self.settings, self.console
@@ -361,7 +377,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
             report = _plan_report(planned, set(sender.result.already_done) if sender else set())
             report["batches_enqueued"] = len(sender.result.enqueued) if sender else 0
             reconciler = RunReconciler(planned.run_store, settings, launch.broker_url)
-            waited = wait_for_markers(planned, launch.local, progress, reconcile=reconciler)
+            waited = wait_for_markers(planned, launch.local, progress, reconcile=reconciler, task=launch.task)
         report["reconciled"] = reconciler.redone
         report["failed"] = waited["failed"]
         if waited["workers_died"]:
