@@ -401,7 +401,7 @@ class PlanJob:
         if limit is not None and len(seen) >= limit:
             items = iter(())  # a resumed plan that had reached --limit: only its last window is missing
         try:
-            with Tokenisers(self.spec, self.num_proc, chat=self.chat if self.num_proc == 1 else None) as pool:
+            with Tokenisers(self.spec, self.num_proc, chat=self.chat) as pool:
                 for (_fid, _raw), outcome in pool.map(items):
                     records_read += 1
                     rid = outcome.claimed

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -54,14 +55,16 @@ class TokeniserSpec:
     allow_text: bool
     chat_template: str | None = None
 
-    def build(self):
-        """The tokenizer (loaded from the model) and its ChatTokeniser. Raises BadConfig."""
-        from hsx.models import load_tokenizer
+    def build(self, tokenizer=None):
+        """The tokenizer (loaded from the model, unless given) and its ChatTokeniser. Raises BadConfig."""
         from producer.masks import ChatTokeniser
 
-        tokenizer = load_tokenizer(self.model, Path(self.cache_dir), trust_remote_code=self.trust_remote_code)
-        if self.chat_template is not None:
-            tokenizer.chat_template = self.chat_template
+        if tokenizer is None:
+            from hsx.models import load_tokenizer
+
+            tokenizer = load_tokenizer(self.model, Path(self.cache_dir), trust_remote_code=self.trust_remote_code)
+            if self.chat_template is not None:
+                tokenizer.chat_template = self.chat_template
         return tokenizer, ChatTokeniser(tokenizer, max_length=self.max_length, enable_thinking=self.enable_thinking,
                                         over_length=self.over_length,
                                         special_tokens_in_content=self.special_tokens_in_content)
@@ -86,10 +89,18 @@ _CHAT = None  # this process's ChatTokeniser (worker processes: built by _init)
 _ALLOW_TEXT = False
 
 
-def _init(spec: TokeniserSpec) -> None:
+def _init(spec: TokeniserSpec, tokenizer_pickle: bytes | None = None) -> None:
     global _CHAT, _ALLOW_TEXT
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-    _CHAT = spec.build()[1]
+    # The planner's own tokenizer, pickled: loading it again through AutoTokenizer would import
+    # torch (transformers' configuration code does), ~3 s and ~130 MB more per process.
+    tokenizer = None
+    if tokenizer_pickle is not None:
+        try:
+            tokenizer = pickle.loads(tokenizer_pickle)
+        except Exception:  # its class is not importable here: load it from the model as the planner did
+            tokenizer = None
+    _CHAT = spec.build(tokenizer)[1]
     _ALLOW_TEXT = spec.allow_text
 
 
@@ -163,13 +174,19 @@ class Tokenisers:
     def __init__(self, spec: TokeniserSpec, num_proc: int, chat=None):
         self.spec = spec
         self.num_proc = max(1, int(num_proc))
-        self._chat = chat
+        self._chat = chat  # the planner's ChatTokeniser: used in-process, and its tokenizer sent to the processes
         self._pool: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> "Tokenisers":
         if self.num_proc > 1:
+            state = None
+            if self._chat is not None:
+                try:
+                    state = pickle.dumps(self._chat.tokenizer)
+                except Exception:  # a remote-code tokenizer that does not pickle: each process loads its own
+                    state = None
             self._pool = ProcessPoolExecutor(self.num_proc, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init, initargs=(self.spec,))
+                                             initializer=_init, initargs=(self.spec, state))
         elif self._chat is None:
             self._chat = self.spec.build()[1]
         return self
