@@ -2,7 +2,7 @@
 (``status``, ``verify``, ``reconcile``, the live reader: tests/test_streamed_plan_readers.py).
 
 :func:`plan_options` is the plan of those tests: real ShareGPT records, the tiny-qwen3.5 target,
-one tokenising process. With ``limit=1500`` it has three windows: 1,024 samples (45 batches), the
+one tokenising process. With ``limit=1500`` it has three windows: 1,024 samples (59 batches), the
 rest of the records (the ``--limit`` is reached there), and the empty last window.
 
 Run as a script it is a planner process that a test can watch, pause and kill::
@@ -30,11 +30,14 @@ if str(ROOT) not in sys.path:
 
 
 def plan_options(output: Path, limit: int):
-    """The tests' plan: ``sharegpt`` with tiny-qwen3.5, ``limit`` records, one tokenising process."""
+    """The tests' plan: ``sharegpt`` with tiny-qwen3.5, ``limit`` records, samples of at most 512 tokens in
+    batches of 8,192, one tokenising process."""
     from producer.planner import PlanOptions
 
     return PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(output), limit=limit, num_proc=1,
-                       command=f"python -m producer run sharegpt --model tiny-qwen3.5 --limit {limit}")
+                       max_length=512, batch_tokens=8192,  # short batches: the CPU worker extracts one in a moment
+                       command=f"python -m producer run sharegpt --model tiny-qwen3.5 --limit {limit} --max-length 512 "
+                               "--batch-tokens 8192")
 
 
 def plan_settings(cache: Path):
