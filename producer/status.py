@@ -19,7 +19,7 @@ Rows are matched by (host, pid).
 **A run whose plan is still written** (the plan is streamed one window at a time, ``hsx/plan.py``)
 is ``planning``: its batches so far are those of the windows written (each window's batches are
 enqueued as it is written, so workers extract them meanwhile), and ``batches_total`` /
-``samples_total`` / ``tokens_total`` count those so far. ``planning`` (null once the plan is
+``samples_total`` / ``tokens_total`` count those so far (``skipped``: the windows' skipped records). ``planning`` (null once the plan is
 complete) says how far the planning got, from the windows and ``plan/planning.json``: ``windows``,
 ``batches`` (= ``batches_enqueued``: the planner hands each window's batches to the queue as it
 writes it), ``samples``, ``tokens`` (planned so far), ``records_read`` / ``records_total`` and
@@ -374,7 +374,13 @@ class RunWatch:
             planning_now = state == "planning"
             state, eta = "stalled", None
             stalled_reason, restart = self._stalled(workers, planning=planning_now)
-        skipped = self.stats.skipped.counts if self.stats is not None else {}
+        if self.stats is not None:
+            skipped = self.stats.skipped.counts
+        else:  # a plan still written: its windows' counts so far (each window counts its own records)
+            skipped = {}
+            for w in self.windows:
+                for reason, n in w.skipped.counts.items():
+                    skipped[reason] = skipped.get(reason, 0) + n
         return {
             "run_id": self.config.run_id,
             "address": store.url,
