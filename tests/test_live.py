@@ -46,6 +46,19 @@ class Publisher:
             write_file(self.store, path.relative_to(self.source).as_posix(), path)
         write_file(self.store, "plan/batches.json", self.source / "plan" / "batches.json")
 
+    def publish_window(self, window: str) -> list[str]:
+        """run.json (if not yet), then one window of the plan as the streamed planner writes it: its
+        batch files, its sample rows, its record last; returns its batches."""
+        if not exists(self.store, "run.json"):
+            write_file(self.store, "run.json", self.source / "run.json")
+        record = json.loads((self.source / "plan" / "windows" / f"{window}.json").read_text())
+        batches = [b["batch"] for b in record["batches"]]
+        for batch in batches:
+            write_file(self.store, f"plan/batches/{batch}.safetensors", self.source / "plan" / "batches" / f"{batch}.safetensors")
+        write_file(self.store, f"plan/samples/{window}.jsonl", self.source / "plan" / "samples" / f"{window}.jsonl")
+        write_file(self.store, f"plan/windows/{window}.json", self.source / "plan" / "windows" / f"{window}.json")
+        return batches
+
     def shard_key(self, batch: str) -> str:
         return json.loads(self.marker_bytes[batch])["shard"]["key"]
 
@@ -284,3 +297,44 @@ def test_a_dataloader_reads_it_in_the_loop_process_and_refuses_several_workers(s
     loader = torch.utils.data.DataLoader(LiveHiddenStatesDataset(store, poll_s=POLL_S), batch_size=None, num_workers=2)
     with pytest.raises(BadConfig, match="num_workers=2.*use num_workers=0"):
         next(iter(loader))
+
+
+def test_a_reader_follows_a_plan_still_being_written_and_ends_only_once_it_is_complete(small_run, tmp_path):
+    """The plan is streamed (hsx/plan.py): with its first window written and no batch list yet, the reader takes
+    that window's batches as they are certified, and once it has them all it waits, the plan not complete;
+    when the last window and ``plan/batches.json`` are written it ends, complete."""
+    windows = sorted(p.stem for p in (Path(small_run["dir"]) / "plan" / "windows").glob("*.json"))
+    assert len(windows) >= 2, windows  # the small run: its samples' window, then the empty last one
+    store = open_store(str(tmp_path / "live" / small_run["report"]["run_id"]))
+    pub = Publisher(small_run["dir"], store)
+    first = pub.publish_window(windows[0])
+    reader = LiveHiddenStatesDataset(store, poll_s=POLL_S, idle_timeout_s=60, finals="none")
+    assert reader.poll() == [] and reader.planned == set(first) and not reader.plan_complete
+    got: list[str] = []
+    errors: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            got.extend(s["batch"] for s in reader)
+        except BaseException as exc:  # reported by the test thread
+            errors.append(exc)
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    for batch in first:
+        pub.publish(batch)
+    deadline = time.monotonic() + 30
+    while reader.cursor < len(first) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    time.sleep(5 * POLL_S)
+    assert not errors, errors
+    assert reader.cursor == len(first) and follower.is_alive() and reader.stop_reason is None, "it waits for the plan"
+    for window in windows[1:]:
+        pub.publish_window(window)
+    time.sleep(3 * POLL_S)
+    assert follower.is_alive() and not reader.plan_complete, "windows alone do not complete the plan"
+    write_file(store, "plan/stats.json", Path(small_run["dir"]) / "plan" / "stats.json")
+    write_file(store, "plan/batches.json", Path(small_run["dir"]) / "plan" / "batches.json")  # last: complete
+    follower.join(30)
+    assert not follower.is_alive() and not errors, errors
+    assert reader.stop_reason == "complete" and reader.plan_complete and set(got) == set(first) == set(pub.batches)
