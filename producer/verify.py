@@ -819,7 +819,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
         report["recompute"] = summary
         problems.extend(rproblems)
 
-    report["unverified"] = sorted({p.batch for p in problems if p.kind == UNVERIFIED})
+    report["unverified"] = sorted({p.batch for p in problems if p.kind == UNVERIFIED and p.batch != "-"})
     report["problems"] = [asdict(p) for p in problems]
     report["ok"] = not problems
     report["seconds"] = round(time.perf_counter() - t0, 2)
