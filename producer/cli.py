@@ -442,6 +442,8 @@ def cmd_reconcile(args, settings: Settings) -> int:
     out.print(f"reconcile {report['run_id']}: {report['batches_done']}/{report['batches_total']} "
               f"{noun(report['batches_total'], 'batch')} done; {len(report['queued'])} queued, {len(report['running'])} running "
               f"{answered}", highlight=False)
+    if report.get("plan_note"):
+        out.print(f"[yellow]note[/] {report['plan_note']}", highlight=False)
     for batch, kinds in sorted(report["repaired"].items()):
         out.print(f"[yellow]repaired[/] {batch}: {', '.join(kinds)} (marker and shard removed)", highlight=False)
     for item in report["lost"]:

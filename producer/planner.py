@@ -427,9 +427,12 @@ class PlanJob:
                     if len(window.ids) >= window_samples(window.index, config.plan_windows) or stop:
                         pending = self._publish(writer, pending, window, records_read, False, on_window, t0)
                         window = self._new_window(window.index + 1)
-                    if task is not None and (stop or time.monotonic() - last_tick > 0.2):
+                    if time.monotonic() - last_tick > 0.2:
                         last_tick = time.monotonic()
-                        self._tick(progress, task, records_read, len(seen))
+                        if pending is not None and pending.done():
+                            pending.result()  # a window that failed to be written or enqueued stops the plan now
+                        if task is not None:
+                            self._tick(progress, task, records_read, len(seen))
                     if stop:
                         break
             window.skips.truncated_bytes.update(source_skips.truncated_bytes)
@@ -496,6 +499,7 @@ class PlanJob:
                 "started_unix": started.started_unix or (now - (time.perf_counter() - t0))})
             try:
                 progress_record.write(store)
+                self._record = progress_record  # a failure is recorded with the progress so far
             except Exception:  # only a record: status falls back to the windows
                 pass
             if on_window is not None and record.batches:
