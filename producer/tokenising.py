@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import importlib
 import os
-import pickle
+import shutil
+import signal
+import tempfile
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -89,19 +92,29 @@ _CHAT = None  # this process's ChatTokeniser (worker processes: built by _init)
 _ALLOW_TEXT = False
 
 
-def _init(spec: TokeniserSpec, tokenizer_pickle: bytes | None = None) -> None:
+def _init(spec: TokeniserSpec, saved: tuple[str, str, str] | None = None) -> None:
     global _CHAT, _ALLOW_TEXT
+    # Ctrl-C reaches the whole process group: the planner stops the processes (one line, not a
+    # traceback from each of them)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-    # The planner's own tokenizer, pickled: loading it again through AutoTokenizer would import
-    # torch (transformers' configuration code does), ~3 s and ~130 MB more per process.
-    tokenizer = None
-    if tokenizer_pickle is not None:
-        try:
-            tokenizer = pickle.loads(tokenizer_pickle)
-        except Exception:  # its class is not importable here: load it from the model as the planner did
-            tokenizer = None
-    _CHAT = spec.build(tokenizer)[1]
+    _CHAT = spec.build(_load_saved(saved))[1]
     _ALLOW_TEXT = spec.allow_text
+
+
+def _load_saved(saved: tuple[str, str, str] | None):
+    """The planner's tokenizer as it saved it (``save_pretrained``): ``(module, class name, directory)``,
+    loaded with its own class. Not through AutoTokenizer: transformers' config code that it runs
+    imports torch (~3 s and ~130 MB more per process). None (the process then loads the model's
+    tokenizer as the planner did) when there is none or its class cannot be imported here."""
+    if saved is None:
+        return None
+    module, name, directory = saved
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        return cls.from_pretrained(directory)
+    except Exception:  # e.g. a remote-code class: spec.build() loads it the planner's way
+        return None
 
 
 def encode_chunk(items: list[tuple[str, object]], chat=None, allow_text: bool | None = None
@@ -178,15 +191,19 @@ class Tokenisers:
         self._pool: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> "Tokenisers":
+        self._saved_dir = None
         if self.num_proc > 1:
-            state = None
+            saved = None
             if self._chat is not None:
+                tokenizer = self._chat.tokenizer
+                self._saved_dir = tempfile.mkdtemp(prefix="hsx-tokenizer-")
                 try:
-                    state = pickle.dumps(self._chat.tokenizer)
-                except Exception:  # a remote-code tokenizer that does not pickle: each process loads its own
-                    state = None
+                    tokenizer.save_pretrained(self._saved_dir)
+                    saved = (type(tokenizer).__module__, type(tokenizer).__qualname__, self._saved_dir)
+                except Exception:  # each process then loads the model's tokenizer itself
+                    saved = None
             self._pool = ProcessPoolExecutor(self.num_proc, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init, initargs=(self.spec, state))
+                                             initializer=_init, initargs=(self.spec, saved))
         elif self._chat is None:
             self._chat = self.spec.build()[1]
         return self
@@ -196,6 +213,8 @@ class Tokenisers:
             # cancel what is queued; a Ctrl-C reached the workers too (same process group) and they exit
             self._pool.shutdown(wait=exc[0] is None, cancel_futures=True)
             self._pool = None
+        if self._saved_dir is not None:
+            shutil.rmtree(self._saved_dir, ignore_errors=True)
 
     def map(self, items: Iterable[tuple[str, object]]) -> Iterator[tuple[tuple[str, object], Outcome]]:
         """``(item, outcome)`` for each item, in input order; at most a few chunks read ahead."""
