@@ -115,7 +115,6 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
         task = progress.add_task("extracting", total=len(by_name), samples=0, tokens=0)
     elif progress:
         progress.update(task, total=len(by_name))
-    started = time.monotonic()
     tokens = samples = 0
     failed: dict = {}
     last_fail_check = 0.0

@@ -4,38 +4,15 @@ after a kill, and named by exactly the bytes it read (producer/planner.py, produ
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from hsx.errors import BadConfig
 from hsx.plan import plan_complete, read_batch, read_windows
 from hsx.records import Planning, SampleRow
-from hsx.store import open_store
-from producer.planner import PLAN_WINDOWS, PlanOptions, plan_run, prepare_plan, window_samples
+from producer.planner import PLAN_WINDOWS, plan_run, prepare_plan, window_samples
 from producer.sources import BLOCK_BYTES, DatasetChanged
-from settings import Settings
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _settings(tiny_cache) -> Settings:
-    return Settings(_env_file=None, cache_dir=tiny_cache)
-
-
-def _opts(output, dataset="sharegpt", **kw) -> PlanOptions:
-    kw.setdefault("max_length", 256)
-    return PlanOptions(dataset=str(dataset), model="tiny-qwen3.5", output=str(output), **kw)
-
-
-def _plan_files(run_dir: Path) -> dict[str, bytes]:
-    """Every file of the plan that does not say when or how fast it was made (stats.json does)."""
-    return {p.relative_to(run_dir).as_posix(): p.read_bytes() for p in sorted((run_dir / "plan").rglob("*"))
-            if p.is_file() and p.name != "stats.json"}
-
+from plans import plan_options as _opts, plan_settings as _settings
 
 def _chats(n: int, words: int = 8, start: int = 0) -> str:
     return "".join(json.dumps({"id": f"c{i}", "conversations": [
@@ -48,19 +25,6 @@ def test_window_sizes_start_small_and_double_up_to_the_largest():
     sizes = [window_samples(k) for k in range(12)]
     assert sizes[0] == first and sizes[1] == 2 * first and sizes[-1] == largest
     assert all(b in (2 * a, largest) for a, b in zip(sizes, sizes[1:]))
-
-
-def test_the_plan_is_byte_identical_with_one_and_with_two_tokenising_processes(tmp_path, tiny_cache):
-    """Same dataset and config: the same run id and the same plan files, whatever --num-proc is."""
-    one = plan_run(_opts(tmp_path / "one", limit=2600, num_proc=1), _settings(tiny_cache))
-    two = plan_run(_opts(tmp_path / "two", limit=2600, num_proc=2), _settings(tiny_cache))
-    assert one.config.run_id == two.config.run_id
-    assert one.stats["num_proc"] == 1 and two.stats["num_proc"] == 2
-    assert one.stats["windows"] == two.stats["windows"] == 3  # 1,024 + 1,5xx samples, then the end
-    files_one = _plan_files(tmp_path / "one" / one.config.run_id)
-    files_two = _plan_files(tmp_path / "two" / two.config.run_id)
-    assert files_one.keys() == files_two.keys() and len(files_one) > 10
-    assert [k for k in files_one if files_one[k] != files_two[k]] == []
 
 
 def test_each_window_is_handed_over_once_its_files_are_in_the_store_while_later_ones_are_tokenised(tmp_path, tiny_cache):
@@ -88,48 +52,6 @@ def test_each_window_is_handed_over_once_its_files_are_in_the_store_while_later_
     rows = SampleRow.read_all(planned.run_store)
     assert [r.sample_index for r in rows] == list(range(planned.stats["samples"]))
     assert planned.stats["padding_waste"] < 0.05
-
-
-_KILL_AFTER_WINDOWS = """
-import os, signal, sys
-from producer.planner import PlanOptions, plan_run
-from settings import Settings
-seen = []
-def on_window(job, batches):
-    seen.append(1)
-    if len(seen) == int(sys.argv[3]):
-        os.kill(os.getpid(), signal.SIGKILL)  # between two windows: no Python cleanup runs
-plan_run(PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=sys.argv[1], limit=2600, max_length=128,
-                     num_proc=1), Settings(_env_file=None, cache_dir=sys.argv[2]), on_window=on_window)
-"""
-
-
-def test_a_plan_killed_between_windows_resumes_after_them_and_plans_every_sample_once(tmp_path, tiny_cache):
-    """SIGKILL after the first window: the same plan later resumes with that window as it is
-    (handed over first, for enqueue to send what is missing) and ends with the plan of one uninterrupted pass."""
-    out = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, "-c", _KILL_AFTER_WINDOWS, str(out), str(tiny_cache), "1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == -9, proc.stderr
-    (run_dir,) = [p.parent for p in out.glob("*/run.json")]
-    store = open_store(str(run_dir))
-    assert [w.name for w in read_windows(store)] == ["w000000"] and not plan_complete(store)
-    assert Planning.read(store).state == "planning"  # the planner died without a word: status sees its pid gone
-
-    handed = []
-    resumed = plan_run(_opts(out, limit=2600, num_proc=1, max_length=128), _settings(tiny_cache),
-                       on_window=lambda job, batches: handed.append([b["batch"] for b in batches]))
-    before = [b.batch for b in read_windows(store)[0].batches]
-    assert handed[0] == before, "the windows already written are handed over first, as they are"
-    assert resumed.config.run_id == run_dir.name and plan_complete(store)
-
-    whole = plan_run(_opts(tmp_path / "whole", limit=2600, num_proc=1, max_length=128), _settings(tiny_cache))
-    assert whole.config.run_id == resumed.config.run_id
-    assert _plan_files(run_dir) == _plan_files(tmp_path / "whole" / whole.config.run_id)
-    ids = [r.record_id for r in SampleRow.read_all(store)]
-    assert len(ids) == len(set(ids)) == resumed.stats["samples"]
-    in_batches = sorted(int(i) for b in resumed.batches for i in read_batch(store, b["batch"]).sample_index_N)
-    assert in_batches == list(range(resumed.stats["samples"]))
 
 
 def test_a_file_that_grows_while_it_is_planned_is_planned_as_it_was_when_the_plan_started(tmp_path, tiny_cache):

@@ -1,0 +1,58 @@
+"""A plan killed between windows resumes after them (producer/planner.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hsx.plan import plan_complete, read_batch, read_windows
+from hsx.records import Planning, SampleRow
+from hsx.store import open_store
+from producer.planner import plan_run
+from plans import plan_files as _plan_files, plan_options as _opts, plan_settings as _settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+_KILL_AFTER_WINDOWS = """
+import os, signal, sys
+from producer.planner import PlanOptions, plan_run
+from settings import Settings
+seen = []
+def on_window(job, batches):
+    seen.append(1)
+    if len(seen) == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)  # between two windows: no Python cleanup runs
+plan_run(PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=sys.argv[1], limit=1800, max_length=256,
+                     num_proc=1), Settings(_env_file=None, cache_dir=sys.argv[2]), on_window=on_window)
+"""
+
+
+def test_a_plan_killed_between_windows_resumes_after_them_and_plans_every_sample_once(tmp_path, tiny_cache):
+    """SIGKILL after the first window: the same plan later resumes with that window as it is
+    (handed over first, for enqueue to send what is missing) and ends with the plan of one uninterrupted pass."""
+    out = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-c", _KILL_AFTER_WINDOWS, str(out), str(tiny_cache), "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == -9, proc.stderr
+    (run_dir,) = [p.parent for p in out.glob("*/run.json")]
+    store = open_store(str(run_dir))
+    assert [w.name for w in read_windows(store)] == ["w000000"] and not plan_complete(store)
+    assert Planning.read(store).state == "planning"  # the planner died without a word: status sees its pid gone
+
+    handed = []
+    resumed = plan_run(_opts(out, limit=1800, num_proc=1, max_length=256), _settings(tiny_cache),
+                       on_window=lambda job, batches: handed.append([b["batch"] for b in batches]))
+    before = [b.batch for b in read_windows(store)[0].batches]
+    assert handed[0] == before, "the windows already written are handed over first, as they are"
+    assert resumed.config.run_id == run_dir.name and plan_complete(store)
+
+    whole = plan_run(_opts(tmp_path / "whole", limit=1800, num_proc=1, max_length=256), _settings(tiny_cache))
+    assert whole.config.run_id == resumed.config.run_id
+    assert _plan_files(run_dir) == _plan_files(tmp_path / "whole" / whole.config.run_id)
+    ids = [r.record_id for r in SampleRow.read_all(store)]
+    assert len(ids) == len(set(ids)) == resumed.stats["samples"]
+    in_batches = sorted(int(i) for b in resumed.batches for i in read_batch(store, b["batch"]).sample_index_N)
+    assert in_batches == list(range(resumed.stats["samples"]))
