@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="on loopback without basic auth, also open Flower's /api/* (FLOWER_UNAUTHENTICATED_API; any local web page can then call it)")
     p = sub.add_parser("verify", help="check every marker against its shard and the plan; exit 1 naming each bad batch")
     p.add_argument("run_address", help="<output>/<run_id>, a local directory or s3://bucket/prefix/<run_id>")
-    p.add_argument("--recompute", type=int, default=0, metavar="N", help="also recompute N random samples per sample on the CPU reference path (fp32)")
+    p.add_argument("--recompute", type=int, default=0, metavar="N", help="also recompute N random samples of the run on the CPU reference path (fp32) and compare")
     p.add_argument("--seed", type=int, help="seed of the --recompute sample choice (default: random, reported)")
     p.add_argument("--rtol", type=float, help="--recompute tolerance (default by stored dtype: bf16 1e-2, fp32 1e-4, fp8 0.075)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
