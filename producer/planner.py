@@ -120,6 +120,10 @@ SMALL_PLAN_RECORDS = 2000
 SMALL_PLAN_BYTES = 4 << 20
 #: Threads that write a window's batch files.
 WRITE_THREADS = 16
+#: Seconds between two rewrites of ``plan/planning.json`` with the progress while a window fills.
+PROGRESS_RECORD_S = 10.0
+#: Seconds between two calls of ``on_window.tick(job)`` (when the hook has one: ``run``'s bars).
+HOOK_TICK_S = 2.0
 
 
 def window_samples(index: int, windows: tuple[int, int] | list[int] = PLAN_WINDOWS) -> int:
@@ -349,6 +353,7 @@ class PlanJob:
         self.run_url = run_store.url
         self.num_proc = _num_proc(opts, settings, source)
         self.windows: list[PlanWindow] = []
+        self.written = 0  # how many of self.windows are in the store
         self._record: Planning | None = None
         self.claimed_run = False
 
@@ -364,6 +369,11 @@ class PlanJob:
             return planned
         self.windows = read_windows(store)
         self.claimed_run = bool(self.windows)  # windows are written after run.json
+        self.written = len(self.windows)
+        self._started_unix = time.time() - (time.perf_counter() - t0)
+        if self.windows:  # a resumed plan: status says at once that this process plans it now
+            self._record = start_planning_record(store, self.opts.command)
+            self._write_progress(self.windows[-1].records_read)
         if self.windows and on_window is not None:
             on_window(self, [b.model_dump(exclude={"schema_version"}) for w in self.windows for b in w.batches])
         try:
@@ -397,7 +407,7 @@ class PlanJob:
         writer = ThreadPoolExecutor(1, thread_name_prefix="plan-writer")
         pending = None
         limit = self.opts.limit
-        last_tick = 0.0
+        last_tick = last_record = last_hook = 0.0
         if limit is not None and len(seen) >= limit:
             items = iter(())  # a resumed plan that had reached --limit: only its last window is missing
         try:
@@ -433,6 +443,12 @@ class PlanJob:
                             pending.result()  # a window that failed to be written or enqueued stops the plan now
                         if task is not None:
                             self._tick(progress, task, records_read, len(seen))
+                        if last_tick - last_record > PROGRESS_RECORD_S and self._record is not None:
+                            last_record = last_tick  # status's progress between windows (the largest take minutes)
+                            writer.submit(self._write_progress, records_read)
+                        if last_tick - last_hook > HOOK_TICK_S and hasattr(on_window, "tick"):
+                            last_hook = last_tick
+                            on_window.tick(self)
                     if stop:
                         break
             window.skips.truncated_bytes.update(source_skips.truncated_bytes)
@@ -480,8 +496,6 @@ class PlanJob:
         record, plans, rows = _cut_window(window, self.config, records_read, last)
         bytes_read = self.source.bytes_read or None  # read ahead of the window: progress only
         self.windows.append(record)  # numbering of the next window; written below before anyone reads it
-        bytes_total = self.source.total_bytes
-        started = self._record
 
         def write() -> None:
             store = self.run_store
@@ -489,23 +503,33 @@ class PlanJob:
                 list(pool.map(lambda p: store.write(batch_key(p.batch), p.to_bytes()), plans))
             store.write(window_samples_key(record.name), SampleRow.rows_bytes(rows))
             record.write(store)  # last: the window's batches may now be enqueued
-            now = time.time()
-            progress_record = started.model_copy(update={
-                "records_read": records_read, "samples": record.first_sample + record.num_samples,
-                "windows": record.window + 1, "batches": record.first_batch + len(record.batches),
-                "bytes_read": bytes_read, "bytes_total": bytes_total,
-                "records_total": self.source.total_records or self.opts.limit, "num_proc": self.num_proc,
-                "updated_unix": now, "updated_at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
-                "started_unix": started.started_unix or (now - (time.perf_counter() - t0))})
-            try:
-                progress_record.write(store)
-                self._record = progress_record  # a failure is recorded with the progress so far
-            except Exception:  # only a record: status falls back to the windows
-                pass
+            self.written = record.window + 1
+            self._write_progress(records_read, bytes_read)
             if on_window is not None and record.batches:
                 on_window(self, [b.model_dump(exclude={"schema_version"}) for b in record.batches])
 
         return writer.submit(write)
+
+    def _write_progress(self, records_read: int, bytes_read: int | None = None) -> None:
+        """Rewrite ``plan/planning.json`` with the progress so far (the windows written, the records
+        read); best effort: status falls back to the windows. Called on the writer thread."""
+        written = self.windows[:self.written]
+        now = time.time()
+        last = written[-1] if written else None
+        record = self._record.model_copy(update={
+            "records_read": records_read, "samples": last.first_sample + last.num_samples if last else 0,
+            "windows": len(written), "batches": last.first_batch + len(last.batches) if last else 0,
+            "bytes_read": bytes_read if bytes_read is not None else (self.source.bytes_read or None),
+            "bytes_total": self.source.total_bytes,
+            "records_total": self.source.total_records or self.opts.limit, "num_proc": self.num_proc,
+            "updated_unix": now, "updated_at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
+            "started_unix": self._started_unix,
+            "started_at": datetime.fromtimestamp(self._started_unix, timezone.utc).isoformat(timespec="seconds")})
+        try:
+            record.write(self.run_store)
+            self._record = record  # a failure is recorded with the progress so far
+        except Exception:
+            pass
 
     def _finish(self, t0: float) -> PlannedRun:
         """Stats and the batch list (last: the plan is complete) from the windows."""

@@ -89,10 +89,14 @@ class BrokerView:
 
 
 def _batch_of(task: str | None, task_id: str | None, args: list, run_id: str, run_url: str) -> str | None:
-    """The batch name if the message is an extraction task of this run, else None."""
+    """The batch name if the message is an extraction task of this run, else None.
+
+    By the run's address only: the same run id planned into two outputs (the same dataset and
+    config: the same id) is two runs, and the task id (``<run_id>.<batch>.<hex>``) does not tell them apart.
+    """
     if task != EXTRACT_TASK or len(args) < 2:
         return None
-    if args[0] == run_url or (task_id or "").startswith(f"{run_id}."):
+    if args[0] == run_url:
         return str(args[1])
     return None
 

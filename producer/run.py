@@ -262,8 +262,9 @@ def plan_or_interrupted(opts: PlanOptions | PlanJob, settings: Settings, progres
         samples = sum(w.num_samples for w in written)
         raise PlanningInterrupted(
             f"interrupted while planning: {plural(len(written), 'window')} of the plan ({plural(samples, 'sample')} in "
-            f"{plural(batches, 'batch')}) are in the store, their batches enqueued; run the same command again: it "
-            "resumes after them") from None
+            f"{plural(batches, 'batch')}) {'is' if len(written) == 1 else 'are'} in the store, its batches enqueued; "
+            "run the same command again: it resumes after "
+            f"{'it' if len(written) == 1 else 'them'}") from None
 
 
 def _plan_report(planned: PlannedRun, done_before: set[str]) -> dict:
@@ -295,15 +296,21 @@ class _Launch:
             self._start(job)
         self.sender(job, batches)
         self.planned += len(batches)
-        if self.progress is not None:
-            if self.task is None:
-                self.task = self.progress.add_task("extracting", total=None, samples=0, tokens=0)
-            try:
-                done = len(done_batches(job.run_store))
-            except Exception:  # only a progress figure: the store may be slow to list
-                done = None
-            self.progress.update(self.task, total=self.planned, **({} if done is None else {"completed": done}),
-                                 info="while planning")
+        self.tick(job)
+
+    def tick(self, job: PlanJob) -> None:
+        """The ``extracting`` bar while the plan is written: markers of the batches planned so far
+        (the planner calls this every few seconds, and after each window)."""
+        if self.progress is None or self.sender is None:
+            return
+        if self.task is None:
+            self.task = self.progress.add_task("extracting", total=None, samples=0, tokens=0)
+        try:
+            done = len(done_batches(job.run_store))
+        except Exception:  # only a progress figure: the store may be slow to list
+            done = None
+        self.progress.update(self.task, total=self.planned, **({} if done is None else {"completed": done}),
+                             info="while planning")
 
     def _start(self, job: PlanJob) -> None:
         settings, console = self.settings, self.console

@@ -94,9 +94,10 @@ _ALLOW_TEXT = False
 
 def _init(spec: TokeniserSpec, saved: tuple[str, str, str] | None = None) -> None:
     global _CHAT, _ALLOW_TEXT
-    # Ctrl-C reaches the whole process group: the planner stops the processes (one line, not a
-    # traceback from each of them)
+    # Ctrl-C (and a closed terminal's SIGHUP) reach the whole process group: the planner stops the
+    # processes (one line, not a traceback from each of them)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the same
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     _CHAT = spec.build(_load_saved(saved))[1]
     _ALLOW_TEXT = spec.allow_text

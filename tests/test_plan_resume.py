@@ -42,9 +42,14 @@ def test_a_plan_killed_between_windows_resumes_after_them_and_plans_every_sample
     assert [w.name for w in read_windows(store)] == ["w000000"] and not plan_complete(store)
     assert Planning.read(store).state == "planning"  # the planner died without a word: status sees its pid gone
 
-    handed = []
-    resumed = plan_run(_opts(out, limit=1800, num_proc=1, max_length=256), _settings(tiny_cache),
-                       on_window=lambda job, batches: handed.append([b["batch"] for b in batches]))
+    handed, records = [], []
+
+    def on_window(job, batches):
+        handed.append([b["batch"] for b in batches])
+        records.append(Planning.read(store))
+
+    resumed = plan_run(_opts(out, limit=1800, num_proc=1, max_length=256), _settings(tiny_cache), on_window=on_window)
+    assert records[0].state == "planning" and records[0].pid == os.getpid(), "status sees the resume at once"
     before = [b.batch for b in read_windows(store)[0].batches]
     assert handed[0] == before, "the windows already written are handed over first, as they are"
     assert resumed.config.run_id == run_dir.name and plan_complete(store)
