@@ -18,7 +18,7 @@ from jobfixtures import ROOT, clean_env, read_samples, wait_until
 
 from hsx.store import open_store
 
-PAUSE_S = 1.5
+PAUSE_S = 3.0  # 8 batches over ~24 s: the example (torch import, model) starts well inside it even on a loaded machine
 LIVE_JOB = ["sharegpt", "--model", "tiny-qwen3.5", "--limit", "16", "--max-length", "256", "--batch-tokens", "512"]
 EXAMPLE = str(ROOT / "examples" / "train_while_extracting.py")
 
