@@ -107,12 +107,20 @@ class WindowSender:
         self.settings, self.broker_url, self.progress = settings, broker_url, progress
         self.result = EnqueueResult()
         self._task = None
+        self._called = False
         self.first_sent_at: float | None = None
 
     def __call__(self, job, batches: list[dict]) -> None:
         import time
 
-        part = enqueue_batches(job, self.settings, self.broker_url, None, batches=batches)
+        # Only the first call can hold batches that are already queued or running (a resumed plan's
+        # windows, or a finished plan's batches); a window written since, by this planner, was never
+        # sent. Skipping the queue scan for those keeps each window's enqueue O(window), not O(queue)
+        # (the scan reads every queued message). A concurrent planner of the same run may send one
+        # twice: the second delivery finds the marker.
+        first = not self._called
+        self._called = True
+        part = enqueue_batches(job, self.settings, self.broker_url, None, batches=batches, skip_in_flight=first)
         if part.enqueued and self.first_sent_at is None:
             self.first_sent_at = time.time()
         self.result.enqueued += part.enqueued
