@@ -14,11 +14,11 @@ import math
 import subprocess
 import sys
 
-from jobfixtures import ROOT, clean_env, read_samples, wait_until
+from jobfixtures import ROOT, clean_env, read_samples
 
 from hsx.store import open_store
 
-PAUSE_S = 3.0  # 8 batches over ~24 s: the example (torch import, model) starts well inside it even on a loaded machine
+PAUSE_S = 2.0
 LIVE_JOB = ["sharegpt", "--model", "tiny-qwen3.5", "--limit", "16", "--max-length", "256", "--batch-tokens", "512"]
 EXAMPLE = str(ROOT / "examples" / "train_while_extracting.py")
 
@@ -36,15 +36,22 @@ def test_the_example_trains_a_head_from_a_run_still_being_extracted_and_resumes_
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool",
                     faults=f"pause_marker={PAUSE_S}", worker_concurrency=1)
     out = tmp_path / "out"
-    producer = subprocess.Popen([sys.executable, "-m", "producer", "run", *LIVE_JOB, "--output", str(out), "--json"],
+    run_dir = out / "live-example"  # a fixed run id: the example starts first and waits for the run
+    run_dir.mkdir(parents=True)  # the example opens an existing store read-only
+    log, checkpoint = tmp_path / "steps.jsonl", tmp_path / "head.pt"
+    common = [str(run_dir), "--checkpoint", str(checkpoint), "--log-jsonl", str(log), "--samples-per-step", "2",
+              "--poll-s", "0.2", "--seed", "1"]
+    example_env = clean_env(cache_dir=tiny_cache)
+    # Started before the run, so that its own start (torch, the head) does not race the extraction
+    # on a loaded machine: it waits for run.json, then trains while batches are certified.
+    trainer = subprocess.Popen([sys.executable, EXAMPLE, *common, "--max-steps", "2", "--wait-for-run-s", "120"],
+                               cwd=ROOT, env=example_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    producer = subprocess.Popen([sys.executable, "-m", "producer", "run", *LIVE_JOB, "--run-id", "live-example",
+                                 "--output", str(out), "--json"],
                                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        run_dir = wait_until(lambda: next((p.parent for p in out.glob("*/run.json")), None), 120, "the run's run.json")
-        log, checkpoint = tmp_path / "steps.jsonl", tmp_path / "head.pt"
-        common = [str(run_dir), "--checkpoint", str(checkpoint), "--log-jsonl", str(log), "--samples-per-step", "2",
-                  "--poll-s", "0.2", "--seed", "1"]
-        example_env = clean_env(cache_dir=tiny_cache)
-        _example([*common, "--max-steps", "2"], example_env)
+        t_out, t_err = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, f"exit {trainer.returncode}\nstdout:\n{t_out[-3000:]}\nstderr:\n{t_err[-3000:]}"
         first = [json.loads(line) for line in log.read_text().splitlines()]
         assert [s["step"] for s in first[:-1]] == [1, 2] and first[-1]["done"] and checkpoint.is_file()
         assert any(s["certified"] < s["planned"] for s in first[:-1]), f"the run was finished before training began: {first}"
@@ -54,9 +61,10 @@ def test_the_example_trains_a_head_from_a_run_still_being_extracted_and_resumes_
         assert producer.returncode == 0, stderr[-3000:]
         report = json.loads(stdout)
     finally:
-        if producer.poll() is None:
-            producer.terminate()
-            producer.wait(60)
+        for proc in (trainer, producer):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(60)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     steps = [s for s in lines if "step" in s]
     assert lines[-1] == {"done": True, "steps": len(steps), "stop_reason": "complete",
