@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from abc import ABC, abstractmethod
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -99,8 +100,8 @@ class RawItem:
     raw: Any
 
 
-class Source:
-    """A dataset source (the base of :class:`LocalFiles` and the Hugging Face sources).
+class Source(ABC):
+    """A dataset source (the abstract base of :class:`LocalFiles` and the Hugging Face sources).
 
     Attributes: ``source`` (what the user typed), ``name`` (the run id's stem), ``options``
     (:class:`SourceOptions`), ``bytes_read`` (bytes consumed so far by :meth:`raw_records`, for
@@ -112,13 +113,13 @@ class Source:
     options: SourceOptions
     bytes_read: int = 0
 
+    @abstractmethod
     def fingerprint(self) -> str:
         """Hex digest naming the dataset's content (the run id is derived from it)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def describe(self) -> dict:
         """What run.json records of the source (``dataset``): never hashed."""
-        raise NotImplementedError
 
     @property
     def total_bytes(self) -> int | None:
@@ -130,9 +131,9 @@ class Source:
         """Records :meth:`raw_records` yields in all, when known before reading."""
         return None
 
+    @abstractmethod
     def raw_records(self, skips: SkipCounter) -> Iterator[RawItem]:
         """Every record in the order the plan reads them. Raises :class:`DatasetChanged`."""
-        raise NotImplementedError
 
     def location(self) -> str:
         """``dataset_source`` of run.json: an absolute path, or the hub id."""
