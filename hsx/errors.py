@@ -97,3 +97,24 @@ class NonFiniteBatch(FidelityError):
 
     A data error of that batch (the worker and its store are fine): the batch is failed, and the
     worker goes on (``workers/causes.py``)."""
+
+
+class BadPlan(HsxError):
+    """A batch's plan file is not a valid plan: not safetensors, a tensor missing, or its shapes do
+    not agree (``cu_seqlens`` not ``0 ... len(input_ids)``, non-decreasing, one more than the
+    samples). A data error of that batch: it is tried a few times, then failed (``workers/causes.py``)."""
+
+
+class RunGone(HsxError):
+    """A task names a run address that holds no run (no ``run.json``: the run was deleted, or never
+    planned there). The message is acknowledged; nothing is written (``workers/causes.py``)."""
+
+
+class RunCancelled(HsxError):
+    """A task's run was cancelled (``cancelled.json``, ``producer cancel``): the batch is not started,
+    or (``--now``) stopped before its shard; the message is acknowledged."""
+
+
+class StoreFull(StoreError):
+    """The store has no room for a shard: its disk is full (ENOSPC, EDQUOT), or S3 answered with a
+    quota error. The worker pauses and waits for space (``workers/extract.py``); never raised out of a task."""

@@ -17,7 +17,8 @@ relative to it. Modules name keys only through this module, so the layout is rea
 | ``markers/<batch>.json`` | a worker, **last**, conditional create | :class:`~hsx.records.Marker`: the batch is done |
 | ``failures/<batch>.json`` | a worker whose task failed for good | :class:`~hsx.records.Failure` |
 | ``workers/<host>-<pid>.json`` | every worker process, each heartbeat | :class:`~hsx.records.WorkerStatus` (and the leases it holds) |
-| ``reclaims/<batch>-<tag>.<attempt>.json`` | the worker that re-enqueued an expired lease (conditional create) | :class:`~hsx.records.Reclaim` |
+| ``reclaims/<batch>-<tag>.<attempt>.json`` | the worker that re-enqueued an expired lease or a lost message (conditional create) | :class:`~hsx.records.Reclaim` |
+| ``cancelled.json`` | ``producer cancel``; removed when the same run is run or enqueued again | :class:`~hsx.records.Cancelled`: workers start no batch of the run |
 
 ``<batch>`` is a batch name (``b000042``, :func:`hsx.plan.batch_id`); ``<window>`` a window name
 (``w000003``, :func:`hsx.plan.window_id`); ``<attempt>`` 12 random hex
@@ -27,6 +28,7 @@ digits, so that racing duplicates never write the same shard key; ``<tag>`` a ko
 from __future__ import annotations
 
 RUN_JSON = "run.json"
+CANCELLED_JSON = "cancelled.json"
 
 PLAN_PREFIX = "plan/"
 PLAN_BATCHES_PREFIX = "plan/batches/"

@@ -95,8 +95,37 @@ class BatchPlan:
 
     @classmethod
     def from_bytes(cls, batch: str, data: bytes) -> "BatchPlan":
-        t = st_load(data)
-        return cls(batch, t["input_ids"], t["loss_mask"], t["cu_seqlens"], t["sample_index"])
+        """Parse and check one batch file.
+
+        Raises:
+            hsx.errors.BadPlan: not safetensors, a tensor missing, or shapes that do not agree
+                (``cu_seqlens`` must run from 0 to ``len(input_ids)`` without decreasing, with one
+                entry more than ``sample_index``; ``loss_mask`` as long as ``input_ids``).
+        """
+        from hsx.errors import BadPlan
+
+        try:
+            t = st_load(data)
+            plan = cls(batch, t["input_ids"], t["loss_mask"], t["cu_seqlens"], t["sample_index"])
+        except Exception as exc:  # safetensors raises its own error types (and KeyError for a missing tensor)
+            raise BadPlan(f"plan of batch {batch}: not a readable batch file ({exc.__class__.__name__}: {exc}); "
+                          "it was damaged after planning: plan the run again into a new output") from None
+        problem = plan.problem()
+        if problem:
+            raise BadPlan(f"plan of batch {batch}: {problem}; the file was damaged after planning: plan the run "
+                          "again into a new output")
+        return plan
+
+    def problem(self) -> str | None:
+        """What makes this plan inconsistent (see :meth:`from_bytes`), or None."""
+        cu, t = self.cu_seqlens_N1, int(self.input_ids_T.shape[0])
+        if self.input_ids_T.ndim != 1 or self.loss_mask_T.shape != self.input_ids_T.shape:
+            return f"input_ids {tuple(self.input_ids_T.shape)} and loss_mask {tuple(self.loss_mask_T.shape)} differ"
+        if cu.ndim != 1 or cu.shape[0] != self.sample_index_N.shape[0] + 1:
+            return f"cu_seqlens has {cu.shape[0] if cu.ndim else 0} entries for {self.sample_index_N.shape[0]} samples"
+        if cu.shape[0] == 0 or int(cu[0]) != 0 or int(cu[-1]) != t or bool((np.diff(cu) < 0).any()):
+            return f"cu_seqlens {cu.tolist()[:6]}... does not run from 0 to the {t} tokens of input_ids without decreasing"
+        return None
 
     def summary(self) -> dict:
         lengths = self.lengths_N

@@ -100,3 +100,38 @@ def unacked_message(entry: bytes | str) -> dict | None:
     except (ValueError, TypeError, IndexError, KeyError):
         return None
     return message if isinstance(message, dict) else None
+
+
+def task_argsrepr(run_id: str, batch: str, num_samples=None, num_tokens=None) -> str:
+    """What Flower, ``celery inspect`` and worker logs show as a task's arguments: run, batch,
+    samples, tokens. The message itself carries only ``[run_url, batch]``; this is its ``argsrepr`` header."""
+    text = f"run={run_id} batch={batch}"
+    if num_samples is not None:
+        text += f" samples={num_samples} tokens={num_tokens}"
+    return text
+
+
+def send_batches(settings: Settings, broker_url: str, run_url: str, run_id: str, batches: list[dict],
+                 on_sent=None) -> dict[str, str]:
+    """Send one extraction task per batch (``{"batch", "num_samples"?, "num_tokens"?}``) of the run
+    at ``run_url`` onto ``HSX_QUEUE``; returns ``{batch: task id}``. The task id is
+    ``<run_id>.<batch>.<8 hex>``: readable in Flower, new for every send. ``on_sent(batch)`` is
+    called after each. Raises whatever kombu raises when the broker does not take a message."""
+    import uuid
+
+    app = make_celery(settings, broker_url, name="hsx-send")
+    sent: dict[str, str] = {}
+    try:
+        with app.producer_or_acquire() as producer:
+            for b in batches:
+                batch = b["batch"]
+                task_id = f"{run_id}.{batch}.{uuid.uuid4().hex[:8]}"
+                app.send_task(EXTRACT_TASK, args=[run_url, batch], queue=settings.queue, task_id=task_id,
+                              producer=producer, kwargsrepr="{}",
+                              argsrepr=task_argsrepr(run_id, batch, b.get("num_samples"), b.get("num_tokens")))
+                sent[batch] = task_id
+                if on_sent is not None:
+                    on_sent(batch)
+    finally:
+        app.close()
+    return sent

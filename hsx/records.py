@@ -462,6 +462,31 @@ class Reclaim(Record):
         return store.create(self.key, self.to_json())
 
 
+class Cancelled(Record):
+    """``cancelled.json``: ``producer cancel`` stopped the run. Workers start no batch of a cancelled
+    run (each such message is acknowledged and left undone); ``producer run`` / ``enqueue`` of the
+    same run removes the record and resumes it."""
+
+    schema_version: Literal[1] = 1
+    by: str = ""
+    """Who cancelled: ``<user>@<host>``."""
+    at: str | None = None
+    """When, UTC ISO 8601."""
+    now: bool = False
+    """``--now``: running batches were told to stop too."""
+
+    @classmethod
+    def read(cls, store: Store) -> "Cancelled | None":
+        return cls._read(store, layout.CANCELLED_JSON)
+
+    def write(self, store: Store) -> None:
+        store.write(layout.CANCELLED_JSON, self.to_json())
+
+    @staticmethod
+    def delete(store: Store) -> None:
+        store.delete(layout.CANCELLED_JSON)
+
+
 # --- the plan --------------------------------------------------------------------------------
 
 

@@ -10,10 +10,11 @@ looks) is still harmless: the second delivery finds the marker and does nothing.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 
-from hsx.queue import EXTRACT_TASK, make_celery
+from hsx.broker import redis_client
+from hsx.fleet import register_runs
+from hsx.queue import send_batches
 from hsx.records import done_batches
 from settings import Settings
 
@@ -28,14 +29,6 @@ class EnqueueResult:
     in_flight: dict[str, str] = field(default_factory=dict)
     """Batches not sent because the broker holds them: ``{batch: "queued" | "running"}``."""
     task_ids: dict[str, str] = field(default_factory=dict)
-
-
-def task_argsrepr(run_id: str, batch: dict) -> str:
-    """What Flower, ``celery inspect`` and worker logs show as a task's arguments: run, batch, samples, tokens.
-
-    The message itself carries only ``[run_url, batch]``; this is the ``argsrepr`` header beside it.
-    """
-    return f"run={run_id} batch={batch['batch']} samples={batch['num_samples']} tokens={batch['num_tokens']}"
 
 
 def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None, *, skip_in_flight: bool = True,
@@ -72,27 +65,12 @@ def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None,
         todo = [b for b in todo if b not in result.in_flight]
     if not todo:
         return result
-    app = make_celery(settings, broker_url, name="producer")
     task = progress.add_task("enqueueing", total=len(todo)) if progress else None
-    try:
-        with app.producer_or_acquire() as producer:
-            for batch in todo:
-                task_id = f"{planned.config.run_id}.{batch}.{uuid.uuid4().hex[:8]}"
-                app.send_task(
-                    EXTRACT_TASK,
-                    args=[planned.run_url, batch],
-                    queue=settings.queue,
-                    task_id=task_id,
-                    producer=producer,
-                    argsrepr=task_argsrepr(planned.config.run_id, by_name[batch]),
-                    kwargsrepr="{}",
-                )
-                result.enqueued.append(batch)
-                result.task_ids[batch] = task_id
-                if progress:
-                    progress.advance(task)
-    finally:
-        app.close()
+    register_runs(redis_client(broker_url), settings.queue, [planned.run_url])
+    sent = send_batches(settings, broker_url, planned.run_url, planned.config.run_id, [by_name[b] for b in todo],
+                        on_sent=(lambda _b: progress.advance(task)) if progress else None)
+    result.enqueued += list(sent)
+    result.task_ids.update(sent)
     return result
 
 

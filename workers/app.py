@@ -3,16 +3,16 @@
 The broker URL comes from ``HSX_BROKER_URL`` (see settings.py); when ``HSX_MODEL`` is set the
 model is loaded and warmed up as the worker starts, before it takes its first task. Each worker
 process also runs the reclaimer (``workers/lease.py``): batches of dead workers are enqueued again
-once their lease expires. ``celery -A workers inspect hsx_refusing`` (``status`` asks it) tells
-whether a process refuses tasks after a permanent error, and why (``workers/tasks.py``).
+once their lease expires, and messages it can serve that another worker parked come back. From
+start to exit it writes its presence on the broker (``hsx/fleet.py``: its roots, model, state and
+the tasks it holds; ``workers/heartbeat.py``).
 """
 
 from __future__ import annotations
 
 import logging
 
-from celery.signals import worker_ready
-from celery.worker.control import inspect_command
+from celery.signals import task_postrun, task_received, task_rejected, task_revoked, task_unknown, worker_ready
 
 from hsx.errors import BadConfig
 from hsx.queue import make_celery
@@ -34,6 +34,16 @@ import workers.monitor  # noqa: E402,F401  (registers the gpu_stats inspect comm
 
 
 @worker_ready.connect
+def _attach_presence(sender=None, **_kwargs) -> None:
+    from hsx.access import allowed_roots
+    from workers.heartbeat import process_heartbeat
+
+    process_heartbeat(_settings.heartbeat_s).attach_broker(
+        _settings.broker_url, _settings.queue, [str(r) for r in allowed_roots(_settings)], _settings.model,
+        node=getattr(sender, "hostname", None))
+
+
+@worker_ready.connect
 def _preload(**_kwargs) -> None:
     if _settings.model:
         from workers.target import get_target
@@ -48,14 +58,44 @@ def _start_reclaimer(**_kwargs) -> None:
     Reclaimer(_settings, _settings.broker_url).start()
 
 
-@inspect_command()
-def hsx_refusing(state) -> dict:
-    """``{"host", "pid", "refusing"}``: ``refusing`` is None, or ``{"error", "since", "batch", "run"}``
-    once this process stopped taking tasks after a permanent error (``workers/tasks.py``)."""
-    import os
-    import socket
+def _held(request) -> tuple[str | None, list]:
+    return getattr(request, "id", None), list(getattr(request, "args", None) or [])
 
-    from workers.tasks import refusal
 
-    r = refusal()
-    return {"host": socket.gethostname(), "pid": os.getpid(), "refusing": None if r is None else dict(r)}
+@task_received.connect
+def _on_received(request=None, **_kwargs) -> None:
+    # The presence lists a task from its delivery on (prefetched, or held for a retry's countdown):
+    # a live worker's claim is never taken for a dead one's (workers/lease.py).
+    from hsx.queue import EXTRACT_TASK
+    from workers.heartbeat import process_heartbeat
+
+    task_id, args = _held(request)
+    if task_id and getattr(request, "name", None) == EXTRACT_TASK and len(args) >= 2:
+        process_heartbeat(_settings.heartbeat_s).received(task_id, str(args[0]), str(args[1]))
+
+
+def _release(task_id) -> None:
+    from workers.heartbeat import process_heartbeat
+
+    if task_id:
+        process_heartbeat(_settings.heartbeat_s).released(str(task_id))
+
+
+@task_postrun.connect
+def _on_postrun(task_id=None, **_kwargs) -> None:
+    _release(task_id)
+
+
+@task_revoked.connect
+def _on_revoked(request=None, **_kwargs) -> None:
+    _release(getattr(request, "id", None))
+
+
+@task_rejected.connect
+def _on_rejected(message=None, **_kwargs) -> None:
+    _release(((getattr(message, "headers", None) or {}).get("id")))
+
+
+@task_unknown.connect
+def _on_unknown(id=None, **_kwargs) -> None:  # noqa: A002 (the signal's own argument name)
+    _release(id)

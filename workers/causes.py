@@ -1,27 +1,30 @@
 """What a failed task does, by the cause of its error (``workers/tasks.py`` acts on it).
 
+No error of one message, one run or one batch makes a worker stop taking the others' tasks.
+
 | cause | examples | what happens |
 |---|---|---|
-| ``transient`` | a store timeout, refused connection, HTTP 5xx or throttling that outlasted ``HSX_STORE_RETRY_S``; a full store disk or spool (ENOSPC); a broker hiccup; CUDA out of memory | the task goes back to the queue through Celery (``Task.retry``) after ``HSX_TASK_RETRY_BASE_S`` doubling up to ``HSX_TASK_RETRY_MAX_S``, for as long as it takes; no failure record |
-| ``permanent`` | credentials refused, bucket missing (a non-transient ``StoreError``), a bad setting (``BadConfig``), a checkpoint that is not the run's model, a ``run.json`` this code cannot read (``RunFormatError``, written by a newer hsx), a run this worker does not serve (outside its store roots, another checkpoint than its ``HSX_MODEL``: ``hsx.access.NotServed``) | this worker stops taking tasks (``refusing``, the error in its log and in ``status``); the message goes back to the queue for healthy workers |
-| ``refused`` | the task's message is at fault: its run address is not a store URL, or its batch is not a batch name (``hsx.access.Refused``) | the message is dropped (acknowledged) with an ERROR line naming it; nothing is read or written for it, and the worker goes on with other tasks: no worker could run it |
-| ``data`` | every sample of the batch had NaN/Inf hidden states (``FidelityError``); the run or the batch's plan is not in the store (``MissingKey``: the run was deleted, or the message names a batch that was never planned) | the batch is failed: ``failures/<batch>.json`` (:class:`hsx.records.Failure`; best effort: the run may be gone), the message acknowledged. A message that names what is not there is that message's problem, not the worker's: refusing would let one deleted run idle every worker |
-| ``unknown`` | anything else (a bug) | retried like a transient error :data:`UNKNOWN_RETRIES` times, then failed like a data error |
+| ``transient`` | a store timeout, refused connection, HTTP 5xx or throttling that outlasted ``HSX_STORE_RETRY_S``; a full spool (``SpoolFull``); a broker hiccup; CUDA out of memory | the task goes back to the queue through Celery (``Task.retry``) after ``HSX_TASK_RETRY_BASE_S`` doubling up to ``HSX_TASK_RETRY_MAX_S``, for as long as it takes; no failure record. A **full store** is not an error of a task: the worker pauses with the batch in hand and goes on when there is room (``workers/extract.py``, :func:`~workers.extract.until_room`) |
+| ``park`` | a run this worker does not serve: outside its store roots, another checkpoint than its ``HSX_MODEL`` or than the one the run was planned for (``hsx.access.NotServed``); a run it cannot read: credentials refused, bucket missing (a non-transient ``StoreError``), a ``run.json`` this code cannot read (``RunFormatError``), a bad setting (``BadConfig``) | the message is **parked** on the broker (``hsx/fleet.py``: the reason and this worker) and acknowledged; this worker goes on with the next message. It comes back to the queue by itself when a worker that serves it (and has not refused it) looks, or with ``producer reconcile RUN``; ``status`` shows ``parked`` with the reason |
+| ``gone`` | the run's address holds no run (``RunGone``: deleted) | the message is acknowledged with one ERROR line per run and process; nothing is written |
+| ``cancelled`` | ``producer cancel`` (``RunCancelled``) | acknowledged, nothing written; one line per run and process |
+| ``refused`` | the message is at fault: its run address is not a store URL, its batch is not a batch name or not in the run's plan (``hsx.access.Refused``) | the message is dropped (acknowledged) with an ERROR line naming it; nothing is read or written for it: no worker could run it |
+| ``data`` | the batch's own data: a damaged plan file (``BadPlan``), every sample with NaN/Inf hidden states (``NonFiniteBatch``), a fidelity check that fails (``FidelityError``), a key missing mid-batch (``MissingKey``) | tried :data:`TRIES` times through the queue, then failed: ``failures/<batch>.json`` (:class:`hsx.records.Failure`), shown by ``status`` and ``verify``; the message acknowledged |
+| ``unknown`` | anything else (a bug) | as ``data`` |
 """
 
 from __future__ import annotations
 
 import errno
 
-from hsx.errors import BadConfig, FidelityError, NonFiniteBatch, RunConflict, RunFormatError, SpoolFull, StoreError
+from hsx.errors import (BadConfig, BadPlan, FidelityError, RunCancelled, RunConflict, RunFormatError, RunGone, SpoolFull,
+                        StoreError, StoreFull)
 from hsx.store import MissingKey
 
-TRANSIENT, PERMANENT, DATA, UNKNOWN, REFUSED = "transient", "permanent", "data", "unknown", "refused"
-#: Retries through Celery of a task whose error is of no known cause, before it is failed.
-UNKNOWN_RETRIES = 2
-#: The text by which the one data error is told from the other ``FidelityError`` (the model
-#: mismatch, a worker's fault): workers/extract.py raises it when every sample is non-finite.
-NONFINITE_TEXT = "NaN/Inf hidden states"
+TRANSIENT, PARK, GONE, CANCELLED, REFUSED, DATA, UNKNOWN = (
+    "transient", "park", "gone", "cancelled", "refused", "data", "unknown")
+#: Attempts at a batch whose error is its own data's, or of no known cause, before it is failed.
+TRIES = 3
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
@@ -33,9 +36,9 @@ def _chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
-def _disk_full(exc: BaseException) -> bool:
-    return any(isinstance(e, OSError) and e.errno in _DISK_FULL for e in _chain(exc)) \
-        or "No space left on device" in str(exc)
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a full disk or quota (ENOSPC, EDQUOT, ``StoreFull``)."""
+    return any(isinstance(e, StoreFull) or (isinstance(e, OSError) and e.errno in _DISK_FULL) for e in _chain(exc))
 
 
 def _broker_error(exc: BaseException) -> bool:
@@ -47,27 +50,26 @@ def _broker_error(exc: BaseException) -> bool:
 
 
 def classify(exc: BaseException) -> str:
-    """The cause of a task's error: :data:`TRANSIENT`, :data:`PERMANENT`, :data:`DATA` or :data:`UNKNOWN` (table above)."""
+    """The cause of a task's error: one of the module's constants (table above)."""
     from hsx.access import NotServed, Refused
 
-    if isinstance(exc, NotServed):  # the worker's configuration, not the message: others may serve it
-        return PERMANENT
+    if isinstance(exc, NotServed):  # the worker's configuration, not the message: another may serve it
+        return PARK
     if isinstance(exc, Refused):
         return REFUSED
-    if isinstance(exc, SpoolFull):
+    if isinstance(exc, RunGone):
+        return GONE
+    if isinstance(exc, RunCancelled):
+        return CANCELLED
+    if isinstance(exc, (SpoolFull, StoreFull)):
         return TRANSIENT
     if isinstance(exc, StoreError):
-        # A full store disk is freed by someone (or the spool drains): it is waited for, not refused.
-        return TRANSIENT if exc.transient or _disk_full(exc) else PERMANENT
-    if isinstance(exc, NonFiniteBatch) or (isinstance(exc, FidelityError) and NONFINITE_TEXT in str(exc)):
-        return DATA
-    if isinstance(exc, FidelityError):
-        return PERMANENT
-    if isinstance(exc, MissingKey):
+        return TRANSIENT if exc.transient or disk_full(exc) else PARK
+    if isinstance(exc, (BadPlan, FidelityError, MissingKey)):
         return DATA
     if isinstance(exc, (BadConfig, RunFormatError, RunConflict)):
-        return PERMANENT
-    if _broker_error(exc) or _disk_full(exc):
+        return PARK
+    if _broker_error(exc) or disk_full(exc):
         return TRANSIENT
     if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError: another process may hold the GPU
         return TRANSIENT

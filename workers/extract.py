@@ -31,23 +31,25 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import torch
 
-from hsx.errors import FidelityError, NonFiniteBatch, StoreError
+from hsx.errors import FidelityError, NonFiniteBatch, RunCancelled, RunGone, StoreError, StoreFull
 from hsx.fp8 import SCALE_BYTES
 from hsx.layers import LayerSelection
 from hsx.layout import shard_key
-from hsx.plan import read_batch
-from hsx.records import Failure, Marker, MarkerWorker, ShardRef
+from hsx.plan import BatchPlan, read_batch
+from hsx.records import Cancelled, Failure, Marker, MarkerWorker, ShardRef
 from hsx.runconfig import load_run
 from hsx.shard import Final, StoreDtype, select_samples, serialize_shard, shard_metadata
-from hsx.access import NotServed, Refused, check_run_allowed
-from hsx.store import open_store, retry_transient, write_file
+from hsx.access import NotServed, Refused, check_run_allowed, normalise
+from hsx.store import MissingKey, open_store, retry_transient, write_file
 from settings import Settings
 from workers.capture import launch_capture, merge_captured, right_padded_rows, split_by_tokens
 from workers import faults
@@ -98,8 +100,8 @@ def shard_bytes_estimate(num_tokens: int, num_samples: int, states_per_token: in
 class _Job:
     """What the wrapper of one task must clean up: the host buffer, the spool ticket, the heartbeat entry."""
 
-    def __init__(self, run_url: str, batch: str, settings: Settings):
-        self.run_url, self.batch, self.settings = run_url, batch, settings
+    def __init__(self, run_url: str, batch: str, settings: Settings, task_id: str | None = None):
+        self.run_url, self.batch, self.settings, self.task_id = run_url, batch, settings, task_id
         self.heartbeat = process_heartbeat(settings.heartbeat_s)
         self.store = None
         self.ticket = None
@@ -108,7 +110,7 @@ class _Job:
 
     def phase(self, phase: str) -> None:
         if self.store is not None:
-            self.heartbeat.phase(self.run_url, self.store, self.batch, phase)
+            self.heartbeat.phase(self.run_url, self.store, self.batch, phase, task_id=self.task_id)
 
     def release_buffer(self) -> None:
         if self.buffer is not None:
@@ -116,54 +118,115 @@ class _Job:
             self.buffer = None
 
 
-def extract_batch(run_url: str, batch: str, settings: Settings) -> dict:
+@dataclass
+class Admitted:
+    """A task's message, checked (:func:`admit`): its run's store and config, and the batch's plan."""
+
+    run_url: str
+    batch: str
+    store: object
+    config: object
+    plan: BatchPlan
+
+
+def extract_batch(run_url: str, batch: str, settings: Settings, task_id: str | None = None) -> dict:
     """Extract one planned batch of the run at ``run_url`` and certify it with its marker.
 
     Returns a JSON-able summary: ``status`` is ``done`` (we wrote the marker), ``already_done``
     (a marker existed, no work), or ``lost_race`` (another worker wrote the marker first).
 
     Raises:
-        hsx.access.NotServed: the run lies outside this worker's store roots, or (``HSX_MODEL`` set)
-            was planned for another checkpoint; nothing touched.
-        hsx.access.Refused: the run address is not a store URL or the batch is not a batch name.
-        hsx.store.MissingKey: the run or the batch is not in the store.
-        FidelityError: the loaded model is not the run's model, or every sample of the batch
-            had NaN/Inf states (nothing to write; no shard, no marker).
+        hsx.access.NotServed: the run lies outside this worker's store roots, or was planned for
+            another checkpoint than this worker's (``HSX_MODEL``, or the checkpoint changed since
+            planning); nothing written.
+        hsx.access.Refused: the run address is not a store URL, the batch is not a batch name, or
+            the run has no such batch; nothing written.
+        hsx.errors.RunGone: the address holds no run (deleted); RunCancelled: ``producer cancel``.
+        hsx.errors.BadPlan: the batch's plan file is damaged.
+        FidelityError: every sample of the batch had NaN/Inf states (nothing to write; no shard, no marker).
         hsx.errors.SpoolFull: the shard had to go to the spool and the spool's disk is full, or
             the shard can never fit in it.
         hsx.errors.StoreError: the store refused a write, or stayed unreachable for
-            ``HSX_STORE_RETRY_S`` seconds.
+            ``HSX_STORE_RETRY_S`` seconds. A full store is waited for, never raised (:func:`until_room`).
     """
-    job = _Job(run_url, batch, settings)
+    admitted = admit(run_url, batch, settings)
+    if isinstance(admitted, dict):
+        return admitted
+    job = _Job(run_url, batch, settings, task_id)
+    job.store = admitted.store
+    job.heartbeat.served(run_url)
+    job.phase("claimed")
     result = None
     try:
-        result = _extract_batch(run_url, batch, settings, job)
+        result = _extract_batch(admitted, settings, job)
         return result
     finally:
         job.release_buffer()
         if job.ticket is not None:
             job.ticket.release()
-        if job.store is not None:
-            job.heartbeat.finished(run_url, batch, certified=bool(result) and result.get("status") == "done")
+        job.heartbeat.finished(run_url, batch, certified=bool(result) and result.get("status") == "done")
 
 
-def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> dict:
-    """The body of :func:`extract_batch` (same result and errors); ``job`` tracks what its wrapper releases."""
-    t0 = time.perf_counter()
-    # claim: the run's address must lie under this worker's store roots and the batch be one name,
-    # checked before any store call (hsx/access.py)
+def _run_exists(run_url: str, run_store) -> bool:
+    try:
+        run_store.read("run.json")
+        return True
+    except MissingKey:
+        return False
+
+
+def run_exists(run_url: str, settings: Settings) -> bool:
+    """False only when the run's address surely holds no run any more (deleted); True when it does,
+    or when the store cannot tell now."""
+    try:
+        root = normalise(run_url)
+        if root.kind == "local":
+            return os.path.isfile(os.path.join(root.path, "run.json"))
+        return _run_exists(run_url, _run_store(run_url, settings))
+    except Exception:
+        return True
+
+
+def admit(run_url: str, batch: str, settings: Settings) -> Admitted | dict:
+    """Check a task's message before anything is written for it: the run lies under this worker's
+    roots, the batch is a batch name, the run exists and is not cancelled, the batch is planned,
+    and (``HSX_MODEL``) the run was planned for this worker's model. Returns the
+    :class:`Admitted` batch, or ``{"status": "already_done"}`` when its marker exists.
+
+    Raises what :func:`extract_batch` raises before the forward (NotServed, Refused, RunGone,
+    RunCancelled, BadPlan, a transient StoreError after ``HSX_STORE_RETRY_S``).
+    """
+    # The allow-list first, before any store call (hsx/access.py): opening a store would already
+    # create a local directory.
     check_run_allowed(run_url, settings)
     if not isinstance(batch, str) or not _BATCH_NAME.fullmatch(batch):
         raise Refused(f"task batch {str(batch)[:80]!r} refused: a batch is one name of letters, digits, '-' and '_' "
                       "(such as b000012, from plan/batches.json); this task was not sent by producer enqueue")
+    root = normalise(run_url)
+    if root.kind == "local" and not os.path.isdir(root.path):
+        _stores.pop(run_url, None)
+        _configs.pop(run_url, None)
+        raise RunGone(f"run {run_url}: {root.path} does not exist (the run was deleted, or never planned there)")
     run_store = _retry(settings, f"open the store of batch {batch}", lambda: _run_store(run_url, settings))
     if _retry(settings, f"read the marker of batch {batch}", lambda: Marker.read(run_store, batch)) is not None:
         log.info("batch %s of %s already has its marker: nothing to do", batch, run_url)
         return {"status": "already_done", "batch": batch}
-
-    # plan
-    config = _retry(settings, f"read run.json of batch {batch}", lambda: _run_config(run_url, run_store))
-    plan = _retry(settings, f"read the plan of batch {batch}", lambda: read_batch(run_store, batch))
+    try:
+        config = _retry(settings, f"read run.json of batch {batch}", lambda: _run_config(run_url, run_store))
+    except MissingKey:
+        raise RunGone(f"run {run_url}: no run.json there (the run was deleted, or never planned there)") from None
+    cancelled = _retry(settings, f"read cancelled.json of batch {batch}", lambda: Cancelled.read(run_store))
+    if cancelled is not None:
+        raise RunCancelled(f"run {config.run_id} at {run_url} was cancelled ({cancelled.by}, {cancelled.at}); "
+                           "`producer run` / `enqueue` of the same run resumes it")
+    try:
+        plan = _retry(settings, f"read the plan of batch {batch}", lambda: read_batch(run_store, batch))
+    except MissingKey:
+        if not _retry(settings, f"read run.json of {run_url}", lambda: _run_exists(run_url, run_store)):
+            _configs.pop(run_url, None)
+            raise RunGone(f"run {run_url}: no run.json there any more (the run was deleted)") from None
+        raise Refused(f"task batch {batch!r} of run {config.run_id} refused: the run has no such batch in its plan "
+                      "(plan/batches/); this task was not sent by producer enqueue for this run") from None
     if settings.model:
         # HSX_MODEL: this worker serves its own checkpoint only; a run planned for another is refused
         # before anything is loaded (get_target of the run's name would replace the loaded model).
@@ -174,13 +237,121 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
                 f"batch {batch}: run {config.run_id} was planned for model {config.model_name!r}, and this worker serves "
                 f"HSX_MODEL={settings.model!r}, another checkpoint ({'; '.join(differences)}). Fix: send the run to "
                 "workers started with its model, or plan it with this worker's model")
+    return Admitted(run_url, batch, run_store, config, plan)
+
+
+def store_room(run_store) -> tuple[str, int] | None:
+    """``(path, free bytes)`` of a local store's filesystem (what a non-root user may still write);
+    None for S3, whose room is known only when a write is refused."""
+    path = run_store.local_path("run.json")
+    if path is None:
+        return None
+    try:
+        return str(path.parent), shutil.disk_usage(path.parent).free
+    except OSError:
+        return None
+
+
+def _full_reason(run_store, exc: BaseException | None) -> str:
+    room = store_room(run_store)
+    if room is not None:
+        return f"store full at {room[0]} ({room[1] / 2**20:,.0f} MiB free)"
+    return f"store full at {run_store.url} ({str(exc)[:300] if exc else 'no room'})"
+
+
+def until_room(job: "_Job", what: str, fn, need_bytes: int):
+    """``fn()``, and while the store answers that it is full (:class:`hsx.errors.StoreFull`), a pause:
+    the worker holds the batch (its host buffer and lease: no retries burned, no forward run again),
+    says ``paused: store full at <path> (<free> free)`` in its presence and status records, and
+    calls ``fn`` again once ``need_bytes`` are free (a local store: checked every
+    ``HSX_HEARTBEAT_S``, at most 5 s) or every 30 s (S3: its room is only known by trying). Raises
+    RunCancelled if the run is cancelled with ``--now`` meanwhile."""
+    pause = _Pause(job, what, need_bytes)
+    try:
+        while True:
+            try:
+                return fn()
+            except StoreFull as exc:
+                pause.wait(exc)
+    finally:
+        pause.end()
+
+
+def _room_before_forward(job: "_Job", need_bytes: int) -> None:
+    """A local store without room for the shard pauses the worker before the forward runs."""
+    room = store_room(job.store)
+    if room is None or room[1] >= need_bytes:
+        return
+    pause = _Pause(job, "run the forward", need_bytes)
+    try:
+        pause.wait(None)
+    finally:
+        pause.end()
+
+
+class _Pause:
+    """One pause of a batch for room in a full store (:func:`until_room`)."""
+
+    def __init__(self, job: "_Job", what: str, need_bytes: int):
+        self.job, self.what, self.need = job, what, need_bytes
+        self.since: float | None = None
+
+    def wait(self, exc: BaseException | None) -> None:
+        """Pause until the store has the room needed (local), or for 30 s (S3)."""
+        job, settings = self.job, self.job.settings
+        if self.since is None:
+            self.since = time.monotonic()
+            log.error("batch %s: %s, before it could %s: this worker pauses until there is room (%s MiB needed); "
+                      "free space on the store, nothing needs restarting", job.batch, _full_reason(job.store, exc),
+                      self.what, f"{self.need / 2**20:,.0f}")
+        poll = max(0.5, min(settings.heartbeat_s, 5.0))
+        deadline = time.monotonic() + max(30.0, 6 * settings.heartbeat_s)
+        last_line = time.monotonic()
+        while True:
+            job.heartbeat.pause(_full_reason(job.store, exc))
+            job.phase("paused")
+            room = store_room(job.store)
+            if room is not None and room[1] >= self.need:
+                return
+            if room is None and time.monotonic() >= deadline:
+                return
+            if time.monotonic() - last_line >= 60:
+                last_line = time.monotonic()
+                log.warning("batch %s: still paused, %s (%.0f s so far)", job.batch, _full_reason(job.store, exc),
+                            time.monotonic() - self.since)
+            _check_cancelled_now(job)
+            time.sleep(poll)
+
+    def end(self) -> None:
+        if self.since is not None:
+            self.job.heartbeat.resume()
+            log.warning("batch %s: the store has room again; resumed after %.0f s paused", self.job.batch,
+                        time.monotonic() - self.since)
+
+
+def _check_cancelled_now(job: "_Job") -> None:
+    """Raise RunCancelled if the run was cancelled with ``--now`` (``producer cancel --now``)."""
+    try:
+        cancelled = Cancelled.read(job.store)
+    except Exception:  # a store that does not answer: the batch goes on
+        return
+    if cancelled is not None and cancelled.now:
+        raise RunCancelled(f"run at {job.run_url} was cancelled with --now ({cancelled.by}, {cancelled.at}): batch "
+                           f"{job.batch} stopped before its marker")
+
+
+def _extract_batch(admitted: Admitted, settings: Settings, job: _Job) -> dict:
+    """The body of :func:`extract_batch` (same result and errors); ``job`` tracks what its wrapper releases."""
+    t0 = time.perf_counter()
+    run_url, batch, run_store, config, plan = (admitted.run_url, admitted.batch, admitted.store, admitted.config,
+                                               admitted.plan)
     job.store = run_store
     job.phase("loading")
     target = get_target(settings.model or config.model_name, settings)
     job.heartbeat.device = target.engine.get("device")
     differences = target.info.differences(config.model)
     if differences:
-        raise FidelityError(
+        raise NotServed(
             f"batch {batch}: this worker's checkpoint is not the one run {config.run_id} was planned for "
             f"({'; '.join(differences)}); the checkpoint changed since planning. Re-plan the run or point the worker at "
             "the same checkpoint."
@@ -209,7 +380,10 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
 
     ranges, rows = rows_for(target.max_forward_tokens)
 
-    # forward
+    # forward: not into a store with no room for its shard (a pause, not a failed attempt), nor for a
+    # run cancelled with --now meanwhile
+    _room_before_forward(job, expected)
+    _check_cancelled_now(job)
     job.pool = process_host_buffers(settings)
     job.phase("waiting_buffer")
 
@@ -301,8 +475,10 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
     key = shard_key(batch, attempt)
     faults.pause(settings.faults, "upload", batch)
     t_write = time.perf_counter()
-    nbytes, sha256, path = _write_shard(run_store, key, pieces, spool.directory / spool_file_name(config.run_id, batch, attempt),
-                                        batch, expected, spool, settings, job)
+    nbytes, sha256, path = until_room(
+        job, f"store shard {key}",
+        lambda: _write_shard(run_store, key, pieces, spool.directory / spool_file_name(config.run_id, batch, attempt),
+                             batch, expected, spool, settings, job), expected)
     job.release_buffer()
     t_done = time.perf_counter()
     faults.pause(settings.faults, "marker", batch)
@@ -336,7 +512,13 @@ def _extract_batch(run_url: str, batch: str, settings: Settings, job: _Job) -> d
                              "(deleted meanwhile, or a store that is not yet consistent); not settled", transient=True)
         return existing.shard.key == key  # a retried create can find its own first attempt
 
-    if not _retry(settings, f"write the marker of batch {batch}", certify):
+    try:
+        _check_cancelled_now(job)
+    except RunCancelled:
+        _retry(settings, f"delete shard {key}", lambda: run_store.delete(key))
+        raise
+    if not until_room(job, f"write the marker of batch {batch}",
+                      lambda: _retry(settings, f"write the marker of batch {batch}", certify), 1 << 20):
         _retry(settings, f"delete shard {key}", lambda: run_store.delete(key))  # another worker certified its own shard first
         log.info("batch %s: another worker wrote the marker first; removed our shard %s", batch, key)
         return {"status": "lost_race", "batch": batch}

@@ -9,10 +9,14 @@ process is gone or cut off from the store).
 
 The record is :class:`hsx.records.WorkerStatus` (its fields and units are documented there); its
 key is :func:`hsx.layout.worker_key`. ``state`` is ``working`` (a batch of this run in progress),
-``paused`` (a batch of this run waits for the spool), ``idle`` (none), ``refusing`` (the process
-stopped taking tasks after a permanent error: ``workers/causes.py``) or ``stopped`` (the process
-exited normally); ``batches`` lists the batches whose lease the process holds
-(``workers/lease.py``).
+``paused`` (a batch of this run waits for the spool or for room in a full store), ``idle`` (none)
+or ``stopped`` (the process exited normally); ``batches`` lists the batches in progress.
+
+The same thread writes the process's **presence** on the broker (:class:`hsx.fleet.Presence`:
+its roots and model, its state and pause reason, every task it holds, stamped with the broker's
+clock) every interval and soon after a change. The presence is what holds a batch's lease
+(``workers/lease.py``), what ``enqueue`` reads to learn the roots the fleet serves, and how a
+worker's state reaches ``status`` when the store cannot take a record (a full disk).
 """
 
 from __future__ import annotations
@@ -70,7 +74,15 @@ class Heartbeat:
         self._wake = threading.Event()
         self._runs: dict[str, dict] = {}  # run_url -> {"store", "batches", "done", "dirty", "last", "final"}
         self._thread: threading.Thread | None = None
-        self.refusing: dict | None = None  # {"reason", "since"} once the process refuses tasks
+        self.paused: dict | None = None  # {"reason", "since"}: the process waits for room in a full store
+        # the broker presence (hsx/fleet.py): set by attach_broker at worker start
+        self._broker = None  # {"url", "queue", "roots", "model", "node"}
+        self._held: dict[str, dict] = {}  # task id -> {"task_id", "run_url", "batch", "phase"}
+        self._served: list[str] = []  # run addresses, oldest first (bounded)
+        self._presence_dirty = True
+        self._presence_last = 0.0
+        self._started_broker: float = 0.0
+        self._done_total = 0
 
     def _run(self, run_url: str, store) -> dict:
         run = self._runs.get(run_url)
@@ -79,12 +91,68 @@ class Heartbeat:
             _list_run(run_url)
         return run
 
-    def phase(self, run_url: str, store, batch: str, phase: str) -> None:
+    def attach_broker(self, broker_url: str, queue: str, roots: list[str], model: str | None,
+                      node: str | None = None) -> None:
+        """Write this process's presence on the broker from now on (``hsx/fleet.py``); starts the thread."""
+        with self._lock:
+            self._broker = {"url": broker_url, "queue": queue, "roots": list(roots), "model": model, "node": node}
+            self._presence_dirty = True
+            self._ensure_thread()
+        self._wake.set()
+
+    def received(self, task_id: str, run_url: str, batch: str) -> None:
+        """This process got the task (prefetched, or held for its retry countdown): listed in its presence."""
+        with self._lock:
+            self._held.setdefault(task_id, {"task_id": task_id, "run_url": run_url, "batch": batch, "phase": "received"})
+            self._presence_dirty = True
+        self._wake.set()
+
+    def released(self, task_id: str) -> None:
+        """The task is over (acknowledged, retried, rejected or revoked): no longer listed."""
+        with self._lock:
+            if self._held.pop(task_id, None) is not None:
+                self._presence_dirty = True
+        self._wake.set()
+
+    def served(self, run_url: str) -> None:
+        """Remember a run this process served (the healer's list of runs, in its presence)."""
+        with self._lock:
+            if run_url not in self._served:
+                self._served = [*self._served[-63:], run_url]
+                self._presence_dirty = True
+
+    def pause(self, reason: str) -> None:
+        """The process waits for room in a full store: ``paused`` with ``reason``, in its presence and records."""
+        with self._lock:
+            if self.paused is None or self.paused["reason"] != reason:
+                self.paused = {"reason": reason, "since": time.time(),
+                               "broker_since": (self.paused or {}).get("broker_since")}
+            self._presence_dirty = True
+            for run in self._runs.values():
+                run["dirty"], run["final"] = True, None
+        self._wake.set()
+
+    def resume(self) -> None:
+        """The pause of :meth:`pause` is over."""
+        with self._lock:
+            self.paused = None
+            self._presence_dirty = True
+            for run in self._runs.values():
+                run["dirty"] = True
+        self._wake.set()
+
+    def phase(self, run_url: str, store, batch: str, phase: str, task_id: str | None = None) -> None:
         """Batch ``batch`` of the run at ``run_url`` (its store: ``store``) entered ``phase``."""
         with self._lock:
             run = self._run(run_url, store)
             run["batches"][batch] = {"batch": batch, "phase": phase, "since": time.time()}
             run["dirty"], run["final"] = True, None
+            for held in self._held.values():
+                if held["run_url"] == run_url and held["batch"] == batch:
+                    held["phase"] = phase
+            if task_id is not None and task_id not in self._held:
+                self._held[task_id] = {"task_id": task_id, "run_url": run_url, "batch": batch, "phase": phase}
+            self._presence_dirty = True
             self._ensure_thread()
         self._wake.set()
 
@@ -96,18 +164,9 @@ class Heartbeat:
                 return
             run["batches"].pop(batch, None)
             run["done"] += int(certified)
+            self._done_total += int(certified)
             run["dirty"] = True
-        self._wake.set()
-
-    def refuse(self, reason: str) -> None:
-        """The process stops taking tasks because of ``reason``: every record says ``refusing`` from now
-        on, and keeps being written every interval so that ``status`` sees a live, refusing worker."""
-        with self._lock:
-            if self.refusing is None:
-                self.refusing = {"reason": reason, "since": time.time()}
-            for run in self._runs.values():
-                run["dirty"], run["final"] = True, None
-            self._ensure_thread()
+            self._presence_dirty = True
         self._wake.set()
 
     def record(self, run_url: str, state_override: str | None = None) -> WorkerStatus:
@@ -117,9 +176,9 @@ class Heartbeat:
             batches = sorted(run["batches"].values(), key=lambda b: b["batch"])
             done = run["done"]
         spool = self.spool
+        store_full = self.paused
         paused = any(b["phase"] == "paused" for b in batches)
-        refusing = self.refusing
-        state = state_override or ("refusing" if refusing else "paused" if paused else "working" if batches else "idle")
+        state = state_override or ("paused" if paused else "working" if batches else "idle")
         usage = None
         if spool is not None:
             try:
@@ -130,10 +189,10 @@ class Heartbeat:
         return WorkerStatus(
             host=socket.gethostname(), pid=os.getpid(), pid_ns=pid_namespace(), worker=worker_name(), device=self.device,
             state=state,
-            paused_reason=(spool.paused_reason if spool is not None else None) if paused else None,
-            paused_since=_utc(spool.paused_since if spool is not None else None) if paused else None,
-            refusing_reason=refusing["reason"] if refusing else None,
-            refusing_since=_utc(refusing["since"]) if refusing else None,
+            paused_reason=(store_full["reason"] if store_full else spool.paused_reason if spool is not None else None)
+            if paused else None,
+            paused_since=_utc(store_full["since"] if store_full else spool.paused_since if spool is not None else None)
+            if paused else None,
             batches=[BatchLease(batch=b["batch"], phase=b["phase"], since=_utc(b["since"])) for b in batches],
             batches_done=done, spool=usage, started_at=_utc(self.started), updated_at=_utc(time.time()),
             heartbeat_s=self.interval_s,
@@ -152,12 +211,65 @@ class Heartbeat:
         try:
             body.write(store)
             with self._lock:
-                if not body.batches and self.refusing is None:
+                if not body.batches:
                     run["final"] = body.state
         except Exception as exc:  # the store may be down: the next beat tries again
             with self._lock:
                 run["dirty"] = True
             log.debug("worker status for %s not written: %s", run_url, exc)
+
+    def presence(self, state_override: str | None = None):
+        """This process's :class:`hsx.fleet.Presence` as it would be written now (unstamped)."""
+        from hsx.fleet import HeldTask, Presence
+
+        with self._lock:
+            broker = dict(self._broker or {})
+            held = [HeldTask(**h) for h in self._held.values()]
+            paused = dict(self.paused) if self.paused else None
+            served, done = list(self._served), self._done_total
+        busy = [h for h in held if h.phase != "received"]
+        if state_override:
+            state = state_override
+        elif paused or any(h.phase == "paused" for h in held):
+            state = "paused"
+        else:
+            state = "working" if busy else "idle"
+        reason = paused["reason"] if paused else None
+        if reason is None and state == "paused" and self.spool is not None:
+            reason = self.spool.paused_reason
+        return Presence(worker=worker_name(), host=socket.gethostname(), pid=os.getpid(), node=broker.get("node"),
+                        roots=broker.get("roots", []), model=broker.get("model"), device=self.device, state=state,
+                        paused_reason=reason, paused_since=(paused or {}).get("broker_since"), tasks=held,
+                        runs=served, batches_done=done, started=self._started_broker)
+
+    def write_presence(self, state_override: str | None = None) -> None:
+        """Write the presence now (best effort: a broker that is down delays it, never a batch)."""
+        from hsx.broker import redis_client
+        from hsx.fleet import write_presence
+
+        with self._lock:
+            broker = self._broker
+            self._presence_dirty = False
+            self._presence_last = time.monotonic()
+        if broker is None:
+            return
+        body = self.presence(state_override)
+        try:
+            stamped = write_presence(redis_client(broker["url"]), broker["queue"], body)
+            with self._lock:
+                self._started_broker = self._started_broker or stamped.started
+                if self.paused is not None and self.paused.get("broker_since") is None:
+                    self.paused["broker_since"] = stamped.stamp
+        except Exception as exc:
+            with self._lock:
+                self._presence_dirty = True
+            log.debug("presence not written: %s", exc)
+
+    def _presence_due(self) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            return self._broker is not None and now - self._presence_last >= MIN_WRITE_GAP_S / 2 and (
+                self._presence_dirty or now - self._presence_last >= self.interval_s)
 
     def _due(self) -> list[str]:
         now = time.monotonic()
@@ -171,10 +283,12 @@ class Heartbeat:
             self._wake.wait(self.interval_s)
             self._wake.clear()
             time.sleep(MIN_WRITE_GAP_S / 4)  # gather a burst of phase changes into one write
+            if self._presence_due():
+                self.write_presence()
             for url in self._due():
                 self.write(url)
             with self._lock:
-                pending = any(r["final"] is None and r["dirty"] for r in self._runs.values())
+                pending = any(r["final"] is None and r["dirty"] for r in self._runs.values()) or self._presence_dirty
             if pending:
                 self._wake.set()
                 time.sleep(MIN_WRITE_GAP_S / 2)
@@ -186,9 +300,10 @@ class Heartbeat:
             atexit.register(self.stop)
 
     def stop(self) -> None:
-        """Write ``stopped`` records for every run (at normal process exit)."""
+        """Write ``stopped`` records for every run and the presence (at normal process exit)."""
         for url in list(self._runs):
             self.write(url, state_override="stopped")
+        self.write_presence(state_override="stopped")
 
 
 _heartbeat: Heartbeat | None = None

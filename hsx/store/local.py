@@ -11,9 +11,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from hsx.errors import StoreError
+from hsx.errors import StoreError, StoreFull
 from hsx.store.hashing import CHUNK_BYTES, Sha256Beside, sha256_file
-from hsx.store.protocol import TMP_PREFIX, MissingKey, check_key, check_prefix
+from hsx.store.protocol import DISK_FULL_ERRNOS, TMP_PREFIX, MissingKey, check_key, check_prefix
 
 
 def _fsync_dir(path: Path) -> None:
@@ -52,6 +52,8 @@ class LocalStore:
         try:
             yield
         except OSError as e:
+            if e.errno in DISK_FULL_ERRNOS:
+                raise StoreFull(f"{op} {key!r} in {self.url} failed: the disk is full ({e})") from e
             raise StoreError(f"{op} {key!r} in {self.url} failed: {e}") from e
 
     def _tmp_for(self, final: Path) -> Path:

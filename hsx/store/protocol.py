@@ -50,6 +50,12 @@ from typing import Iterable, Protocol, runtime_checkable
 
 from hsx.errors import BadConfig
 
+#: errnos of a full disk or quota: the store raises :class:`hsx.errors.StoreFull` for them.
+DISK_FULL_ERRNOS = frozenset({28, 122})  # ENOSPC, EDQUOT (Linux)
+#: S3 answers of a store with no room: codes of MinIO, Ceph RGW and others, and HTTP 507.
+S3_FULL_CODES = frozenset({"QuotaExceeded", "XMinioStorageFull", "XMinioAdminBucketQuotaExceeded", "InsufficientStorage",
+                           "StorageFull"})
+
 #: local temp files start with this; they are never listed and no key segment may start with it.
 TMP_PREFIX = ".hsx-tmp-"
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 from urllib.parse import urlsplit
 
-from hsx.errors import BadConfig, FidelityError, StoreError
+from hsx.errors import BadConfig, FidelityError, StoreError, StoreFull
 from hsx.store.hashing import CHUNK_BYTES, Sha256Beside
-from hsx.store.protocol import MissingKey, check_key, check_prefix
+from hsx.store.protocol import S3_FULL_CODES, MissingKey, check_key, check_prefix
 from hsx.store.urls import mask_url
 
 if TYPE_CHECKING:
@@ -169,6 +169,9 @@ class S3Store:
             yield
         except ClientError as e:
             code, status = _error_code(e)
+            if code in S3_FULL_CODES or status == 507:
+                raise StoreFull(f"S3 {op} {self.url}/{key} at {self.endpoint} failed: the store has no room: "
+                                f"HTTP {status} {code}: {e}") from e
             raise StoreError(
                 f"S3 {op} {self.url}/{key} at {self.endpoint} failed: HTTP {status} {code}: {e}",
                 transient=transient_s3_error(e),

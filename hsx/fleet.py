@@ -1,0 +1,357 @@
+"""The fleet's own keys on the broker: which workers are alive and what they serve, and the
+messages they parked. One module owns this layout; producer and workers go through it.
+
+A broker serves many runs and many nodes (one queue, ``HSX_QUEUE``). Beside kombu's own keys
+(the queue lists, ``unacked``, ``unacked_index``: ``hsx/queue.py``), the fleet keeps, per queue:
+
+- ``hsx:<queue>:workers``: a hash, one field per worker process (``<host>-<pid>``), its
+  :class:`Presence` as JSON, rewritten every ``HSX_HEARTBEAT_S``. A presence names the store
+  roots and model the worker serves, its state (``idle``, ``working``, ``paused`` with the
+  reason, ``stopped``) and the tasks it holds. It is **stamped with the broker's clock** (Redis
+  ``TIME``), and read against the broker's clock: a presence is live while
+  ``broker now - stamp <= HSX_LEASE_S``. No machine's wall clock is compared with another's
+  (``workers/lease.py``). It reaches ``status`` when the store cannot take a status record (a
+  full disk), and it is what ``enqueue`` reads to learn the roots the workers serve.
+- ``hsx:<queue>:parked``: a hash, one field per ``<run address>\\n<batch>``, its :class:`Parked`
+  as JSON: a message that a worker could not serve (outside its store roots, another model than
+  its ``HSX_MODEL``, a run it cannot read) and took off the queue instead of refusing every task.
+  Keyed by batch, so a message parked twice (a redelivery) is one entry. It goes back to the
+  queue when a worker that serves it and has not refused it looks (``workers/lease.py``), with
+  ``producer reconcile``, or is removed by ``producer cancel``.
+- ``hsx:<queue>:runs``: a set of the run addresses enqueued on this queue (``enqueue`` adds, the
+  workers' presences name the runs they served), which the healer of lost messages walks.
+- ``hsx:<queue>:unaccounted``: a hash ``<run address>\\n<batch>`` -> broker time at which the
+  healer first found the batch neither done, queued, claimed nor parked (``workers/lease.py``).
+- ``hsx:<queue>:healer``: a short-lived lock (``SET NX EX``) that elects one healer per look.
+
+Everything here is JSON; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: kombu's Redis layout (``kombu/transport/redis.py``): the hash of delivered, unacknowledged
+#: messages (tag -> ``[message, exchange, routing key]``) and its index scored by delivery time.
+UNACKED_KEY = "unacked"
+UNACKED_INDEX_KEY = "unacked_index"
+
+
+def workers_key(queue: str) -> str:
+    return f"hsx:{queue}:workers"
+
+
+def parked_key(queue: str) -> str:
+    return f"hsx:{queue}:parked"
+
+
+def runs_key(queue: str) -> str:
+    return f"hsx:{queue}:runs"
+
+
+def unaccounted_key(queue: str) -> str:
+    return f"hsx:{queue}:unaccounted"
+
+
+def healer_key(queue: str) -> str:
+    return f"hsx:{queue}:healer"
+
+
+def batch_field(run_url: str, batch: str) -> str:
+    """The field of a batch in the parked and unaccounted hashes: ``<run address>\\n<batch>``."""
+    return f"{run_url}\n{batch}"
+
+
+def broker_time(client) -> float:
+    """The broker's clock (Redis ``TIME``), in seconds since the epoch: the one clock every
+    machine of the fleet reads alike."""
+    seconds, micros = client.time()
+    return float(seconds) + float(micros) / 1e6
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class HeldTask(BaseModel):
+    """A task a worker process holds: received (prefetched, or waiting for its retry countdown) or running."""
+
+    model_config = ConfigDict(extra="ignore")
+    task_id: str
+    run_url: str = ""
+    batch: str = ""
+    phase: str = "received"
+    """``received`` until it starts, then the batch's phase (``claimed``, ``forward``, ``writing``, ``paused``...)."""
+
+
+class Presence(BaseModel):
+    """One worker process as the broker knows it (``hsx:<queue>:workers``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    worker: str
+    """``<host>-<pid>``, as in its status records."""
+    host: str
+    pid: int
+    node: str | None = None
+    """Celery's node name (``cpu0@host``), for ``celery inspect`` and Flower."""
+    roots: list[str] = Field(default_factory=list)
+    """The store roots it serves (``HSX_STORE_URL`` plus ``HSX_ALLOWED_STORES``, normalised)."""
+    model: str | None = None
+    """Its ``HSX_MODEL`` (None: it loads each run's own model)."""
+    device: str | None = None
+    state: str = "idle"
+    """``idle``, ``working``, ``paused`` (``paused_reason`` says why) or ``stopped`` (exited)."""
+    paused_reason: str | None = None
+    paused_since: float | None = None
+    """Broker time at which the pause began."""
+    tasks: list[HeldTask] = Field(default_factory=list)
+    runs: list[str] = Field(default_factory=list)
+    """Run addresses this process served (the healer's list; bounded)."""
+    batches_done: int = 0
+    stamp: float = 0.0
+    """Broker time of this write (Redis ``TIME``)."""
+    started: float = 0.0
+    """Broker time at which the process first wrote its presence."""
+
+    def live(self, now: float, lease_s: float) -> bool:
+        """Whether the process counts as alive at broker time ``now``: not stopped, written within ``lease_s``."""
+        return self.state != "stopped" and now - self.stamp <= lease_s
+
+    def holds(self, task_id: str | None = None, run_url: str | None = None, batch: str | None = None) -> bool:
+        """Whether it lists the task ``task_id``, or a task of batch ``batch`` of ``run_url``."""
+        return any((task_id is not None and t.task_id == task_id)
+                   or (run_url is not None and t.run_url == run_url and t.batch == batch) for t in self.tasks)
+
+
+def write_presence(client, queue: str, presence: Presence) -> Presence:
+    """Stamp ``presence`` with the broker's time and store it; returns the stamped record."""
+    now = broker_time(client)
+    stamped = presence.model_copy(update={"stamp": now, "started": presence.started or now})
+    client.hset(workers_key(queue), presence.worker, stamped.model_dump_json())
+    return stamped
+
+
+def remove_presence(client, queue: str, worker: str) -> None:
+    client.hdel(workers_key(queue), worker)
+
+
+def read_presences(client, queue: str) -> list[Presence]:
+    """Every presence on the broker (live or not); an entry that is not a presence is skipped."""
+    out = []
+    for _field, raw in (client.hgetall(workers_key(queue)) or {}).items():
+        try:
+            out.append(Presence.model_validate_json(raw))
+        except ValueError:
+            continue
+    return out
+
+
+def live_presences(client, queue: str, lease_s: float, now: float | None = None) -> list[Presence]:
+    """The presences of processes alive at broker time ``now`` (default: the broker's now)."""
+    now = broker_time(client) if now is None else now
+    return [p for p in read_presences(client, queue) if p.live(now, lease_s)]
+
+
+def prune_presences(client, queue: str, older_than_s: float = 86400.0) -> int:
+    """Remove presences not written for ``older_than_s`` seconds of broker time (exited long ago)."""
+    now = broker_time(client)
+    old = [p.worker for p in read_presences(client, queue) if now - p.stamp > older_than_s]
+    if old:
+        client.hdel(workers_key(queue), *old)
+    return len(old)
+
+
+class Parked(BaseModel):
+    """A message taken off the queue because the worker that got it could not serve it (``hsx:<queue>:parked``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    run_url: str
+    batch: str
+    task_id: str | None = None
+    reason: str
+    """Why, with the fix (the error the worker met)."""
+    cause: str = "not_served"
+    """``not_served`` (outside the worker's roots), ``model`` (another model than the worker's),
+    ``unreadable`` (the run could not be read: credentials, a newer format, a bad setting)."""
+    refused_by: list[str] = Field(default_factory=list)
+    """Workers (``<host>-<pid>``) that got it and could not serve it: none of them takes it back."""
+    parked_at: float = 0.0
+    """Broker time it was (last) parked."""
+    times: int = 1
+    """How many times it was parked."""
+
+
+def park(client, queue: str, entry: Parked) -> Parked:
+    """Add ``entry`` (or merge it into the entry of the same batch: its refusers and count); returns what is stored."""
+    key, fld = parked_key(queue), batch_field(entry.run_url, entry.batch)
+    now = broker_time(client)
+    old_raw = client.hget(key, fld)
+    refused = list(entry.refused_by)
+    times = 1
+    if old_raw:
+        try:
+            old = Parked.model_validate_json(old_raw)
+            refused = list(dict.fromkeys([*old.refused_by, *refused]))
+            times = old.times + 1
+        except ValueError:
+            pass
+    stored = entry.model_copy(update={"refused_by": refused[-32:], "parked_at": now, "times": times})
+    client.hset(key, fld, stored.model_dump_json())
+    return stored
+
+
+def read_parked(client, queue: str, run_url: str | None = None) -> list[Parked]:
+    """The parked messages (of ``run_url`` only, if given), sorted by run and batch."""
+    out = []
+    for _field, raw in (client.hgetall(parked_key(queue)) or {}).items():
+        try:
+            p = Parked.model_validate_json(raw)
+        except ValueError:
+            continue
+        if run_url is None or p.run_url == run_url:
+            out.append(p)
+    return sorted(out, key=lambda p: (p.run_url, p.batch))
+
+
+def take_parked(client, queue: str, run_url: str, batch: str) -> bool:
+    """Remove the parked entry of ``batch`` of ``run_url``; True if this call removed it (of
+    several callers, exactly one gets True: ``HDEL`` is atomic), so only that one sends it again."""
+    return bool(client.hdel(parked_key(queue), batch_field(run_url, batch)))
+
+
+def register_runs(client, queue: str, run_urls: Iterable[str]) -> None:
+    """Add run addresses to the queue's set of runs (the healer walks it)."""
+    urls = [u for u in run_urls if u]
+    if urls:
+        client.sadd(runs_key(queue), *urls)
+
+
+def known_runs(client, queue: str, presences: Iterable[Presence] = ()) -> list[str]:
+    """The runs enqueued on the queue: its set of runs plus the runs the presences served."""
+    runs = {_text(u) for u in (client.smembers(runs_key(queue)) or set())}
+    for p in presences:
+        runs.update(p.runs)
+    return sorted(runs)
+
+
+def forget_run(client, queue: str, run_url: str) -> None:
+    """Drop a run from the set of runs (finished, cancelled or deleted) and its unaccounted entries."""
+    client.srem(runs_key(queue), run_url)
+    key = unaccounted_key(queue)
+    prefix = run_url + "\n"
+    stale = [f for f in (client.hkeys(key) or []) if _text(f).startswith(prefix)]
+    if stale:
+        client.hdel(key, *stale)
+
+
+def elect(client, queue: str, me: str, ttl_s: float) -> bool:
+    """True if ``me`` is the healer for the next ``ttl_s`` seconds (``SET NX EX``: one per look)."""
+    return bool(client.set(healer_key(queue), me, nx=True, ex=max(1, int(ttl_s))))
+
+
+def queued_messages(client, queue: str) -> int:
+    """Messages waiting in the queue's lists (all priorities), by ``LLEN``: no message is read."""
+    from hsx.queue import queue_keys
+
+    pipe = client.pipeline(transaction=False)
+    for key in queue_keys(queue):
+        pipe.llen(key)
+    return int(sum(pipe.execute()))
+
+
+def queued_of(client, queue: str, run_url: str | None = None, chunk: int = 2000) -> dict[str, dict[str, int]]:
+    """``{run address: {batch: count}}`` of the extraction messages waiting in the queue (of
+    ``run_url`` only, if given); read in chunks of ``LRANGE``, JSON messages only."""
+    from hsx.queue import EXTRACT_TASK, decode_message, queue_keys
+
+    out: dict[str, dict[str, int]] = {}
+    for key in queue_keys(queue):
+        start = 0
+        while True:
+            raws = client.lrange(key, start, start + chunk - 1)
+            if not raws:
+                break
+            for raw in raws:
+                task, _task_id, args = decode_message(raw)
+                if task != EXTRACT_TASK or len(args) < 2:
+                    continue
+                url, batch = str(args[0]), str(args[1])
+                if run_url is None or url == run_url:
+                    per = out.setdefault(url, {})
+                    per[batch] = per.get(batch, 0) + 1
+            if len(raws) < chunk:
+                break
+            start += chunk
+    return out
+
+
+def claims(client) -> list[dict]:
+    """Every delivered, unacknowledged extraction message (kombu's ``unacked`` hash):
+    ``[{"tag", "run_url", "batch", "task_id", "delivered_at"}]``; ``delivered_at`` is kombu's score
+    (the delivering worker's wall clock: shown, never compared across machines)."""
+    from hsx.queue import EXTRACT_TASK, decode_message, unacked_message
+
+    entries = client.hgetall(UNACKED_KEY)
+    if not entries:
+        return []
+    delivered = {_text(k): float(v) for k, v in client.zrange(UNACKED_INDEX_KEY, 0, -1, withscores=True)}
+    out = []
+    for tag, raw in entries.items():
+        tag = _text(tag)
+        message = unacked_message(raw)
+        if message is None:
+            continue
+        task, task_id, args = decode_message(json.dumps(message))
+        if task != EXTRACT_TASK or len(args) < 2:
+            continue
+        out.append({"tag": tag, "run_url": str(args[0]), "batch": str(args[1]), "task_id": task_id,
+                    "delivered_at": delivered.get(tag)})
+    return out
+
+
+def drop_claims(client, tags: Iterable[str]) -> None:
+    """Remove deliveries from kombu's ``unacked`` hash and index in one transaction (an ack does the same)."""
+    tags = list(tags)
+    if not tags:
+        return
+    pipe = client.pipeline()
+    for tag in tags:
+        pipe.hdel(UNACKED_KEY, tag)
+        pipe.zrem(UNACKED_INDEX_KEY, tag)
+    pipe.execute()
+
+
+def remove_queued(client, queue: str, run_url: str, chunk: int = 2000) -> int:
+    """Remove every waiting extraction message of ``run_url`` from the queue (``LREM`` of each one
+    found); returns how many. A message claimed meanwhile is not in the list any more and is left
+    to its worker (which checks ``cancelled.json``)."""
+    from hsx.queue import EXTRACT_TASK, decode_message, queue_keys
+
+    removed = 0
+    for key in queue_keys(queue):
+        start = 0
+        while True:
+            raws = client.lrange(key, start, start + chunk - 1)
+            if not raws:
+                break
+            mine = []
+            for raw in raws:
+                task, _task_id, args = decode_message(raw)
+                if task == EXTRACT_TASK and len(args) >= 2 and str(args[0]) == run_url:
+                    mine.append(raw)
+            for raw in mine:
+                removed += int(client.lrem(key, 1, raw))
+            if len(raws) < chunk:
+                break
+            start += chunk - len(mine)
+    return removed
+
+
+__all__ = ["Presence", "HeldTask", "Parked", "broker_time", "write_presence", "remove_presence", "read_presences",
+           "live_presences", "prune_presences", "park", "read_parked", "take_parked", "register_runs", "known_runs",
+           "forget_run", "elect", "queued_messages", "queued_of", "claims", "drop_claims", "remove_queued",
+           "workers_key", "parked_key", "runs_key", "unaccounted_key", "healer_key", "batch_field",
+           "UNACKED_KEY", "UNACKED_INDEX_KEY"]
