@@ -255,8 +255,10 @@ def test_read_only_commands_create_nothing_for_an_address_that_is_not_a_run(tmp_
 
 def test_a_worker_refuses_runs_outside_its_roots_and_runs_for_another_model_without_touching_them(tmp_path, tiny_cache):
     """A real worker (HSX_STORE_URL=<tmp>/allowed, HSX_MODEL=tiny-qwen3.5): a bad batch name is dropped; a task naming
-    a path outside or a sibling prefix makes the worker refuse tasks, goes back to the queue, and nothing is created
-    there; a run in its root planned for another checkpoint is refused the same way, both models named, no marker."""
+    a path outside or a sibling prefix is parked on the broker with the roots and the fix, and nothing is created
+    there; a run in its root planned for another checkpoint is parked the same way, both models named, no marker,
+    no status record; the worker goes on serving throughout."""
+    from hsx.fleet import read_parked
     from hsx.queue import EXTRACT_TASK, make_celery
 
     allowed = tmp_path / "allowed"
@@ -280,38 +282,31 @@ def test_a_worker_refuses_runs_outside_its_roots_and_runs_for_another_model_with
         batch = planned.batches[0]["batch"]
         worker.wait_ready()
         app = make_celery(Settings(_env_file=None), broker.url, name="attacker")
-        victims = [tmp_path / "outside" / "run", Path(f"{allowed}2") / "run"]
-        # A message at fault (a bad batch name): dropped, and the worker goes on.
-        app.send_task(EXTRACT_TASK, args=[planned.run_url, "../../escape"], queue="gpu")
-        wait_until(lambda: "task batch '../../escape' refused" in worker.log(), 60, "the bad batch name refused")
-        # A run outside its roots: not this worker's to serve. It refuses tasks from now on, names the fix, and the
-        # message goes back to the queue for a worker that serves it (one misconfigured worker drains nothing).
-        app.send_task(EXTRACT_TASK, args=[str(victims[0]), "b000000"], queue="gpu")
-        wait_until(lambda: "refuses tasks from now on" in worker.log(), 60, "the worker to refuse tasks")
-        log = worker.log()
-        assert f"task run address {str(victims[0])!r}" in log and "HSX_ALLOWED_STORES" in log, log[-3000:]
-        app.send_task(EXTRACT_TASK, args=[str(victims[1]), "b000000"], queue="gpu")
         client = redis_client(broker.url)
-        wait_until(lambda: client.llen("gpu") == 2, 30, "both outside tasks back in (or left in) the queue")
-        assert not (tmp_path / "outside").exists() and not Path(f"{allowed}2").exists()
-        worker.kill()
-        client.delete("gpu")
-        # A run in its root planned for another checkpoint than HSX_MODEL: refused the same way, both models named.
-        second = WorkerProcess(env, "guarded2", tmp_path / "guarded2.log")
+        victims = [tmp_path / "outside" / "run", Path(f"{allowed}2") / "run"]
         try:
-            second.wait_ready()
+            # A message at fault (a bad batch name): dropped, and the worker goes on.
+            app.send_task(EXTRACT_TASK, args=[planned.run_url, "../../escape"], queue="gpu")
+            wait_until(lambda: "task batch '../../escape' refused" in worker.log(), 60, "the bad batch name refused")
+            # Runs outside its roots: not this worker's to serve. Each message is parked with the reason and the fix,
+            # for a worker that serves it; this worker goes on with the next message.
+            for victim in victims:
+                app.send_task(EXTRACT_TASK, args=[str(victim), "b000000"], queue="gpu")
+            wait_until(lambda: len(read_parked(client, "gpu")) == 2, 60, "both outside tasks parked")
+            for entry, victim in zip(read_parked(client, "gpu"), sorted(victims, key=str)):
+                assert entry.cause == "not_served" and "HSX_ALLOWED_STORES" in entry.reason, entry
+            assert client.llen("gpu") == 0
+            assert not (tmp_path / "outside").exists() and not Path(f"{allowed}2").exists()
+            # A run in its root planned for another checkpoint than HSX_MODEL: parked the same way, both models named.
             app.send_task(EXTRACT_TASK, args=[planned.run_url, batch], queue="gpu")
-            wait_until(lambda: "refuses tasks from now on" in second.log(), 60, "the second worker to refuse tasks")
-            log = second.log()
-            assert "was planned for model 'someone/else'" in log and "HSX_MODEL='tiny-qwen3.5'" in log, log[-3000:]
-            wait_until(lambda: client.llen("gpu") == 1, 30, "the other model's task back in the queue")
+            wait_until(lambda: read_parked(client, "gpu", planned.run_url), 60, "the other model's task parked")
+            (entry,) = read_parked(client, "gpu", planned.run_url)
+            assert entry.cause == "model", entry
+            assert "was planned for model 'someone/else'" in entry.reason and "HSX_MODEL='tiny-qwen3.5'" in entry.reason
             assert not exists(planned.run_store, f"markers/{batch}.json")
-            # The run inside the worker's root held its lease while the worker read run.json, then let it go.
-            wait_until(lambda: not any(json.loads(planned.run_store.read(k)).get("batches")
-                                       for k in planned.run_store.list("workers/")), 20, "no status record to list the batch")
+            assert not planned.run_store.list("workers/"), "a refused message must write no status record"
+            assert "refuses tasks" not in worker.log()
         finally:
-            second.kill()
-            second._log.close()
             app.close()
     finally:
         worker.kill()
