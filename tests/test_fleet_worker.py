@@ -197,6 +197,8 @@ def test_a_full_store_pauses_the_worker_with_its_batch_in_hand_and_it_resumes_wh
         assert "the store has room again; resumed after" in log
         wait_until(lambda: next(p for p in live_presences(client, "gpu", 60) if p.pid == worker.proc.pid).state == "idle",
                    20, "the presence to say idle again")
+        wait_until(lambda: next(p for p in live_presences(client, "gpu", 60) if p.pid == worker.proc.pid).tasks == [],
+                   10, "the presence to hold no task once every delivery is acknowledged")
     finally:
         for w in cluster.workers:
             w.kill()

@@ -1,0 +1,92 @@
+"""The fleet's keys on a real broker (the embedded valkey): presences read by the broker's clock,
+parked messages merged by batch and taken back by exactly one caller, a run's waiting messages
+removed without touching another run's (``hsx/fleet.py``)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from hsx.broker import EmbeddedBroker, redis_client
+from hsx.fleet import (HeldTask, Parked, Presence, broker_time, elect, known_runs, live_presences, park, queued_messages,
+                       queued_of, read_parked, register_runs, remove_queued, take_parked, write_presence)
+from hsx.queue import send_batches
+from settings import Settings
+
+
+@pytest.fixture(scope="module")
+def broker():
+    state = Path(tempfile.mkdtemp(prefix="hsx-"))
+    b = EmbeddedBroker(state).start()
+    yield b
+    b.stop()
+    shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def client(broker):
+    c = redis_client(broker.url)
+    c.flushdb()
+    return c
+
+
+def test_a_presence_is_stamped_and_judged_by_the_broker_s_clock_not_the_writer_s(client):
+    """The stamp is the broker's TIME whatever the writer's clock says; it is live while the broker's now is within
+    the lease of it, stale after, and never live once stopped."""
+    stamped = write_presence(client, "gpu", Presence(worker="h-1", host="h", pid=1, stamp=-1e9, roots=["/r"]))
+    now = broker_time(client)
+    assert abs(stamped.stamp - now) < 5 and stamped.started == stamped.stamp
+    assert [p.worker for p in live_presences(client, "gpu", lease_s=30)] == ["h-1"]
+    assert live_presences(client, "gpu", lease_s=30, now=now + 31) == []
+    write_presence(client, "gpu", stamped.model_copy(update={"state": "stopped"}))
+    assert live_presences(client, "gpu", lease_s=30) == []
+
+
+def test_a_presence_holds_its_tasks_by_id_or_by_batch(client):
+    p = Presence(worker="h-1", host="h", pid=1, tasks=[HeldTask(task_id="t1", run_url="/r/run", batch="b000001")])
+    assert p.holds(task_id="t1") and p.holds(run_url="/r/run", batch="b000001")
+    assert not p.holds(task_id="t2") and not p.holds(run_url="/r/run", batch="b000002")
+
+
+def test_a_message_parked_twice_is_one_entry_with_both_refusers_and_exactly_one_taker_wins(client):
+    entry = Parked(run_url="/x/run", batch="b000003", reason="NotServed: outside", refused_by=["a-1"])
+    park(client, "gpu", entry)
+    stored = park(client, "gpu", entry.model_copy(update={"refused_by": ["b-2"]}))
+    assert stored.times == 2 and stored.refused_by == ["a-1", "b-2"]
+    assert [p.batch for p in read_parked(client, "gpu", "/x/run")] == ["b000003"]
+    assert read_parked(client, "gpu", "/other") == []
+    wins = []
+    threads = [threading.Thread(target=lambda: wins.append(take_parked(client, "gpu", "/x/run", "b000003")))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(wins) == [False] * 7 + [True]
+    assert read_parked(client, "gpu") == []
+
+
+def test_remove_queued_takes_only_the_run_s_waiting_messages(broker, client):
+    settings = Settings(_env_file=None)
+    send_batches(settings, broker.url, "/r/a", "a", [{"batch": f"b{i:06d}"} for i in range(5)])
+    send_batches(settings, broker.url, "/r/b", "b", [{"batch": f"b{i:06d}"} for i in range(3)])
+    assert queued_messages(client, "gpu") == 8
+    assert sorted(queued_of(client, "gpu", "/r/a")["/r/a"]) == [f"b{i:06d}" for i in range(5)]
+    assert remove_queued(client, "gpu", "/r/a", chunk=2) == 5
+    assert queued_of(client, "gpu") == {"/r/b": {f"b{i:06d}": 1 for i in range(3)}}
+
+
+def test_the_runs_of_a_queue_are_the_set_plus_what_live_workers_served(client):
+    register_runs(client, "gpu", ["/r/a"])
+    p = Presence(worker="h-1", host="h", pid=1, runs=["/r/b"])
+    assert known_runs(client, "gpu", [p]) == ["/r/a", "/r/b"]
+    client.flushdb()  # a wiped broker: the workers still know what they served
+    assert known_runs(client, "gpu", [p]) == ["/r/b"]
+
+
+def test_one_healer_is_elected_per_look(client):
+    assert elect(client, "gpu", "a-1", 5) and not elect(client, "gpu", "b-2", 5)
