@@ -11,6 +11,7 @@ rule and the fix, never pydantic's raw report.
 from __future__ import annotations
 
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -190,6 +191,19 @@ class Settings(BaseSettings):
         if not v.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
             # The value itself is shown (masked) by settings_error; the rule here must not echo a password.
             raise ValueError("should be a Redis URL: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... or redis+socket:///PATH")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _torch_device(cls, v: str | None) -> str | None:
+        # Checked at start, not 60 s later by torch inside the first batch (issue 22): the device
+        # types a worker can run a forward on, with an optional index (torch.device's own syntax).
+        if v is None or v.strip() == "":
+            return None
+        v = v.strip()
+        if not re.fullmatch(r"(cpu|cuda|xpu|mps|npu|hpu)(:\d+)?", v):
+            raise ValueError(f"{v!r} is not a torch device a worker can run on: use cpu, cuda or cuda:N (also xpu, mps, "
+                             "npu, hpu), or leave HSX_DEVICE unset for cuda when available, else cpu")
         return v
 
     @property

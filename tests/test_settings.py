@@ -106,3 +106,28 @@ def test_the_producer_cli_prints_the_bad_setting_not_a_traceback(tmp_path):
     assert "Traceback" not in proc.stderr and "ValidationError" not in proc.stderr
     assert ("error: bad setting HSX_MAX_LENGTH='[bold]4[/bold]' (environment): should be a valid integer, unable to "
             "parse string as an integer; fix: set a valid value, or unset HSX_MAX_LENGTH for the default 4096") in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "gpu0"])
+def test_a_device_a_worker_cannot_run_on_is_refused_at_start_with_the_choices(hsx_env, device):
+    """HSX_DEVICE is checked when the settings load (before any planning or worker start), not by torch 60 s later
+    inside the first batch."""
+    hsx_env(device=device)
+    with pytest.raises(BadSettings) as caught:
+        load_settings(_env_file=None)
+    assert f"HSX_DEVICE={device!r}" in str(caught.value) and "cpu, cuda or cuda:N" in str(caught.value)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:3", " cuda:0 "])
+def test_the_devices_torch_names_are_taken(hsx_env, device):
+    hsx_env(device=device)
+    assert load_settings(_env_file=None).device == device.strip()
+
+
+def test_run_with_a_device_no_worker_can_run_on_exits_2_before_planning(tmp_path):
+    """``producer run`` with HSX_DEVICE=tpu: exit 2 with the line; no run, no broker, no worker started."""
+    env = clean_env(device="tpu", cache_dir=tmp_path / "cache", state_dir=tmp_path / "state")
+    proc = run_cli("producer", ["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "2", "--output",
+                                str(tmp_path / "out")], env, timeout_s=120)
+    assert proc.returncode == 2 and "HSX_DEVICE='tpu'" in proc.stderr, proc.stdout + proc.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
