@@ -12,10 +12,10 @@ job runs on a fresh clone with no hub and no GPU, not to train a useful draft mo
 - a local checkpoint directory: ``sha256:<hex>``, the sha256 of one line ``<file name>\t<sha256 of
   its bytes>`` per file that decides the model (:func:`checkpoint_files`: ``config.json``, the
   safetensors index and every ``*.safetensors`` file; the pickle weight files when there is no
-  safetensors file), in name order. A file that is a symlink into a Hugging Face cache
-  (``.../blobs/<64 hex>``) is not read: the hub cache names a weight blob by the sha256 of its
-  bytes. Any other file is read once (16 MiB chunks, the files in parallel threads) and its digest
-  cached under ``<cache_dir>/checkpoint-hashes/``, keyed by its real path, device, inode, size,
+  safetensors file), in name order. Every file is read once (16 MiB chunks, the files in parallel
+  threads), a Hugging Face cache blob (``.../blobs/<64 hex>``) too: its name is the sha256 the hub
+  downloaded, but a blob can be overwritten in place after that, and the name would then vouch for
+  bytes it does not describe. The digest is cached under ``<cache_dir>/checkpoint-hashes/``, keyed by its real path, device, inode, size,
   mtime and ctime (ctime too: no tool can set it back, while ``touch`` and ``cp -p`` set mtime), so
   planning the same run again, or starting a worker on the same machine, costs a ``stat`` per file.
   Processes hashing the same file at once wait on a lock and hash it once;
@@ -260,18 +260,16 @@ def content_revision(path: Path, cache_dir: Path) -> str:
 
 
 def file_sha256(path: Path, cache_dir: Path) -> str:
-    """Hex sha256 of a file's bytes, from its Hugging Face blob name, the cache, or by reading it.
+    """Hex sha256 of a file's bytes, from the cache or by reading it.
 
-    A symlink into a hub cache's ``blobs/`` whose target is named by 64 hex digits is that digest
-    (the hub names weight blobs by their sha256). Otherwise the digest is cached in
-    ``<cache_dir>/checkpoint-hashes/`` under the file's real path, device, inode, size, mtime and
+    A Hugging Face blob's name (``blobs/<64 hex>``) is not taken on trust: it is hashed once like any
+    file (a blob overwritten in place keeps its name), and a content that does not match its name is
+    logged. The digest is cached in ``<cache_dir>/checkpoint-hashes/`` under the file's real path, device, inode, size, mtime and
     ctime; a miss reads the file in :data:`HASH_CHUNK_BYTES` chunks while holding a lock on that
     entry, so processes that start together hash it once. A cache that cannot be written is only
     logged. Raises OSError when the file cannot be read.
     """
     real = Path(os.path.realpath(path))
-    if path.is_symlink() and real.parent.name == "blobs" and _HF_BLOB.fullmatch(real.name):
-        return real.name
     st = os.stat(real)
     key = hashlib.sha256(
         f"{real}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}".encode()).hexdigest()
@@ -291,6 +289,9 @@ def file_sha256(path: Path, cache_dir: Path) -> str:
         log.warning("checkpoint hash cache %s is not usable (%s): hashing %s without it", entry.parent, exc, real)
     try:
         digest = _sha256_of_bytes(real)
+        if real.parent.name == "blobs" and _HF_BLOB.fullmatch(real.name) and digest != real.name:
+            log.warning("%s: its bytes hash to %s, not to its name: the blob was changed after the hub downloaded it; "
+                        "the model's identity follows the bytes", real, digest)
         try:
             tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps({"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns,

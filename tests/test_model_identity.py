@@ -1,7 +1,7 @@
 """Specifications of a target model's identity (hsx.models): a local checkpoint is named by its bytes.
 
-Project issue 12, item 2: the revision of a local checkpoint is a hash of its weight bytes (a hub
-cache's blob names where they are sha256 already; every other file hashed once and cached); a run
+Project issue 12, item 2: the revision of a local checkpoint is a hash of its weight bytes (every file
+hashed once and cached by its stat, a hub cache's blobs too: issue 22 item 1); a run
 resumed with other weights is refused before any model work; a worker's loaded checkpoint is
 checked against ``run.json``. All on the real tiny-qwen3.5 checkpoint and the legacy run fixture.
 """
@@ -168,9 +168,8 @@ def test_two_threads_hashing_the_same_file_read_it_once(ckpt, tmp_path, monkeypa
     assert len(reads) == 1 and out == [_sha256(ckpt / "model.safetensors")] * 2
 
 
-def test_a_hub_cache_snapshot_is_identified_by_its_blob_names_without_reading_the_weights(ckpt, tmp_path, hashed):
-    """In a Hugging Face cache, snapshot files link to ``blobs/<sha256>``: that name is the digest, the
-    blob is not read. The revision equals the one of a plain copy of the same files."""
+def _hub_snapshot(ckpt: Path, tmp_path: Path) -> Path:
+    """A Hugging Face cache layout of ``ckpt``: ``snapshots/<rev>/<file>`` links to ``blobs/<sha256>``."""
     repo = tmp_path / "hub" / "models--org--tiny"
     snapshot = repo / "snapshots" / ("c0ffee" * 6 + "c0ff")
     (repo / "blobs").mkdir(parents=True)
@@ -179,11 +178,37 @@ def test_a_hub_cache_snapshot_is_identified_by_its_blob_names_without_reading_th
         blob = repo / "blobs" / (_sha256(f) if f.suffix == ".safetensors" else hashlib.sha1(f.read_bytes()).hexdigest())
         shutil.copyfile(f, blob)
         (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+def test_a_hub_cache_snapshot_is_hashed_once_like_any_checkpoint_and_then_costs_a_stat(ckpt, tmp_path, hashed):
+    """A snapshot whose files link to ``blobs/<sha256>``: each blob is read once (its name is not taken on
+    trust), the revision equals a plain copy's, and the next look reads nothing."""
+    snapshot = _hub_snapshot(ckpt, tmp_path)
     plain = model_info(str(ckpt), tmp_path / "cache-a").revision
     hashed.clear()
     assert model_info(str(snapshot), tmp_path / "cache-b").revision == plain
-    # Only config.json is read: a small file, named by its git sha1 in the hub cache.
-    assert hashed == [hashlib.sha1((ckpt / "config.json").read_bytes()).hexdigest()]
+    assert sorted(hashed) == sorted(os.path.basename(os.path.realpath(f)) for f in snapshot.iterdir()
+                                    if f.name == "config.json" or f.suffix == ".safetensors")
+    hashed.clear()
+    assert model_info(str(snapshot), tmp_path / "cache-b").revision == plain
+    assert hashed == []
+
+
+def test_a_hub_blob_overwritten_in_place_gives_another_revision_and_the_run_is_refused(ckpt, tmp_path, hashed):
+    """Issue 22 item 1: plan a run on a snapshot, copy other weights of the same size over ``blobs/<sha>`` (the
+    name stays): the revision changes, and the same --run-id is refused (RunConflict naming the revision)."""
+    snapshot = _hub_snapshot(ckpt, tmp_path)
+    first = _plan(snapshot, tmp_path, run_id="blob")
+    blob = Path(os.path.realpath(snapshot / "model.safetensors"))
+    other = tmp_path / "other"
+    shutil.copytree(ckpt, other)
+    _other_weights_of_the_same_shapes(other)
+    shutil.copyfile(other / "model.safetensors", blob)  # in place: same name, same size, other bytes
+    assert Path(os.path.realpath(snapshot / "model.safetensors")) == blob and _sha256(blob) != blob.name
+    assert model_info(str(snapshot), tmp_path / "cache").revision != first.config.model["revision"]
+    with pytest.raises(RunConflict, match="model.revision"):
+        _plan(snapshot, tmp_path, run_id="blob")
 
 
 def test_a_snapshot_file_replaced_by_a_plain_file_is_hashed(ckpt, tmp_path):
