@@ -37,7 +37,7 @@ def make_console(stderr: bool = False) -> Console:
 console = make_console(stderr=True)
 out = make_console()
 #: Run states after which ``status --watch`` stops: nothing changes without a new command.
-FINAL_STATES = ("done", "failed", "plan_failed")
+FINAL_STATES = ("done", "failed", "plan_failed", "cancelled")
 
 
 class _BarColumn(BarColumn):
@@ -192,15 +192,19 @@ def _plan_table(title: str, report: dict) -> Table:
     t.add_row("enqueued", plural(report.get("batches_enqueued", 0), "batch"))
     in_flight = report.get("batches_in_flight") or {}
     if in_flight:
-        queued = sum(1 for v in in_flight.values() if v == "queued")
-        t.add_row("not sent again", f"{plural(queued, 'batch')} queued, {plural(len(in_flight) - queued, 'batch')} running")
+        counts = {kind: sum(1 for v in in_flight.values() if v == kind) for kind in ("queued", "running", "parked")}
+        t.add_row("not sent again", ", ".join(f"{plural(n, 'batch')} {kind}" for kind, n in counts.items()
+                                               if n or kind != "parked"))
+    resumed = report.get("resumed")
+    if resumed:
+        t.add_row("resumed", f"the run was cancelled ({resumed.get('by')}, {resumed.get('at')}); cancelled.json removed")
     return t
 
 
 def cmd_enqueue(args, settings: Settings) -> int:
     from hsx.broker import check_broker
-    from hsx.records import done_batches
-    from producer.enqueue import WindowSender
+    from hsx.errors import RunCancelled
+    from producer.enqueue import WindowSender, check_output
     from producer.run import plan_or_interrupted
 
     if not settings.broker_url:
@@ -208,14 +212,22 @@ def cmd_enqueue(args, settings: Settings) -> int:
                       "(e.g. redis://:PASSWORD@HOST:6379/0); for one machine use 'python -m producer run'")
         return 2
     check_broker(settings.broker_url)
+    # before anything is planned: a run no worker serves would only park (producer/enqueue.py)
+    for note in check_output(settings, settings.broker_url, args.output or settings.store_url, args.model,
+                             force=args.force):
+        console.print(note, highlight=False, soft_wrap=True)
     with progress_factory() as progress:
         sender = WindowSender(settings, settings.broker_url, progress)
-        planned = plan_or_interrupted(_options(args), settings, progress, on_window=sender)
+        try:
+            planned = plan_or_interrupted(_options(args), settings, progress, on_window=sender)
+        except RunCancelled as exc:  # `producer cancel` while it planned: not an error of this command
+            console.print(f"cancelled: {exc}", highlight=False, soft_wrap=True)
+            return 1
     result = sender.result
-    del done_batches
     report = {"run_id": planned.config.run_id, "address": planned.run_url, "plan": planned.stats,
               "plan_reused": planned.reused, "batches_already_done": len(result.already_done),
-              "batches_enqueued": len(result.enqueued), "batches_in_flight": result.in_flight}
+              "batches_enqueued": len(result.enqueued), "batches_in_flight": result.in_flight,
+              "resumed": result.resumed}
     if args.json:
         out.print_json(json.dumps(report))
     else:
@@ -243,6 +255,12 @@ def cmd_run(args, settings: Settings) -> int:
     else:
         out.print(f"[bold]{done}/{total}[/] {noun(total, 'batch')} done in {report['seconds']:.1f} s; "
                   f"shards and markers under {report['address']}")
+    cancelled = report.get("cancelled")
+    if cancelled:
+        out.print(f"[yellow]cancelled[/] ({cancelled.get('by')}, {cancelled.get('at')}"
+                  f"{'; --now: running batches stopped' if cancelled.get('now') else ''}): "
+                  f"{done}/{total} {noun(total, 'batch')} done; run the same command again to resume it "
+                  "(it enqueues every batch without a marker)", highlight=False, soft_wrap=True)
     for batch, failure in sorted((report.get("failed") or {}).items()):
         out.print(f"[red]failed[/] {batch}: {failure.get('error')}")
     if report.get("workers_log_tail"):
@@ -259,6 +277,8 @@ def cmd_status(args, settings: Settings) -> int:
     from producer.status import BrokerProbe, RunWatch, run_broker
     from producer.statusview import status_view
 
+    if args.run_address is None:
+        return _fleet_status(args, settings)
     run_store = open_store(args.run_address, settings, create=False)  # read-only: makes nothing
     broker_url = None if args.no_broker else resolve_broker_url(settings)
     probe = BrokerProbe(settings, broker_url) if broker_url else None
@@ -295,6 +315,86 @@ def cmd_status(args, settings: Settings) -> int:
     finally:
         if probe is not None:
             probe.close()
+
+
+def _fleet_status(args, settings: Settings) -> int:
+    """``status`` without a run: the fleet on the broker (``producer/fleetview.py``)."""
+    import time
+
+    from rich.live import Live
+
+    from hsx.broker import redis_client
+    from producer.fleetview import fleet_status
+    from producer.flower import resolve_broker_url
+    from producer.statusview import fleet_view
+
+    broker_url = None if args.no_broker else resolve_broker_url(settings)
+    if broker_url is None:
+        console.print("error: `status` without a run address shows the fleet on the broker, and no broker is known"
+                      + (" (--no-broker)" if args.no_broker else "") + ": set HSX_BROKER_URL to the broker your "
+                      "workers use (or run it where a `producer run` is going on), or give a run address "
+                      "(<output>/<run_id>) to read that run from its store", highlight=False)
+        return 2
+    client = redis_client(broker_url)
+
+    def poll() -> dict:
+        return fleet_status(client, settings, broker_url)
+
+    fleet = poll()
+    if args.json:
+        while True:
+            print(json.dumps(fleet), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.interval)
+            fleet = poll()
+    if not args.watch:
+        out.print(fleet_view(fleet))
+        return 0
+    try:
+        with Live(fleet_view(fleet), console=out, auto_refresh=False, screen=False) as live:
+            while True:
+                time.sleep(args.interval)
+                live.update(fleet_view(poll()), refresh=True)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_cancel(args, settings: Settings) -> int:
+    from producer.cancel import cancel_run
+    from producer.reconcile import reconcile_broker
+
+    run_store = open_store(args.run_address, settings, create=False)  # read-only but for cancelled.json
+    try:
+        with reconcile_broker(settings) as broker_url:
+            report = cancel_run(run_store, settings, broker_url, now=args.now)
+    except MissingKey:
+        console.print(_no_run_message(args.run_address, run_store), highlight=False)
+        return 2
+    if args.json:
+        out.print_json(json.dumps(report))
+        return 0
+    rec = report["cancelled"]
+    out.print(f"cancelled {report['run_id']} ({rec['by']}, {rec['at']}): "
+              f"{report['batches_done']}/{report['batches_total']} {noun(report['batches_total'], 'batch')} done; "
+              f"{plural(report['removed_queued'], 'queued message')} removed, "
+              f"{plural(len(report['removed_parked']), 'parked message')} removed"
+              + (f", {plural(report['dropped_claims'], 'dead delivery', 'dead deliveries')} dropped"
+                 if report["dropped_claims"] else ""), highlight=False, soft_wrap=True)
+    running = report["running"]
+    if running:
+        what = ("stop before their marker (--now)" if args.now
+                else "finish and keep their markers (--now would stop them)")
+        out.print(f"{plural(len(running), 'batch')} running on live workers {what}: "
+                  + ", ".join(f"{r['batch']} on {r['worker']} ({r['phase']})" for r in running[:20]), highlight=False,
+                  soft_wrap=True)
+    if not report["broker"]:
+        out.print("no broker: only cancelled.json was written (workers acknowledge the run's messages unrun)")
+    out.print("status shows it as cancelled. To resume: run the same `python -m producer run` / `enqueue` command "
+              "again (the same dataset and options give the same run id): it removes cancelled.json and enqueues "
+              "every batch without a marker", highlight=False, soft_wrap=True)
+    return 0
 
 
 def cmd_flower(args, settings: Settings) -> int:
@@ -437,22 +537,38 @@ def cmd_reconcile(args, settings: Settings) -> int:
         out.print_json(json.dumps(report))
         return 0
     verb = "would enqueue" if args.dry_run else "enqueued"
-    answered = (f"({plural(len(report['workers']), 'worker')} answered)" if report.get("workers_asked", True)
-                else "(workers not asked: no open claim of its batches to check)")
+    answered = (f"({plural(len(report['workers']), 'live worker')} on the broker)" if report.get("workers_asked", True)
+                else "(workers not looked at: no batch is left to run)")
     out.print(f"reconcile {report['run_id']}: {report['batches_done']}/{report['batches_total']} "
               f"{noun(report['batches_total'], 'batch')} done; {len(report['queued'])} queued, {len(report['running'])} running "
               f"{answered}", highlight=False)
     if report.get("plan_note"):
         out.print(f"[yellow]note[/] {report['plan_note']}", highlight=False)
+    cancelled = report.get("cancelled")
+    if cancelled:
+        out.print(f"[yellow]cancelled[/] ({cancelled.get('by')}, {cancelled.get('at')}): nothing of it is enqueued; "
+                  "run the same `producer run` / `enqueue` command again to resume it", highlight=False, soft_wrap=True)
+    if report.get("parked"):
+        back = set(report.get("unparked") or [])
+        verb_back = "would put back on the queue" if args.dry_run else "put back on the queue"
+        groups: dict[str, list[str]] = {}
+        for p in report["parked"]:
+            groups.setdefault(p["reason"], []).append(p["batch"])
+        for reason, batches in sorted(groups.items()):
+            sent = sorted(b for b in batches if b in back or args.dry_run)
+            shown = ", ".join(sent[:20]) + (" ..." if len(sent) > 20 else "")
+            out.print(f"{verb_back if sent else 'removed'} {plural(len(batches), 'parked batch', 'parked batches')}"
+                      f"{': ' + shown if sent else ''} (parked because: {reason[:300]})", highlight=False, soft_wrap=True)
     for batch, kinds in sorted(report["repaired"].items()):
         out.print(f"[yellow]repaired[/] {batch}: {', '.join(kinds)} (marker and shard removed)", highlight=False)
     for item in report["lost"]:
         sent = args.dry_run or item["batch"] in report["enqueued"]
-        out.print(f"{verb if sent else 'not enqueued (no broker)'} {item['batch']}: {item['why']}", highlight=False)
+        held = "cancelled" if cancelled else "no broker" if not report["broker"] else "redone too often"
+        out.print(f"{verb if sent else f'not enqueued ({held})'} {item['batch']}: {item['why']}", highlight=False)
     if report.get("cleared_unacked"):
         out.print(f"{'would clear' if args.dry_run else 'cleared'} {plural(len(report['cleared_unacked']), 'stale unacknowledged message')} "
                   f"of finished batches: {', '.join(sorted(set(report['cleared_unacked']))[:20])}", highlight=False)
-    if idle_embedded and report["enqueued"] and not args.dry_run:
+    if idle_embedded and (report["enqueued"] or report.get("unparked")) and not args.dry_run:
         out.print("no worker takes these now: no HSX_BROKER_URL is set and no `producer run` is running on this "
                   "machine's embedded broker. Run this run's `producer run` command again (it enqueues every batch "
                   "it lacks), or set HSX_BROKER_URL to the broker your workers use", highlight=False, soft_wrap=True)
@@ -461,7 +577,7 @@ def cmd_reconcile(args, settings: Settings) -> int:
     for key in report["removed_incomplete"]:
         out.print(f"removed unfinished upload {key}", highlight=False)
     if not (report["lost"] or report["removed_shards"] or report["removed_incomplete"] or report["repaired"]
-            or report.get("cleared_unacked")):
+            or report.get("cleared_unacked") or report.get("parked")):
         out.print("nothing to do")
     return 0
 
@@ -512,13 +628,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("enqueue", help="plan a run into the store and enqueue its batches on the broker (HSX_BROKER_URL)")
     _add_plan_options(p)
+    p.add_argument("--force", action="store_true",
+                   help="enqueue even if no live worker on the broker serves --output (its messages then park)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("run", help="the whole job on this machine: plan, start broker and workers, extract, stop")
     _add_plan_options(p)
     p.add_argument("--workers", type=_at_least_one, help="worker processes to start (default: one per GPU, one on CPU)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p = sub.add_parser("status", help="a run's progress, rate, ETA, workers and failures (from the store; GPU stats over the broker)")
-    p.add_argument("run_address", help="<output>/<run_id>, e.g. ./out/sharegpt-3fa9c1d2e4b5 or s3://bucket/prefix/<run_id>")
+    p = sub.add_parser("status", help="a run's progress, rate, ETA, workers, parked messages and failures (from the store; "
+                                      "live workers over the broker); without a run: the fleet on the broker")
+    p.add_argument("run_address", nargs="?",
+                   help="<output>/<run_id>, e.g. ./out/sharegpt-3fa9c1d2e4b5 or s3://bucket/prefix/<run_id>; "
+                        "left out: every live worker, what each holds, and the parked messages per run on the broker")
     p.add_argument("--json", action="store_true", help="print the status as JSON (with --watch: one line per refresh)")
     p.add_argument("--watch", action="store_true", help="refresh until the run is done (or every unfinished batch failed); Ctrl-C to leave")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes with --watch (default 5)")
@@ -550,7 +671,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", help="write here instead of <run>/vocab_counts.safetensors")
     p.add_argument("--partial", action="store_true", help="count the batches that are done even if the run is not complete")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p = sub.add_parser("reconcile", help="enqueue again the batches a crash lost (no marker, not queued, not running); remove abandoned shards")
+    p = sub.add_parser("cancel", help="cancel a run: no batch of it starts, its queued and parked messages are removed; "
+                                      "the same run/enqueue command resumes it")
+    p.add_argument("run_address", help="<output>/<run_id>, a local directory or s3://bucket/prefix/<run_id>")
+    p.add_argument("--now", action="store_true", help="also stop the batches running now, before their marker "
+                                                      "(default: they finish)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p = sub.add_parser("reconcile", help="enqueue again the batches a crash lost (no marker, not queued, running or parked), put "
+                                         "its parked messages back on the queue; remove abandoned shards")
     p.add_argument("run_address", help="<output>/<run_id>, a local directory or s3://bucket/prefix/<run_id>")
     p.add_argument("--grace", type=float, default=3600.0,
                    help="seconds after which a shard no marker names, or an unfinished upload, is removed (default 3600)")
@@ -578,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
             return 2
         return {"enqueue": cmd_enqueue, "run": cmd_run, "status": cmd_status, "flower": cmd_flower, "verify": cmd_verify, "export": cmd_export,
-                "vocab-counts": cmd_vocab_counts, "reconcile": cmd_reconcile}[args.command](args, settings)
+                "vocab-counts": cmd_vocab_counts, "reconcile": cmd_reconcile, "cancel": cmd_cancel}[args.command](args, settings)
     except HsxError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False)
         return 2

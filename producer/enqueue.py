@@ -1,22 +1,97 @@
 """Enqueueing: one Celery task per planned batch that has no marker yet, on the ``gpu`` queue.
 
 Messages carry ids only (the run's store URL and the batch name); the worker reads the batch
-from the plan. A batch that is queued (a message of it waits in the broker's queue) or running (a
-live worker holds its delivery: ``inspect active`` / ``reserved``) is not sent again, so a second
-``enqueue`` of a run still in progress sends only what is lost (``producer/reconcile.py``'s
-``broker_view`` decides). A duplicate that slips through a race (a message claimed between the
-looks) is still harmless: the second delivery finds the marker and does nothing.
+from the plan. A batch that is queued (a message of it waits in the broker's queue), running (a
+live worker's presence lists it: ``hsx/fleet.py``) or parked (a worker could not serve it) is not
+sent again, so a second ``enqueue`` of a run still in progress sends only what is lost
+(``producer/reconcile.py``'s ``broker_view`` decides). A duplicate that slips through a race (a
+message claimed between the looks) is still harmless: the second delivery finds the marker and
+does nothing.
+
+Before anything is planned, :func:`check_output` compares the ``--output`` with the store roots
+the live workers on the broker serve (their presences) and with ``HSX_STORE_URL`` /
+``HSX_ALLOWED_STORES`` where those are set: a run no worker serves would only park.
+
+Enqueueing a run that was cancelled (``producer cancel``) resumes it: :class:`WindowSender`
+removes ``cancelled.json`` before it sends the first batch, and stops the planning (raising
+:class:`hsx.errors.RunCancelled`) if the run is cancelled again while it plans.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hsx.access import allowed_roots, normalise
 from hsx.broker import redis_client
+from hsx.errors import BadConfig, RunCancelled
 from hsx.fleet import register_runs
 from hsx.queue import send_batches
-from hsx.records import done_batches
+from hsx.records import Cancelled, done_batches
+from hsx.store import mask_url
+from producer.words import plural
 from settings import Settings
+
+
+class NotServedOutput(BadConfig):
+    """``enqueue --output`` names a store no live worker on the broker serves (or one outside
+    ``HSX_STORE_URL`` / ``HSX_ALLOWED_STORES`` set here); ``--force`` enqueues anyway."""
+
+
+def check_output(settings: Settings, broker_url: str, output: str, model: str | None = None, *,
+                 force: bool = False) -> list[str]:
+    """Refuse an ``--output`` that the workers on the broker would not serve; returns notes to print.
+
+    The roots compared (by whole path segments after resolving links, :func:`hsx.access.normalise`):
+    the union of the live workers' roots (their presences, ``producer/fleetview.py``), and
+    ``HSX_STORE_URL`` plus ``HSX_ALLOWED_STORES`` when either is set explicitly here (the
+    default ``./out`` is not a statement about the fleet). No live worker and nothing set: allowed
+    (workers may start later), with a note. A live worker that serves the output but loads another
+    ``HSX_MODEL`` than ``model``: a note (names are compared, not checkpoints).
+
+    Raises:
+        NotServedOutput: the output lies outside those roots and ``force`` is not given; the
+            message names the output, the roots and the fixes.
+        BadConfig: the output is not a store URL.
+        redis errors: the broker does not answer.
+    """
+    from producer.fleetview import alive_presences, serves
+
+    target = normalise(output)
+    shown = mask_url(output)
+    notes: list[str] = []
+    _now, live = alive_presences(redis_client(broker_url), settings.queue, settings.lease_s)
+    explicit = "store_url" in settings.model_fields_set or bool(settings.allowed_stores)
+    problems = []
+    if live:
+        roots = sorted({r for p in live for r in p.roots})
+        serving = [p for p in live if serves(p, output)]
+        if not serving:
+            problems.append(f"--output {shown} (resolved: {target}) is outside every store root served by the "
+                            f"{plural(len(live), 'live worker')} on this broker: {', '.join(roots) or 'none'}")
+        elif model and all(p.model and p.model != model for p in serving):
+            notes.append(f"note: the live workers that serve {target} load HSX_MODEL={', '.join(sorted({p.model for p in serving}))}, "
+                         f"this run's model is {model}: if that is not the same checkpoint, its batches park until a "
+                         "worker with it (or with no HSX_MODEL) serves the root")
+    if explicit:
+        mine = allowed_roots(settings)
+        if not any(r.contains(target) for r in mine):
+            problems.append(f"--output {shown} (resolved: {target}) is outside HSX_STORE_URL / HSX_ALLOWED_STORES set "
+                            f"here: {', '.join(str(r) for r in mine)}")
+    if problems and not force:
+        raise NotServedOutput(
+            "; and ".join(problems) + ". Its batches would only park on the broker until a worker that serves it "
+            "appears. Fix: give an --output under those roots; or start workers that serve it (their HSX_STORE_URL, "
+            "or add it to HSX_ALLOWED_STORES) and set the same here; or pass --force to enqueue anyway (the messages "
+            "then park, and come back when such a worker looks or with `producer reconcile RUN`). Nothing was planned "
+            "or sent")
+    if problems:
+        notes.append("warning: --force: " + "; and ".join(problems) + ": its batches park until a worker that serves "
+                     "it looks (or `producer reconcile RUN`)")
+    if not live:
+        notes.append(f"note: no live worker on this broker yet (no presence written within HSX_LEASE_S = "
+                     f"{settings.lease_s:.0f} s): the batches wait in queue '{settings.queue}' for workers that serve "
+                     f"{target}")
+    return notes
 
 
 @dataclass
@@ -27,19 +102,20 @@ class EnqueueResult:
     already_done: list[str] = field(default_factory=list)
     """Batches with a marker: nothing sent."""
     in_flight: dict[str, str] = field(default_factory=dict)
-    """Batches not sent because the broker holds them: ``{batch: "queued" | "running"}``."""
+    """Batches not sent because the broker holds them: ``{batch: "queued" | "running" | "parked"}``."""
     task_ids: dict[str, str] = field(default_factory=dict)
+    resumed: dict | None = None
+    """The ``cancelled.json`` this enqueue removed (the run had been cancelled), as JSON; else None."""
 
 
 def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None, *, skip_in_flight: bool = True,
-                    inspect_timeout_s: float | None = None, batches: list[dict] | None = None) -> EnqueueResult:
+                    batches: list[dict] | None = None) -> EnqueueResult:
     """Send one task per batch of ``planned`` (a :class:`producer.planner.PlannedRun`, or a
     :class:`producer.planner.PlanJob` with ``batches``: a window's) that has no marker and, with
-    ``skip_in_flight``, is neither queued nor running on the broker.
+    ``skip_in_flight``, is neither queued, running nor parked on the broker.
 
-    The workers are asked (``inspect``, up to ``inspect_timeout_s``, default
-    ``HSX_INSPECT_TIMEOUT_S``) only when a batch to send has a delivered, unacknowledged message,
-    so enqueueing a fresh run costs no wait. Raises whatever redis raises when the broker does not
+    Reading the broker costs no wait: the queue's lists, the ``unacked`` hash and the workers'
+    presences (no ``inspect`` round trip). Raises whatever redis raises when the broker does not
     answer.
     """
     from producer.reconcile import broker_view
@@ -54,14 +130,14 @@ def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None,
         (result.already_done if b["batch"] in done else todo).append(b["batch"])
     by_name = {b["batch"]: b for b in batches}
     if todo and skip_in_flight:
-        timeout = settings.inspect_timeout_s if inspect_timeout_s is None else inspect_timeout_s
-        view = broker_view(settings, broker_url, planned.config.run_id, planned.run_url, inspect_timeout_s=timeout,
-                           only=set(todo))
+        view = broker_view(settings, broker_url, planned.run_url)
         for batch in todo:
             if batch in view.queued:
                 result.in_flight[batch] = "queued"
             elif batch in view.running:
                 result.in_flight[batch] = "running"
+            elif batch in view.parked:
+                result.in_flight[batch] = "parked"
         todo = [b for b in todo if b not in result.in_flight]
     if not todo:
         return result
@@ -89,6 +165,12 @@ class WindowSender:
         self.first_sent_at: float | None = None
 
     def __call__(self, job, batches: list[dict]) -> None:
+        """Enqueue ``batches`` (a window's, or on the first call every batch already planned).
+
+        Raises:
+            hsx.errors.RunCancelled: the run was cancelled (``producer cancel``) since the first call:
+                the planning stops here, after the windows written (the same command resumes it).
+        """
         import time
 
         # Only the first call can hold batches that are already queued or running (a resumed plan's
@@ -98,6 +180,16 @@ class WindowSender:
         # twice: the second delivery finds the marker.
         first = not self._called
         self._called = True
+        cancelled = Cancelled.read(job.run_store)  # one small read per window
+        if cancelled is not None and first:
+            # the same command again resumes a cancelled run: the record goes before any batch is sent,
+            # so no worker acknowledges the new messages unrun
+            Cancelled.delete(job.run_store)
+            self.result.resumed = cancelled.model_dump(exclude={"schema_version"})
+        elif cancelled is not None:
+            raise RunCancelled(f"run {job.config.run_id} at {mask_url(job.run_url)} was cancelled while it was planned "
+                               f"({cancelled.by}, {cancelled.at}): planning stopped after the windows written; the "
+                               "same command resumes it")
         part = enqueue_batches(job, self.settings, self.broker_url, None, batches=batches, skip_in_flight=first)
         if part.enqueued and self.first_sent_at is None:
             self.first_sent_at = time.time()

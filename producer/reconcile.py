@@ -1,14 +1,24 @@
 """``python -m producer reconcile RUN_ADDRESS``: put back what a crash lost, clean what it left.
 
 A batch is done if and only if its marker exists. A batch without a marker is, at any moment,
-either **queued** (a message waits in the broker's queue), **running** (a live worker holds it:
-Celery's ``inspect active`` / ``reserved``), or **lost**: its message was acknowledged after a
-failure (the task raised; ``failures/<batch>.json`` says why), or it was claimed by a worker
-process that died (the message sits in kombu's ``unacked`` hash, and Redis would only hand it out
-again after the visibility timeout, hours later), or the broker lost it (a restart without AOF).
-Reconcile enqueues every lost batch again, and removes its failure record so that ``run`` and
-``status`` wait for the new attempt. Unacknowledged deliveries of batches that have their marker
-are stale (a dead worker's, or a duplicate's): they are removed from the broker.
+either **queued** (a message waits in the broker's queue), **running** (a live worker lists it in
+its presence on the broker, ``hsx/fleet.py``: prefetched, waiting for a retry, or in progress),
+**parked** (a worker could not serve it and put it aside with the reason), or **lost**: its
+message was acknowledged after a failure (the task raised; ``failures/<batch>.json`` says why),
+or it was claimed by a worker process that died (the message sits in kombu's ``unacked`` hash,
+and Redis would only hand it out again after the visibility timeout, hours later), or the broker
+lost it (a restart without AOF). Reconcile enqueues every lost batch again, and removes its
+failure record so that ``run`` and ``status`` wait for the new attempt; it puts the run's parked
+messages back on the queue (once the cause is fixed, a worker that serves them takes them).
+Unacknowledged deliveries of batches that have their marker are stale (a dead worker's, or a
+duplicate's): they are removed from the broker. A cancelled run (``producer cancel``) is cleaned
+but nothing of it is enqueued: ``producer run`` / ``enqueue`` of the same run resumes it.
+
+Running is known from the workers' presences only, never from ``celery inspect active`` alone: a
+task that finished while the broker was down stays in ``inspect`` indefinitely, and trusting it
+left a batch that had no marker unsent for good. A presence is live while the broker's clock says
+it was written within ``HSX_LEASE_S`` (``producer/fleetview.py``; a process of this host that is
+gone is dead at once).
 
 It also removes what dead attempts left in the store, once older than a grace period (default
 one hour, far above the time between a shard's upload and its marker): shards that no marker
@@ -20,7 +30,7 @@ as it is.
 
 Looking at the broker: the queue's Redis lists are read with ``LRANGE`` and the ``unacked`` hash
 with ``HGETALL``; message bodies are decoded only when their content type is JSON (never
-unpickled). A race (a message claimed between the two looks, a worker slow to answer ``inspect``)
+unpickled). A race (a message claimed between the looks, before its worker's presence lists it)
 can make reconcile enqueue a batch that is in fact running; that is harmless: the second delivery
 finds the marker, or loses the marker race and deletes its own shard.
 
@@ -34,18 +44,16 @@ wrote it (``just_planned``): it is still sending them to the queue.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from hsx.fleet import UNACKED_INDEX_KEY, UNACKED_KEY, Parked, claims, drop_claims, queued_of, read_parked, take_parked
 from hsx.layout import PLAN_WINDOWS_PREFIX, SHARDS_PREFIX, marker_key, names_under
 from hsx.plan import planned_batches, planning_failed, read_planning_record, window_id
-from hsx.queue import EXTRACT_TASK, decode_message as _decode, make_celery, unacked_message
-from hsx.records import Failure, Marker, PlanWindow, done_batches, read_failures
+from hsx.records import Cancelled, Failure, Marker, PlanWindow, done_batches, read_failures
 from hsx.runconfig import load_run
 from hsx.store import Store
 from producer.words import plural
@@ -55,18 +63,12 @@ log = logging.getLogger(__name__)
 
 #: default age (seconds) before an unnamed shard or an unfinished upload counts as abandoned.
 DEFAULT_GRACE_S = 3600.0
-#: kombu's Redis transport: separator between a queue name and its priority suffix, and the hash
-#: of delivered, unacknowledged messages.
-PRIORITY_SEP = "\x06\x16"
-UNACKED_KEY = "unacked"
-#: kombu's sorted set of the same delivery tags, scored by delivery time (its restore sweep reads it).
-UNACKED_INDEX_KEY = "unacked_index"
-#: verify problem kinds that mean the batch's stored shard (or its marker) was read and found bad:
-#: redo the batch. ``unverified`` (the store did not answer) is not one of them: nothing is known
-#: to be wrong, and deleting a good marker and shard would lose finished work.
 #: seconds after a live planner wrote a window during which its batches are not counted lost: the
 #: planner enqueues them just after writing the window (``producer/planner.py``, ``on_window``).
 ENQUEUE_GRACE_S = 30.0
+#: verify problem kinds that mean the batch's stored shard (or its marker) was read and found bad:
+#: redo the batch. ``unverified`` (the store did not answer) is not one of them: nothing is known
+#: to be wrong, and deleting a good marker and shard would lose finished work.
 REPAIRABLE = {"shard_altered", "shard_missing", "shard_unreadable", "schema", "counts", "token_echo",
               "loss_mask_echo", "missing_samples", "unplanned_sample", "marker_unreadable", "marker_mismatch",
               "config_mismatch", "recompute"}
@@ -79,47 +81,15 @@ class BrokerView:
     queued: dict[str, int] = field(default_factory=dict)
     """Messages waiting in the queue, per batch."""
     running: dict[str, list[str]] = field(default_factory=dict)
-    """Workers that report the batch as active or reserved."""
+    """Live workers whose presence lists the batch (received, waiting for a retry, or in progress)."""
     orphaned: dict[str, int] = field(default_factory=dict)
     """Delivered, unacknowledged messages that no live worker holds (their worker died)."""
+    parked: dict[str, Parked] = field(default_factory=dict)
+    """Messages a worker parked (``hsx/fleet.py``): it could not serve them."""
     workers: list[str] = field(default_factory=list)
-    """Workers that answered ``inspect``."""
+    """Live workers (their Celery node name, else ``<host>-<pid>``)."""
     asked: bool = False
-    """Whether the workers were asked at all (only when a claim of the batches asked about is open)."""
-
-
-def _batch_of(task: str | None, task_id: str | None, args: list, run_id: str, run_url: str) -> str | None:
-    """The batch name if the message is an extraction task of this run, else None.
-
-    By the run's address only: the same run id planned into two outputs (the same dataset and
-    config: the same id) is two runs, and the task id (``<run_id>.<batch>.<hex>``) does not tell them apart.
-    """
-    if task != EXTRACT_TASK or len(args) < 2:
-        return None
-    if args[0] == run_url:
-        return str(args[1])
-    return None
-
-
-def _inspect(settings: Settings, broker_url: str, timeout_s: float) -> list[dict]:
-    """``[active replies, reserved replies]`` of the live workers. A connection that went stale
-    (the broker restarted since this process last used it) is dropped and the call made again."""
-    import kombu.pools
-
-    for attempt in (0, 1):
-        app = make_celery(settings, broker_url, name="hsx-reconcile")
-        try:
-            inspect = app.control.inspect(timeout=timeout_s)
-            with ThreadPoolExecutor(2) as pool:  # two broadcasts, one wait
-                active, reserved = pool.submit(inspect.active), pool.submit(inspect.reserved)
-                return [active.result() or {}, reserved.result() or {}]
-        except Exception as exc:
-            if attempt or not _is_connection_error(exc):
-                raise
-            kombu.pools.reset()
-        finally:
-            app.close()
-    return []
+    """Whether the broker's presences were read (False: nothing was left to look for)."""
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -128,65 +98,36 @@ def _is_connection_error(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, OSError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError))
 
 
-def _unacked_of_run(client, run_id: str, run_url: str) -> list[tuple[bytes, str, str | None]]:
-    """(delivery tag, batch, task id) of every delivered, unacknowledged message of this run in kombu's
-    ``unacked`` hash (its value is ``[message, exchange, routing_key]``; JSON messages only)."""
-    out = []
-    for tag, raw in client.hgetall(UNACKED_KEY).items():
-        message = unacked_message(raw)
-        if message is None:
-            continue
-        task, task_id, args = _decode(json.dumps(message))
-        batch = _batch_of(task, task_id, args, run_id, run_url)
-        if batch:
-            out.append((tag, batch, task_id))
-    return out
-
-
-def broker_view(settings: Settings, broker_url: str, run_id: str, run_url: str, *, inspect_timeout_s: float = 1.0,
-                only: set[str] | None = None) -> BrokerView:
-    """Read the queue, the unacknowledged messages and the live workers' active/reserved tasks.
-
-    ``only``: the batches the caller asks about. The workers are then asked (``inspect``, which
-    waits ``inspect_timeout_s`` for replies) only when one of them has a delivered, unacknowledged
-    message: a batch a live worker runs always has one (kombu keeps a message in ``unacked`` from
-    delivery to acknowledgement), so without one nothing of ``only`` can be running.
+def broker_view(settings: Settings, broker_url: str, run_url: str) -> BrokerView:
+    """Read the run's messages in the queue, its unacknowledged deliveries, its parked messages,
+    and which batches live workers hold (their presences: ``producer/fleetview.py``).
 
     Raises whatever redis raises when the broker does not answer.
     """
     from hsx.broker import redis_client
+    from producer.fleetview import alive_presences
 
     client = redis_client(broker_url)
-    view = BrokerView()
-    keys = [settings.queue] + [k.decode() if isinstance(k, bytes) else k
-                               for k in client.scan_iter(match=f"{settings.queue}{PRIORITY_SEP}*")]
-    for key in keys:
-        for raw in client.lrange(key, 0, -1):
-            batch = _batch_of(*_decode(raw), run_id, run_url)
-            if batch:
-                view.queued[batch] = view.queued.get(batch, 0) + 1
-
-    unacked = _unacked_of_run(client, run_id, run_url)
+    view = BrokerView(asked=True)
+    view.queued = dict(queued_of(client, settings.queue, run_url).get(run_url, {}))
+    _now, live = alive_presences(client, settings.queue, settings.lease_s)
     held: set[str] = set()  # task ids live workers hold
-    ask = only is None or any(b in only for _, b, _ in unacked)
-    view.asked = ask
-    for reply in (_inspect(settings, broker_url, inspect_timeout_s) if ask else []):
-        for worker, tasks in reply.items():
-            if worker not in view.workers:
-                view.workers.append(worker)
-            for t in tasks or []:
-                held.add(t.get("id"))
-                batch = _batch_of(t.get("name"), t.get("id"), list(t.get("args") or []), run_id, run_url)
-                if batch:
-                    view.running.setdefault(batch, []).append(worker)
-
-    for _tag, batch, task_id in unacked:
-        if task_id not in held:
-            view.orphaned[batch] = view.orphaned.get(batch, 0) + 1
+    for p in live:
+        name = p.node or p.worker
+        view.workers.append(name)
+        for t in p.tasks:
+            held.add(t.task_id)
+            if t.run_url == run_url and t.batch:
+                view.running.setdefault(t.batch, []).append(name)
+    for c in claims(client):
+        if c["run_url"] == run_url and c["task_id"] not in held:
+            view.orphaned[c["batch"]] = view.orphaned.get(c["batch"], 0) + 1
+    view.parked = {p.batch: p for p in read_parked(client, settings.queue, run_url)}
+    view.workers.sort()
     return view
 
 
-def clear_finished_unacked(broker_url: str, run_id: str, run_url: str, done: set[str], *, dry_run: bool = False) -> list[str]:
+def clear_finished_unacked(broker_url: str, run_url: str, done: set[str], *, dry_run: bool = False) -> list[str]:
     """Remove from kombu's ``unacked`` hash and ``unacked_index`` set the deliveries of this run whose
     batch has its marker; returns those batches (one entry per message, sorted).
 
@@ -199,14 +140,10 @@ def clear_finished_unacked(broker_url: str, run_id: str, run_url: str, done: set
     from hsx.broker import redis_client
 
     client = redis_client(broker_url)
-    stale = [(tag, batch) for tag, batch, _ in _unacked_of_run(client, run_id, run_url) if batch in done]
+    stale = [c for c in claims(client) if c["run_url"] == run_url and c["batch"] in done]
     if stale and not dry_run:
-        pipe = client.pipeline()  # MULTI/EXEC: both structures change together
-        for tag, _ in stale:
-            pipe.hdel(UNACKED_KEY, tag)
-            pipe.zrem(UNACKED_INDEX_KEY, tag)
-        pipe.execute()
-    return sorted(batch for _, batch in stale)
+        drop_claims(client, [c["tag"] for c in stale])
+    return sorted(c["batch"] for c in stale)
 
 
 def _enqueue(run_store: Store, run_url: str, config, batches: list[dict], settings: Settings, broker_url: str) -> list[str]:
@@ -252,21 +189,26 @@ def repair_bad_batches(run_store: Store, settings: Settings | None = None) -> di
 
 
 def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, *, grace_s: float | None = DEFAULT_GRACE_S,
-                  repair: bool = False, dry_run: bool = False, inspect_timeout_s: float = 1.0,
-                  skip: frozenset[str] | set[str] = frozenset()) -> dict:
+                  repair: bool = False, dry_run: bool = False, skip: frozenset[str] | set[str] = frozenset(),
+                  unpark: bool = True) -> dict:
     """Reconcile the run at ``run_store`` with the broker at ``broker_url`` (see the module doc).
 
     ``grace_s``: age in seconds after which unnamed shards and unfinished uploads are removed;
     None: remove nothing. ``dry_run``: report what would be done, change nothing. ``skip``:
     batches reported as lost but not enqueued (``run`` gives up on a batch after a few redos).
+    ``unpark``: put the run's parked messages back on the queue.
 
     Returns the report: ``run_id``, ``address``, ``batches_total``, ``batches_done``,
     ``repaired`` ({batch: kinds}), ``queued``, ``running``, ``orphaned_deliveries`` (batch lists),
-    ``lost`` (``[{batch, why}]``: neither queued nor running), ``enqueued`` (the lost batches sent
-    again; none without a broker or with ``dry_run``), ``cleared_unacked`` (batches with a marker
-    whose stale unacknowledged deliveries were removed from the broker, one entry per message;
-    :func:`clear_finished_unacked`), ``removed_shards``, ``removed_incomplete``,
-    ``workers`` (that answered ``inspect``), ``dry_run``, ``broker``, ``seconds``.
+    ``lost`` (``[{batch, why}]``: neither queued, running nor parked), ``enqueued`` (the lost
+    batches sent again; none without a broker, with ``dry_run`` or for a cancelled run),
+    ``parked`` (``[{batch, reason, cause, refused_by}]``: the run's parked messages found),
+    ``unparked`` (those put back on the queue; a parked batch that has its marker is only
+    removed), ``cancelled`` (the run's ``cancelled.json`` as JSON, or None), ``cleared_unacked``
+    (batches with a marker whose stale unacknowledged deliveries were removed from the broker, one
+    entry per message; :func:`clear_finished_unacked`), ``removed_shards``, ``removed_incomplete``,
+    ``workers`` (live workers on the broker), ``workers_asked`` (whether presences were read),
+    ``dry_run``, ``broker``, ``seconds``.
 
     A plan not complete yet: the batches of the windows written so far are reconciled;
     ``plan_complete`` is False, ``plan_note`` says so (None once complete), ``windows`` counts the
@@ -287,16 +229,22 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         plan_note, windows, just_planned = _plan_in_progress(run_store, batches)
         log.warning("reconcile %s: %s", config.run_id, plan_note)
     repaired = {} if (not repair or dry_run) else repair_bad_batches(run_store, settings)
+    cancelled = Cancelled.read(run_store)
     done = done_batches(run_store)
     missing = [b for b in batches if b["batch"] not in done]
-    view = broker_view(settings, broker_url, config.run_id, run_url, inspect_timeout_s=inspect_timeout_s) \
-        if broker_url and missing else BrokerView()
+    view = BrokerView()
+    if broker_url and missing:
+        view = broker_view(settings, broker_url, run_url)
+    elif broker_url:  # nothing left to run: only parked leftovers (duplicates of done batches) to clear
+        from hsx.broker import redis_client
+
+        view.parked = {p.batch: p for p in read_parked(redis_client(broker_url), settings.queue, run_url)}
     failures = read_failures(run_store, done)
     lost = []
     why: dict[str, str] = {}
     for b in missing:
         name = b["batch"]
-        if name in view.queued or name in view.running or name in just_planned:
+        if name in view.queued or name in view.running or name in view.parked or name in just_planned:
             continue
         lost.append(b)
         if name in repaired:
@@ -306,13 +254,27 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         elif name in failures:
             why[name] = "failed: " + failures[name].error[:200]
         else:
-            why[name] = "not queued and not running"
+            why[name] = "not queued, not running and not parked"
     cleared: list[str] = []
     if broker_url:
-        cleared = clear_finished_unacked(broker_url, config.run_id, run_url, done, dry_run=dry_run)
+        cleared = clear_finished_unacked(broker_url, run_url, done, dry_run=dry_run)
     enqueued: list[str] = []
+    unparked: list[str] = []
+    by_name = {b["batch"]: b for b in batches}
+    if broker_url and not dry_run and view.parked and (unpark or cancelled is not None):
+        from hsx.broker import redis_client
+
+        client = redis_client(broker_url)
+        back = []
+        for name in sorted(view.parked):
+            # HDEL decides: of several callers (a worker that serves it, another reconcile) one sends it
+            if take_parked(client, settings.queue, run_url, name) and name in by_name and name not in done \
+                    and cancelled is None:
+                back.append(by_name[name])
+        if back:
+            unparked = _enqueue(run_store, run_url, config, back, settings, broker_url)
     todo = [b for b in lost if b["batch"] not in skip]
-    if todo and not dry_run and broker_url:
+    if todo and not dry_run and broker_url and cancelled is None:
         for b in todo:
             Failure.delete(run_store, b["batch"])
         enqueued = _enqueue(run_store, run_url, config, todo, settings, broker_url)
@@ -352,6 +314,10 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         "orphaned_deliveries": sorted(view.orphaned),
         "lost": [{"batch": b["batch"], "why": why[b["batch"]]} for b in lost],
         "enqueued": enqueued,
+        "parked": [{"batch": p.batch, "reason": p.reason, "cause": p.cause, "refused_by": p.refused_by}
+                   for p in view.parked.values()],
+        "unparked": unparked,
+        "cancelled": cancelled.model_dump(exclude={"schema_version"}) if cancelled is not None else None,
         "cleared_unacked": cleared,
         "removed_shards": removed_shards,
         "removed_incomplete": removed_incomplete,
@@ -439,4 +405,4 @@ def reconcile_broker(settings: Settings):
 
 
 __all__ = ["reconcile_run", "reconcile_broker", "RunReconciler", "broker_view", "clear_finished_unacked", "repair_bad_batches",
-           "BrokerView", "DEFAULT_GRACE_S"]
+           "BrokerView", "DEFAULT_GRACE_S", "UNACKED_KEY", "UNACKED_INDEX_KEY"]

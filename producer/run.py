@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from hsx.broker import EmbeddedBroker, check_broker
-from hsx.errors import StoreError
-from hsx.records import done_batches, read_failures
+from hsx.errors import RunCancelled, StoreError
+from hsx.records import Cancelled, done_batches, read_failures
 from hsx.store import mask_url
 from hsx.layout import window_key
 from hsx.plan import plan_complete
@@ -92,18 +92,96 @@ def _failed(run_store, done: set[str]) -> dict[str, dict]:
     return {batch: f.model_dump(exclude={"schema_version"}) for batch, f in read_failures(run_store, done).items()}
 
 
+class PauseWatch:
+    """Tells ``producer run``'s user when the workers that serve the run pause for a full store.
+
+    Reads the live workers' presences on the broker (``hsx/fleet.py``) at most every
+    :attr:`LOOK_S` seconds: a worker that serves the run (its roots hold the run, or it holds one of
+    its batches) whose presence says ``paused`` with ``store full at <path> (<free> free)``. The
+    first such pause is said at once, then one line every :attr:`REPEAT_S` seconds while it lasts,
+    and one line when it ends. The presence reaches the broker when the full store cannot take a
+    status record; without a broker nothing is said.
+
+    ``say(line)`` prints a line; ``clock`` is the monotonic clock (tests pass their own).
+    """
+
+    LOOK_S = 5.0
+    REPEAT_S = 60.0
+
+    def __init__(self, settings: Settings, broker_url: str | None, run_url: str, say, clock=time.monotonic):
+        self.settings, self.broker_url, self.run_url, self.say, self.clock = settings, broker_url, run_url, say, clock
+        self.since: float | None = None
+        """Monotonic time the pause was first seen; None while none is."""
+        self.pauses = 0
+        """Pauses seen so far (each said once when it began)."""
+        self._last_look: float | None = None
+        self._last_said = 0.0
+        self._client = None
+
+    def paused(self) -> list[tuple[str, str]]:
+        """``(worker, reason)`` of each live worker serving the run that is paused for a full store."""
+        from hsx.broker import redis_client
+        from producer.fleetview import alive_presences, serves
+
+        if self._client is None:
+            self._client = redis_client(self.broker_url)
+        _now, live = alive_presences(self._client, self.settings.queue, self.settings.lease_s)
+        return sorted((p.node or p.worker, p.paused_reason) for p in live
+                      if p.state == "paused" and (p.paused_reason or "").startswith("store full")
+                      and (serves(p, self.run_url) or any(t.run_url == self.run_url for t in p.tasks)))
+
+    def ended(self) -> None:
+        """Every batch has its marker: a pause said and not yet seen to end is over; say so."""
+        from producer.statusview import fmt_duration
+
+        if self.since is not None:
+            self.say(f"resumed: the store has room again, after {fmt_duration(self.clock() - self.since)} paused")
+            self.since = None
+
+    def check(self) -> None:
+        """Look (if :attr:`LOOK_S` passed since the last look) and say what changed; never raises."""
+        from producer.statusview import fmt_duration
+
+        if self.broker_url is None:
+            return
+        now = self.clock()
+        if self._last_look is not None and now - self._last_look < self.LOOK_S:
+            return
+        self._last_look = now
+        try:
+            paused = self.paused()
+        except Exception as exc:  # a broker hiccup: the next look
+            log.debug("presences not read: %s", exc)
+            return
+        if paused:
+            who = ", ".join(w for w, _ in paused[:4]) + (" ..." if len(paused) > 4 else "")
+            reason = paused[0][1]
+            if self.since is None:
+                self.since, self._last_said = now, now
+                self.pauses += 1
+                self.say(f"paused: {reason}: {plural(len(paused), 'worker')} ({who}) hold their batches and go on by "
+                         "themselves when there is room; free space there (nothing needs restarting)")
+            elif now - self._last_said >= self.REPEAT_S:
+                self._last_said = now
+                self.say(f"still paused after {fmt_duration(now - self.since)}: {reason} ({who})")
+        elif self.since is not None:
+            self.say(f"resumed: the store has room again, after {fmt_duration(now - self.since)} paused")
+            self.since = None
+
+
 def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress=None, poll_s: float | None = None,
-                     reconcile=None, reconcile_after_s: float = 300.0, task=None) -> dict:
-    """Block until every batch has a marker, or every unfinished batch has failed, or the workers died.
+                     reconcile=None, reconcile_after_s: float = 300.0, task=None, pauses: PauseWatch | None = None) -> dict:
+    """Block until every batch has a marker, or every unfinished batch has failed, or the workers
+    died, or the run was cancelled (``producer cancel``: its ``cancelled.json``).
 
     ``task``: the progress task to show the markers on (``run``'s, shown since the first window);
-    None: a new ``extracting`` task.
+    None: a new ``extracting`` task. ``pauses``: a :class:`PauseWatch` checked as it waits.
 
     ``reconcile`` (a :class:`producer.reconcile.RunReconciler`) is called when every unfinished
     batch has failed, before giving up, and after ``reconcile_after_s`` seconds without a new
     marker (a worker process died holding a batch); waiting goes on when it enqueued something.
 
-    Returns ``{"done": n, "failed": {batch: record}, "workers_died": bool}``.
+    Returns ``{"done": n, "failed": {batch: record}, "workers_died": bool, "cancelled": record or None}``.
     """
     run_store = planned.run_store
     by_name = {b["batch"]: b for b in planned.batches}
@@ -153,15 +231,21 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
         remaining = set(by_name) - seen
         if not remaining:
             break
+        if pauses is not None:
+            pauses.check()
         if time.monotonic() - last_fail_check > 2.0:
             try:
                 failed = _failed(run_store, seen)
+                cancelled = Cancelled.read(run_store)
             except StoreError as exc:
                 if not exc.transient:
                     raise
                 time.sleep(poll_s)
                 continue
             last_fail_check = time.monotonic()
+            if cancelled is not None:
+                return {"done": len(seen), "failed": failed, "workers_died": False,
+                        "cancelled": cancelled.model_dump(exclude={"schema_version"})}
             if remaining <= set(failed):
                 if reconcile is not None and reconcile():
                     last_progress = last_fail_check = time.monotonic()  # failures were cleared: wait for the redo
@@ -171,9 +255,11 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
             last_progress = time.monotonic()
             reconcile()
         if workers is not None and not workers.alive():
-            return {"done": len(seen), "failed": _failed(run_store, seen), "workers_died": True}
+            return {"done": len(seen), "failed": _failed(run_store, seen), "workers_died": True, "cancelled": None}
         time.sleep(poll_s)
-    return {"done": len(seen), "failed": _failed(run_store, seen), "workers_died": False}
+    if pauses is not None and seen >= set(by_name):
+        pauses.ended()  # the pause ended since the last look (every batch is done): say so
+    return {"done": len(seen), "failed": _failed(run_store, seen), "workers_died": False, "cancelled": None}
 
 
 def stopping_line(workers: bool, embedded_broker: bool) -> str:
@@ -290,6 +376,7 @@ class _Launch:
         self.sender: WindowSender | None = None
         self.task = None  # "extracting": batches planned so far, and their markers
         self.planned = 0
+        self.pauses: PauseWatch | None = None  # a full store, said while the plan is still written too
 
     def __call__(self, job: PlanJob, batches: list[dict]) -> None:
         if self.sender is None:
@@ -301,6 +388,8 @@ class _Launch:
     def tick(self, job: PlanJob) -> None:
         """The ``extracting`` bar while the plan is written: markers of the batches planned so far
         (the planner calls this every few seconds, and after each window)."""
+        if self.pauses is not None:
+            self.pauses.check()
         if self.progress is None or self.sender is None:
             return
         if self.task is None:
@@ -336,6 +425,8 @@ class _Launch:
         console.print(f"[dim]follow it from another terminal: python -m producer status {job.run_url} --watch "
                       "(or python -m producer flower)[/]", soft_wrap=True)
         self.sender = WindowSender(settings, self.broker_url, self.progress)
+        self.pauses = PauseWatch(settings, self.broker_url, job.run_url,
+                                 lambda line: console.print(line, highlight=False, soft_wrap=True))
 
 
 def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:
@@ -378,25 +469,49 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
     try:
         with progress_factory() as progress:
             launch = _Launch(settings, opts, console, broker, workers, progress)
-            planned = plan_or_interrupted(job, settings, progress, on_window=launch)
+            try:
+                planned = plan_or_interrupted(job, settings, progress, on_window=launch)
+            except RunCancelled:  # `producer cancel` while it planned: stop here, as after the plan
+                planned = None
             sender = launch.sender
-            report = _plan_report(planned, set(sender.result.already_done) if sender else set())
-            report["batches_enqueued"] = len(sender.result.enqueued) if sender else 0
-            reconciler = RunReconciler(planned.run_store, settings, launch.broker_url)
-            waited = wait_for_markers(planned, launch.local, progress, reconcile=reconciler, task=launch.task)
-        report["reconciled"] = reconciler.redone
-        report["failed"] = waited["failed"]
-        if waited["workers_died"]:
-            report["workers_log_tail"] = launch.local.log_tail()
+            if planned is None:
+                report, waited = _cancelled_while_planning(job, sender), None
+            else:
+                report = _plan_report(planned, set(sender.result.already_done) if sender else set())
+                report["batches_enqueued"] = len(sender.result.enqueued) if sender else 0
+                report["resumed"] = sender.result.resumed if sender else None
+                reconciler = RunReconciler(planned.run_store, settings, launch.broker_url)
+                waited = wait_for_markers(planned, launch.local, progress, reconcile=reconciler, task=launch.task,
+                                          pauses=launch.pauses)
+                report["reconciled"] = reconciler.redone
+        if waited is None:
             code = 1
-        elif waited["failed"]:
-            code = 1
+        else:
+            report["failed"] = waited["failed"]
+            report["cancelled"] = waited["cancelled"]
+            if waited["workers_died"]:
+                report["workers_log_tail"] = launch.local.log_tail()
+                code = 1
+            elif waited["failed"] or waited["cancelled"]:
+                code = 1
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI turns it into KeyboardInterrupt)
         local = launch.local if launch is not None else None
         console.print(stopping_line(local is not None, broker is not None and broker.proc is not None))
         raise
     finally:
         _stop_started(launch.local if launch is not None else None, broker, console)
-    report["batches_done"] = len(done_batches(planned.run_store) & {b["batch"] for b in planned.batches})
+    if planned is not None:
+        report["batches_done"] = len(done_batches(planned.run_store) & {b["batch"] for b in planned.batches})
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return code, report
+
+
+def _cancelled_while_planning(job: PlanJob, sender: WindowSender | None) -> dict:
+    """``run``'s report when ``producer cancel`` stopped the planning (the windows written so far count)."""
+    batches = {b.batch for w in job.windows[:job.written] for b in w.batches}
+    record = Cancelled.read(job.run_store)
+    return {"run_id": job.config.run_id, "address": job.run_url, "plan": None, "plan_reused": False,
+            "batches_total": len(batches), "batches_already_done": len(sender.result.already_done) if sender else 0,
+            "batches_enqueued": len(sender.result.enqueued) if sender else 0,
+            "batches_done": len(done_batches(job.run_store) & batches), "reconciled": {}, "failed": {},
+            "cancelled": record.model_dump(exclude={"schema_version"}) if record is not None else {"by": "?", "at": None}}

@@ -1,20 +1,29 @@
 """A run's progress: batches, samples and tokens done, rate, ETA, workers, failures.
 
 Everything about the run itself comes from the store (plan, markers, failure records, the
-workers' heartbeat files), so ``status`` works from any machine that can read the store, with no
-broker. When a broker URL is known, the worker rows also get what each worker process answers to
-the ``gpu_stats`` inspect command (GPU utilisation, memory, temperature, power, clocks, the batch
-it runs, its recent tokens/s; see ``workers/monitor.py``) and the queue's length.
+workers' heartbeat files, ``cancelled.json``), so ``status`` works from any machine that can read
+the store, with no broker. When a broker URL is known, the worker rows also get the workers'
+presences on the broker (``hsx/fleet.py``: state, pause reason, the tasks each holds, written
+even when the store cannot take a status record) and what each worker process answers to the
+``gpu_stats`` inspect command (GPU utilisation, memory, temperature, power, clocks, its recent
+tokens/s; see ``workers/monitor.py``); the run gets its parked messages (``parked``, grouped by
+reason with the fix: ``producer/fleetview.py``) and the queue's length.
 
 Where a worker row's fields come from, in order of precedence:
 
 | source | what | when |
 |---|---|---|
-| ``gpu_stats`` reply | GPU readings, running batches, recent tokens/s | a broker URL is known and the worker answers within ``HSX_INSPECT_TIMEOUT_S`` |
-| ``<run>/workers/<host>-<pid>.json`` (``workers/heartbeat.py``) | state (working, paused, idle, stopped), the batches in progress with their phase, why it is paused (spool backpressure), spool use, last heartbeat | the worker served a batch of this run |
+| presence (``hsx:<queue>:workers``) | online, state (working, paused with the reason: a full store, the spool; idle), the batches of this run it holds with their phase, Celery node name | a broker is known and the presence was written within :data:`HEARTBEAT_STALE_BEATS` heartbeats; the worker serves the run's root or holds a batch of it |
+| ``gpu_stats`` reply | GPU readings, recent tokens/s | a broker URL is known and the worker answers within ``HSX_INSPECT_TIMEOUT_S`` |
+| ``<run>/workers/<host>-<pid>.json`` (``workers/heartbeat.py``) | state (working, paused, idle, stopped), the batches in progress with their phase, why it is paused (spool backpressure, a full store), spool use, last heartbeat | the worker served a batch of this run |
 | markers | batches and tokens it certified for this run, its tokens/s over the last :data:`RATE_WINDOW_S` | always |
 
-Rows are matched by (host, pid).
+Rows are matched by (host, pid). An idle worker writes one record when it goes idle and no more
+for that run, so an old ``idle`` record without a broker says ``idle`` (``online`` null: not
+known), never ``stopped``; with a broker its presence says whether it lives.
+
+A run with ``cancelled.json`` (``producer cancel``) and batches left is ``cancelled`` (``cancelled``
+holds the record, ``resume`` the command that resumes it), whatever else it would be.
 
 **A run whose plan is still written** (the plan is streamed one window at a time, ``hsx/plan.py``)
 is ``planning``: its batches so far are those of the windows written (each window's batches are
@@ -49,7 +58,7 @@ from datetime import datetime, timezone
 from hsx.layout import PLAN_WINDOWS_PREFIX, names_under
 from hsx.processes import pid_alive, pid_namespace
 from hsx.plan import plan_complete, planning_failed, read_batch_list, read_planning_record
-from hsx.records import (Marker, Planning, PlanWindow, Stats, WorkerStatus, done_batches, read_failures,
+from hsx.records import (Cancelled, Marker, Planning, PlanWindow, Stats, WorkerStatus, done_batches, read_failures,
                          read_heartbeats)
 from hsx.runconfig import load_run
 from hsx.store import MissingKey, Store, mask_url
@@ -105,34 +114,38 @@ def _iso(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds") if ts is not None else None
 
 
-def queue_length(broker_url: str, queue: str) -> dict:
+def queue_length(broker_url: str, queue: str, client=None) -> dict:
     """``{"waiting": n, "unacked": m}``: messages in ``queue`` on the broker, and messages claimed by a
     worker and not yet acknowledged (every queue of the broker: kombu keeps one ``unacked`` hash).
 
     Raises whatever redis raises when the broker does not answer.
     """
     from hsx.broker import redis_client
+    from hsx.fleet import UNACKED_KEY
     from hsx.queue import queue_keys
 
-    client = redis_client(broker_url)
+    client = client if client is not None else redis_client(broker_url)
     keys = queue_keys(queue)
     pipe = client.pipeline()
     for k in keys:
         pipe.llen(k)
-    pipe.hlen("unacked")
+    pipe.hlen(UNACKED_KEY)
     counts = pipe.execute()
     return {"waiting": int(sum(counts[:-1])), "unacked": int(counts[-1])}
 
 
 class BrokerProbe:
-    """Asks the workers on a broker for ``gpu_stats`` and the queue for its length; one Celery app, reused."""
+    """Reads the fleet's keys on a broker (presences, parked messages, the queue's length) and asks
+    the workers for ``gpu_stats``; one Celery app and one redis client, reused."""
 
     def __init__(self, settings, broker_url: str):
+        from hsx.broker import redis_client
         from hsx.queue import make_celery
 
         self.settings = settings
         self.broker_url = broker_url
         self.app = make_celery(settings, broker_url, name="hsx-status")
+        self.client = redis_client(broker_url)
 
     def workers(self) -> dict[str, dict]:
         """Celery node name -> its ``gpu_stats`` reply, for every worker that answers in time."""
@@ -144,26 +157,30 @@ class BrokerProbe:
                     out[name] = body
         return out
 
-    def refusing(self) -> dict[str, dict]:
-        """Celery node name -> its ``hsx_refusing`` reply (``workers/app.py``), for every worker that answers."""
-        replies = self.app.control.broadcast("hsx_refusing", reply=True, timeout=self.settings.inspect_timeout_s)
-        return {name: body for reply in replies or [] for name, body in reply.items()
-                if isinstance(body, dict) and "error" not in body}
+    def poll(self, run_url: str | None = None) -> dict:
+        """``{"url", "queue_name", "queue", "now", "presences", "parked", "workers"}``, or
+        ``{"url", "queue_name", "error"}`` when the broker does not answer. ``now``: the broker's
+        clock; ``presences``: the live workers' (``producer/fleetview.py``), as JSON; ``parked``: the
+        parked messages of ``run_url`` as JSON (none without it); ``workers``: the ``gpu_stats`` replies."""
+        from hsx.fleet import read_parked
+        from producer.fleetview import alive_presences
 
-    def poll(self) -> dict:
-        """``{"url", "queue", "workers", "refusing"}`` or ``{"url", "error"}`` when the broker does not answer."""
         out = {"url": mask_url(self.broker_url), "queue_name": self.settings.queue}
         try:
-            out["queue"] = queue_length(self.broker_url, self.settings.queue)
-            with ThreadPoolExecutor(2) as pool:  # two broadcasts, one wait
-                workers, refusing = pool.submit(self.workers), pool.submit(self.refusing)
-                out["workers"], out["refusing"] = workers.result(), refusing.result()
+            out["queue"] = queue_length(self.broker_url, self.settings.queue, self.client)
+            now, live = alive_presences(self.client, self.settings.queue, self.settings.lease_s)
+            out["now"] = now
+            out["presences"] = [p.model_dump() for p in live]
+            out["parked"] = ([p.model_dump() for p in read_parked(self.client, self.settings.queue, run_url)]
+                             if run_url else [])
+            out["workers"] = self.workers()
         except Exception as exc:
             out["error"] = f"{exc.__class__.__name__}: {exc}"
         return out
 
     def close(self) -> None:
         self.app.close()
+        self.client.close()
 
 
 def _gpu_row(gpus: list[dict]) -> dict | None:
@@ -363,17 +380,31 @@ class RunWatch:
             state = "failed" if left and left <= set(failures) else "running"
             eta = round(remaining_tokens / rate["tokens_per_s"], 1) if rate["tokens_per_s"] else None
 
-        broker = self.probe.poll() if self.probe is not None else None
+        broker = self.probe.poll(store.url) if self.probe is not None else None
         workers = self._workers(now, broker)
+        parked = None
+        if broker is not None and "error" not in broker:
+            from hsx.fleet import Parked
+            from producer.fleetview import parked_groups
+
+            entries = [Parked.model_validate(p) for p in broker.get("parked") or [] if p.get("batch") not in done]
+            parked = parked_groups(entries, store.url, self.config.model_name)
         stalled_reason = restart = None
         # While windows keep coming, idle workers wait for the next one: no stall (PLANNING_STALL_GRACE_S).
         quiet_planner = (state == "planning" and len(done) < total and planning["updated_age_s"] is not None
                          and planning["updated_age_s"] > PLANNING_STALL_GRACE_S)
-        if (state == "running" or quiet_planner) and workers and not any(self._works_on_it(w, now) for w in workers):
-            # Workers reported, but no live one works on the run now (dead, lost, refusing, idle): no ETA.
+        if (state == "running" or quiet_planner) and (workers or parked) \
+                and not any(self._works_on_it(w, now) for w in workers):
+            # Workers reported (or parked its messages), but no live one works on the run now: no ETA.
             planning_now = state == "planning"
             state, eta = "stalled", None
-            stalled_reason, restart = self._stalled(workers, planning=planning_now)
+            stalled_reason, restart = self._stalled(workers, planning=planning_now, parked=parked or [])
+        cancelled = Cancelled.read(store) if not (self.plan_complete and len(done) == total) else None
+        resume = None
+        if cancelled is not None:  # `producer cancel`: nothing of it starts until the same command runs again
+            state, eta, stalled_reason, restart = "cancelled", None, None, None
+            resume = ("run the same `python -m producer run` / `enqueue` command again (the same dataset and "
+                      "options give the same run id): it removes cancelled.json and enqueues every batch without a marker")
         if self.stats is not None:
             skipped = self.stats.skipped.counts
         else:  # a plan still written: its windows' counts so far (each window counts its own records)
@@ -410,7 +441,12 @@ class RunWatch:
             **rate,
             "eta_s": eta,
             "workers": workers,
-            "broker": None if broker is None else {k: v for k, v in broker.items() if k != "workers"},
+            "broker": None if broker is None else {k: v for k, v in broker.items()
+                                                   if k not in ("workers", "presences", "parked", "now")},
+            "parked": parked,
+            "batches_parked": None if parked is None else sum(len(g["batches"]) for g in parked),
+            "cancelled": cancelled.model_dump(exclude={"schema_version"}) if cancelled is not None else None,
+            "resume": resume,
             "failures": {b: f.model_dump(exclude={"schema_version"}) for b, f in failures.items()},
             "at": _iso(now),
         }
@@ -429,35 +465,45 @@ class RunWatch:
     def _works_on_it(w: dict, now: float) -> bool:
         """A live worker row that runs a batch of the run, or certified one within three heartbeats
         (the moment between two batches is not a stall)."""
-        if not w["online"] or w.get("refusing"):
+        if not w["online"]:
             return False
         last = _ts(w.get("last_batch_at"))
         return bool(w["running"]) or (last is not None and now - last <= HEARTBEAT_STALE_BEATS * HEARTBEAT_DEFAULT_S)
 
-    def _stalled(self, workers: list[dict], planning: bool = False) -> tuple[str, str]:
+    def _stalled(self, workers: list[dict], planning: bool = False, parked: list[dict] = ()) -> tuple[str, str]:
         """(why no worker works on the run, the command that restarts it); ``planning``: the plan is
-        still written (by a live planner)."""
-        refusing = [w for w in workers if w.get("refusing") and w["online"]]
+        still written (by a live planner); ``parked``: the run's parked messages, grouped."""
+        from producer.fleetview import parked_line
+
         lost = [w for w in workers if w.get("state") == "lost"]
-        live = [w for w in workers if w["online"] and not w.get("refusing")]
-        parts = []
-        if refusing:
-            parts.append("; ".join(f"{w.get('name') or w['host']}-{w['pid']} refuses tasks: {w['refusing']}" for w in refusing))
+        stopped = [w for w in workers if w.get("state") == "stopped"]
+        # live ones, and idle records the store cannot date (rows known from markers alone say nothing)
+        idle = [w for w in workers if w.get("state") not in ("lost", "stopped")
+                and (w["online"] or (w["online"] is None and w.get("state") == "idle"))]
+        parts = [parked_line(g) for g in parked]
         if lost:
             parts.append(f"{len(lost)} lost (no heartbeat): " + ", ".join(f"{w['host']}-{w['pid']}" for w in lost))
-        if live:
-            parts.append(f"{len(live)} live but idle (is anything queued? `python -m producer reconcile {self.run_store.url}`)")
+        if idle:
+            known = [w for w in idle if w["online"]]
+            unknown = len(idle) - len(known)
+            parts.append(f"{len(idle)} idle" + (f" ({unknown} not known to be alive: an idle worker writes no more "
+                                                "records for a run; ask the broker, without --no-broker)" if unknown
+                                                else "")
+                         + f" (is anything queued? `python -m producer reconcile {self.run_store.url}`)")
+        if stopped:
+            parts.append(f"{len(stopped)} stopped (exited)")
         if not parts:
             parts.append("every worker that served it has stopped")
-        restart = self._restart(bool(refusing), planning)
+        restart = self._restart(parked[0]["fix"] if parked else None, planning)
         why = "no live worker works on the run: " + "; ".join(parts)
         if planning:
             why += " (the planner still writes the plan)"
         return why, restart
 
-    def _restart(self, refusing: bool, planning: bool = False) -> str:
-        """The command that restarts a stalled run, for the broker it was run on."""
-        first = "fix the refusal's cause (above) first, then " if refusing else ""
+    def _restart(self, fix_first: str | None = None, planning: bool = False) -> str:
+        """The command that restarts a stalled run, for the broker it was run on; ``fix_first``: what
+        its parked messages need first."""
+        first = f"for the parked batches: {fix_first}; then " if fix_first else ""
         rerun = "run the same `python -m producer run` command again"
         if planning and self.broker == "embedded":  # the run's own workers are gone, its planner is not
             return (f"{first}stop the `python -m producer run` that still plans it (Ctrl-C) and run it again: it "
@@ -492,7 +538,8 @@ class RunWatch:
         return out
 
     def _workers(self, now: float, broker: dict | None) -> list[dict]:
-        """One row per worker process, merged by (host, pid) from markers, heartbeat files and gpu_stats replies."""
+        """One row per worker process, merged by (host, pid) from markers, heartbeat files, presences
+        and gpu_stats replies."""
         rows: dict[tuple, dict] = {}
 
         def row(host, pid) -> dict:
@@ -501,7 +548,7 @@ class RunWatch:
                 rows[key] = {"name": None, "host": host, "pid": pid, "device": None, "gpu": None, "no_gpu": None,
                              "state": None, "running": [], "tokens_per_s": None, "batches_done": 0, "tokens_done": 0,
                              "last_batch_at": None, "last_heartbeat": None, "heartbeat_age_s": None, "paused": None,
-                             "paused_since": None, "spool": None, "online": None, "refusing": None, "sources": []}
+                             "paused_since": None, "spool": None, "online": None, "sources": []}
             return rows[key]
 
         recent: dict[tuple, list] = {}
@@ -541,15 +588,22 @@ class RunWatch:
                 r["last_heartbeat"] = _iso(beat)
                 r["heartbeat_age_s"] = round(max(now - beat, 0.0), 1)
                 stale_s = HEARTBEAT_STALE_BEATS * (h.heartbeat_s or HEARTBEAT_DEFAULT_S)
-                r["online"] = h.state != "stopped" and now - beat <= stale_s and not gone
+                fresh = now - beat <= stale_s
+                r["online"] = h.state != "stopped" and fresh and not gone
+                if h.state == "idle" and not fresh and not gone:
+                    # An idle worker writes one record and no more for this run: alive or not, the store
+                    # cannot tell (its presence on the broker can, below). Never "stopped".
+                    r["online"] = None
+                elif h.state == "idle" and gone:
+                    r["state"] = "stopped"
                 if h.state not in ("stopped", "idle") and not r["online"]:
                     r["state"] = "lost"  # killed, or cut off from the store: its batches are reclaimed after the lease
             if h.state == "stopped" and h.exit:
                 r["state"] = "lost"  # python -m workers found it dead (killed, non-zero exit) and marked its record
             if not r["online"]:  # of a dead worker's batches, those done since by another delivery are not its
                 r["running"] = [shown for shown, b in zip(r["running"], h.batches) if b.batch not in self.markers]
-            if h.state == "refusing" and r["online"]:
-                r["refusing"] = h.refusing_reason
+
+        self._merge_presences(broker, row, rows)
 
         for name, reply in ((broker or {}).get("workers") or {}).items():
             r = row(reply.get("host"), reply.get("pid"))
@@ -558,24 +612,54 @@ class RunWatch:
             r["device"] = reply.get("device") or r["device"]
             r["gpu"] = _gpu_row(reply.get("gpus") or [])
             r["no_gpu"] = reply.get("no_gpu")
-            if "heartbeat" not in r["sources"]:  # the heartbeat names the phase too; gpu_stats only the batch
+            if not {"heartbeat", "presence"} & set(r["sources"]):  # those name the phase too; gpu_stats only the batch
                 r["running"] = [x.get("batch") for x in reply.get("running") or [] if x.get("run_id") == self.config.run_id]
             if reply.get("tokens_per_s") is not None:
                 r["tokens_per_s"] = reply["tokens_per_s"]
             r["online"] = True
-            if r["state"] == "lost":  # alive after all (its records are late: the store is slow or down)
+            if r["state"] in ("lost", None) or (r["state"] == "idle" and "presence" not in r["sources"]):
+                # alive after all (its records are late: the store is slow, down or full)
                 r["state"] = "working" if r["running"] else "idle"
             if r["last_heartbeat"] is None:
                 r["last_heartbeat"] = reply.get("at")
                 r["heartbeat_age_s"] = 0.0
-        for name, reply in ((broker or {}).get("refusing") or {}).items():
-            if reply.get("refusing"):  # a worker that cannot write its records (credentials refused) still answers
-                r = row(reply.get("host"), reply.get("pid"))
-                r["name"], r["online"], r["state"] = name, True, "refusing"
-                r["refusing"] = reply["refusing"].get("error")
-                if "inspect" not in r["sources"]:
-                    r["sources"].append("inspect")
         return sorted(rows.values(), key=lambda r: (str(r["host"]), str(r["name"]), r["pid"] or 0))
+
+    def _merge_presences(self, broker: dict | None, row, rows: dict) -> None:
+        """Merge the live workers' presences (``broker["presences"]``) into the rows: a presence
+        written within :data:`HEARTBEAT_STALE_BEATS` heartbeats makes its row online and gives its
+        state, pause reason (a full store: the store took no record) and this run's batches. Rows
+        are added for presences that hold a batch of the run or serve its root."""
+        from hsx.fleet import Presence
+        from producer.fleetview import same_store, serves
+
+        if not broker or "error" in broker:
+            return
+        url = self.run_store.url
+        beat_s = self.probe.settings.heartbeat_s if self.probe is not None else HEARTBEAT_DEFAULT_S
+        fresh_s = max(HEARTBEAT_STALE_BEATS * beat_s, PLANNING_STALL_GRACE_S)  # never tighter than a default record
+        broker_now = broker.get("now") or time.time()
+        for raw in broker.get("presences") or []:
+            p = Presence.model_validate(raw)
+            age = max(broker_now - p.stamp, 0.0)
+            mine = [t for t in p.tasks if t.batch and same_store(t.run_url, url)]
+            if age > fresh_s or not (mine or (p.host, p.pid) in rows or serves(p, url)):
+                continue  # a quiet presence: the records (and the lease) decide
+            r = row(p.host, p.pid)
+            r["sources"].append("presence")
+            r["name"] = p.node or r["name"]
+            r["device"] = p.device or r["device"]
+            r["online"] = True
+            r["state"] = "paused" if p.state == "paused" else "working" if mine else "idle"
+            r["running"] = [f"{t.batch} ({t.phase})" for t in mine if t.batch not in self.markers]
+            r["paused"] = p.paused_reason if p.state == "paused" else None
+            r["paused_since"] = _iso(p.paused_since) if p.state == "paused" and p.paused_since else None
+            if r["heartbeat_age_s"] is None or age < r["heartbeat_age_s"]:
+                r["last_heartbeat"] = _iso(time.time() - age)
+                r["heartbeat_age_s"] = round(age, 1)
+        for r in rows.values():  # an old idle record and no fresh presence: the broker says it is not alive
+            if r["online"] is None and r["state"] == "idle" and "presence" not in r["sources"]:
+                r["online"] = False
 
 
 def run_broker(settings, run_id: str, broker_url: str | None) -> str | None:

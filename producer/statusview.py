@@ -74,11 +74,24 @@ def progress_table(status: dict) -> Table:
     total, done = status["batches_total"], status["batches_done"]
     state = status["state"]
     state_style = {"done": "green", "failed": "red", "plan_failed": "red", "running": "cyan", "stalled": "yellow",
-                   "planning": "yellow"}.get(state, "")
+                   "planning": "yellow", "cancelled": "yellow"}.get(state, "")
     t.add_row("state", Text(state, style=state_style))
+    cancelled = status.get("cancelled")
+    if cancelled and state == "cancelled":
+        now = "; --now: running batches stop before their marker" if cancelled.get("now") else \
+            "; running batches finish"
+        t.add_row("cancelled", Text(f"by {cancelled.get('by')} at {cancelled.get('at')}{now}", style="yellow"))
+        t.add_row("to resume", Text(status.get("resume") or ""))
     if status.get("stalled_reason"):
         t.add_row("stalled", Text(status["stalled_reason"], style="yellow"))
         t.add_row("to restart", Text(status.get("restart") or ""))
+    for g in status.get("parked") or []:
+        t.add_row("parked", Text(f"{plural(len(g['batches']), 'batch')}: {g['reason'][:400]}", style="yellow"))
+        t.add_row("fix", Text(g["fix"]))
+    for r in status.get("workers") or []:
+        if r.get("paused") and r.get("online"):
+            who = r.get("name") or f"{r.get('host')}-{r.get('pid')}"
+            t.add_row("paused", Text(f"{who}: paused: {r['paused']}", style="yellow"))
     t.add_row("address", Text(status["address"]))
     t.add_row("model", Text(status["model"]))
     streaming = status.get("planning") is not None  # the plan is still written: totals are so far
@@ -140,8 +153,8 @@ def workers_table(status: dict) -> Table | Text:
     t = Table(title="workers", title_justify="left")
     for name, justify in (("worker", "left"), ("device", "left"), ("util", "right"), ("memory", "right"),
                           ("temp/power", "right"), ("batch", "left"), ("tok/s", "right"), ("batches", "right"),
-                          ("heartbeat", "right"), ("paused", "left")):
-        t.add_column(name, justify=justify, no_wrap=name != "paused")
+                          ("heartbeat", "right"), ("note", "left")):
+        t.add_column(name, justify=justify, no_wrap=name != "note")
     for r in rows:
         gpu = r.get("gpu") or {}
         who = r.get("name") or f"{r.get('host')}:{r.get('pid')}"
@@ -157,8 +170,7 @@ def workers_table(status: dict) -> Table | Text:
         style = "dim" if r.get("online") is False else ""
         t.add_row(who, device, util, mem, temp, ", ".join(map(str, r.get("running") or [])) or "-",
                   _rate(r.get("tokens_per_s"), ""), f"{r.get('batches_done', 0):,}", beat,
-                  Text(f"refusing tasks: {r['refusing']}", style="red") if r.get("refusing")
-                  else Text(r["paused"], style="yellow") if r.get("paused") else "-", style=style)
+                  Text(f"paused: {r['paused']}", style="yellow") if r.get("paused") else "-", style=style)
     return t
 
 
@@ -177,6 +189,64 @@ def failures_table(status: dict, limit: int = 20) -> Table | None:
     if len(failures) > limit:
         t.caption = f"... and {len(failures) - limit} more (--json lists them all)"
     return t
+
+
+def fleet_view(fleet: dict) -> RenderableType:
+    """``status`` without a run: the broker's queue, every worker (live, and gone within the hour)
+    with its roots, model, state and the tasks it holds, the runs with messages, the parked messages."""
+    b = fleet["broker"]
+    q = b.get("queue") or {}
+    head = Table(title=f"fleet on {b['url']}, queue '{b['queue_name']}'", show_header=False, title_justify="left",
+                 box=None, padding=(0, 1))
+    head.add_column(style="bold")
+    head.add_column()
+    live = [w for w in fleet["workers"] if w["live"]]
+    head.add_row("workers", f"{len(live):,} live" + (f", {len(fleet['workers']) - len(live):,} gone in the last hour"
+                                                   if len(fleet["workers"]) > len(live) else ""))
+    head.add_row("queue", f"{q.get('waiting', 0):,} waiting, {q.get('unacked', 0):,} claimed")
+    parked_n = sum(p["batches"] for p in fleet["parked"])
+    head.add_row("parked", Text(f"{plural(parked_n, 'batch')} of {plural(len(fleet['parked']), 'run')}",
+                                style="yellow" if parked_n else ""))
+    head.add_row("at", fleet.get("at") or "-")
+    parts: list[RenderableType] = [head]
+    if fleet["workers"]:
+        t = Table(title="workers", title_justify="left")
+        for name in ("worker", "node", "roots", "model", "state", "tasks", "seen"):
+            t.add_column(name, no_wrap=name in ("worker", "node", "seen"))
+        for w in fleet["workers"]:
+            state = w["state"]
+            if state == "paused" and w.get("paused_reason"):
+                state = f"paused: {w['paused_reason']}" + (f" (for {fmt_duration(w['paused_s'])})" if w.get("paused_s")
+                                                           else "")
+            tasks = ", ".join(f"{t['run_url'].rstrip('/').rsplit('/', 1)[-1]}/{t['batch']} ({t['phase']})"
+                              for t in w["tasks"][:6]) + (" ..." if len(w["tasks"]) > 6 else "")
+            style = "" if w["live"] else "dim"
+            t.add_row(w["worker"], w.get("node") or "-", "\n".join(w.get("roots") or []) or "-", w.get("model") or "(the run's)",
+                      Text(state, style="yellow" if w["state"] == "paused" else ""), tasks or "-",
+                      f"{fmt_duration(w['age_s'])} ago", style=style)
+        parts.append(t)
+    else:
+        parts.append(Text("no worker has written its presence on this broker in the last hour", style="dim"))
+    if fleet["runs"]:
+        t = Table(title="runs", title_justify="left")
+        for name, justify in (("run", "left"), ("queued", "right"), ("held", "right"), ("parked", "right")):
+            t.add_column(name, justify=justify)
+        for r in fleet["runs"][:50]:
+            t.add_row(r["address"], f"{r['queued']:,}", f"{r['held']:,}",
+                      Text(f"{r['parked']:,}", style="yellow" if r["parked"] else ""))
+        if len(fleet["runs"]) > 50:
+            t.caption = f"... and {len(fleet['runs']) - 50} more (--json lists them all)"
+        parts.append(t)
+    for p in fleet["parked"]:
+        t = Table(title=f"parked: {p['run_url']}", title_justify="left", show_header=False)
+        t.add_column(style="bold")
+        t.add_column()
+        for g in p["groups"]:
+            t.add_row("parked", Text(f"{plural(len(g['batches']), 'batch')}: {g['reason'][:400]}", style="yellow"))
+            t.add_row("by", ", ".join(g["refused_by"]) or "-")
+            t.add_row("fix", g["fix"])
+        parts.append(t)
+    return Group(*parts)
 
 
 def status_view(status: dict) -> RenderableType:

@@ -38,7 +38,9 @@ the windows written so far and whether its planner still runs; the markers are t
 against the batches of those windows, and the windows as above.
 
 Across the run: every planned sample is present exactly once (a quarantined sample counts as
-accounted for, not missing); a planned batch without a marker is reported as not done; a sample
+accounted for, not missing); a planned batch without a marker is reported as ``failed`` with its
+reason when a worker recorded a failure for it (``failures/<batch>.json``: tried
+``workers.causes.TRIES`` times, or failed for good), else as ``not_done`` (not extracted yet); a sample
 in two certified shards is reported with both batches. Shards that no marker names are orphans
 (the loser of a race, an interrupted upload, a worker still writing): listed, not an error.
 
@@ -81,7 +83,7 @@ from hsx.layout import (PLAN_WINDOWS_PREFIX, RUN_JSON, SAMPLES_JSONL, SHARDS_PRE
 from hsx.plan import (BatchPlan, batch_id, plan_complete, planning_failed, read_batch, read_batch_list,
                       read_planning_record, window_id)
 from hsx.reader import quarantined_ids, read_markers, read_sample
-from hsx.records import Marker, PlanWindow, SampleRow, Stats
+from hsx.records import Marker, PlanWindow, SampleRow, Stats, read_failures
 from hsx.runconfig import RunConfig, load_run
 from hsx.shard import Final, ShardSpec, StoreDtype, cu_seqlens_problem, schema_problems
 from hsx.store import MissingKey, Store, exists, retry_transient
@@ -750,9 +752,16 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
     for res in results:  # a missing plan file was named by check_plan already
         problems.extend(p for p in res.problems if not (p.kind == "plan_missing" and p.batch in plan_check.missing_files))
     done = {r.batch for r in results if r.certified}
+    failures = read_failures(run_store, set(markers))  # a worker gave up on these: say why, not "not yet"
     for batch in sorted(set(planned) - done):
         if batch in markers:
             continue  # its marker exists but is bad: already reported
+        failure = failures.get(batch)
+        if failure is not None:
+            problems.append(Problem(batch, "failed", f"no marker: the batch failed ({failure.error[:500]}; "
+                                                     f"{failure.host or 'a worker'}, {failure.at or 'time unknown'}); "
+                                                     f"fix the cause, then `python -m producer reconcile {run_store.url}`"))
+            continue
         problems.append(Problem(batch, "not_done", f"no marker: the batch ({planned[batch]['num_samples']} samples) "
                                                    "is not extracted yet; run the same `producer run` / `enqueue` again"))
 

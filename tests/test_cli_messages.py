@@ -149,6 +149,7 @@ def test_ctrl_c_while_tokenising_says_nothing_was_written(command, tmp_path, tin
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", broker_url="redis://127.0.0.1:1/0" if command == "enqueue" else None)
     if command == "enqueue":
         monkeypatch.setattr("hsx.broker.check_broker", lambda url: None)
+        monkeypatch.setattr("producer.enqueue.check_output", lambda *a, **k: [])  # no broker to read presences from
     data = tmp_path / "chats.jsonl"  # no --limit: the bar has no total ("2/?")
     data.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"question {i}"},
                                                           {"from": "gpt", "value": f"answer {i}"}]}) + "\n" for i in range(6)))

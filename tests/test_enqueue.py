@@ -25,7 +25,8 @@ from hsx.broker import EmbeddedBroker, redis_client
 from hsx.runconfig import load_run
 from hsx.store import open_store
 from producer.enqueue import enqueue_batches
-from producer.reconcile import UNACKED_INDEX_KEY, UNACKED_KEY, reconcile_run
+from hsx.fleet import UNACKED_INDEX_KEY, UNACKED_KEY
+from producer.reconcile import reconcile_run
 from settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,7 +65,7 @@ def test_a_second_enqueue_sends_only_what_is_lost_and_reconcile_clears_stale_del
     """enqueue twice: one message per batch. A consumer killed holding one: the next enqueue sends that batch alone.
     With its marker written, reconcile removes the dead delivery from `unacked` and `unacked_index`."""
     run_dir, store, planned = _fresh_run(small_run, tmp_path)
-    settings = Settings(_env_file=None, broker_url=broker.url, inspect_timeout_s=0.5)
+    settings = Settings(_env_file=None, broker_url=broker.url)
     names = sorted(b["batch"] for b in planned.batches)
     client = redis_client(broker.url)
 
@@ -91,9 +92,9 @@ def test_a_second_enqueue_sends_only_what_is_lost_and_reconcile_clears_stale_del
     (run_dir / "markers").mkdir(exist_ok=True)
     shutil.copy(small_run["dir"] / "markers" / f"{held}.json", run_dir / "markers" / f"{held}.json")
 
-    dry = reconcile_run(store, settings, broker.url, grace_s=None, dry_run=True, inspect_timeout_s=0.5)
+    dry = reconcile_run(store, settings, broker.url, grace_s=None, dry_run=True)
     assert dry["cleared_unacked"] == [held] and client.hlen(UNACKED_KEY) == 1, "a dry run changes nothing"
-    report = reconcile_run(store, settings, broker.url, grace_s=None, inspect_timeout_s=0.5)
+    report = reconcile_run(store, settings, broker.url, grace_s=None)
     assert report["cleared_unacked"] == [held]
     assert client.hlen(UNACKED_KEY) == 0 and client.zcard(UNACKED_INDEX_KEY) == 0
     assert report["enqueued"] == [], "every other batch is still queued"
@@ -109,7 +110,7 @@ def test_reconcile_on_an_idle_embedded_broker_says_no_worker_takes_the_batches_a
     store = open_store(str(run_dir))
     env = clean_env(cache_dir=small_run["cache"], state_dir=tmp_path / "state")
     done = " ".join(run_here(["reconcile", str(run_dir)], env).stdout.split())  # every batch done: nobody is asked
-    assert "(workers not asked: no open claim of its batches to check)" in done and "nothing to do" in done, done
+    assert "(workers not looked at: no batch is left to run)" in done and "nothing to do" in done, done
     victim = json.loads(store.read("plan/batches.json"))[0]["batch"]
     store.delete(marker_key(victim))
     proc = run_here(["reconcile", str(run_dir)], env)

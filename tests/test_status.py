@@ -58,7 +58,8 @@ def test_status_counts_quarantine_failures_and_paused_workers_from_the_store(sma
     rows = {r["host"]: r for r in status["workers"]}
     assert rows["node7"]["paused"].startswith("spool 85% full") and rows["node7"]["online"] is True
     assert rows["node7"]["running"] == [f"{last} (paused)"] and rows["node7"]["heartbeat_age_s"] == 2.0
-    assert rows["node8"]["online"] is False, "a record older than three heartbeats is stale"
+    assert rows["node8"]["online"] is None and rows["node8"]["state"] == "idle", \
+        "an idle worker writes no more records: an old idle record is not known to be dead, and never 'stopped'"
     markers_rows = [r for r in status["workers"] if "markers" in r["sources"]]
     assert sum(r["batches_done"] for r in markers_rows) == len(batches) - 1
 
@@ -89,8 +90,8 @@ def test_a_run_whose_every_worker_went_quiet_is_stalled_not_running(small_run, t
     assert RunWatch(store).poll(now=now)["state"] == "running"
 
 
-def _stalled_run(small_run, tmp_path, *, refusing: bool = False):
-    """A copy of the small run with one batch left and its only worker quiet (or refusing tasks)."""
+def _stalled_run(small_run, tmp_path, *, idle: bool = False):
+    """A copy of the small run with one batch left and its only worker quiet (or idle long ago)."""
     run_dir = copy_run(small_run, tmp_path)
     store = open_store(str(run_dir))
     last = read_batch_list(store)[-1]["batch"]
@@ -98,23 +99,22 @@ def _stalled_run(small_run, tmp_path, *, refusing: bool = False):
     for key in store.list(WORKERS_PREFIX):
         store.delete(key)
     now = float(int(time.time()))
-    record = ({"state": "refusing", "refusing_reason": "credentials refused", "updated_at": _utc(now - 1)} if refusing
-              else {"state": "working", "updated_at": _utc(now - 80)})
+    record = {"state": "idle" if idle else "working", "updated_at": _utc(now - 80)}
     store.write("workers/node9-43.json", json.dumps({"host": "node9", "pid": 43, "device": "cpu", "heartbeat_s": 5.0,
                                                      "batches": [], **record}).encode())
     return run_dir, store, now
 
 
 def test_a_stalled_run_on_the_embedded_broker_is_restarted_by_running_it_again(small_run, tmp_path):
-    """``producer run``'s own broker is gone with it: the advice is that command, no broker URL and no
-    refusal to fix when no worker refuses; ``status`` finds the run's workers log on this machine."""
+    """``producer run``'s own broker is gone with it: the advice is that command, no broker URL and nothing
+    parked to fix first; ``status`` finds the run's workers log on this machine."""
     run_dir, store, now = _stalled_run(small_run, tmp_path)
     status = RunWatch(store, broker="embedded").poll(now=now)
     assert status["state"] == "stalled"
     assert status["restart"] == "run the same `python -m producer run` command again: it enqueues every batch without a marker"
     quiet = RunWatch(store, broker="redis://:***@head:6379/0").poll(now=now)["restart"]
     assert quiet.startswith("start workers on the run's broker: `HSX_BROKER_URL=redis://:***@head:6379/0 python -m workers`")
-    assert "refusal" not in quiet and "refusal" not in RunWatch(store).poll(now=now)["restart"]
+    assert "parked" not in quiet and "parked" not in RunWatch(store).poll(now=now)["restart"]
 
     state = tmp_path / "state"
     (tmp_path / "logs").mkdir()
@@ -123,11 +123,18 @@ def test_a_stalled_run_on_the_embedded_broker_is_restarted_by_running_it_again(s
     assert json.loads(proc.stdout)["restart"] == status["restart"], proc.stderr
 
 
-def test_a_stalled_run_with_a_refusing_worker_says_to_fix_the_refusal_first(small_run, tmp_path):
-    run_dir, store, now = _stalled_run(small_run, tmp_path, refusing=True)
+def test_status_without_a_broker_calls_an_idle_worker_idle_not_stopped(small_run, tmp_path):
+    """Issue 19 item 8: an idle worker writes one record and no more for the run, so its record grows old while it
+    lives. ``status --no-broker`` says ``idle`` (online not known) and says so in the stall, never "stopped"."""
+    run_dir, store, now = _stalled_run(small_run, tmp_path, idle=True)
     status = RunWatch(store, broker="embedded").poll(now=now)
-    assert status["state"] == "stalled" and "refuses tasks: credentials refused" in status["stalled_reason"]
-    assert status["restart"].startswith("fix the refusal's cause (above) first, then run the same `python -m producer run`")
+    (row,) = [r for r in status["workers"] if r["host"] == "node9"]
+    assert row["state"] == "idle" and row["online"] is None, row
+    assert status["state"] == "stalled" and "1 idle" in status["stalled_reason"], status["stalled_reason"]
+    assert "stopped" not in status["stalled_reason"], status["stalled_reason"]
+    proc = run_here(["status", str(run_dir), "--no-broker"], small_run["env"])
+    said = " ".join(proc.stdout.split())
+    assert proc.returncode == 0 and "idle, 1m" in said and "stopped" not in said, said
 
 
 def test_status_watch_json_prints_one_line_per_refresh_and_stops_when_the_run_is_done(small_run):

@@ -142,6 +142,27 @@ def test_a_marker_of_another_config_and_a_missing_marker_fail(small_run, tmp_pat
     assert report["batches_done"] == report["batches_planned"] - 2
 
 
+def test_a_batch_with_a_recorded_failure_is_reported_failed_with_its_reason_not_as_not_done(small_run, tmp_path):
+    """Issue 19 item 8: a batch a worker gave up on (no marker, ``failures/<batch>.json``) is ``failed`` with the
+    recorded error and the command that redoes it; a batch with no marker and no record is still ``not_done``."""
+    run_dir = copy_run(small_run, tmp_path)
+    (run_dir / marker_key("b000001")).unlink()
+    (run_dir / marker_key("b000002")).unlink()
+    (run_dir / "failures").mkdir(exist_ok=True)
+    (run_dir / "failures" / "b000001.json").write_text(json.dumps({
+        "batch": "b000001", "error": "BadPlan: plan/batches/b000001.safetensors: cu_seqlens ends at 90, input_ids has 95",
+        "host": "node3", "at": "2026-12-01T10:00:00+00:00"}))
+    proc = run_here(["verify", str(run_dir), "--json"], small_run["env"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert _kinds(report) == {"failed": ["b000001"], "not_done": ["b000002"]}, report["problems"]
+    (failed,) = [p for p in report["problems"] if p["kind"] == "failed"]
+    assert "BadPlan: plan/batches/b000001.safetensors" in failed["detail"] and "node3" in failed["detail"], failed
+    assert "not extracted yet" not in failed["detail"] and "producer reconcile" in failed["detail"], failed
+    text = run_here(["verify", str(run_dir)], small_run["env"]).stdout
+    assert "bad b000001 failed: no marker: the batch failed (BadPlan" in " ".join(text.split()), text
+
+
 def test_quarantined_samples_count_as_accounted_for_and_orphans_are_not_errors(small_run, tmp_path):
     """A shard without a quarantined sample (listed in its marker) passes; a stray shard is listed as an orphan only."""
     run_dir = copy_run(small_run, tmp_path)

@@ -1,0 +1,175 @@
+"""The producer's view of the fleet on a broker: which workers are alive and what they serve, the
+messages they parked and what fixes them. Read from the fleet's keys (``hsx/fleet.py``); every
+command that looks at workers (``status``, ``enqueue``, ``reconcile``, ``run``, ``cancel``) goes
+through here.
+
+A worker is **alive** while its presence is (``hsx.fleet.Presence.live``: written within
+``HSX_LEASE_S`` of the broker's clock, not ``stopped``), except that a presence written on this
+host by a process that no longer exists is dead at once (a worker SIGKILLed here: ``reconcile``
+need not wait out the lease). A process of another PID namespace on the same host name (a
+container on the host's network) can look gone from here: the worst that does is a batch enqueued
+again while it runs, which its marker settles.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from hsx.access import normalise
+from hsx.errors import BadConfig
+from hsx.fleet import (UNACKED_KEY, Parked, Presence, broker_time, known_runs, queued_of, read_parked,
+                       read_presences)
+from hsx.processes import pid_alive
+from hsx.store import mask_url
+from producer.words import plural
+
+#: presences not written for this long (seconds of broker time) are left out of the fleet view.
+FLEET_FORGET_S = 3600.0
+
+
+def gone_here(p: Presence) -> bool:
+    """Whether ``p`` is a process of this host that no longer exists (checked by pid, here only)."""
+    return p.host == socket.gethostname() and not pid_alive(p.pid)
+
+
+def alive_presences(client, queue: str, lease_s: float) -> tuple[float, list[Presence]]:
+    """``(broker now, the presences of live worker processes)``: live by the lease
+    (:meth:`hsx.fleet.Presence.live`), less those of this host whose process is gone.
+
+    Raises whatever redis raises when the broker does not answer."""
+    now = broker_time(client)
+    return now, [p for p in read_presences(client, queue) if p.live(now, lease_s) and not gone_here(p)]
+
+
+def serves(p: Presence, url: str) -> bool:
+    """Whether the worker of ``p`` serves the store address ``url`` (under one of its roots)."""
+    try:
+        target = normalise(url)
+    except BadConfig:
+        return False
+    for root in p.roots:
+        try:
+            if normalise(root).contains(target):
+                return True
+        except BadConfig:
+            continue
+    return False
+
+
+def same_store(a: str, b: str) -> bool:
+    """Whether two store addresses name the same place (``./out/r`` and ``file:///abs/out/r`` do)."""
+    if a == b:
+        return True
+    try:
+        return normalise(a) == normalise(b)
+    except BadConfig:
+        return False
+
+
+def run_root(run_url: str) -> str:
+    """The store root a run lies in (its address without the run id), for messages."""
+    try:
+        root = normalise(run_url)
+    except BadConfig:
+        return mask_url(run_url)
+    if root.kind == "s3":
+        return "s3://" + "/".join((root.bucket, *root.segments[:-1]))
+    return root.path.rsplit("/", 1)[0] or "/"
+
+
+def parked_fix(cause: str, run_url: str, model: str | None = None) -> str:
+    """What brings a run's parked messages back, by the cause the worker gave (``hsx.fleet.Parked.cause``)."""
+    again = (f"they come back by themselves when such a worker looks, or with `python -m producer reconcile {run_url}` "
+             f"once fixed; or drop the run with `python -m producer cancel {run_url}`")
+    if cause == "model":
+        wanted = f"HSX_MODEL={model}" if model else "the run's model as HSX_MODEL"
+        return (f"start a worker with {wanted} (or no HSX_MODEL) that serves {run_root(run_url)} on this queue "
+                f"(another model: give it its own HSX_QUEUE); {again}")
+    if cause == "unreadable":
+        return ("fix what the reason names on the workers (credentials, bucket, a setting, a newer hsx) and restart "
+                f"them; {again}")
+    return (f"start a worker that serves {run_root(run_url)} (HSX_STORE_URL, or add it to HSX_ALLOWED_STORES); "
+            f"{again}")
+
+
+def parked_groups(entries: list[Parked], run_url: str, model: str | None = None) -> list[dict]:
+    """A run's parked messages grouped by cause and reason: ``[{"cause", "reason", "batches",
+    "refused_by", "times", "fix"}]``, the biggest group first."""
+    groups: dict[tuple[str, str], dict] = {}
+    for p in entries:
+        g = groups.setdefault((p.cause, p.reason), {"cause": p.cause, "reason": p.reason, "batches": [],
+                                                    "refused_by": [], "times": 0,
+                                                    "fix": parked_fix(p.cause, run_url, model)})
+        g["batches"].append(p.batch)
+        g["refused_by"] = list(dict.fromkeys([*g["refused_by"], *p.refused_by]))
+        g["times"] += p.times
+    return sorted(groups.values(), key=lambda g: (-len(g["batches"]), g["reason"]))
+
+
+def parked_line(group: dict) -> str:
+    """``parked: 3 batches: <reason>``."""
+    return f"parked: {plural(len(group['batches']), 'batch')}: {group['reason']}"
+
+
+def presence_row(p: Presence, now: float, live: bool) -> dict:
+    """One worker of the fleet view (``status`` without a run): the presence as JSON, plus
+    ``live``, ``age_s`` (seconds of broker time since it was written) and ``paused_s``."""
+    row = p.model_dump()
+    row["live"] = live
+    row["age_s"] = round(max(now - p.stamp, 0.0), 1)
+    row["paused_s"] = round(max(now - p.paused_since, 0.0), 1) if p.state == "paused" and p.paused_since else None
+    if not live and p.state != "stopped":
+        row["state"] = "lost"
+    return row
+
+
+def fleet_status(client, settings, broker_url: str) -> dict:
+    """The fleet on the broker: ``broker`` (``url`` masked, ``queue_name``, ``queue``: ``waiting``,
+    ``unacked``), ``workers`` (:func:`presence_row`: the live ones, and those gone within
+    :data:`FLEET_FORGET_S`), ``runs`` (``[{"address", "queued", "held", "parked"}]``: messages
+    waiting, held by live workers, parked), ``parked`` (``[{"run_url", "batches", "groups"}]``:
+    :func:`parked_groups` per run) and ``at``.
+
+    Reads the queue's lists once (every waiting message, in chunks) to count them per run.
+    Raises whatever redis raises when the broker does not answer."""
+    from hsx.queue import queue_keys
+
+    queue = settings.queue
+    now, alive = alive_presences(client, queue, settings.lease_s)
+    alive_ids = {p.worker for p in alive}
+    everyone = read_presences(client, queue)
+    workers = [presence_row(p, now, p.worker in alive_ids) for p in everyone
+               if p.worker in alive_ids or now - p.stamp <= FLEET_FORGET_S]
+    workers.sort(key=lambda r: (not r["live"], r["host"], r["pid"]))
+    queued = queued_of(client, queue)
+    parked = read_parked(client, queue)
+    pipe = client.pipeline(transaction=False)
+    for key in queue_keys(queue):
+        pipe.llen(key)
+    waiting = int(sum(pipe.execute()))
+    unacked = int(client.hlen(UNACKED_KEY))
+    held: dict[str, int] = {}
+    for p in alive:
+        for t in p.tasks:
+            if t.run_url:
+                held[t.run_url] = held.get(t.run_url, 0) + 1
+    by_run: dict[str, list[Parked]] = {}
+    for p in parked:
+        by_run.setdefault(p.run_url, []).append(p)
+    addresses = sorted(set(known_runs(client, queue, everyone)) | set(queued) | set(by_run) | set(held))
+    runs = [{"address": a, "queued": sum(queued.get(a, {}).values()), "held": held.get(a, 0),
+             "parked": len(by_run.get(a, []))} for a in addresses]
+    return {
+        "broker": {"url": mask_url(broker_url), "queue_name": queue, "queue": {"waiting": waiting, "unacked": unacked}},
+        "workers": workers,
+        "runs": [r for r in runs if r["queued"] or r["held"] or r["parked"]] + [r for r in runs if not (
+            r["queued"] or r["held"] or r["parked"])],
+        "parked": [{"run_url": url, "batches": len(items), "groups": parked_groups(items, url)}
+                   for url, items in sorted(by_run.items())],
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+    }
+
+
+__all__ = ["alive_presences", "gone_here", "serves", "same_store", "run_root", "parked_fix", "parked_groups", "parked_line",
+           "presence_row", "fleet_status", "FLEET_FORGET_S"]

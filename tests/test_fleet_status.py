@@ -1,0 +1,201 @@
+"""What the producer shows and does about the fleet (issue 19, items 1, 2, 4, 8), with real
+processes: the embedded valkey broker, real ``celery -A workers worker`` processes and a real
+``producer run``; a real full filesystem (a tmpfs) for the full store.
+
+- ``enqueue`` refuses an ``--output`` no live worker serves, naming it, the roots and the fix;
+  ``--force`` sends anyway and the messages park; ``status RUN`` shows them as ``parked: N
+  batches: <reason>`` with the fix; ``status`` without a run shows the workers and the parked
+  messages; ``reconcile`` puts them back; a worker that serves the root completes the run.
+- ``producer run`` on a full store says the pause (path and free space) and its end; while it
+  lasts ``status`` shows the worker ``paused: store full at ...`` from its presence on the broker
+  (the store takes no status record), and so does the fleet view.
+- :class:`producer.run.PauseWatch` says a pause once, then once a minute, then its end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusters import assert_complete, copy_plan, wait_done
+from jobfixtures import ROOT, clean_env, run_here, wait_until
+
+from hsx.broker import redis_client
+from hsx.fleet import HeldTask, Presence, read_parked, write_presence
+from hsx.records import done_batches
+from hsx.store import open_store
+from settings import Settings
+
+#: the ``template`` fixture's plan as a command line: the same run id, so the plan is reused
+JOB = ["sharegpt", "--model", "tiny-qwen3.5", "--limit", "12", "--max-length", "192", "--batch-tokens", "512"]
+FAST = dict(task_retry_base_s=0.3, task_retry_max_s=1, lease_s=30, reclaim_interval_s=1)
+
+
+def _said(proc) -> str:
+    return " ".join((proc.stdout + proc.stderr).split())
+
+
+@pytest.mark.timeout(240)
+def test_enqueue_outside_the_served_roots_is_refused_forced_messages_park_status_shows_them_and_reconcile_puts_them_back(
+        template, cluster, tmp_path):
+    """A worker serves ``out``. ``enqueue --output other``: refused (exit 2) before anything is planned, naming the
+    output, the served root and the fixes. With ``--force``: sent, and every message parked by the worker.
+    ``status RUN`` says ``parked: N batches: NotServed...`` with the fix and calls the run stalled; ``status``
+    with no run lists the worker (roots, model, state) and the run's parked batches; ``reconcile`` puts them back
+    (the worker parks them again); a worker that serves ``other`` completes the run exactly once."""
+    cluster.worker("w0", **FAST)
+    other = tmp_path / "other"
+    env = clean_env(broker_url=cluster.broker.url, cache_dir=cluster.cache, state_dir=tmp_path / "state", heartbeat_s=1)
+    client = redis_client(cluster.broker.url)
+
+    refused = run_here(["enqueue", *JOB, "--output", str(other)], env)
+    said = _said(refused)
+    assert refused.returncode == 2, said
+    for needed in (f"--output {other}", "outside every store root served by the 1 live worker on this broker",
+                   str(tmp_path / "out"), "HSX_ALLOWED_STORES", "--force", "Nothing was planned or sent"):
+        assert needed in said, f"{needed!r} not in: {said}"
+    assert not other.exists(), "a refused enqueue plans nothing"
+
+    forced = run_here(["enqueue", *JOB, "--output", str(other), "--force", "--json"], env)
+    assert forced.returncode == 0, _said(forced)
+    assert "warning: --force" in forced.stderr
+    report = json.loads(forced.stdout)
+    run_store = open_store(report["address"])
+    names = sorted(b["batch"] for b in json.loads(run_store.read("plan/batches.json")))
+    assert report["batches_enqueued"] == len(names)
+    wait_until(lambda: len(read_parked(client, "gpu", run_store.url)) == len(names), 60, "every message parked")
+
+    status = json.loads(run_here(["status", report["address"], "--json"], env).stdout)
+    assert status["batches_parked"] == len(names), status["parked"]
+    (group,) = status["parked"]
+    assert group["reason"].startswith("NotServed: ") and sorted(group["batches"]) == names, group
+    for needed in (f"start a worker that serves {other}", f"python -m producer reconcile {run_store.url}",
+                   f"python -m producer cancel {run_store.url}"):
+        assert needed in group["fix"], group["fix"]
+    assert status["state"] == "stalled" and f"parked: {len(names)} batches: NotServed" in status["stalled_reason"]
+    view = _said(run_here(["status", report["address"]], env))
+    assert f"parked {len(names)} batches: NotServed" in view and f"start a worker that serves {other}" in view, view
+
+    fleet = json.loads(run_here(["status", "--json"], env).stdout)
+    (worker,) = [w for w in fleet["workers"] if w["live"]]
+    assert worker["roots"] == [str(tmp_path / "out")] and worker["model"] == "tiny-qwen3.5", worker
+    assert worker["state"] == "idle" and worker["node"].startswith("w0@"), worker
+    (parked,) = fleet["parked"]
+    assert parked["run_url"] == run_store.url and parked["batches"] == len(names)
+    assert any(r["address"] == run_store.url and r["parked"] == len(names) for r in fleet["runs"]), fleet["runs"]
+    fleet_view = _said(run_here(["status"], env))
+    assert "w0@" in fleet_view and f"parked: {run_store.url}" in fleet_view and "NotServed" in fleet_view, fleet_view
+
+    rec = run_here(["reconcile", report["address"], "--json"], env)
+    back = json.loads(rec.stdout)
+    assert sorted(back["unparked"]) == names and back["enqueued"] == [] and back["lost"] == [], back
+    wait_until(lambda: sorted(p.batch for p in read_parked(client, "gpu", run_store.url)) == names, 60,
+               "the worker that does not serve them to park them again")
+
+    cluster.worker("w1", allowed_stores=str(other), **FAST)
+    run_here(["reconcile", report["address"]], env)  # or the new worker takes them back by itself
+    wait_done(run_store, 150)
+    assert_complete(run_store)
+    assert read_parked(client, "gpu", run_store.url) == [] or all(
+        p.batch in done_batches(run_store) for p in read_parked(client, "gpu", run_store.url))
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.mark.timeout(300)
+def test_producer_run_says_a_full_store_pause_and_status_shows_it_from_the_broker(template, tmp_path, tiny_cache):
+    """``producer run`` into a full filesystem (a filled tmpfs; the plan copied in first): its worker pauses with
+    the batch in hand; ``run`` prints ``paused: store full at <path> (<free> MiB free)``; ``status RUN`` and the
+    fleet view show the worker ``paused: store full at ...`` from its presence (the store takes no record); once
+    space returns ``run`` prints ``resumed`` and the run completes exactly once."""
+    root = tmp_path / "full"
+    if not _mount_tmpfs(root, "16m"):
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount): no real full filesystem to test on")
+    proc = None
+    try:
+        run_store = copy_plan(template, str(root), Settings(_env_file=None, cache_dir=tiny_cache))
+        filler = root / "filler.bin"
+        with open(filler, "wb") as f:
+            f.write(b"\0" * max(0, shutil.disk_usage(root).free - 48 * 1024))
+        env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool", heartbeat_s=1)
+        err = tmp_path / "run.stderr"
+        proc = subprocess.Popen([sys.executable, "-m", "producer", "run", *JOB, "--output", str(root), "--json"],
+                                cwd=ROOT, env={**env, "COLUMNS": "400"}, stdout=subprocess.PIPE,
+                                stderr=open(err, "w"), text=True, start_new_session=True)
+
+        def said() -> str:
+            assert proc.poll() is None, err.read_text()[-3000:]
+            return " ".join(err.read_text(errors="replace").split())
+
+        wait_until(lambda: f"paused: store full at {root}" in said(), 180, "run to say the pause")
+        line = said()
+        assert "MiB free" in line and "hold their batches and go on by themselves when there is room" in line, line
+
+        status = json.loads(run_here(["status", run_store.url, "--json"], env).stdout)
+        paused = [r for r in status["workers"] if r["state"] == "paused"]
+        assert paused and paused[0]["paused"].startswith(f"store full at {root}") and paused[0]["online"], status["workers"]
+        assert "presence" in paused[0]["sources"], paused[0]
+        view = _said(run_here(["status", run_store.url], env))
+        assert f"paused: store full at {root}" in view, view
+        fleet = json.loads(run_here(["status", "--json"], env).stdout)
+        assert any(w["state"] == "paused" and w["paused_reason"].startswith("store full at") for w in fleet["workers"])
+
+        filler.unlink()
+        stdout, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err.read_text()[-3000:]
+        assert "resumed: the store has room again" in err.read_text(), err.read_text()[-3000:]
+        report = json.loads(stdout)
+        assert report["batches_done"] == report["batches_total"] and not report["failed"]
+        assert_complete(run_store)
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)
+
+
+def test_the_pause_is_said_once_then_once_a_minute_then_its_end(cluster, tmp_path):
+    """Presences on a real broker, stamped by its clock; :class:`PauseWatch` on a clock of the test's: the first
+    look says the pause, a look 30 s on says nothing, 61 s on says it still lasts, and a look after the presence
+    says ``working`` again says it ended. A pause of a worker that serves another root is not this run's."""
+    from producer.run import PauseWatch
+
+    client = redis_client(cluster.broker.url)
+    run_url = open_store(str(tmp_path / "out")).child("r1").url
+    reason = f"store full at {tmp_path / 'out'} (0 MiB free)"
+    mine = Presence(worker="nodeA-1", host="nodeA", pid=1, node="gpu0@nodeA", roots=[str(tmp_path / "out")],
+                    state="paused", paused_reason=reason, tasks=[HeldTask(task_id="t1", run_url=run_url, batch="b000001",
+                                                                         phase="paused")])
+    theirs = Presence(worker="nodeB-2", host="nodeB", pid=2, roots=[str(tmp_path / "elsewhere")], state="paused",
+                      paused_reason=f"store full at {tmp_path / 'elsewhere'} (1 MiB free)")
+    write_presence(client, "gpu", theirs)
+    lines: list[str] = []
+    clock = [1000.0]
+    watch = PauseWatch(cluster.settings, cluster.broker.url, run_url, lines.append, clock=lambda: clock[0])
+    watch.check()
+    assert lines == [], "another root's pause is not this run's"
+    write_presence(client, "gpu", mine)
+    for at in (1006.0, 1036.0, 1067.0, 1080.0):
+        clock[0] = at
+        watch.check()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"paused: {reason}: 1 worker (gpu0@nodeA)"), lines[0]
+    assert lines[1].startswith("still paused after 1m01s: ") and reason in lines[1], lines[1]
+    write_presence(client, "gpu", mine.model_copy(update={"state": "working", "paused_reason": None}))
+    clock[0] = 1090.0
+    watch.check()
+    assert lines[2] == "resumed: the store has room again, after 1m24s paused", lines
+    assert watch.pauses == 1
