@@ -50,9 +50,13 @@ class Cluster:
                          device="cpu", heartbeat_s=1, store_url=s3.url if s3 else self.tmp / "out",
                          **(_s3_fields(s3) if s3 else {}), **extra)
 
-    def worker(self, name: str, concurrency: int = 1, wait: bool = True, **extra) -> WorkerProcess:
-        """Start a worker process (its model loaded at start); ``wait``: until it is ready."""
-        w = WorkerProcess(self.env(**extra), name, self.tmp / f"{name}.log", concurrency=concurrency)
+    def worker(self, name: str, concurrency: int = 1, wait: bool = True, os_env: dict[str, str] | None = None,
+               **extra) -> WorkerProcess:
+        """Start a worker process (its model loaded at start); ``wait``: until it is ready. ``os_env``:
+        variables set as given (not ``HSX_``-prefixed), after the cluster's own."""
+        env = self.env(**extra)
+        env.update(os_env or {})
+        w = WorkerProcess(env, name, self.tmp / f"{name}.log", concurrency=concurrency)
         self.workers.append(w)
         if wait:
             w.wait_ready()
@@ -119,3 +123,24 @@ def assert_complete(run_store) -> None:
 
 def shards_of(run_store, batch: str) -> list[str]:
     return [k for k in run_store.list("shards/") if k.rsplit("/", 1)[-1].startswith(batch + "-")]
+
+
+#: A ``sitecustomize`` that shifts this process's wall clock (``time.time``, ``time.time_ns``) by
+#: ``TEST_CLOCK_SKEW_S`` seconds; ``time.monotonic`` is untouched, as on a node whose clock is off.
+SKEW_SITECUSTOMIZE = """
+import os, time
+_skew = float(os.environ.get("TEST_CLOCK_SKEW_S") or 0)
+if _skew:
+    _time, _time_ns = time.time, time.time_ns
+    time.time = lambda: _time() + _skew
+    time.time_ns = lambda: _time_ns() + int(_skew * 1e9)
+"""
+
+
+def skewed_env(tmp: Path, env_pythonpath: str, skew_s: float) -> dict[str, str]:
+    """``os_env`` for :meth:`Cluster.worker`: a process whose wall clock is ``skew_s`` seconds off
+    (a ``sitecustomize.py`` under ``tmp/skew`` put first on ``PYTHONPATH``, see :data:`SKEW_SITECUSTOMIZE`)."""
+    site = tmp / "skew"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SKEW_SITECUSTOMIZE)
+    return {"PYTHONPATH": f"{site}:{env_pythonpath}", "TEST_CLOCK_SKEW_S": str(skew_s)}

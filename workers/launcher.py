@@ -14,10 +14,19 @@ exits 1, so that whatever supervises it (docker's restart policy, systemd, ``pro
 the failure. A worker that exits 0 was asked to stop (a SIGTERM sent to it, ``celery control
 shutdown``): it is not restarted.
 
+A worker process that dies is also marked on the broker: every claim its presence listed goes
+back to the head of the queue at once, then its presence says ``stopped`` (``workers/lease.py``,
+"A death the launcher saw"), so a crashed or OOM-killed GPU worker's batch runs again within seconds.
+
 Ctrl-C or SIGTERM is passed on as SIGTERM (Celery's warm shutdown: the running batch finishes,
 its marker is written, unstarted tasks stay in the queue) and cancels pending restarts; a second
 signal, or a grace period running out, kills what is left. Child processes are started with
 fork+exec, never by forking after CUDA is initialised.
+
+No worker outlives its launcher: each child gets SIGTERM (a warm shutdown) when the launcher dies,
+however it dies, SIGKILL included (Linux ``PR_SET_PDEATHSIG``, :func:`die_with_parent`), and a
+crash of the launcher's own loop stops its workers (SIGTERM, then SIGKILL after the grace period)
+before the launcher exits with the error.
 """
 
 from __future__ import annotations
@@ -174,10 +183,12 @@ def mark_dead_worker(runs_file: Path, host: str, pid: int, how: str, settings: S
     ``<run>/workers/<host>-<pid>.json`` not already ``stopped`` gets ``state: "stopped"``, no
     batches, ``exit`` (how it ended, e.g. ``killed by SIGKILL``), ``exited_at`` (UTC ISO 8601) and
     ``abandoned`` (the batches it listed); ``updated_at`` keeps the time of its last heartbeat. With
-    a broker URL in ``settings``, the claims of the abandoned batches are then put back at the head
-    of the queue (``workers/lease.py``, "A death the launcher saw"). Best effort: a store or broker
-    that fails is logged, and the lease reclaims those batches later. The file is removed. Returns
-    the addresses whose record was marked.
+    a broker URL in ``settings``, every claim the process held (the abandoned batches, and the tasks
+    its broker presence lists, a prefetched one included) is then put back at the head of the queue
+    and its presence marked ``stopped`` (``workers/lease.py``, "A death the launcher saw"), also when
+    it had served no run yet (no ``runs_file``). Best effort: a store or broker that fails is logged,
+    and the other workers' reclaimers take those batches later. The file is removed. Returns the
+    addresses whose record was marked.
     """
     from hsx.layout import worker_key
     from hsx.records import WorkerStatus
@@ -185,9 +196,10 @@ def mark_dead_worker(runs_file: Path, host: str, pid: int, how: str, settings: S
 
     try:
         urls = list(dict.fromkeys(line.strip() for line in runs_file.read_text().splitlines() if line.strip()))
-    except FileNotFoundError:
-        return []
+    except FileNotFoundError:  # it served no run yet; its presence may still list a task it received
+        urls = []
     marked = []
+    abandoned_of: dict[str, list[str]] = {}
     name = f"{host}-{pid}"
     key = worker_key(name)
     for url in urls:
@@ -207,28 +219,66 @@ def mark_dead_worker(runs_file: Path, host: str, pid: int, how: str, settings: S
             log.warning("status record %s of dead worker pid %d in %s not marked stopped: %s: %s",
                         key, pid, mask_url(url), exc.__class__.__name__, exc)
             continue
-        if abandoned and settings.broker_url:
-            _reclaim_abandoned(url, abandoned, name, settings)
+        if abandoned:
+            abandoned_of[url] = abandoned
+    if settings.broker_url:
+        _reclaim_dead(name, abandoned_of, settings)
     runs_file.unlink(missing_ok=True)
     return marked
 
 
-def _reclaim_abandoned(url: str, batches: list[str], dead: str, settings: Settings) -> None:
-    """Put the claims of ``batches``, which worker ``dead`` was running, back on the queue now
-    (``Reclaimer.reclaim_abandoned``); a failure only leaves them to the lease."""
+def _reclaim_dead(dead: str, batches: dict[str, list[str]], settings: Settings) -> None:
+    """Put back now every claim worker ``dead`` held (those its broker presence lists, and
+    ``batches``: ``{run address: [batch]}`` from its status records), then mark its presence
+    ``stopped`` (``Reclaimer.reclaim_dead``); a failure only leaves them to the other workers' reclaimers."""
     from hsx.store import mask_url
     from workers.lease import Reclaimer
 
     try:
-        done = Reclaimer(settings, settings.broker_url, me=f"{socket.gethostname()}-{os.getpid()}").reclaim_abandoned(
-            url, batches)
+        done = Reclaimer(settings, settings.broker_url, me=f"{socket.gethostname()}-{os.getpid()}").reclaim_dead(
+            dead, batches)
     except Exception as exc:
-        log.warning("batches %s of dead worker %s in %s left to their lease: %s: %s", ", ".join(batches), dead,
-                    mask_url(url), exc.__class__.__name__, exc)
+        log.warning("claims of dead worker %s left to the other workers' reclaimers: %s: %s", dead,
+                    exc.__class__.__name__, exc)
         return
-    if done:
-        log.warning("worker %s died running %s of %s: put back at the head of the queue", dead,
-                    ", ".join(r["batch"] for r in done), mask_url(url))
+    by_run: dict[str, list[str]] = {}
+    for r in done:
+        by_run.setdefault(r["run_url"], []).append(r["batch"])
+    for url, bs in by_run.items():
+        log.warning("worker %s died holding %s of %s: put back at the head of the queue", dead, ", ".join(bs),
+                    mask_url(url))
+
+
+#: ``prctl`` option that sends a signal to a process when its parent dies (linux/prctl.h).
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent():
+    """A ``preexec_fn`` that makes the child get SIGTERM (Celery's warm shutdown) when this launcher
+    dies, however it dies (SIGKILL included): Linux ``prctl(PR_SET_PDEATHSIG)``. None where there
+    is no ``prctl`` (not Linux), and the launcher's own checks are all there is.
+
+    The signal follows the death of the thread that started the child: the launcher starts its
+    children from its main thread."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    # Everything the child runs between fork and exec is made here, in the parent.
+    args = (ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(int(signal.SIGTERM)), ctypes.c_ulong(0),
+            ctypes.c_ulong(0), ctypes.c_ulong(0))
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(*args)
+        if os.getppid() != parent:  # the launcher died before the prctl: no signal would ever come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 @dataclass(frozen=True)
@@ -274,7 +324,7 @@ class WorkerSlot:
         """Start the process. Raises OSError when it cannot be started (fork or exec failed)."""
         self.restart_at = None
         self.terminated = False
-        self.proc = subprocess.Popen(self.cmd, env=self.env)
+        self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=die_with_parent())
         self.started_at = time.monotonic()
 
     def terminate(self) -> None:
@@ -438,34 +488,70 @@ def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: i
             slot.proc = None
             ended(slot, f"worker {slot.name}", f"could not be started ({exc})", -1, 0.0, now)
 
-    for slot in slots:
-        if state["stopping_at"] is None:
-            start(slot, time.monotonic())
-    log.info("started %d worker process(es) on %s: %s", sum(s.alive() for s in slots),
-             "GPUs " + ",".join(gpus) if gpus else "CPU", ", ".join(f"{s.name} (pid {s.proc.pid})" for s in slots if s.proc))
-    while True:
-        now = time.monotonic()
+    try:
         for slot in slots:
-            # Poll every child each time (reaping it), not only until the first live one.
-            if slot.proc is not None and slot.proc.poll() is not None:
-                exited(slot, now)
-            if slot.restart_at is not None and now >= slot.restart_at and state["stopping_at"] is None:
-                start(slot, now)
-                if slot.proc is not None:
-                    log.info("worker %s restarted (pid %d)", slot.name, slot.proc.pid)
-            if state["stopping_at"] is not None:
-                slot.terminate()  # one started while the stop came in (a signal lands between any two lines)
-        if not any(s.alive() or s.restart_at is not None for s in slots):
-            break
-        if exit_with_parent and state["stopping_at"] is None and not _alive(exit_with_parent, was_parent):
-            log.warning("the process that started us (pid %d) is gone; stopping", exit_with_parent)
-            stop()
-        if state["stopping_at"] is not None and time.monotonic() - state["stopping_at"] > grace_s:
-            kill_all()
-        time.sleep(POLL_S)
+            if state["stopping_at"] is None:
+                start(slot, time.monotonic())
+        log.info("started %d worker process(es) on %s: %s", sum(s.alive() for s in slots),
+                 "GPUs " + ",".join(gpus) if gpus else "CPU", ", ".join(f"{s.name} (pid {s.proc.pid})" for s in slots if s.proc))
+        while True:
+            now = time.monotonic()
+            for slot in slots:
+                # Poll every child each time (reaping it), not only until the first live one.
+                if slot.proc is not None and slot.proc.poll() is not None:
+                    exited(slot, now)
+                if slot.restart_at is not None and now >= slot.restart_at and state["stopping_at"] is None:
+                    start(slot, now)
+                    if slot.proc is not None:
+                        log.info("worker %s restarted (pid %d)", slot.name, slot.proc.pid)
+                if state["stopping_at"] is not None:
+                    slot.terminate()  # one started while the stop came in (a signal lands between any two lines)
+            if not any(s.alive() or s.restart_at is not None for s in slots):
+                break
+            if exit_with_parent and state["stopping_at"] is None and not _alive(exit_with_parent, was_parent):
+                log.warning("the process that started us (pid %d) is gone; stopping", exit_with_parent)
+                stop()
+            if state["stopping_at"] is not None and time.monotonic() - state["stopping_at"] > grace_s:
+                kill_all()
+            time.sleep(POLL_S)
+    except BaseException as exc:
+        # A bug in this loop (or a signal handler's) must not leave the workers running with
+        # nobody to restart or stop them: stop them as on SIGTERM, then fail loudly.
+        log.error("the launcher's loop crashed (%s: %s): stopping its workers", exc.__class__.__name__, exc,
+                  exc_info=not isinstance(exc, (KeyboardInterrupt, SystemExit)))
+        stop_children(slots, grace_s)
+        raise
     for t in marking:
         t.join(MARK_TIMEOUT_S)
     return 1 if state["gave_up"] else 0
+
+
+def stop_children(slots: list[WorkerSlot], grace_s: float) -> None:
+    """SIGTERM every live child (warm shutdown), wait up to ``grace_s`` seconds for them to exit,
+    then SIGKILL what is left; never raises (it runs when something else already went wrong)."""
+    deadline = time.monotonic() + grace_s
+    for slot in slots:
+        try:
+            slot.restart_at = None
+            slot.terminate()
+        except Exception:  # already gone
+            pass
+    while time.monotonic() < deadline and any(_polled_alive(s) for s in slots):
+        time.sleep(POLL_S)
+    for slot in slots:
+        try:
+            if _polled_alive(slot):
+                slot.proc.kill()
+                slot.proc.wait(10)
+        except Exception:
+            pass
+
+
+def _polled_alive(slot: WorkerSlot) -> bool:
+    try:
+        return slot.proc is not None and slot.proc.poll() is None
+    except Exception:
+        return False
 
 
 def _alive(pid: int, was_parent: bool) -> bool:

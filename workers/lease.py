@@ -1,20 +1,32 @@
-"""Leases: a claimed batch whose worker died is enqueued again by any live worker, with no command typed.
+"""Leases, parked messages and lost messages: what every worker's reclaimer thread looks after,
+so that no batch waits for a command.
 
-**The lease** of a batch is its entry in a status record of its run (``<run>/workers/<host>-<pid>.json``,
-``workers/heartbeat.py``): the task lists the batch there as soon as it starts (phase ``claimed``), the
-heartbeat thread rewrites the record every ``HSX_HEARTBEAT_S``, and the entry goes when the task ends.
-The lease is held while a record that lists the batch, not ``stopped``, was updated within
-``HSX_LEASE_S`` (default 120 s). No separate lease file: the record is already written every few
-seconds, and a second file per batch would double the store writes for nothing.
+**Clocks.** Nothing here compares this machine's wall clock with a time another machine wrote.
+Two clocks are used, and only these: the **broker's** (Redis ``TIME``, :func:`hsx.fleet.broker_time`),
+which stamps every presence and every time this module writes, and this process's own
+``time.monotonic()``, which measures how long *this* observer has seen something. A node whose
+clock is minutes ahead or behind reclaims nothing early and nothing late.
 
-**The claims** come from the broker: a delivered message that is not acknowledged yet sits in kombu's
-``unacked`` hash (tag -> ``[message, exchange, routing key]``) with its delivery time in the
-``unacked_index`` sorted set (kombu ``transport/redis.py``, ``QoS.append``). A SIGKILLed worker's
-messages stay there until the visibility timeout (hours).
+**The lease** of a delivered message is the presence of the worker that holds it
+(:class:`hsx.fleet.Presence`, ``hsx:<queue>:workers``): a worker lists a task from its delivery
+(``received``, a prefetched message or a retry waiting for its countdown) through every phase of
+its batch (``workers/heartbeat.py``), and rewrites its presence every ``HSX_HEARTBEAT_S``, stamped by
+the broker. The claims come from kombu's ``unacked`` hash (:func:`hsx.fleet.claims`); each look
+sorts each claim by who lists it (its task id, or its run and batch):
 
-**The reclaimer** is a thread in every worker process. Every ``HSX_RECLAIM_INTERVAL_S`` (15 s) it reads
-the hash and, for each extraction message delivered (or due, for a retry with a countdown: its
-``eta``) more than ``HSX_LEASE_S`` ago whose batch has no marker and no lease, it:
+- a **live** presence (not ``stopped``, stamped within ``HSX_LEASE_S`` of the broker's now): the
+  lease is held (a long batch, a worker paused on a full store); nothing is done;
+- only a presence that is ``stopped`` (its launcher saw it die) or **stale** (not rewritten for
+  ``HSX_LEASE_S`` by the broker's clock, and seen so by this observer on looks
+  :func:`stale_confirm_s` apart): its holder is dead; the claim is reclaimed now. The second look
+  is there because a broker that was down makes every presence stale at once; live workers
+  rewrite theirs within a heartbeat of its return;
+- **no presence** (a consumer that writes none, a message its worker had not listed yet when it
+  died): reclaimed once this observer has seen that same delivery unacknowledged and unlisted for
+  ``HSX_LEASE_S`` of its own monotonic time.
+
+**A reclaim**, after a check that the batch has no marker (if it has, the worker died after its
+marker and before its ack: the stale claim is only dropped):
 
 1. creates ``<run>/reclaims/<batch>-<tag>.<n>.json`` with a conditional create (``Store.create``:
    S3 ``IfNoneMatch``, local ``O_EXCL``): of all the live workers, exactly one wins; no leader;
@@ -22,198 +34,373 @@ the hash and, for each extraction message delivered (or due, for a retry with a 
    visibility-timeout sweep runs): in one Redis transaction (``WATCH unacked``) the entry leaves
    ``unacked`` / ``unacked_index`` and the same message is pushed onto the end of the queue that
    workers take from next (``RPUSH``; producers ``LPUSH`` and consumers ``BRPOP``). A stranded
-   batch therefore runs next, not after the thousands of batches queued behind it, and the
-   message is never lost or doubled in between: the transaction either happens whole or not.
+   batch therefore runs next, not after the thousands queued behind it, and the message is never
+   lost or doubled in between.
+
+A winner that dies between 1 and 2 leaves the entry in place: once the record is ``HSX_LEASE_S``
+old (broker clock), the next look takes attempt ``n + 1``. From a SIGKILL to the batch being next
+in line: ``HSX_LEASE_S`` plus two looks (``HSX_RECLAIM_INTERVAL_S`` each, 2 min 30 s by default),
+plus the batch a free worker is finishing. A lease that expires under a live worker (cut off from
+the broker for longer than the lease) only makes a duplicate, which loses the marker race and
+deletes its own shard.
 
 **A death the launcher saw** needs no lease: when ``python -m workers`` reaps a child that died,
-it marks the child's status records ``stopped`` with the batches they listed (``abandoned``) and
-reclaims those batches' claims at once the same way (:meth:`Reclaimer.reclaim_abandoned`), so a
-crashed or OOM-killed GPU worker's batch runs again within seconds. The lease covers what the
-launcher cannot see: a whole node lost, a worker started without the launcher, a batch the dead
-process had prefetched but not started (it is listed nowhere).
+it puts back every claim the child's presence (and its status records) listed at once
+(:meth:`Reclaimer.reclaim_dead`), then marks the presence ``stopped``, so that any reclaimer takes
+what is left at its next look.
 
-A winner that dies between 1 and 2 leaves the entry in place: after another ``HSX_LEASE_S``, the
-next look takes attempt ``n + 1``. The worst case from a SIGKILL to the batch being next in line is
-``HSX_LEASE_S + HSX_RECLAIM_INTERVAL_S`` (2 min 15 s by default), plus the batch a free worker is
-finishing; a lease that expires under a live worker (a store outage longer than the lease stops its
-heartbeats) only makes a duplicate, which loses the marker race and deletes its own shard.
+**Parked messages come back** (:meth:`Reclaimer.unpark`): each look reads ``hsx:<queue>:parked``;
+an entry this worker serves (its run lies under this worker's roots, the worker is not among those
+that refused it, it can read the run, and with ``HSX_MODEL`` the run was planned for that model)
+is taken (``HDEL``: of all the workers, one) and sent again. A worker that does not serve it may
+take it from the queue first and park it again; the next look of a worker that serves it sends it
+again, until one that serves it runs it.
 
-Clocks: the record's ``updated_at`` and kombu's delivery time are compared with this host's clock,
-so hosts must agree to a few seconds (NTP); a skew shortens or lengthens the lease by as much.
+**Lost messages come back** (:meth:`Reclaimer.heal`): at each look, one worker of the fleet is
+elected (``SET NX EX``, one look every ``max(HSX_RECLAIM_INTERVAL_S, HSX_LEASE_S / 4)``) and walks
+the queue's runs (:func:`hsx.fleet.known_runs`: those enqueued plus those the live workers'
+presences served). A planned batch of a run that is neither done (marker), failed (failure
+record), claimed, held by a live worker, parked nor queued is noted with the broker time it was
+first found so (``hsx:<queue>:unaccounted``); one still unaccounted ``HSX_LEASE_S`` later is
+enqueued again with a reclaim record saying why (``lost: ...``, delivery tag ``lost-<ms>``).
+A broker that lost its data (restarted without persistence, flushed) so heals with no command:
+the live workers rewrite their presences, which name the runs they served. To bound the cost of a
+look, the queue is read (``LRANGE`` in chunks) only while it holds at most :data:`HEAL_SCAN_MAX`
+messages; a longer queue means a busy fleet, and the look is skipped: lost batches are found once
+the queue drains. Cancelled runs are skipped; finished and deleted ones are dropped from the set.
 """
 
 from __future__ import annotations
 
-from hsx.times import unix_seconds as _ts
-
-import json
 import logging
+import os
 import random
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
+
+from hsx.fleet import UNACKED_KEY
 
 log = logging.getLogger(__name__)
 
-UNACKED_KEY = "unacked"
-UNACKED_INDEX_KEY = "unacked_index"
 #: attempts of one stale delivery's reclaim (a winner that died before it finished), at most.
 MAX_ATTEMPTS = 5
+#: the healer reads the queue only while it holds at most this many messages (see the module doc).
+HEAL_SCAN_MAX = 20_000
+#: seconds a finished run is not looked at again by the healer of this process.
+FINISHED_RECHECK_S = 600.0
+
+#: the classes of a claim (:func:`lease_state`).
+HELD, DEAD, UNLISTED = "held", "dead", "unlisted"
 
 
-
-def stale_claims(client, lease_s: float, now: float) -> list[dict]:
-    """Extraction messages of the broker at ``client`` (redis-py) claimed more than ``lease_s`` ago
-    (:func:`extraction_claims` older than the lease)."""
-    return [c for c in extraction_claims(client) if now - c["claimed_at"] > lease_s]
-
-
-def extraction_claims(client) -> list[dict]:
-    """Every unacknowledged extraction message of the broker at ``client`` (redis-py):
-    ``[{"tag", "run_url", "batch", "task_id", "claimed_at"}]``, ``claimed_at`` being the later of the
-    delivery and the message's ``eta`` (seconds since the epoch). Bodies are decoded only when JSON."""
-    from hsx.queue import EXTRACT_TASK
-    from hsx.queue import decode_message as _decode
-    from hsx.queue import unacked_message
-
-    entries = client.hgetall(UNACKED_KEY)
-    if not entries:
-        return []
-    delivered = {(k.decode() if isinstance(k, bytes) else k): float(v)
-                 for k, v in client.zrange(UNACKED_INDEX_KEY, 0, -1, withscores=True)}
-    out = []
-    for tag, raw in entries.items():
-        tag = tag.decode() if isinstance(tag, bytes) else tag
-        message = unacked_message(raw)
-        if message is None:
-            continue
-        task, task_id, args = _decode(json.dumps(message))
-        if task != EXTRACT_TASK or len(args) < 2 or tag not in delivered:
-            continue
-        eta = _ts((message.get("headers") or {}).get("eta"))
-        out.append({"tag": tag, "run_url": str(args[0]), "batch": str(args[1]), "task_id": task_id,
-                    "claimed_at": max(delivered[tag], eta or 0.0)})
-    return out
+def stale_confirm_s(settings) -> float:
+    """Seconds (this observer's monotonic clock) between the two looks that must both find a
+    presence stale before its claims are taken: two heartbeats, at most half the lease, at least 1 s."""
+    return max(1.0, min(settings.lease_s / 2, 2 * settings.heartbeat_s))
 
 
-def lease_holders(records: list[dict], batch: str, lease_s: float, now: float) -> list[str]:
-    """Workers (``<host>-<pid>``) whose status record holds the lease of ``batch`` at ``now``: the
-    record lists it, is not ``stopped``, and was updated within ``lease_s`` seconds."""
-    out = []
-    for r in records:
-        beat = _ts(r.get("updated_at"))
-        if r.get("state") == "stopped" or beat is None or now - beat > lease_s:
-            continue
-        if any(isinstance(b, dict) and b.get("batch") == batch for b in r.get("batches") or []):
-            out.append(str(r.get("worker") or f"{r.get('host')}-{r.get('pid')}"))
-    return out
+def lease_state(claim: dict, presences, now: float, lease_s: float) -> tuple[str, list]:
+    """Who holds ``claim`` (a :func:`hsx.fleet.claims` entry) at broker time ``now``.
+
+    Returns ``(state, presences)``: :data:`HELD` and the live presences that list it;
+    :data:`DEAD` and the presences (stopped or stale) that list it, none of them live;
+    :data:`UNLISTED` and ``[]`` when no presence lists it. A presence lists a claim by its task id,
+    or by its run and batch (another delivery of the same batch, held by a live worker, keeps it too).
+    """
+    listing = [p for p in presences
+               if p.holds(task_id=claim.get("task_id"), run_url=claim["run_url"], batch=claim["batch"])]
+    live = [p for p in listing if p.live(now, lease_s)]
+    if live:
+        return HELD, live
+    if listing:
+        return DEAD, listing
+    return UNLISTED, []
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
+
+
+def declare_queue(settings, broker_url: str) -> None:
+    """Declare the queue and its binding on the broker (kombu's ``_kombu.binding.<queue>`` set).
+
+    kombu's Redis transport routes a published message through that set; a broker that lost its
+    data has none, and kombu then drops what is sent into ``ae.undeliver`` (its dead-letter list)
+    instead of the queue, while a process that already declared it once does not declare it again
+    (kombu caches declarations per connection). Cheap (one ``SADD``); called before each send here.
+
+    Raises whatever kombu raises when the broker does not answer."""
+    from kombu import Connection, Exchange, Queue
+
+    with Connection(broker_url) as conn:
+        Queue(settings.queue, Exchange(settings.queue, type="direct"), routing_key=settings.queue)(
+            conn.default_channel).declare()
+
+
+@dataclass
+class Look:
+    """What one look of the reclaimer did (:meth:`Reclaimer.once`)."""
+
+    reclaimed: list[dict] = field(default_factory=list)
+    """Claims put back: ``{"batch", "run_url", "tag", "attempt", "enqueued", "why"}``."""
+    unparked: list[dict] = field(default_factory=list)
+    """Parked messages sent again: ``{"batch", "run_url", "parked_by", "reason"}``."""
+    healed: list[dict] = field(default_factory=list)
+    """Lost batches enqueued again: ``{"batch", "run_url", "tag", "attempt", "lost_s"}``."""
+    healer: bool = False
+    """Whether this process was the elected healer of this look."""
 
 
 class Reclaimer:
-    """Finds the claims whose lease expired and enqueues them again (see the module doc).
+    """Puts back dead workers' claims, parked messages it serves and lost batches (see the module doc).
 
     Args:
-        settings: ``HSX_LEASE_S``, ``HSX_RECLAIM_INTERVAL_S``, the queue and the store credentials.
+        settings: ``HSX_LEASE_S``, ``HSX_RECLAIM_INTERVAL_S``, ``HSX_HEARTBEAT_S``, the queue, the
+            store roots (``HSX_STORE_URL``, ``HSX_ALLOWED_STORES``), ``HSX_MODEL`` and the store credentials.
         broker_url: the broker the workers consume from.
-        me: this process's name in the reclaim records (``<host>-<pid>``).
+        me: this process's name in the reclaim records and the parked entries (``<host>-<pid>``).
+        clock: this observer's monotonic clock (seconds); tests pass their own.
     """
 
-    def __init__(self, settings, broker_url: str, me: str | None = None):
+    def __init__(self, settings, broker_url: str, me: str | None = None, clock=time.monotonic):
         from workers.heartbeat import worker_name
 
         self.settings, self.broker_url = settings, broker_url
         self.me = me or worker_name()
+        self.clock = clock
+        self._client = None
         self._stores: dict[str, object] = {}
+        self._unlisted: dict[str, float] = {}  # delivery tag -> monotonic time first seen unlisted
+        self._stale: dict[str, tuple[float, float]] = {}  # worker -> (its stamp, monotonic time first seen stale)
+        self._plans: dict[str, list[str]] = {}  # run -> batch names of its complete plan (it never changes)
+        self._finished: dict[str, float] = {}  # run -> monotonic time the healer found it finished
+        self._unfit: set[str] = set()  # runs planned for another model than this worker's HSX_MODEL
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+
+    # --- the broker and the stores ------------------------------------------------------------
+
+    def client(self):
+        """This reclaimer's redis-py client of the broker (one connection pool, reconnecting by itself)."""
+        from hsx.broker import redis_client
+
+        if self._client is None:
+            self._client = redis_client(self.broker_url)
+        return self._client
 
     def _store(self, run_url: str):
         from hsx.store import open_store
 
         if run_url not in self._stores:
-            self._stores[run_url] = open_store(run_url, self.settings)
+            self._stores[run_url] = open_store(run_url, self.settings, create=False)
         return self._stores[run_url]
 
-    def once(self, now: float | None = None) -> list[dict]:
-        """One look; returns the reclaims this process made: ``[{"batch", "run_url", "tag", "attempt", "enqueued"}]``.
+    def _open_run(self, run_url: str):
+        """The run's store and config; None when the address surely holds no run any more (deleted).
 
-        Raises whatever redis raises when the broker does not answer (the thread logs it and goes on).
-        """
-        from hsx.broker import redis_client
+        Raises a StoreError the store raises (down, credentials refused), RunFormatError."""
+        from hsx.access import normalise
+        from hsx.runconfig import load_run
+        from hsx.store import MissingKey
 
-        now = time.time() if now is None else now
+        root = normalise(run_url)
+        if root.kind == "local" and not os.path.isfile(os.path.join(root.path, "run.json")):
+            self._stores.pop(run_url, None)
+            return None
+        store = self._store(run_url)
+        try:
+            return store, load_run(store)
+        except MissingKey:
+            self._stores.pop(run_url, None)
+            return None
+
+    def _serves(self, run_url: str) -> bool:
+        from hsx.access import check_run_allowed
+
+        try:
+            check_run_allowed(run_url, self.settings)
+            return True
+        except Exception:  # NotServed, Refused, BadConfig: not this worker's to open
+            return False
+
+    # --- one look -----------------------------------------------------------------------------
+
+    def once(self) -> Look:
+        """One look: reclaim the dead workers' claims, send back the parked messages this worker
+        serves, and (if elected) heal lost batches. Returns what it did.
+
+        Raises whatever redis raises when the broker does not answer (the thread logs it and goes
+        on); a store that fails for one run is logged and skips that run only."""
+        from hsx.fleet import broker_time, read_presences
+
+        client = self.client()
+        look = Look()
+        now = broker_time(client)
+        presences = read_presences(client, self.settings.queue)
+        look.reclaimed = self.reclaim_stale(presences, now)
+        try:
+            look.unparked = self.unpark()
+        except Exception as exc:  # a broker hiccup: the next look tries again
+            log.warning("parked messages not looked at: %s: %s", exc.__class__.__name__, exc)
+        try:
+            look.healer, look.healed = self.heal()
+        except Exception as exc:
+            log.warning("lost batches not looked for: %s: %s", exc.__class__.__name__, exc)
+        return look
+
+    def reclaim_stale(self, presences, now: float) -> list[dict]:
+        """Reclaim every claim whose holder is dead or that nobody lists for ``HSX_LEASE_S`` (module
+        doc), given the presences read at broker time ``now``. Returns the reclaims made.
+
+        Raises whatever redis raises when the broker does not answer."""
+        from hsx.fleet import claims
+
         lease_s = self.settings.lease_s
-        client = redis_client(self.broker_url)
+        mono = self.clock()
+        confirm_s = stale_confirm_s(self.settings)
+        client = self.client()
+        # Which stale presences this observer has seen stale long enough (the broker-outage guard).
+        seen_stale: set[str] = set()
+        current = {}
+        for p in presences:
+            if p.state == "stopped" or p.live(now, lease_s):
+                continue
+            first = self._stale.get(p.worker)
+            if first is None or first[0] != p.stamp:
+                first = (p.stamp, mono)
+            current[p.worker] = first
+            if mono - first[1] >= confirm_s:
+                seen_stale.add(p.worker)
+        self._stale = current
         done = []
-        records_of: dict[str, list[dict]] = {}
-        for claim in stale_claims(client, lease_s, now):
+        unlisted_now: dict[str, float] = {}
+        for claim in claims(client):
+            state, holders = lease_state(claim, presences, now, lease_s)
+            why = None
+            if state == HELD:
+                continue
+            if state == DEAD:
+                stopped = [p for p in holders if p.state == "stopped"]
+                if stopped:
+                    why = "its worker died"
+                elif all(p.worker in seen_stale for p in holders):
+                    age = min(now - p.stamp for p in holders)
+                    why = f"lease expired (its worker's presence not rewritten for {age:.0f} s)"
+                else:
+                    continue  # stale on this look only: confirmed on a later one
+            else:
+                first = self._unlisted.get(claim["tag"], mono)
+                unlisted_now[claim["tag"]] = first
+                if mono - first < lease_s:
+                    continue
+                why = f"lease expired (no worker listed it for {mono - first:.0f} s)"
             try:
-                result = self._reclaim(client, claim, lease_s, now, records_of)
+                result = self._reclaim(claim, now, why)
             except Exception as exc:  # one run's store down must not stop the others' reclaims
                 log.warning("reclaim of batch %s of %s failed: %s: %s", claim["batch"], claim["run_url"],
                             exc.__class__.__name__, exc)
                 continue
             if result is not None:
+                unlisted_now.pop(claim["tag"], None)
                 done.append(result)
+        self._unlisted = unlisted_now  # tags no longer claimed, or listed again, are forgotten
         return done
 
-    def reclaim_abandoned(self, run_url: str, batches: list[str], now: float | None = None) -> list[dict]:
-        """Put back the claims of ``batches`` of the run at ``run_url``, which a worker that died was
-        running (its status record already says ``stopped``), without waiting for their lease: the
-        same checks and records as a lease reclaim (no marker, no live worker lists the batch, one
-        conditional create). Returns the reclaims made, as :meth:`once` does.
+    def reclaim_dead(self, worker: str, batches: dict[str, list[str]] | None = None) -> list[dict]:
+        """Put back at once every claim that worker ``worker`` (``<host>-<pid>``), which died, held:
+        those its presence lists, and the ``batches`` of each run (``{run address: [batch]}``, from
+        its status records); then mark its presence ``stopped``. A claim that another live worker
+        lists is left to it. For ``python -m workers``, which saw the process die. Returns the
+        reclaims made, as :meth:`reclaim_stale` does.
 
         Raises whatever redis raises when the broker does not answer (the launcher logs it; the
         lease reclaims those batches later)."""
-        from hsx.broker import redis_client
+        from hsx.fleet import broker_time, claims, read_presences, write_presence
 
-        now = time.time() if now is None else now
-        client = redis_client(self.broker_url)
+        client = self.client()
+        now = broker_time(client)
+        presences = read_presences(client, self.settings.queue)
+        dead = next((p for p in presences if p.worker == worker), None)
+        others = [p for p in presences if p.worker != worker]
+        wanted = {(url, b) for url, bs in (batches or {}).items() for b in bs}
+        done = []
+        for claim in claims(client):
+            listed = (claim["run_url"], claim["batch"]) in wanted or (
+                dead is not None and dead.holds(task_id=claim.get("task_id"), run_url=claim["run_url"],
+                                                batch=claim["batch"]))
+            if not listed or lease_state(claim, others, now, self.settings.lease_s)[0] == HELD:
+                continue
+            try:
+                result = self._reclaim(claim, now, "its worker died")
+            except Exception as exc:
+                log.warning("reclaim of batch %s of %s (worker %s died) failed: %s: %s", claim["batch"],
+                            claim["run_url"], worker, exc.__class__.__name__, exc)
+                continue
+            if result is not None:
+                done.append(result)
+        if dead is not None and dead.state != "stopped":
+            # Its tasks stay listed: what this call could not put back, any reclaimer takes at its next look.
+            write_presence(client, self.settings.queue, dead.model_copy(update={"state": "stopped"}))
+        return done
+
+    def reclaim_abandoned(self, run_url: str, batches: list[str]) -> list[dict]:
+        """Put back the claims of ``batches`` of the run at ``run_url``, which a worker that died was
+        running, without waiting for a lease (unless a live worker lists them). Returns the reclaims made.
+
+        Raises whatever redis raises when the broker does not answer."""
+        from hsx.fleet import broker_time, claims, read_presences
+
+        client = self.client()
+        now = broker_time(client)
+        presences = read_presences(client, self.settings.queue)
         wanted = set(batches)
-        done, records_of = [], {}
-        for claim in extraction_claims(client):
+        done = []
+        for claim in claims(client):
             if claim["run_url"] != run_url or claim["batch"] not in wanted:
                 continue
-            result = self._reclaim(client, claim, self.settings.lease_s, now, records_of, why="its worker died")
+            if lease_state(claim, presences, now, self.settings.lease_s)[0] == HELD:
+                continue
+            result = self._reclaim(claim, now, "its worker died")
             if result is not None:
                 done.append(result)
         return done
 
-    def _reclaim(self, client, claim: dict, lease_s: float, now: float, records_of: dict,
-                 why: str = "lease expired") -> dict | None:
-        from hsx.records import Marker, Reclaim, read_heartbeats
+    def _reclaim(self, claim: dict, now: float, why: str) -> dict | None:
+        from hsx.fleet import drop_claims
+        from hsx.records import Marker, Reclaim
 
         run_url, batch, tag = claim["run_url"], claim["batch"], claim["tag"]
+        if not self._serves(run_url):
+            # Outside this worker's roots: opening that store would be what the allow-list forbids.
+            # A worker that serves the run, or the lease of one that does, takes it.
+            return None
         store = self._store(run_url)
         if Marker.read(store, batch) is not None:
             # Died after its marker, before the ack: nothing to redo, only the stale entry to drop.
-            self._drop(client, tag)
+            drop_claims(self.client(), [tag])
             return None
-        if run_url not in records_of:
-            records_of[run_url] = [r.model_dump() for r in read_heartbeats(store)]
-        if lease_holders(records_of[run_url], batch, lease_s, now):
-            return None  # a live worker holds it (a long batch): its lease is renewed
-        attempt = self._attempt(store, batch, tag, lease_s, now)
+        attempt = self._attempt(store, batch, tag, now)
         if attempt is None:
             return None
-        body = Reclaim(batch=batch, delivery_tag=tag, task_id=claim["task_id"], attempt=attempt,
-                       claimed_at=datetime.fromtimestamp(claim["claimed_at"], timezone.utc).isoformat(timespec="seconds"),
-                       by=self.me, why=why, host=socket.gethostname(), at_unix=round(now, 3),
-                       at=datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"))
+        body = Reclaim(batch=batch, delivery_tag=tag, task_id=claim.get("task_id"), attempt=attempt,
+                       claimed_at=_iso(claim.get("delivered_at")), by=self.me, why=why, host=socket.gethostname(),
+                       at_unix=round(now, 3), at=_iso(now))
         if not body.create(store):
             return None  # another worker took it
         restored = self._restore(tag)
-        log.warning("batch %s of %s reclaimed, %s (claimed %.0f s ago, no live worker lists it): %s",
-                    batch, run_url, why, now - claim["claimed_at"],
+        log.warning("batch %s of %s reclaimed, %s: %s", batch, run_url, why,
                     "put back at the head of the queue" if restored else "already gone from the claims")
-        return {"batch": batch, "run_url": run_url, "tag": tag, "attempt": attempt, "enqueued": restored}
+        return {"batch": batch, "run_url": run_url, "tag": tag, "attempt": attempt, "enqueued": restored, "why": why}
 
     def _restore(self, tag: str) -> bool:
         """Put the unacknowledged message ``tag`` back where workers take from next, with kombu's own
         ``QoS.restore_by_tag`` (atomic: see the module doc). False if it was no longer claimed."""
         from kombu import Connection
 
+        declare_queue(self.settings, self.broker_url)  # restore routes through the binding too
         with Connection(self.broker_url) as conn:
             channel = conn.default_channel
             client = channel.client
@@ -222,9 +409,10 @@ class Reclaimer:
             channel.qos.restore_by_tag(tag, client=client, leftmost=False)
             return True
 
-    def _attempt(self, store, batch: str, tag: str, lease_s: float, now: float) -> int | None:
-        """The reclaim attempt to try for delivery ``tag``: 1, or the next after one older than the
-        lease whose winner did not finish (the entry is still there); None: one is under way."""
+    def _attempt(self, store, batch: str, tag: str, now: float) -> int | None:
+        """The reclaim attempt to try for delivery ``tag`` at broker time ``now``: 1, or the next after
+        one older than the lease (broker clock) whose winner did not finish; None: one is under way,
+        or :data:`MAX_ATTEMPTS` were made."""
         from hsx.layout import RECLAIMS_PREFIX, reclaim_prefix
         from hsx.records import Reclaim
 
@@ -239,16 +427,202 @@ class Reclaimer:
             at = found.at_unix if found is not None else 0.0
         except ValueError:  # RecordFormatError: a damaged record counts as an old one
             at = 0.0
-        if now - at <= lease_s or last >= MAX_ATTEMPTS:
+        if now - at <= self.settings.lease_s or last >= MAX_ATTEMPTS:
             return None
         return last + 1
 
-    @staticmethod
-    def _drop(client, tag: str) -> None:
-        pipe = client.pipeline()
-        pipe.hdel(UNACKED_KEY, tag)
-        pipe.zrem(UNACKED_INDEX_KEY, tag)
-        pipe.execute()
+    # --- parked messages ----------------------------------------------------------------------
+
+    def unpark(self) -> list[dict]:
+        """Send again the parked messages this worker serves (module doc); returns what came back.
+
+        A run that is gone or cancelled has its entries dropped (one line each). An entry whose send
+        fails is parked again, so it is never lost. Raises whatever redis raises when the broker
+        does not answer."""
+        from hsx.fleet import park, read_parked, take_parked
+        from hsx.records import Cancelled
+
+        client, queue = self.client(), self.settings.queue
+        entries = [e for e in read_parked(client, queue) if self.me not in e.refused_by and self._serves(e.run_url)]
+        by_run: dict[str, list] = {}
+        for e in entries:
+            by_run.setdefault(e.run_url, []).append(e)
+        out = []
+        for run_url, mine in by_run.items():
+            if run_url in self._unfit:
+                continue
+            try:
+                opened = self._open_run(run_url)
+            except Exception as exc:
+                if _transient(exc):  # the store is down for now: the next look tries again
+                    log.debug("parked batches of %s not looked at: %s", run_url, exc)
+                    continue
+                # This worker cannot read it either: it stays parked, refused by this worker too.
+                for e in mine:
+                    if take_parked(client, queue, e.run_url, e.batch):
+                        park(client, queue, e.model_copy(update={"refused_by": [*e.refused_by, self.me]}))
+                log.info("parked batches of %s left parked: this worker cannot read the run either: %s: %s",
+                         run_url, exc.__class__.__name__, exc)
+                continue
+            if opened is None or Cancelled.read(opened[0]) is not None:
+                what = "deleted (no run.json)" if opened is None else "cancelled"
+                dropped = [e.batch for e in mine if take_parked(client, queue, e.run_url, e.batch)]
+                if dropped:
+                    log.warning("parked batches %s of %s dropped: the run was %s", ", ".join(dropped), run_url, what)
+                continue
+            store, config = opened
+            if not self._model_fits(config):
+                self._unfit.add(run_url)  # another checkpoint than HSX_MODEL: not this process's, ever
+                continue
+            taken = [e for e in mine if take_parked(client, queue, e.run_url, e.batch)]  # one worker gets each
+            if not taken:
+                continue
+            try:
+                declare_queue(self.settings, self.broker_url)
+                self._send(run_url, config.run_id, [e.batch for e in taken])
+            except Exception as exc:  # keep them: parked again as they were
+                for e in taken:
+                    park(client, queue, e)
+                log.warning("parked batches of %s not sent again (parked again): %s: %s", run_url,
+                            exc.__class__.__name__, exc)
+                continue
+            for e in taken:
+                log.warning("batch %s of %s came back from parked (parked by %s: %s): this worker serves it",
+                            e.batch, run_url, ", ".join(e.refused_by) or "?", e.reason[:300])
+                out.append({"batch": e.batch, "run_url": run_url, "parked_by": list(e.refused_by), "reason": e.reason})
+        return out
+
+    def _model_fits(self, config) -> bool:
+        """Whether this worker can run a run planned with ``config`` (with ``HSX_MODEL``: the same checkpoint)."""
+        if not self.settings.model:
+            return True
+        try:
+            from workers.target import get_target
+
+            return not get_target(self.settings.model, self.settings).info.differences(config.model)
+        except Exception as exc:  # cannot tell: leave it for a worker that can
+            log.debug("model of a parked run not compared: %s", exc)
+            return False
+
+    def _send(self, run_url: str, run_id: str, batches: list[str]) -> None:
+        from hsx.queue import send_batches
+
+        send_batches(self.settings, self.broker_url, run_url, run_id, [{"batch": b} for b in batches])
+
+    # --- lost messages ------------------------------------------------------------------------
+
+    def heal_every_s(self) -> float:
+        """Seconds between two looks for lost batches, fleet-wide (the election's time to live)."""
+        return max(self.settings.reclaim_interval_s, self.settings.lease_s / 4)
+
+    def heal(self) -> tuple[bool, list[dict]]:
+        """If elected, look for lost batches and enqueue those lost for ``HSX_LEASE_S`` (module doc).
+
+        Returns ``(elected, healed)``. Raises whatever redis raises when the broker does not answer;
+        a run whose store fails is logged and skipped."""
+        from hsx.fleet import (broker_time, claims, elect, known_runs, queued_messages, queued_of, read_parked,
+                               read_presences, unaccounted_key)
+
+        client, queue, lease_s = self.client(), self.settings.queue, self.settings.lease_s
+        if not elect(client, queue, self.me, self.heal_every_s()):
+            return False, []
+        waiting = queued_messages(client, queue)
+        if waiting > HEAL_SCAN_MAX:
+            log.debug("lost batches not looked for: %d messages queued (more than %d): the fleet is busy",
+                      waiting, HEAL_SCAN_MAX)
+            return True, []
+        # Read in the order a batch moves (queue, claim, then marker), so that one moving meanwhile is seen once at least.
+        accounted: dict[str, set[str]] = {}
+        for url, per in queued_of(client, queue).items():
+            accounted.setdefault(url, set()).update(per)
+        for c in claims(client):
+            accounted.setdefault(c["run_url"], set()).add(c["batch"])
+        now = broker_time(client)
+        presences = read_presences(client, queue)
+        for p in presences:
+            if p.live(now, lease_s):
+                for t in p.tasks:
+                    accounted.setdefault(t.run_url, set()).add(t.batch)
+        for e in read_parked(client, queue):
+            accounted.setdefault(e.run_url, set()).add(e.batch)
+        unaccounted = {_text(k): float(v) for k, v in (client.hgetall(unaccounted_key(queue)) or {}).items()}
+        healed = []
+        mono = self.clock()
+        for run_url in known_runs(client, queue, presences):
+            if run_url in self._finished and mono - self._finished[run_url] < FINISHED_RECHECK_S:
+                continue
+            if not self._serves(run_url):
+                continue  # a worker that serves it heals it when elected
+            try:
+                healed += self._heal_run(run_url, accounted.get(run_url, set()), unaccounted, now)
+            except Exception as exc:
+                log.warning("lost batches of %s not looked for: %s: %s", run_url, exc.__class__.__name__, exc)
+        return True, healed
+
+    def _heal_run(self, run_url: str, accounted: set[str], unaccounted: dict[str, float], now: float) -> list[dict]:
+        from hsx.fleet import batch_field, forget_run, unaccounted_key
+        from hsx.plan import planned_batches
+        from hsx.records import Cancelled, Reclaim, done_batches, read_failures
+
+        client, queue, lease_s = self.client(), self.settings.queue, self.settings.lease_s
+        opened = self._open_run(run_url)
+        if opened is None:
+            forget_run(client, queue, run_url)
+            log.info("run %s is gone (no run.json): no longer looked after", run_url)
+            return []
+        store, config = opened
+        if Cancelled.read(store) is not None:
+            return []
+        planned = self._plans.get(run_url)
+        if planned is None:
+            batches, complete = planned_batches(store)
+            planned = [b["batch"] for b in batches]
+            if complete:
+                self._plans[run_url] = planned
+        done = done_batches(store)
+        if run_url in self._plans and done.issuperset(planned):
+            forget_run(client, queue, run_url)
+            self._finished[run_url] = self.clock()
+            return []
+        failed = read_failures(store, done)
+        missing = [b for b in planned if b not in done and b not in failed and b not in accounted]
+        key = unaccounted_key(queue)
+        prefix = run_url + "\n"
+        mine = {f: t for f, t in unaccounted.items() if f.startswith(prefix)}
+        due: list[tuple[str, float]] = []
+        for b in missing:
+            fld = batch_field(run_url, b)
+            first = mine.pop(fld, None)
+            if first is None:
+                client.hsetnx(key, fld, repr(now))
+            elif now - first >= lease_s:
+                due.append((b, first))
+        if mine:  # accounted for again (queued, claimed, done...) since they were noted
+            client.hdel(key, *mine)
+        if not due:
+            return []
+        won = []
+        for b, first in due:
+            tag = f"lost-{int(first * 1000)}"
+            attempt = self._attempt(store, b, tag, now)
+            if attempt is None:
+                continue
+            why = f"lost: neither done, queued, claimed nor parked for {now - first:.0f} s"
+            body = Reclaim(batch=b, delivery_tag=tag, attempt=attempt, by=self.me, why=why, host=socket.gethostname(),
+                           at_unix=round(now, 3), at=_iso(now), claimed_at=_iso(first))
+            if body.create(store):
+                won.append((b, first, tag, attempt))
+        if not won:
+            return []
+        declare_queue(self.settings, self.broker_url)
+        self._send(run_url, config.run_id, [b for b, *_ in won])
+        client.hdel(key, *[batch_field(run_url, b) for b, *_ in won])
+        log.warning("batches %s of %s enqueued again: lost (neither done, queued, claimed nor parked for %.0f s or more; "
+                    "a broker that lost its data, a message dropped)", ", ".join(b for b, *_ in won), run_url, lease_s)
+        return [{"batch": b, "run_url": run_url, "tag": tag, "attempt": attempt, "lost_s": now - first}
+                for b, first, tag, attempt in won]
+
+    # --- the thread ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
         interval = self.settings.reclaim_interval_s
@@ -267,3 +641,14 @@ class Reclaimer:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether trying again later may succeed (a store timeout or 5xx, a broker hiccup)."""
+    from workers.causes import TRANSIENT, classify
+
+    return classify(exc) == TRANSIENT
