@@ -262,29 +262,47 @@ def queued_messages(client, queue: str) -> int:
     return int(sum(pipe.execute()))
 
 
-def queued_of(client, queue: str, run_url: str | None = None, chunk: int = 2000) -> dict[str, dict[str, int]]:
-    """``{run address: {batch: count}}`` of the extraction messages waiting in the queue (of
-    ``run_url`` only, if given); read in chunks of ``LRANGE``, JSON messages only."""
-    from hsx.queue import EXTRACT_TASK, decode_message, queue_keys
+def _extraction_args(raw) -> tuple[str, str] | None:
+    """(run address, batch) of a queued extraction message; None for anything else (JSON only)."""
+    from hsx.queue import EXTRACT_TASK, decode_message
 
-    out: dict[str, dict[str, int]] = {}
+    task, _task_id, args = decode_message(raw)
+    if task != EXTRACT_TASK or len(args) < 2:
+        return None
+    return str(args[0]), str(args[1])
+
+
+def _walk_queue(client, queue: str, chunk: int, visit) -> None:
+    """Read the queue's lists (all priorities) in chunks of ``LRANGE``; ``visit(key, raws)`` returns
+    how many of ``raws`` it removed from ``key``, so the next chunk starts where it should."""
+    from hsx.queue import queue_keys
+
     for key in queue_keys(queue):
         start = 0
         while True:
             raws = client.lrange(key, start, start + chunk - 1)
             if not raws:
                 break
-            for raw in raws:
-                task, _task_id, args = decode_message(raw)
-                if task != EXTRACT_TASK or len(args) < 2:
-                    continue
-                url, batch = str(args[0]), str(args[1])
-                if run_url is None or url == run_url:
-                    per = out.setdefault(url, {})
-                    per[batch] = per.get(batch, 0) + 1
+            removed = visit(key, raws)
             if len(raws) < chunk:
                 break
-            start += chunk
+            start += chunk - removed
+
+
+def queued_of(client, queue: str, run_url: str | None = None, chunk: int = 2000) -> dict[str, dict[str, int]]:
+    """``{run address: {batch: count}}`` of the extraction messages waiting in the queue (of
+    ``run_url`` only, if given); read in chunks of ``LRANGE``, JSON messages only."""
+    out: dict[str, dict[str, int]] = {}
+
+    def count(_key, raws) -> int:
+        for raw in raws:
+            found = _extraction_args(raw)
+            if found is not None and (run_url is None or found[0] == run_url):
+                per = out.setdefault(found[0], {})
+                per[found[1]] = per.get(found[1], 0) + 1
+        return 0
+
+    _walk_queue(client, queue, chunk, count)
     return out
 
 
@@ -328,25 +346,16 @@ def remove_queued(client, queue: str, run_url: str, chunk: int = 2000) -> int:
     """Remove every waiting extraction message of ``run_url`` from the queue (``LREM`` of each one
     found); returns how many. A message claimed meanwhile is not in the list any more and is left
     to its worker (which checks ``cancelled.json``)."""
-    from hsx.queue import EXTRACT_TASK, decode_message, queue_keys
-
     removed = 0
-    for key in queue_keys(queue):
-        start = 0
-        while True:
-            raws = client.lrange(key, start, start + chunk - 1)
-            if not raws:
-                break
-            mine = []
-            for raw in raws:
-                task, _task_id, args = decode_message(raw)
-                if task == EXTRACT_TASK and len(args) >= 2 and str(args[0]) == run_url:
-                    mine.append(raw)
-            for raw in mine:
-                removed += int(client.lrem(key, 1, raw))
-            if len(raws) < chunk:
-                break
-            start += chunk - len(mine)
+
+    def drop(key, raws) -> int:
+        nonlocal removed
+        mine = [raw for raw in raws if (_extraction_args(raw) or ("",))[0] == run_url]
+        gone = sum(int(client.lrem(key, 1, raw)) for raw in mine)
+        removed += gone
+        return gone
+
+    _walk_queue(client, queue, chunk, drop)
     return removed
 
 
