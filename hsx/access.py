@@ -43,6 +43,11 @@ class NotServed(Refused):
     worker must not drain a run's queue (``workers/causes.py``)."""
 
 
+class ModelNotServed(NotServed):
+    """A task for a run planned for another checkpoint than this worker's (its ``HSX_MODEL``, or the
+    one it loaded for the run's model name): parked with cause ``model``."""
+
+
 @dataclass(frozen=True)
 class Root:
     """A normalised store root: ``kind`` ``local`` (``path`` absolute, resolved) or ``s3`` (``bucket``,
@@ -134,4 +139,4 @@ def check_run_allowed(run_url: str, settings: "Settings") -> None:
             "(comma-separated) on the workers and restart them; nothing was read or created there")
 
 
-__all__ = ["Refused", "NotServed", "Root", "normalise", "allowed_roots", "check_run_allowed"]
+__all__ = ["Refused", "NotServed", "ModelNotServed", "Root", "normalise", "allowed_roots", "check_run_allowed"]

@@ -48,7 +48,7 @@ from hsx.plan import BatchPlan, read_batch
 from hsx.records import Cancelled, Failure, Marker, MarkerWorker, ShardRef
 from hsx.runconfig import load_run
 from hsx.shard import Final, StoreDtype, select_samples, serialize_shard, shard_metadata
-from hsx.access import NotServed, Refused, check_run_allowed, normalise
+from hsx.access import ModelNotServed, Refused, check_run_allowed, normalise
 from hsx.store import MissingKey, open_store, retry_transient, write_file
 from settings import Settings
 from workers.capture import launch_capture, merge_captured, right_padded_rows, split_by_tokens
@@ -233,7 +233,7 @@ def admit(run_url: str, batch: str, settings: Settings) -> Admitted | dict:
         target = get_target(settings.model, settings)
         differences = target.info.differences(config.model)
         if differences:
-            raise NotServed(
+            raise ModelNotServed(
                 f"batch {batch}: run {config.run_id} was planned for model {config.model_name!r}, and this worker serves "
                 f"HSX_MODEL={settings.model!r}, another checkpoint ({'; '.join(differences)}). Fix: send the run to "
                 "workers started with its model, or plan it with this worker's model")
@@ -351,7 +351,7 @@ def _extract_batch(admitted: Admitted, settings: Settings, job: _Job) -> dict:
     job.heartbeat.device = target.engine.get("device")
     differences = target.info.differences(config.model)
     if differences:
-        raise NotServed(
+        raise ModelNotServed(
             f"batch {batch}: this worker's checkpoint is not the one run {config.run_id} was planned for "
             f"({'; '.join(differences)}); the checkpoint changed since planning. Re-plan the run or point the worker at "
             "the same checkpoint."

@@ -54,13 +54,12 @@ def park_message(task_id: str | None, run_url: str, batch: str, exc: BaseExcepti
     """Park the message of ``batch`` of ``run_url`` on the broker (``hsx/fleet.py``) with the reason.
 
     Raises whatever redis raises when the broker does not take it (the caller then requeues the message)."""
-    from hsx.access import NotServed
+    from hsx.access import ModelNotServed, NotServed
     from hsx.broker import redis_client
     from hsx.fleet import Parked, park
 
     text = str(exc)
-    cause = ("model" if "model" in text.lower() or "checkpoint" in text.lower() else "not_served") \
-        if isinstance(exc, NotServed) else "unreadable"
+    cause = "model" if isinstance(exc, ModelNotServed) else "not_served" if isinstance(exc, NotServed) else "unreadable"
     entry = Parked(run_url=run_url, batch=batch, task_id=task_id, reason=f"{exc.__class__.__name__}: {text}"[:2000],
                    cause=cause, refused_by=[worker_name()])
     stored = park(redis_client(settings.broker_url), settings.queue, entry)
