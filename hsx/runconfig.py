@@ -41,6 +41,9 @@ Adding a field to :class:`RunConfig`:
   load with the right value);
 - if it does not change the bytes of the shards, add it to :data:`NON_IDENTITY_FIELDS`: no run id
   changes;
+- if it does, but its default is what every earlier run did (a choice made explicit), add it to
+  :data:`IDENTITY_FIELDS_UNLESS_DEFAULT`: it is hashed only when set to another value, so no run id
+  changes and the other value gets its own ids (``added_tokens_in_content``);
 - if it does, add ``IDENTITY_FIELDS[n + 1] = IDENTITY_FIELDS[n] + ("new_field",)``, set
   :data:`IDENTITY_VERSION` to ``n + 1`` and add a row to the table above. From version 2 on,
   ``identity_version`` is hashed too. Runs of older versions keep their ids and still verify (their
@@ -79,6 +82,11 @@ IDENTITY_FIELDS[3] = IDENTITY_FIELDS[2] + ("plan_windows", "dataset_options")
 #: ``dataset_fingerprint``, ``tokenizer.chat_template_sha256``); ``dataset`` describes the source.
 NON_IDENTITY_FIELDS = ("identity_version", "run_id", "created_at", "dataset_source", "stats", "dataset",
                        "chat_template_file")
+#: Fields hashed only when they differ from the value given here, at every identity version: a
+#: choice added after the runs that made its default implicitly (their bytes are what the default
+#: gives), so those runs and the same options planned now keep one run id, and the other value gets
+#: another. ``added_tokens_in_content``: "token", what every run before the choice did.
+IDENTITY_FIELDS_UNLESS_DEFAULT: dict[str, object] = {"added_tokens_in_content": "token"}
 
 
 @dataclass
@@ -97,6 +105,10 @@ class RunConfig:
     (:data:`producer.masks.SPECIAL_TOKENS_IN_CONTENT`); ``special`` in run.json files written before
     it existed (what that code did). ``identity_version`` says which fields make the identity
     (:data:`IDENTITY_FIELDS`) and how ``model.revision`` was computed (module docstring).
+    ``added_tokens_in_content``: how the strings of non-special added tokens (``<think>``) inside
+    message content were tokenised, ``token`` (their ids: every run before the choice) or ``text``
+    (:data:`producer.masks.ADDED_TOKENS_IN_CONTENT`); hashed only when ``text``
+    (:data:`IDENTITY_FIELDS_UNLESS_DEFAULT`).
 
     Keys of a run.json that this code does not know (written by a newer version) are kept in
     ``extra`` and written back, never hashed.
@@ -115,6 +127,7 @@ class RunConfig:
     limit: int | None
     sample_policy: dict = field(default_factory=dict)
     special_tokens_in_content: str = "special"
+    added_tokens_in_content: str = "token"
     #: ``[first, largest]`` samples per window of the streamed plan; None: the whole dataset sorted
     #: at once (runs made before identity version 3).
     plan_windows: list[int] | None = None
@@ -151,6 +164,8 @@ class RunConfig:
         names = identity_fields(version)
         absent = self._absent if version == self.identity_version else frozenset()
         out = {k: getattr(self, k) for k in names if k not in absent}
+        out.update({k: getattr(self, k) for k, default in IDENTITY_FIELDS_UNLESS_DEFAULT.items()
+                    if getattr(self, k) != default})
         if version >= 2:
             out["identity_version"] = version
         return out

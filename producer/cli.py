@@ -139,6 +139,9 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="special-token strings inside messages (<|im_end|> in a reply): tokenised as plain text "
                         "(default; only the chat template's own tokens are special) or as special tokens (for datasets "
                         "that embed them on purpose; what runs made before this option did)")
+    p.add_argument("--added-tokens-in-content", choices=["token", "text"], default="token",
+                   help="strings of added tokens that are not special (<think>, <tool_call> for Qwen3) inside messages: "
+                        "their token ids (default: what serving engines do to the rendered prompt) or plain text")
     p.add_argument("--batch-tokens", type=int, help="token budget per batch, rows x longest row (default 32768)")
     p.add_argument("--limit", type=int, help="read at most this many usable records")
     p.add_argument("--run-id", help="run id (default: derived from the dataset and the config, so reruns resume)")
@@ -157,6 +160,7 @@ def _options(args):
         run_id=args.run_id, store_dtype=args.store_dtype,
         enable_thinking=args.enable_thinking, over_length=args.over_length, allow_text=args.allow_text,
         special_tokens_in_content=args.special_tokens_in_content,
+        added_tokens_in_content=args.added_tokens_in_content,
         command=getattr(args, "command_line", None),
         split=args.split, subset=args.subset, shuffle=args.shuffle, seed=args.seed, sample=args.sample,
         chat_template=args.chat_template, num_proc=args.num_proc,

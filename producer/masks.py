@@ -47,11 +47,17 @@ template's tokens go between them as their ids. This is what the tokenizer itsel
 content's strings no longer cut it; the render boundaries are found on the placeholder renders,
 with lengths counted in the real text. A template that alters a placeholder (the record's text
 then still holds ``hsxesc<n>``) makes the record a ``template_error``. Added tokens that are not
-special (Qwen3's ``<think>``, ``<tool_call>``) keep their ids in content, as in
-``split_special_tokens=True``: the Qwen3 template itself parses inline ``<think>`` blocks out of
-the content. ``special_tokens_in_content="special"`` keeps the behaviour of runs made before
-(every special-token string in the render is special), for datasets that embed special tokens on
-purpose; ``run.json`` records the mode.
+special (Qwen3's ``<think>`` 151667, ``<tool_call>``) keep their ids in content by default
+(``added_tokens_in_content="token"``), as in ``split_special_tokens=True`` and as a serving engine
+tokenises the rendered prompt (vLLM and SGLang render the template, then tokenise the text with
+every added token matched), so the draft model is trained on the ids it will see; the Qwen3
+template itself parses inline ``<think>`` blocks out of assistant content.
+``added_tokens_in_content="text"`` escapes their strings too (same placeholders, same cut: the
+render is cut at every special token and at the escaped strings, and the pieces are tokenised with
+neither recognised), so content never holds one of these ids and the template never sees an inline
+``<think>`` block (give reasoning as ``reasoning_content``). ``special_tokens_in_content="special"``
+keeps the behaviour of runs made before (every special-token string in the render is special), for
+datasets that embed special tokens on purpose; ``run.json`` records both modes.
 
 Tools and reasoning are the template's business: a record's ``tools`` go to it as ``tools=``,
 ``tool_calls`` and ``reasoning_content`` stay on their messages, and what the template renders of
@@ -79,6 +85,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -105,6 +112,12 @@ ENCODE_SKIP_REASONS = ("template_error", "bad_pretokenised", "too_long", "no_sup
 #: template's own special tokens are special) or ``special`` (as special tokens: runs made before
 #: this choice existed; for datasets that embed special tokens on purpose). Recorded in run.json.
 SPECIAL_TOKENS_IN_CONTENT = ("text", "special")
+
+#: How the strings of added tokens that are *not* special (Qwen3's ``<think>``, ``<tool_call>``)
+#: inside message content are tokenised: ``token`` (their token ids, the default: what a serving
+#: engine does to the rendered prompt, and what every run before this choice did) or ``text``
+#: (plain text, like special-token strings in ``text`` mode). Recorded in run.json.
+ADDED_TOKENS_IN_CONTENT = ("token", "text")
 
 _PROBE = [{"role": "user", "content": "PING"}, {"role": "assistant", "content": "PONG"}]
 #: First part of the placeholders that stand for special-token strings of content while the template
@@ -146,15 +159,18 @@ class ChatTokeniser:
     passed to every render. ``vocab_size`` (= ``len(tokenizer)``) bounds pre-tokenised ids.
     ``special_tokens_in_content``: one of :data:`SPECIAL_TOKENS_IN_CONTENT` (module docstring):
     ``text`` (default) tokenises special-token strings inside messages as plain text, ``special``
-    as special tokens (the behaviour before this option existed).
+    as special tokens (the behaviour before this option existed). ``added_tokens_in_content``: one
+    of :data:`ADDED_TOKENS_IN_CONTENT`: ``token`` (default) keeps the ids of non-special added
+    tokens written in messages, ``text`` tokenises their strings as plain text (a fast tokenizer only).
 
     Attributes: ``template_sha256`` (hex sha256 of the template text, for the run config);
     ``end_of_turn_ids`` (token ids that close an assistant reply: the special token the template
     writes after a reply, found by rendering a probe conversation, plus ``eos_token_id``);
     ``special_tokens`` (special-token string -> id: the added tokens marked special, which
-    ``text`` mode keeps out of content).
-    Raises BadConfig when the tokenizer has no chat template, no end-of-turn token is found, or
-    ``special_tokens_in_content`` is not a known mode.
+    ``text`` mode keeps out of content); ``added_tokens`` (the same for added tokens not marked special).
+    Raises BadConfig when the tokenizer has no chat template, no end-of-turn token is found,
+    ``special_tokens_in_content`` or ``added_tokens_in_content`` is not a known mode, or
+    ``added_tokens_in_content="text"`` is asked of a slow tokenizer.
     """
 
     def __init__(
@@ -166,10 +182,14 @@ class ChatTokeniser:
         chat_template_kwargs: dict | None = None,
         over_length: str = "truncate",
         special_tokens_in_content: str = "text",
+        added_tokens_in_content: str = "token",
     ):
         if special_tokens_in_content not in SPECIAL_TOKENS_IN_CONTENT:
             raise BadConfig(f"special_tokens_in_content={special_tokens_in_content!r}: choose one of "
                             f"{', '.join(SPECIAL_TOKENS_IN_CONTENT)}")
+        if added_tokens_in_content not in ADDED_TOKENS_IN_CONTENT:
+            raise BadConfig(f"added_tokens_in_content={added_tokens_in_content!r}: choose one of "
+                            f"{', '.join(ADDED_TOKENS_IN_CONTENT)}")
         if max_length < MIN_CONSECUTIVE_SUPERVISED:
             raise BadConfig(f"max_length={max_length} tokens: must be at least {MIN_CONSECUTIVE_SUPERVISED}")
         if over_length not in OVER_LENGTH_POLICIES:
@@ -193,12 +213,25 @@ class ChatTokeniser:
         # The Rust tokenizer directly: one call gives ids and offsets without the Python wrapper.
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
         self.special_tokens_in_content = special_tokens_in_content
+        self.added_tokens_in_content = added_tokens_in_content
         self.special_tokens = _special_tokens(tokenizer)
-        self._special_re = (re.compile("|".join(re.escape(t) for t in sorted(self.special_tokens, key=len, reverse=True)))
-                            if self.special_tokens else None)
-        self._specials = tuple(sorted(self.special_tokens))  # placeholder k stands for _specials[k]
-        self._placeholder_of = {t: k for k, t in enumerate(self._specials)}
-        self._cut_re = _cut_pattern(tokenizer, self._specials)
+        self.added_tokens = {t: i for t, i in _added_tokens(tokenizer).items() if t not in self.special_tokens}
+        if added_tokens_in_content == "text" and self.added_tokens and self._backend is None:
+            raise BadConfig(f"added_tokens_in_content='text' needs a fast tokenizer; {type(tokenizer).__name__} is "
+                            "slow: load the model's fast tokenizer or keep --added-tokens-in-content token")
+        # The strings content may not hold as tokens: escaped by placeholders while the template renders.
+        escaped = dict(self.special_tokens) if special_tokens_in_content == "text" else {}
+        if added_tokens_in_content == "text":
+            escaped.update(self.added_tokens)
+        self._escape_re = (re.compile("|".join(re.escape(t) for t in sorted(escaped, key=len, reverse=True)))
+                           if escaped else None)
+        self._escaped = tuple(sorted(escaped))  # placeholder k stands for _escaped[k]
+        self._placeholder_of = {t: k for k, t in enumerate(self._escaped)}
+        # A render with placeholders is cut at every special token and every escaped string (all the
+        # template's own there), so its pieces hold none of them.
+        self._cut_ids = {**self.special_tokens, **escaped}
+        self._cut = tuple(sorted(self._cut_ids))
+        self._cut_re = _cut_pattern(tokenizer, self._cut)
         self._text_tokenizer = None  # built on first use (module docstring: content as text)
         self._text_lock = threading.Lock()
         self.end_of_turn_ids = self._probe_end_of_turn_ids()
@@ -394,11 +427,11 @@ class ChatTokeniser:
         messages = list(conv.messages)
         tools = list(conv.tools) if conv.tools else None
         esc = None
-        if self.special_tokens_in_content == "text" and self._special_re is not None:
+        if self._escape_re is not None:
             strings = [s for m in messages for k, v in m.items() if k != "role" for s in _strings(v)]
             strings += [s for s in _strings(tools)]
-            if any(self._special_re.search(s) for s in strings):
-                esc = _ContentEscape.for_strings(strings, self._specials, conv.record_id)
+            if any(self._escape_re.search(s) for s in strings):
+                esc = _ContentEscape.for_strings(strings, self._escaped, conv.record_id)
                 messages = [{k: (v if k == "role" else self._escape(v, esc)) for k, v in m.items()} for m in messages]
                 tools = self._escape(tools, esc)
         full = self._render(conv.record_id, messages, tools, add_generation_prompt=False)
@@ -407,7 +440,7 @@ class ChatTokeniser:
     def _escape(self, value: Any, esc: "_ContentEscape") -> Any:
         """``value`` with each special-token string in its strings (dict keys too) replaced by its placeholder."""
         if isinstance(value, str):
-            return self._special_re.sub(lambda m: esc.placeholder(self._placeholder_of[m.group()]), value)
+            return self._escape_re.sub(lambda m: esc.placeholder(self._placeholder_of[m.group()]), value)
         if isinstance(value, dict):
             return {self._escape(k, esc): self._escape(v, esc) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -451,7 +484,7 @@ class ChatTokeniser:
         pieces, specials, pos = [], [], 0
         for m in self._cut_re.finditer(rendered):
             pieces.append(rendered[pos:m.start()])
-            specials.append((m.group(), self.special_tokens[self._specials[int(m.lastgroup[1:])]]))
+            specials.append((m.group(), self._cut_ids[self._cut[int(m.lastgroup[1:])]]))
             pos = m.end()
         pieces.append(rendered[pos:])
         texts = [esc.unescape(p) for p in pieces]
@@ -460,8 +493,8 @@ class ChatTokeniser:
             if marker in text.lower():
                 raise BadRecord(esc.record_id, "template_error",
                                 f"the chat template altered the placeholder {esc.marker!r}... that stands for a "
-                                "special-token string of the content; use --special-tokens-in-content special to "
-                                "tokenise such strings as special tokens instead")
+                                "special-token (or added-token) string of the content; use --special-tokens-in-content "
+                                "special (and --added-tokens-in-content token) to tokenise such strings as tokens instead")
         encoded = self._encode_as_text(texts, with_offsets=with_offsets)
         ids: list[int] = []
         ends: list[np.ndarray] = []
@@ -485,7 +518,9 @@ class ChatTokeniser:
         A fast tokenizer: a copy of its Rust tokenizer with ``encode_special_tokens`` set, made once
         (the shared one is never switched: the tokenising thread of :meth:`encode_many` uses it
         meanwhile; ``tokenizer(..., split_special_tokens=True)`` on a fast tokenizer also leaves that
-        flag set on it, as measured with transformers 5.24, so this code never passes it one).
+        flag set on it, as measured with transformers 5.24, so this code never passes it one). With
+        ``added_tokens_in_content="text"`` the copy has the non-special added tokens marked special,
+        so that flag leaves them unmatched too (``encode_special_tokens`` skips special ones only).
         A slow tokenizer: ``split_special_tokens=True``, no offsets.
         """
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
@@ -495,7 +530,14 @@ class ChatTokeniser:
             if self._text_tokenizer is None:
                 from tokenizers import Tokenizer
 
-                text_tokenizer = Tokenizer.from_str(backend.to_str())
+                spec = backend.to_str()
+                if self.added_tokens_in_content == "text":
+                    raw = json.loads(spec)
+                    for token in raw.get("added_tokens", []):
+                        if token.get("content") in self.added_tokens:
+                            token["special"] = True
+                    spec = json.dumps(raw)
+                text_tokenizer = Tokenizer.from_str(spec)
                 text_tokenizer.encode_special_tokens = True
                 self._text_tokenizer = text_tokenizer
         encs = self._text_tokenizer.encode_batch(texts, add_special_tokens=False)
@@ -605,6 +647,11 @@ def _special_tokens(tokenizer) -> dict[str, int]:
         if isinstance(tid, int) and token not in out and token:
             out[token] = tid
     return out
+
+
+def _added_tokens(tokenizer) -> dict[str, int]:
+    """Added-token string -> id of every added token, special or not (``<think>`` is 151667 in Qwen3)."""
+    return {t.content: int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.content}
 
 
 def _cut_pattern(tokenizer, specials: tuple[str, ...]) -> re.Pattern:

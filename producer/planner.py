@@ -40,7 +40,8 @@ from hsx.shard import StoreDtype
 from hsx.store import Store, exists, open_store
 from producer.batching import cut_batches
 from producer.datasets import EXAMPLES_PER_REASON, SkipCounter, dataset_files, iter_conversations
-from producer.masks import MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES, SPECIAL_TOKENS_IN_CONTENT
+from producer.masks import (ADDED_TOKENS_IN_CONTENT, MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES,
+                            SPECIAL_TOKENS_IN_CONTENT)
 from producer.sources import Source, SourceOptions, open_source
 from producer.tokenising import TokeniserSpec, Tokenisers, default_num_proc
 from producer.words import plural
@@ -78,6 +79,9 @@ class PlanOptions:
     #: Special-token strings inside message content: "text" (plain text, the default) or "special"
     #: (special tokens, as runs before this option; for datasets that embed them on purpose).
     special_tokens_in_content: str = "text"
+    #: Strings of added tokens that are not special (Qwen3's <think>) inside message content:
+    #: "token" (their ids, as a serving engine tokenises the prompt; the default) or "text".
+    added_tokens_in_content: str = "token"
     #: The command line that asked for the plan, recorded in plan/planning.json (status shows it when planning failed).
     command: str | None = None
     #: Of a Hugging Face dataset: the split and the subset (config name); None: its default.
@@ -167,6 +171,9 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
     if opts.special_tokens_in_content not in SPECIAL_TOKENS_IN_CONTENT:
         raise BadConfig(f"--special-tokens-in-content {opts.special_tokens_in_content!r}: choose one of "
                         f"{', '.join(SPECIAL_TOKENS_IN_CONTENT)}")
+    if opts.added_tokens_in_content not in ADDED_TOKENS_IN_CONTENT:
+        raise BadConfig(f"--added-tokens-in-content {opts.added_tokens_in_content!r}: choose one of "
+                        f"{', '.join(ADDED_TOKENS_IN_CONTENT)}")
     if opts.run_id is not None:
         try:
             check_run_id(opts.run_id)
@@ -199,7 +206,7 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
     spec = TokeniserSpec(model=opts.model, cache_dir=str(settings.cache_dir), trust_remote_code=settings.trust_remote_code,
                          max_length=max_length, enable_thinking=opts.enable_thinking, over_length=opts.over_length,
                          special_tokens_in_content=opts.special_tokens_in_content, allow_text=opts.allow_text,
-                         chat_template=template_text)
+                         chat_template=template_text, added_tokens_in_content=opts.added_tokens_in_content)
     try:
         tokenizer, chat = spec.build()
     except BadRecord as exc:  # the template fails on the probe conversation (producer/masks.py)
@@ -223,6 +230,7 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
         sample_policy={"over_length": opts.over_length, "allow_text": opts.allow_text,
                        "min_consecutive_supervised": MIN_CONSECUTIVE_SUPERVISED},
         special_tokens_in_content=opts.special_tokens_in_content,
+        added_tokens_in_content=opts.added_tokens_in_content,
         plan_windows=list(PLAN_WINDOWS),
         dataset_options=options.identity(),
         dataset_fingerprint=source.fingerprint(),

@@ -57,6 +57,7 @@ class TokeniserSpec:
     special_tokens_in_content: str
     allow_text: bool
     chat_template: str | None = None
+    added_tokens_in_content: str = "token"
 
     def build(self, tokenizer=None):
         """The tokenizer (loaded from the model, unless given) and its ChatTokeniser. Raises BadConfig."""
@@ -70,7 +71,8 @@ class TokeniserSpec:
                 tokenizer.chat_template = self.chat_template
         return tokenizer, ChatTokeniser(tokenizer, max_length=self.max_length, enable_thinking=self.enable_thinking,
                                         over_length=self.over_length,
-                                        special_tokens_in_content=self.special_tokens_in_content)
+                                        special_tokens_in_content=self.special_tokens_in_content,
+                                        added_tokens_in_content=self.added_tokens_in_content)
 
 
 @dataclass

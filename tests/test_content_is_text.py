@@ -175,7 +175,7 @@ def test_the_cut_at_template_tokens_gives_the_tokenizers_own_ids_and_offsets_on_
     ShareGPT renders gives exactly the ids and end offsets of tokenising the whole render: the template's
     tokens come out special and every piece is tokenised as the tokenizer itself tokenises it."""
     convs = list(iter_conversations("sharegpt", SkipCounter(), limit=60))
-    esc = _ContentEscape("r", "hsxesc0", chat._specials)  # stands for nothing: the render is unchanged
+    esc = _ContentEscape("r", "hsxesc0", chat._escaped)  # stands for nothing: the render is unchanged
     headers = 0
     for conv in convs:
         full = _render(tok, conv)
@@ -204,7 +204,7 @@ def test_the_cut_honours_a_special_tokens_rstrip_flag(tok):
     full = _render(stripping, conv)
     want = stripping.backend_tokenizer.encode(full, add_special_tokens=False).ids
     assert len(want) < len(tok.backend_tokenizer.encode(full, add_special_tokens=False).ids)  # "\n" absorbed
-    assert chat._tokenise_escaped(full, _ContentEscape("r", "hsxesc0", chat._specials), with_offsets=True)[0] == want
+    assert chat._tokenise_escaped(full, _ContentEscape("r", "hsxesc0", chat._escaped), with_offsets=True)[0] == want
 
 
 # --- the escaped path's other guarantees -----------------------------------------------------------
@@ -270,3 +270,99 @@ def test_an_unknown_mode_is_refused():
     tok = AutoTokenizer.from_pretrained(str(QWEN3_TOKENIZER_DIR))
     with pytest.raises(BadConfig, match="special_tokens_in_content='raw': choose one of text, special"):
         ChatTokeniser(tok, max_length=64, special_tokens_in_content="raw")
+
+
+# --- added tokens that are not special (issue 22, item 2) ---------------------------------------
+
+THINK, TOOL_CALL = 151667, 151657
+#: Text with the strings of three non-special added tokens of Qwen3 (<think>, </think>, <tool_call>).
+ADDED = "the tags <think> and </think> and <tool_call> here"
+ADDED_NEUTRAL = "the tags QQdQQ and QQeQQ and QQfQQ here"
+_ADDED_BACK = (("QQdQQ", "<think>"), ("QQeQQ", "</think>"), ("QQfQQ", "<tool_call>"))
+
+
+@pytest.fixture(scope="module")
+def added_as_text(tok):
+    return ChatTokeniser(tok, max_length=1 << 20, added_tokens_in_content="text")
+
+
+def _added_back(text: str) -> str:
+    for neutral, added in _ADDED_BACK:
+        text = text.replace(neutral, added)
+    return text
+
+
+def _added_ids(tok, ids) -> list[int]:
+    added = set(tok.added_tokens_decoder)
+    return [int(i) for i in ids if int(i) in added]
+
+
+def test_by_default_a_literal_think_in_content_is_its_token_as_a_serving_engine_tokenises_the_prompt(tok, chat):
+    """``<think>`` in a user turn becomes 151667, the id the template opens reasoning with: the ids of the
+    whole render tokenised at once, which is what vLLM and SGLang feed the target for this conversation."""
+    conv = Conversation("think", ({"role": "user", "content": "What does <think> mean?"},
+                                  {"role": "assistant", "content": "It opens reasoning."}))
+    ids = chat.encode(conv).input_ids.tolist()
+    assert ids == tok(_render(tok, conv), add_special_tokens=False)["input_ids"]
+    user_turn = ids[1:ids.index(IM_END)]
+    assert THINK in user_turn
+
+
+@pytest.mark.parametrize("where", ["system", "user", "assistant", "tool", "reasoning", "tool_call", "tool_definition"])
+def test_added_tokens_in_content_text_makes_their_strings_text_in_every_place_content_can_be(tok, added_as_text, where):
+    """With ``added_tokens_in_content="text"`` the row decodes to the render, its added-token ids (special
+    or not) are exactly those of the same conversation with ordinary text there, so <think> and
+    <tool_call> appear only where the template writes them, and the mask supervises the same text."""
+    conv, neutral = _with(where, ADDED), _with(where, ADDED_NEUTRAL)
+    got, ref = added_as_text.encode(conv), added_as_text.encode(neutral)
+    assert tok.decode(got.input_ids.tolist()) == _render(tok, conv)
+    assert _added_ids(tok, got.input_ids) == _added_ids(tok, ref.input_ids)
+    assert _span_texts(tok, got) == [_added_back(t) for t in _span_texts(tok, ref)]
+
+
+def test_the_templates_own_think_and_tool_call_stay_tokens_in_text_mode(tok, chat, added_as_text):
+    """The reply's reasoning block and tool call are rendered by the template: their tags keep their ids
+    in both modes; only the content's literal tags change."""
+    conv = _with("user", ADDED)
+    template_only = chat.encode(_with("user", ADDED_NEUTRAL)).input_ids.tolist()
+    by_token, as_text = chat.encode(conv).input_ids.tolist(), added_as_text.encode(conv).input_ids.tolist()
+    # the template's own: the last reply's <think>, the call, the tool instructions of the system turn
+    assert template_only.count(THINK) == 1 and template_only.count(TOOL_CALL) == 3
+    assert as_text.count(THINK) == 1 and as_text.count(TOOL_CALL) == 3
+    assert by_token.count(THINK) == 2 and by_token.count(TOOL_CALL) == 4  # and the user's literal ones
+
+
+def test_both_added_token_modes_give_the_same_samples_without_such_strings(tok, chat, added_as_text):
+    """On 150 real ShareGPT records the two modes agree wherever no record holds an added-token string."""
+    convs = list(iter_conversations("sharegpt", SkipCounter(), limit=150))
+    added = [t for t in tok.added_tokens_decoder.values() if not t.special]
+    compared = 0
+    for conv, a, b in zip(convs, chat.encode_many(convs), added_as_text.encode_many(convs)):
+        if any(t.content in json.dumps(conv.messages, ensure_ascii=False) for t in added):
+            continue
+        assert type(a) is type(b), conv.record_id
+        if isinstance(a, TokenisedSample):
+            assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask), conv.record_id
+            compared += 1
+    assert compared >= 140
+
+
+def test_an_unknown_added_token_mode_is_refused():
+    tok = AutoTokenizer.from_pretrained(str(QWEN3_TOKENIZER_DIR))
+    with pytest.raises(BadConfig, match="added_tokens_in_content='special': choose one of token, text"):
+        ChatTokeniser(tok, max_length=64, added_tokens_in_content="special")
+
+
+def test_in_text_mode_an_inline_think_block_is_reply_text_and_reasoning_must_come_in_its_field(tok, chat, added_as_text):
+    """The template no longer sees an inline ``<think>`` block (its tags are placeholders while it renders):
+    the reply keeps it as literal text after the template's empty block. ``reasoning_content`` is rendered
+    as reasoning in both modes."""
+    inline = Conversation("i", ({"role": "user", "content": "Q"},
+                                {"role": "assistant", "content": "<think>\nr\n</think>\n\nA"}))
+    field = Conversation("f", ({"role": "user", "content": "Q"},
+                               {"role": "assistant", "content": "A", "reasoning_content": "r"}))
+    assert _span_texts(tok, chat.encode(inline)) == ["<think>\nr\n</think>\n\nA<|im_end|>"]
+    text_inline = added_as_text.encode(inline)
+    assert _span_texts(tok, text_inline) == [EMPTY_THINK + "<think>\nr\n</think>\n\nA<|im_end|>"]
+    assert text_inline.input_ids.tolist().count(THINK) == 1  # the template's empty block only
+    assert np.array_equal(added_as_text.encode(field).input_ids, chat.encode(field).input_ids)

@@ -20,9 +20,11 @@ from hsx.errors import RunConflict, RunFormatError
 from hsx.runconfig import (
     IDENTITY_FIELDS,
     IDENTITY_VERSION,
+    IDENTITY_FIELDS_UNLESS_DEFAULT,
     NON_IDENTITY_FIELDS,
     RunConfig,
     claim_run,
+    diff_identity,
     load_run,
 )
 from hsx.store import open_store
@@ -94,11 +96,13 @@ def test_resuming_a_run_written_before_identity_version_with_the_same_options_is
 
 
 def test_every_field_is_either_in_the_identity_or_declared_outside_it():
-    """Adding a RunConfig field forces a decision: list it in NON_IDENTITY_FIELDS, or bump IDENTITY_VERSION."""
+    """Adding a RunConfig field forces a decision: list it in NON_IDENTITY_FIELDS, in
+    IDENTITY_FIELDS_UNLESS_DEFAULT, or bump IDENTITY_VERSION."""
     names = set(RunConfig.field_names())
     identity = set(IDENTITY_FIELDS[IDENTITY_VERSION])
     assert identity.isdisjoint(NON_IDENTITY_FIELDS)
-    assert names == identity | set(NON_IDENTITY_FIELDS)
+    assert identity.isdisjoint(IDENTITY_FIELDS_UNLESS_DEFAULT) and set(NON_IDENTITY_FIELDS).isdisjoint(IDENTITY_FIELDS_UNLESS_DEFAULT)
+    assert names == identity | set(NON_IDENTITY_FIELDS) | set(IDENTITY_FIELDS_UNLESS_DEFAULT)
 
 
 def test_version_1_hashes_exactly_what_runs_before_identity_version_hashed():
@@ -271,3 +275,48 @@ def test_a_run_json_of_an_unknown_identity_version_is_refused_with_what_to_do(tm
     (run_dir / "run.json").write_text(json.dumps(raw))
     with pytest.raises(RunFormatError, match="newer hsx, upgrade"):
         load_run(open_store(str(run_dir)))
+
+
+# --- added tokens in content (issue 22, item 2): hashed only when not the default --------------
+
+
+def test_added_tokens_in_content_is_hashed_only_when_text_so_earlier_runs_keep_their_ids():
+    """Every run before the choice kept the ids of non-special added tokens (``token``): a run.json
+    without the field reads as ``token``, and ``token`` is not hashed, so those runs and the same
+    options planned now keep one id; ``text`` gives another id and is named in a conflict."""
+    legacy = _legacy_config()
+    assert legacy.added_tokens_in_content == "token" and legacy.identity_sha256() == LEGACY_SHA
+    config = _new_config()
+    written = json.loads(config.to_json())
+    assert written["added_tokens_in_content"] == "token"
+    without = RunConfig.from_json(json.dumps({k: v for k, v in written.items() if k != "added_tokens_in_content"}).encode())
+    assert without.added_tokens_in_content == "token"
+    assert "added_tokens_in_content" not in config.identity()
+    assert without.identity_sha256() == config.identity_sha256()
+    as_text = _new_config(added_tokens_in_content="text")
+    assert as_text.identity()["added_tokens_in_content"] == "text"
+    assert as_text.default_run_id("chats") != config.default_run_id("chats")
+    assert RunConfig.from_json(as_text.to_json()).identity_sha256() == as_text.identity_sha256()
+    assert diff_identity(config.identity(), as_text.identity()) == [
+        'added_tokens_in_content: stored null != requested "text"']
+
+
+def test_the_planner_records_the_added_token_mode_and_tokenises_content_by_it(tmp_path, tiny_cache):
+    """``--added-tokens-in-content text``: run.json says so, and a user's literal <think> is planned as
+    text (no 151667 in the sample); the default plans it as the token and records ``token``."""
+    from hsx.plan import read_batch
+    from producer.planner import plan_run
+    from plans import plan_options, plan_settings
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"id": "t", "messages": [{"role": "user", "content": "What is <think> for?"},
+                                                         {"role": "assistant", "content": "Reasoning."}]}) + "\n")
+    seen = {}
+    for mode in ("token", "text"):
+        run = plan_run(plan_options(tmp_path / mode, chats, added_tokens_in_content=mode), plan_settings(tiny_cache))
+        stored = json.loads((tmp_path / mode / run.config.run_id / "run.json").read_bytes())
+        assert stored["added_tokens_in_content"] == mode
+        (batch,) = run.batches
+        seen[mode] = read_batch(run.run_store, batch["batch"]).input_ids_T.tolist()
+    assert seen["token"].count(151667) == 2  # the user's and the template's (the reply's empty block)
+    assert seen["text"].count(151667) == 1
