@@ -269,8 +269,37 @@ def adopt_model(name: str, model: torch.nn.Module, info, *, warm_up: bool = True
     return target
 
 
+def load_device_map(device: torch.device) -> dict[str, torch.device]:
+    """The ``device_map`` of ``from_pretrained`` that puts the whole model on ``device`` (a bare
+    ``cuda`` is made ``cuda:<current device>``, the worker's one GPU under CUDA_VISIBLE_DEVICES).
+
+    Why a device map (transformers 5.24, read in ``.venv``): without one, ``from_pretrained``
+    builds every parameter on the CPU, so the whole checkpoint sits in host RAM before
+    ``model.to("cuda")`` (a worker then needs free host memory equal to its checkpoint). With
+    ``{"": device}``, each safetensors file is opened with ``safe_open(..., backend="mmap")`` and
+    every tensor is a lazy ``get_slice`` (``modeling_utils.py`` ``_load_pretrained_model``, l.
+    4559-4582); ``convert_and_load_state_dict_in_model`` (``core_model_loading.py`` l. 1938-1960)
+    materialises each one with ``_materialize_copy`` (l. 1461: ``tensor[...]`` then
+    ``.to(device=..., dtype=...)``) in a pool of ``GLOBAL_WORKERS = min(4, cpus)`` threads (l. 1458),
+    and the result lives on the device. Host memory holds the mapped file pages (page cache,
+    reclaimable; counted in the process's RSS as ``RssFile`` while the files are open) and at most
+    a few tensors in flight, never a second copy of the model. ``caching_allocator_warmup``
+    (``modeling_utils.py`` l. 5158) reserves the model's bytes on the GPU in one allocation first.
+    On the CPU the map changes nothing: the parameters are what they were without it (a checkpoint
+    already in the compute dtype stays mapped from the file, not copied). ``bench/load.py``
+    measures it (peak private and total RSS against the checkpoint's bytes, GB/s).
+    """
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return {"": device}
+
+
 def load_target(name: str, settings: Settings) -> Target:
     """Load ``name`` on this worker's device and run one warm-up forward.
+
+    The weights go from the safetensors files to the device one tensor at a time
+    (:func:`load_device_map`): a loading worker needs little free host memory besides the page
+    cache, whatever the checkpoint's size.
 
     The checkpoint's identity (``info.revision``: a hash of a local checkpoint's bytes, or the hub
     commit; ``hsx/models.py``) is computed before the weights are read and again after (from the
@@ -295,12 +324,13 @@ def load_target(name: str, settings: Settings) -> Target:
         dtype=dtype,
         use_safetensors=use_safetensors,
         trust_remote_code=settings.trust_remote_code,
+        device_map=load_device_map(device),  # straight to the device, one tensor at a time (load_device_map)
     )
     after = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     if after.revision != info.revision:
         raise BadConfig(f"checkpoint {path} changed while this worker loaded it (revision {info.revision} before, "
                         f"{after.revision} after): let whatever writes it finish, then start the worker again")
-    model.to(device).eval()
+    model.to(device).eval()  # a no-op: every tensor is on the device already (a buffer left behind would move)
     model.requires_grad_(False)
     check_kernels(model, device, settings)
     if settings.gdn_rows_as_sequences:

@@ -1,0 +1,323 @@
+"""How a worker loads its target: peak host memory against the checkpoint's size, GB/s, cold start.
+
+Each measurement runs in a fresh child process (``python bench/load.py child ...``), so that the
+memory figures are the loading process's own:
+
+- ``rss_peak_bytes``: ``VmHWM`` of ``/proc/self/status``, the peak resident set. It counts the
+  checkpoint's file pages that the loader maps (``RssFile``: page cache, which the kernel takes
+  back under pressure; on tmpfs the file's own pages) as well as private memory;
+- ``anon_peak_bytes``: the peak of ``RssAnon`` above the process's level before the load, sampled
+  every millisecond by a thread: the private copies of weights a loader makes, which is what
+  runs a host out of memory (a full second copy of the checkpoint shows as its whole size);
+- ``load_s`` and ``load_gb_s`` (checkpoint bytes / seconds of ``from_pretrained`` and the move to
+  the device); for ``--loader worker`` also ``identity_s`` (the checkpoint's identity: a ``stat``
+  per file once it is in the hash cache), ``warmup_s`` and ``ready_s`` (from the child's
+  process start, as the kernel stamped it, to the target ready for its first task).
+
+Loaders: ``worker`` is the path users run (``workers.target.load_target``: hash, load straight to
+the device, warm-up, memory probe); ``plain`` is the load without a device map followed by
+``model.to(device)`` (what the worker did before issue 20: the whole model in host memory first);
+``read`` is ``from_pretrained(disable_mmap=True)``, which reads every file into host memory
+(a loader that holds a full second copy: the control of the memory figure).
+
+Before the first child, the checkpoint's files are read once (page cache warm: ``--cold`` skips
+it) and its identity is computed once (the hash cache of ``--cache-dir``, as a planner's run
+leaves it on the machine).
+
+``--cold-start`` measures item 3 of issue 20 instead: three children of ``--loader worker``, each
+with an empty ``TRITON_CACHE_DIR``: ``first`` (the store holds no compile cache: it compiles, then
+saves its cache in the store), ``from_store`` (a new node: it downloads that cache before its
+warm-up) and ``no_store`` (``HSX_COMPILE_CACHE=false``: compiles again). The store is
+``--store`` (default: a fresh directory under the output's folder).
+
+    # on the GPU machine: a checkpoint given by path (random weights from a real config: --build)
+    python bench/load.py --build /work/shared/data/configs/qwen3.5-27b.json --layers 64 --dest /dev/shm/ckpt-27b
+    python bench/load.py /dev/shm/ckpt-27b --loader worker,plain --json bench/results/load-h200-27b.json
+    python bench/load.py /dev/shm/ckpt-27b --cold-start --json bench/results/cold-start-h200-27b.json
+    # on a CPU: a tiny checkpoint, fields only
+    python bench/load.py --build tests/data/configs/qwen3-8b.json --layers 1 --vocab 2048 --dest /tmp/ckpt
+    python bench/load.py /tmp/ckpt --loader worker,plain,read --json /tmp/load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+LOADERS = ("worker", "plain", "read")
+
+
+def proc_status() -> dict[str, int]:
+    """``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile``, ``RssShmem`` of this process in bytes (Linux)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class AnonPeak:
+    """The peak of ``RssAnon`` while the ``with`` block runs, sampled every ``every_s`` seconds."""
+
+    def __init__(self, every_s: float = 0.001):
+        self.every_s, self.peak, self._stop = every_s, 0, threading.Event()
+
+    def __enter__(self) -> "AnonPeak":
+        self.base = proc_status()["RssAnon"]
+        self.peak = self.base
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, proc_status()["RssAnon"])
+            time.sleep(self.every_s)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, proc_status()["RssAnon"])
+
+    @property
+    def above_base(self) -> int:
+        """Bytes of private memory at the peak above the level before the block."""
+        return self.peak - self.base
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes of the files that decide the checkpoint (``hsx.models.checkpoint_files``)."""
+    from hsx.models import checkpoint_files
+
+    return sum(f.stat().st_size for f in checkpoint_files(path))
+
+
+def process_start_epoch() -> float:
+    """When the kernel started this process (seconds since the epoch), from ``/proc/self/stat``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return time.time() - uptime + start_ticks / ticks
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def child(args) -> dict:
+    """One load in this process; returns its record (module docstring)."""
+    import torch
+
+    from settings import Settings
+
+    path = Path(args.checkpoint)
+    settings = Settings(_env_file=None, cache_dir=Path(args.cache_dir), device=args.device or None,
+                        **({"store_url": args.store} if args.store else {}))
+    record: dict = {"loader": args.loader, "checkpoint": str(path), "checkpoint_bytes": checkpoint_bytes(path)}
+    import_s = time.time() - process_start_epoch()  # interpreter start and imports, before any model work
+    with AnonPeak() as anon:
+        t0 = time.perf_counter()
+        if args.loader == "worker":
+            from hsx.models import model_info
+            from workers.target import load_target
+
+            t = time.perf_counter()
+            model_info(str(path), settings.cache_dir)
+            record["identity_s"] = round(time.perf_counter() - t, 3)
+            target = load_target(str(path), settings)
+            model, device = target.model, target.device
+            record.update(load_s=round(target.load_s, 3), warmup_s=round(target.warmup_s, 3),
+                          compile_cache=getattr(target, "compile_cache", None))
+            record["ready_s"] = round(time.time() - process_start_epoch(), 3)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            from workers.target import pick_device
+
+            device = pick_device(settings)
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True,
+                                                         disable_mmap=args.loader == "read")
+            model.to(device)
+            _sync(device)
+            record["load_s"] = round(time.perf_counter() - t0, 3)
+    status = proc_status()
+    params = [p for p in model.parameters()]
+    record.update(
+        device=str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        params_on_device=all(p.device.type == device.type for p in params),
+        import_s=round(import_s, 3),
+        rss_peak_bytes=status["VmHWM"],
+        rss_file_bytes_after=status["RssFile"],
+        anon_peak_bytes=anon.above_base,
+        anon_before_bytes=anon.base,
+        load_gb_s=round(record["checkpoint_bytes"] / record["load_s"] / 1e9, 3) if record["load_s"] else None,
+    )
+    record["rss_peak_over_checkpoint"] = round(record["rss_peak_bytes"] / record["checkpoint_bytes"], 4)
+    record["anon_peak_over_checkpoint"] = round(record["anon_peak_bytes"] / record["checkpoint_bytes"], 4)
+    return record
+
+
+def run_child(checkpoint: Path, loader: str, *, cache_dir: Path, device: str | None, store: str | None = None,
+              env: dict | None = None, timeout_s: float = 3600) -> dict:
+    """:func:`child` in a fresh process; returns its record. Raises RuntimeError with its stderr if it fails."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "child", str(checkpoint), "--loader", loader,
+           "--cache-dir", str(cache_dir)] + (["--device", device] if device else []) + (["--store", store] if store else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env or dict(os.environ), cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{loader} load of {checkpoint} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def read_files(path: Path) -> float:
+    """Read every checkpoint file once (into the page cache); returns seconds."""
+    from hsx.models import checkpoint_files
+
+    t0 = time.perf_counter()
+    buf = bytearray(64 << 20)
+    for f in checkpoint_files(path):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+    return time.perf_counter() - t0
+
+
+def build(config_path: Path, dest: Path, *, layers: int | None, vocab: int | None, dtype: str, device: str) -> dict:
+    """A checkpoint directory with random weights (normal, std 0.02) from the real config at
+    ``config_path`` (``text_config`` of a multimodal one), cut to ``layers`` decoder layers and a
+    ``vocab``-token vocabulary when given; safetensors in 5 GB shards, as releases are."""
+    import torch
+    import transformers
+
+    full = json.loads(config_path.read_text())
+    cfg = dict(full.get("text_config", full))
+    if layers:
+        cfg["num_hidden_layers"] = layers
+        if isinstance(cfg.get("layer_types"), list):
+            cfg["layer_types"] = cfg["layer_types"][:layers]
+    if vocab:
+        cfg.update(vocab_size=vocab, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    for key in ("torch_dtype", "dtype", "transformers_version"):
+        cfg.pop(key, None)
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen)  # buffers (rotary inv_freq) are not saved: the loader computes them
+    model.save_pretrained(dest, safe_serialization=True, max_shard_size="5GB")
+    return {"checkpoint": str(dest), "checkpoint_bytes": checkpoint_bytes(dest), "build_s": round(time.perf_counter() - t0, 1)}
+
+
+def environment() -> dict:
+    import torch
+
+    from workers.target import _version
+
+    return {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": _version("transformers"), "cpus": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "mem_total_bytes": _meminfo().get("MemTotal"), "mem_available_bytes": _meminfo().get("MemAvailable")}
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def cold_start(checkpoint: Path, *, cache_dir: Path, device: str | None, store: str, work: Path) -> dict:
+    """The three children of ``--cold-start`` (module docstring); returns ``{case: record}``."""
+    out = {}
+    for case in ("first", "from_store", "no_store"):
+        env = dict(os.environ, TRITON_CACHE_DIR=str(Path(tempfile.mkdtemp(prefix=f"triton-{case}-", dir=work))))
+        env.pop("HSX_COMPILE_CACHE", None)
+        if case == "no_store":
+            env["HSX_COMPILE_CACHE"] = "false"
+        out[case] = run_child(checkpoint, "worker", cache_dir=cache_dir, device=device, store=store, env=env)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", nargs="?", help="checkpoint directory (or 'child CHECKPOINT' for one load)")
+    parser.add_argument("rest", nargs="?")
+    parser.add_argument("--loader", default="worker", help=f"comma-separated, of {', '.join(LOADERS)}")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--cache-dir", default=None, help="HSX cache dir of the children (default: a fresh one beside --json)")
+    parser.add_argument("--store", default=None, help="the workers' store root (HSX_STORE_URL) for --cold-start")
+    parser.add_argument("--cold-start", action="store_true", help="measure cold starts with and without the compile cache")
+    parser.add_argument("--cold", action="store_true", help="do not read the files into the page cache first")
+    parser.add_argument("--json", default=None, help="write the result here (default: stdout only)")
+    parser.add_argument("--build", default=None, metavar="CONFIG", help="build a random checkpoint from this config.json")
+    parser.add_argument("--dest", default=None, help="with --build: the checkpoint directory to write")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--vocab", type=int, default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args(argv)
+
+    if args.checkpoint == "child":
+        args.checkpoint = args.rest
+        print(json.dumps(child(args)))
+        return 0
+    if args.build:
+        import torch
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        result = build(Path(args.build), Path(args.dest), layers=args.layers, vocab=args.vocab, dtype=args.dtype, device=device)
+        print(json.dumps(result))
+        return 0
+    if not args.checkpoint:
+        parser.error("give a checkpoint directory (or --build CONFIG --dest DIR)")
+    checkpoint = Path(args.checkpoint)
+    work = Path(tempfile.mkdtemp(prefix="hsx-load-bench-"))
+    cache_dir = Path(args.cache_dir) if args.cache_dir else work / "cache"
+    from hsx.models import model_info
+
+    t0 = time.perf_counter()
+    model_info(str(checkpoint), cache_dir)  # the hash cache, as the planner leaves it
+    result: dict = {"bench": "load", "environment": environment(), "checkpoint": str(checkpoint),
+                    "checkpoint_bytes": checkpoint_bytes(checkpoint), "first_identity_s": round(time.perf_counter() - t0, 2),
+                    "page_cache_warm": not args.cold}
+    if not args.cold:
+        result["read_files_s"] = round(read_files(checkpoint), 2)
+    if args.cold_start:
+        store = args.store or str(work / "store")
+        result["cold_start"] = cold_start(checkpoint, cache_dir=cache_dir, device=args.device, store=store, work=work)
+    else:
+        result["loads"] = {loader: run_child(checkpoint, loader, cache_dir=cache_dir, device=args.device)
+                           for loader in args.loader.split(",")}
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
