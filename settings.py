@@ -129,6 +129,11 @@ class Settings(BaseSettings):
     """On CUDA with fla, run a batch's rows through the Gated DeltaNet kernel as one variable-length
     row (``workers.target.RowsAsSequences``): the same values, and one compiled kernel variant for
     every batch size instead of one per row count (a cold start of seconds, not minutes)."""
+    compile_cache: bool = True
+    """Share Triton's compile cache (``TRITON_CACHE_DIR``) through the store: the first CUDA worker
+    that warms up without it stores its cache at ``compile-cache/triton/<GPU arch + torch, triton,
+    fla versions>.tar.gz`` under ``HSX_STORE_URL``; later workers (a new node's) unpack it before
+    their warm-up and compile nothing (``workers/compile_cache.py``)."""
     gpus_per_worker: int = Field(default=1, ge=1)
     """GPUs of one worker process: ``python -m workers`` splits the visible GPUs into consecutive
     groups of this many (their count must be a multiple of it) and starts one worker per group, its

@@ -288,6 +288,8 @@ def file_sha256(path: Path, cache_dir: Path) -> str:
     except OSError as exc:
         log.warning("checkpoint hash cache %s is not usable (%s): hashing %s without it", entry.parent, exc, real)
     try:
+        # Said, because it is slow (minutes for a large checkpoint) and should happen once per machine.
+        log.info("hashing %s (%.2f GB): not in the checkpoint hash cache %s", real, st.st_size / 1e9, entry.parent)
         digest = _sha256_of_bytes(real)
         if real.parent.name == "blobs" and _HF_BLOB.fullmatch(real.name) and digest != real.name:
             log.warning("%s: its bytes hash to %s, not to its name: the blob was changed after the hub downloaded it; "

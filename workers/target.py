@@ -19,6 +19,7 @@ from hsx.decoder import decoder_of
 from hsx.errors import BadConfig
 from hsx.models import model_info, resolve_model_path, safetensors_only
 from settings import Settings
+from workers import compile_cache
 from workers.capture import capture_batch
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class Target:
     warmup_s: float
     max_forward_tokens: int | None = None
     """Most padded tokens one forward may hold (:func:`forward_tokens_that_fit`); None: no limit."""
+    compile_cache: dict | None = None
+    """What the warm-up did with the compile cache in the store (``workers.compile_cache.around_warm_up``);
+    None when nothing travels (CPU, ``HSX_COMPILE_CACHE=false``, no Triton)."""
     gpu_lock: threading.Lock = field(default_factory=threading.Lock)
     """Held during the forward and the device-to-host copy: with two task threads per worker, one
     batch runs on the GPU while the other writes and stores its shard."""
@@ -339,12 +343,19 @@ def load_target(name: str, settings: Settings) -> Target:
     pad = _pad_id(model)
     engine = _engine(model, device, dtype)
     t1 = time.perf_counter()
-    _warm_up(model, info, pad, settings.max_batch_samples)
+    shared = compile_cache.for_worker(settings, device)
+    if shared is None:
+        _warm_up(model, info, pad, settings.max_batch_samples)
+        cache_record = None
+    else:  # Triton's kernels from the store before the warm-up, stored after it if the store had none
+        store, key, cache_dir = shared
+        cache_record = compile_cache.around_warm_up(store, key, cache_dir,
+                                                    lambda: _warm_up(model, info, pad, settings.max_batch_samples))
     warmup_s = time.perf_counter() - t1
     max_forward = settings.max_forward_tokens or forward_tokens_that_fit(model)
     log.info("target %s loaded on %s in %.1f s, warm-up %.1f s, kernels %s, at most %s padded tokens per forward",
              name, device, load_s, warmup_s, kernel_report(model), f"{max_forward:,}" if max_forward else "unlimited")
-    return Target(name, model, device, dtype, info, engine, pad, load_s, warmup_s, max_forward)
+    return Target(name, model, device, dtype, info, engine, pad, load_s, warmup_s, max_forward, cache_record)
 
 
 #: Sample lengths of the warm-up batches. Triton compiles one variant of a kernel per

@@ -1,0 +1,208 @@
+"""Triton's compile cache travels through the store: a new node's workers do not compile again.
+
+fla's kernels are JIT-compiled by Triton at a worker's warm-up (~48 s for a Gated DeltaNet 27B on
+an H200 with an empty cache, issue 20), into ``TRITON_CACHE_DIR`` (default ``~/.triton/cache``):
+compiled kernels and, for fla's autotuned kernels, the autotune results. Every new node paid it.
+
+Now the first worker that warms up with no shared cache packs its cache directory into a gzip'd
+tar and stores it at the root of its store (``HSX_STORE_URL``) under
+
+    compile-cache/triton/<key>.tar.gz      key = sm<major><minor>-torch<v>-triton<v>-fla<v>
+
+(:func:`cache_key`: the GPU architecture and the versions that decide the compiled code), with
+the store's create-if-absent (``Store.create``), so that of the workers racing, one writes it.
+A worker that finds that archive before its warm-up unpacks it into its ``TRITON_CACHE_DIR``
+(files it already has are kept; each file lands with an atomic rename, so workers of one node
+that share the directory can do it at once), and Triton finds every kernel compiled. Nothing of it
+stops a worker: a store that fails, or an archive that cannot be read, is logged and the worker
+compiles as before. ``HSX_COMPILE_CACHE=false`` turns it off.
+
+The archive is a tar (``tarfile``, unpacked with its ``data`` filter: no absolute paths, no
+``..``, no links out, no devices); it holds compiled GPU code, so it is as trusted as the store
+the fleet writes its shards to. On the CPU nothing is compiled and nothing travels.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import logging
+import os
+import re
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: Where the archives live, under the store root.
+STORE_PREFIX = "compile-cache/triton/"
+
+
+def triton_cache_dir() -> Path:
+    """Triton's cache directory in this process: ``TRITON_CACHE_DIR``, else ``~/.triton/cache``."""
+    given = os.environ.get("TRITON_CACHE_DIR")
+    return Path(given) if given else Path.home() / ".triton" / "cache"
+
+
+def _version(*dists: str) -> str:
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "none"
+
+
+def cache_key(capability: tuple[int, int], versions: dict[str, str] | None = None) -> str:
+    """The archive's key for a GPU of compute ``capability`` (``(9, 0)`` on an H200).
+
+    ``versions``: ``{"torch", "triton", "fla"}`` (default: this process's installed versions:
+    torch, triton, flash-linear-attention or fla-core). Characters other than letters, digits,
+    ``.``, ``_`` and ``-`` become ``_`` (``2.13.0+cu128`` -> ``2.13.0_cu128``).
+    """
+    if versions is None:
+        versions = {"torch": _version("torch"), "triton": _version("triton"),
+                    "fla": _version("flash-linear-attention", "fla-core")}
+    name = f"sm{capability[0]}{capability[1]}-" + "-".join(f"{k}{versions[k]}" for k in ("torch", "triton", "fla"))
+    return STORE_PREFIX + re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".tar.gz"
+
+
+def _files(cache_dir: Path) -> list[Path]:
+    # Triton writes into temp directories (``tmp.pid_...``) then renames: those are half written.
+    out = []
+    for path in sorted(cache_dir.rglob("*")):
+        rel = path.relative_to(cache_dir)
+        if path.is_file() and not path.is_symlink() and not any(part.startswith("tmp") for part in rel.parts):
+            out.append(path)
+    return out
+
+
+def pack(cache_dir: Path) -> tuple[bytes, int]:
+    """The files of ``cache_dir`` as a gzip'd tar (paths relative to it), and how many files.
+
+    Raises OSError when the directory cannot be read.
+    """
+    buf = io.BytesIO()
+    files = _files(cache_dir)
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path in files:
+            tar.add(path, arcname=str(path.relative_to(cache_dir)), recursive=False)
+    return buf.getvalue(), len(files)
+
+
+def unpack(data: bytes, cache_dir: Path) -> int:
+    """Put the files of the archive ``data`` into ``cache_dir``; returns how many were added.
+
+    Files ``cache_dir`` already has are kept. Each file is unpacked into a temp directory beside
+    ``cache_dir`` (``tarfile``'s ``data`` filter) and renamed into place, so a process that reads
+    the cache at the same time sees a file whole or not at all.
+
+    Raises:
+        tarfile.TarError: ``data`` is not such an archive, or a member breaks the filter's rules.
+        OSError: ``cache_dir`` cannot be written.
+    """
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    added = 0
+    with tempfile.TemporaryDirectory(prefix=".hsx-unpack-", dir=cache_dir.parent) as tmp:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            tar.extractall(tmp, filter="data")
+        for src in sorted(Path(tmp).rglob("*")):
+            if not src.is_file():
+                continue
+            dest = cache_dir / src.relative_to(tmp)
+            if dest.exists():
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dest)
+            added += 1
+    return added
+
+
+def restore(store, key: str, cache_dir: Path) -> dict | None:
+    """Unpack the archive at ``key`` of ``store`` into ``cache_dir`` before a warm-up.
+
+    Returns ``{"key", "files_added", "bytes", "seconds"}``, or None when the store holds no
+    archive there, or it could not be read or unpacked (logged: the warm-up then compiles).
+    """
+    from hsx.store import MissingKey
+
+    t0 = time.perf_counter()
+    try:
+        data = store.read(key)
+    except MissingKey:
+        log.info("no compile cache %s in %s yet: this worker's warm-up compiles (and stores what it compiled)",
+                 key, store.url)
+        return None
+    except Exception as exc:  # the store is down or refuses us: compiling is slower, not wrong
+        log.warning("compile cache %s not read from %s (%s: %s): the warm-up compiles", key, store.url,
+                    exc.__class__.__name__, exc)
+        return None
+    try:
+        added = unpack(data, cache_dir)
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        log.warning("compile cache %s from %s not unpacked into %s (%s: %s): the warm-up compiles", key, store.url,
+                    cache_dir, exc.__class__.__name__, exc)
+        return None
+    seconds = time.perf_counter() - t0
+    log.info("compile cache %s: %d file(s) (%.1f MB) from %s into %s in %.1f s", key, added, len(data) / 1e6,
+             store.url, cache_dir, seconds)
+    return {"key": key, "files_added": added, "bytes": len(data), "seconds": round(seconds, 3)}
+
+
+def save(store, key: str, cache_dir: Path) -> dict | None:
+    """Store ``cache_dir`` as the archive at ``key`` unless the store has one already (create-if-absent).
+
+    Returns ``{"key", "files", "bytes", "seconds"}`` when this call stored it; None when another
+    worker had, the directory is empty, or the store failed (logged; nothing else depends on it).
+    """
+    t0 = time.perf_counter()
+    try:
+        if store.size(key) is not None:
+            return None  # another worker stored it while this one warmed up
+        data, files = pack(cache_dir)
+        if not files:
+            return None
+        if not store.create(key, data):
+            return None
+    except Exception as exc:
+        log.warning("compile cache %s not stored in %s (%s: %s); the next node's workers compile again", key,
+                    store.url, exc.__class__.__name__, exc)
+        return None
+    seconds = time.perf_counter() - t0
+    log.info("compile cache %s: %d file(s) (%.1f MB) of %s stored in %s in %.1f s", key, files, len(data) / 1e6,
+             cache_dir, store.url, seconds)
+    return {"key": key, "files": files, "bytes": len(data), "seconds": round(seconds, 3)}
+
+
+def around_warm_up(store, key: str, cache_dir: Path, warm_up) -> dict:
+    """Run ``warm_up()`` with the shared compile cache: restore it first, store it after when the
+    store had none. Returns ``{"key", "cache_dir", "restored": restore's record or None,
+    "saved": save's record or None}``. ``warm_up``'s own exceptions propagate (nothing is stored)."""
+    restored = restore(store, key, cache_dir)
+    warm_up()
+    saved = None if restored is not None else save(store, key, cache_dir)
+    return {"key": key, "cache_dir": str(cache_dir), "restored": restored, "saved": saved}
+
+
+def for_worker(settings, device):
+    """``(store, key, cache_dir)`` for a worker on ``device``, or None when nothing travels: not
+    CUDA, ``HSX_COMPILE_CACHE`` off, Triton not installed, or the store root cannot be opened (logged)."""
+    if not settings.compile_cache or device.type != "cuda":
+        return None
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return None
+    import torch
+
+    from hsx.store import mask_url, open_store
+
+    try:
+        store = open_store(settings.store_url, settings, create=False)
+    except Exception as exc:
+        log.warning("compile cache: store %s not opened (%s: %s); the warm-up compiles", mask_url(settings.store_url),
+                    exc.__class__.__name__, exc)
+        return None
+    return store, cache_key(torch.cuda.get_device_capability(device)), triton_cache_dir()
