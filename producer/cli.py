@@ -290,6 +290,8 @@ def cmd_status(args, settings: Settings) -> int:
         try:
             watch = RunWatch(run_store, probe)
             watch.broker = run_broker(settings, watch.config.run_id, broker_url)
+            if not args.no_broker:  # resolve_broker_url found the embedded broker only if it answers
+                watch.embedded_live = bool(broker_url) and broker_url.startswith("redis+socket://")
         except MissingKey:
             console.print(_no_run_message(args.run_address, run_store), highlight=False)
             return 2

@@ -262,6 +262,9 @@ class RunWatch:
         self.run_store = run_store
         self.probe = probe
         self.broker = broker
+        self.embedded_live: bool | None = None
+        """Whether an embedded broker of a ``producer run`` answers on this machine (None: not asked,
+        ``--no-broker``): for a run on the embedded broker that no worker took, queued or stalled."""
         self.config = load_run(run_store)  # MissingKey: no run here
         self.batches: list[dict] = []
         """The batches planned so far: the batch list once the plan is complete, else the windows'."""
@@ -399,6 +402,12 @@ class RunWatch:
             planning_now = state == "planning"
             state, eta = "stalled", None
             stalled_reason, restart = self._stalled(workers, planning=planning_now, parked=parked or [])
+        elif state == "running" and not workers and not parked:
+            # No worker has ever reported on the run: nothing runs it, whatever the queue holds.
+            state, eta = "queued", None
+            stalled_reason, restart = self._not_taken(broker)
+            if self.broker == "embedded" and self.embedded_live is False:
+                state = "stalled"  # its `producer run` is gone: no worker will come for these batches
         cancelled = Cancelled.read(store) if not (self.plan_complete and len(done) == total) else None
         resume = None
         if cancelled is not None:  # `producer cancel`: nothing of it starts until the same command runs again
@@ -419,6 +428,7 @@ class RunWatch:
             "state": state,
             "stalled_reason": stalled_reason,
             "restart": restart,
+            "run_broker": self.broker,
             "planned": self.plan_complete,
             "plan_complete": self.plan_complete,
             "plan_error": plan_error,
@@ -499,6 +509,32 @@ class RunWatch:
         if planning:
             why += " (the planner still writes the plan)"
         return why, restart
+
+    def _not_taken(self, broker: dict | None) -> tuple[str, str]:
+        """(why no batch of the run was taken, the command that starts workers for it) when no worker
+        ever reported on the run; ``broker``: what the probe read (None: not asked)."""
+        root = self.run_store.url.rsplit("/", 1)[0]
+        asked = broker is not None and "error" not in broker
+        if self.broker == "embedded":
+            if self.embedded_live:
+                return ("no worker has taken a batch yet: the `python -m producer run` on this machine is starting "
+                        "its workers (they load and warm up the model first)",
+                        "nothing: its workers take the batches once started; if none does, read its workers log "
+                        f"(HSX_CACHE_DIR/logs/workers-{self.config.run_id}.log)")
+            if self.embedded_live is False:
+                return ("no worker took a batch of the run, and the `python -m producer run` that planned it is not "
+                        "running on this machine (it was stopped before its workers took one)", self._restart())
+            return ("no worker has taken a batch yet; whether its `python -m producer run` still runs is not known "
+                    "(--no-broker)", self._restart())
+        waiting = ""
+        if asked and (broker.get("queue") or {}).get("waiting") is not None:
+            waiting = f" ({broker['queue']['waiting']:,} messages wait on '{broker.get('queue_name')}', all runs)"
+        start = f"HSX_BROKER_URL={self.broker or 'redis://...'} HSX_STORE_URL={root} python -m workers"
+        reason = "queued: no worker has taken a batch of the run yet" + waiting
+        if self.broker:
+            return reason, f"start workers on the run's broker that serve its store: `{start}`"
+        return reason, (f"start workers on the broker it was enqueued on, serving its store: `{start}`; or, for a "
+                        "`python -m producer run`, run the same command again")
 
     def _restart(self, fix_first: str | None = None, planning: bool = False) -> str:
         """The command that restarts a stalled run, for the broker it was run on; ``fix_first``: what

@@ -74,7 +74,7 @@ def progress_table(status: dict) -> Table:
     total, done = status["batches_total"], status["batches_done"]
     state = status["state"]
     state_style = {"done": "green", "failed": "red", "plan_failed": "red", "running": "cyan", "stalled": "yellow",
-                   "planning": "yellow", "cancelled": "yellow"}.get(state, "")
+                   "planning": "yellow", "cancelled": "yellow", "queued": "yellow"}.get(state, "")
     t.add_row("state", Text(state, style=state_style))
     cancelled = status.get("cancelled")
     if cancelled and state == "cancelled":
@@ -83,8 +83,9 @@ def progress_table(status: dict) -> Table:
         t.add_row("cancelled", Text(f"by {cancelled.get('by')} at {cancelled.get('at')}{now}", style="yellow"))
         t.add_row("to resume", Text(status.get("resume") or ""))
     if status.get("stalled_reason"):
-        t.add_row("stalled", Text(status["stalled_reason"], style="yellow"))
-        t.add_row("to restart", Text(status.get("restart") or ""))
+        queued = state == "queued"
+        t.add_row("waiting" if queued else "stalled", Text(status["stalled_reason"], style="yellow"))
+        t.add_row("to start" if queued else "to restart", Text(status.get("restart") or ""))
     for g in status.get("parked") or []:
         t.add_row("parked", Text(f"{plural(len(g['batches']), 'batch')}: {g['reason'][:400]}", style="yellow"))
         t.add_row("fix", Text(g["fix"]))
@@ -148,7 +149,12 @@ def workers_table(status: dict) -> Table | Text:
     """One row per worker process: host, GPU, utilisation, memory, current batch, tokens/s, heartbeat, paused."""
     rows = status["workers"]
     if not rows:
-        hint = "" if status.get("broker") else " (set HSX_BROKER_URL to ask the workers for live GPU stats)"
+        if status.get("broker"):
+            hint = ""
+        elif status.get("run_broker") == "embedded":  # no HSX_BROKER_URL to set: its `producer run` is asked while it runs
+            hint = " (a `python -m producer run` starts its own workers; they are asked while it runs)"
+        else:
+            hint = " (set HSX_BROKER_URL to ask the workers for live GPU stats)"
         return Text(f"no workers seen yet{hint}", style="dim")
     t = Table(title="workers", title_justify="left")
     for name, justify in (("worker", "left"), ("device", "left"), ("util", "right"), ("memory", "right"),

@@ -190,7 +190,7 @@ def test_the_worker_logs_one_structured_line_per_batch(flower_job):
 
 
 def test_status_json_of_a_running_job_counts_what_is_done_and_the_live_worker(flower_job, tmp_path):
-    """Enqueued with no worker: 0 of N done, N waiting. Frozen mid-run: done counts equal the markers and the plan's
+    """Enqueued with no worker: queued, 0 of N done, N waiting. Frozen mid-run: done counts equal the markers and the plan's
     samples and tokens of those batches, with a rate and an ETA. Done: the live worker's row comes from gpu_stats (no GPU here)."""
     broker = flower_job["broker"]
     env = clean_env(cache_dir=flower_job["env"]["HSX_CACHE_DIR"], broker_url=broker.url, spool_dir=tmp_path / "spool", store_url=tmp_path / "out",
@@ -202,7 +202,7 @@ def test_status_json_of_a_running_job_counts_what_is_done_and_the_live_worker(fl
     assert len(batches) >= 6, "the job must have enough batches to be seen running"
 
     status = cli_json(run_cli("producer", ["status", enq["address"], "--json"], env))
-    assert status["state"] == "running" and status["batches_done"] == 0 and status["batches_total"] == len(batches)
+    assert status["state"] == "queued" and status["batches_done"] == 0 and status["batches_total"] == len(batches)
     assert status["samples_total"] == enq["plan"]["samples"] and status["tokens_total"] == enq["plan"]["tokens"]
     assert status["broker"]["queue"]["waiting"] == len(batches)
     assert status["eta_s"] is None and status["workers"] == []

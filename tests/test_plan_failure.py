@@ -86,7 +86,7 @@ def test_a_plan_that_fails_while_written_is_reported_by_status_and_the_same_comm
     assert planned.config.run_id == run_dir.name and not planned.reused
     assert plan_complete(run_store) and not exists(run_store, PLANNING_JSON)
     status = run_status(run_store)
-    assert status["state"] == "running" and status["plan_error"] is None
+    assert status["state"] == "queued" and status["plan_error"] is None  # no worker took a batch yet
     assert status["batches_total"] == len(planned.batches) == 2
 
 

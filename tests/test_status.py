@@ -242,3 +242,61 @@ def test_the_rate_window_is_the_time_the_markers_cover_not_the_full_window(small
     out = Console(record=True, width=200)
     out.print(status_view({**status, "state": "running"}))
     assert f"over the last {round(status['rate_window_s'])}s" in out.export_text()
+
+
+# --- no worker ever took a batch (issue 22, item 4) ---------------------------------------------
+
+
+def _untaken_run(small_run, tmp_path):
+    """A copy of the small run as it is before any worker took a batch: planned, no marker, no worker record."""
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    for b in read_batch_list(store):
+        store.delete(marker_key(b["batch"]))
+    for key in store.list(WORKERS_PREFIX):
+        store.delete(key)
+    return run_dir, store
+
+
+def test_a_run_no_worker_has_taken_is_queued_with_the_command_that_starts_workers_for_it(small_run, tmp_path):
+    """A cluster queue no worker has taken from is not ``running``: ``queued``, no ETA, and the command
+    that starts workers on the run's broker serving its store root (or, broker not known, both ways)."""
+    run_dir, store = _untaken_run(small_run, tmp_path)
+    root = store.url.rsplit("/", 1)[0]
+    status = RunWatch(store, broker="redis://:***@head:6379/0").poll()
+    assert status["state"] == "queued" and status["eta_s"] is None
+    assert status["stalled_reason"].startswith("queued: no worker has taken a batch of the run yet")
+    assert status["restart"] == ("start workers on the run's broker that serve its store: "
+                                 f"`HSX_BROKER_URL=redis://:***@head:6379/0 HSX_STORE_URL={root} python -m workers`")
+    unknown = RunWatch(store).poll()
+    assert unknown["state"] == "queued" and "HSX_BROKER_URL=redis://... " in unknown["restart"]
+    out = Console(record=True, width=200)
+    out.print(status_view(status))
+    text = out.export_text()
+    assert "queued" in text and "to start" in text and "to restart" not in text, text
+
+
+def test_a_producer_run_stopped_before_its_workers_took_a_batch_is_stalled_and_says_to_run_it_again(small_run, tmp_path):
+    """Ctrl-C while a ``producer run``'s workers start: its embedded broker is gone, so ``status`` (which
+    finds the run's workers log on this machine and no live embedded broker) says ``stalled`` with that
+    command, never ``running``; while that broker answers, ``queued`` (its workers are starting). The
+    empty workers table does not tell the user to set HSX_BROKER_URL: the embedded broker needs none."""
+    run_dir, store = _untaken_run(small_run, tmp_path)
+    watch = RunWatch(store, broker="embedded")
+    watch.embedded_live = True
+    starting = watch.poll()
+    assert starting["state"] == "queued" and "is starting its workers" in starting["stalled_reason"]
+    watch.embedded_live = False
+    gone = watch.poll()
+    assert gone["state"] == "stalled" and "is not running on this machine" in gone["stalled_reason"]
+    assert gone["restart"] == "run the same `python -m producer run` command again: it enqueues every batch without a marker"
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / f"workers-{gone['run_id']}.log").write_text("")
+    env = {**small_run["env"], "HSX_STATE_DIR": str(tmp_path / "state")}
+    env.pop("HSX_BROKER_URL", None)
+    proc = run_here(["status", str(run_dir), "--json"], env)
+    said = json.loads(proc.stdout)
+    assert said["state"] == "stalled" and said["restart"] == gone["restart"], proc.stderr
+    view = " ".join(run_here(["status", str(run_dir)], env).stdout.split())
+    assert "stalled" in view and "no workers seen yet" in view and "set HSX_BROKER_URL" not in view, view
