@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,51 @@ def test_the_runs_of_a_queue_are_the_set_plus_what_live_workers_served(client):
 
 def test_one_healer_is_elected_per_look(client):
     assert elect(client, "gpu", "a-1", 5) and not elect(client, "gpu", "b-2", 5)
+
+
+# --- the presence a worker process writes (workers/heartbeat.py) ---
+
+def test_a_retried_task_stays_listed_while_its_new_delivery_waits():
+    """Celery's retry sends the same task id again; the new message may be received before the attempt
+    that sent it ends. Ending that attempt must not unlist the waiting delivery (its claim would look
+    unlisted, and be reclaimed under a live worker)."""
+    from workers.heartbeat import Heartbeat
+
+    beat = Heartbeat(interval_s=3600)
+    beat.received("t1", "file:///r", "b000001")
+    beat.received("t1", "file:///r", "b000001")  # the retry's message, received while the attempt runs
+    beat.released("t1")  # the attempt ends
+    assert [(t.task_id, t.phase) for t in beat.presence().tasks] == [("t1", "received")]
+    beat.released("t1")  # the retry ran and ended
+    assert beat.presence().tasks == []
+
+
+class _HangingStore:
+    """A store whose writes hang for ``hang_s`` (what a worker meets when an S3 request hangs under
+    boto's retries): the one test double here, since no real store can be made to hang on demand."""
+
+    def __init__(self, hang_s: float):
+        self.hang_s, self.writes = hang_s, 0
+
+    def write(self, key, data, **_kw):
+        self.writes += 1
+        time.sleep(self.hang_s)
+
+
+def test_the_presence_is_rewritten_while_a_store_write_hangs(broker, client):
+    """The presence holds the leases of the batches a worker runs: its rewrites go on, every heartbeat,
+    while the status record's write to the store hangs."""
+    from hsx.fleet import read_presences
+    from workers.heartbeat import Heartbeat
+
+    beat = Heartbeat(interval_s=0.5)
+    beat.attach_broker(broker.url, "gpu", ["/runs"], None)
+    store = _HangingStore(hang_s=8)
+    beat.phase("file:///runs/r", store, "b000001", "forward", task_id="t1")
+    stamps = set()
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline:
+        stamps |= {p.stamp for p in read_presences(client, "gpu") if p.holds(task_id="t1")}
+        time.sleep(0.2)
+    assert store.writes >= 1, "the status record's write never started"
+    assert len(stamps) >= 4, f"the presence was rewritten {len(stamps)} times in 6 s while the store hung"

@@ -85,8 +85,6 @@ def test_every_worker_of_a_node_killed_while_another_node_lives_completes_the_ru
     assert_complete(run_store)
 
 
-@pytest.mark.xfail(reason="KNOWN BUG (issue 19, left at the session's end): a live worker's long batch was reclaimed "
-                   "once under the presence-based lease; see the closing note", strict=False)
 @pytest.mark.timeout(150)
 def test_a_live_worker_s_long_batch_keeps_its_lease(template, cluster, tmp_path):
     """A batch that runs three times the lease on a live worker is renewed by its presence: nobody reclaims it.

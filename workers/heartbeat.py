@@ -12,9 +12,10 @@ key is :func:`hsx.layout.worker_key`. ``state`` is ``working`` (a batch of this 
 ``paused`` (a batch of this run waits for the spool or for room in a full store), ``idle`` (none)
 or ``stopped`` (the process exited normally); ``batches`` lists the batches in progress.
 
-The same thread writes the process's **presence** on the broker (:class:`hsx.fleet.Presence`:
+A second thread writes the process's **presence** on the broker (:class:`hsx.fleet.Presence`:
 its roots and model, its state and pause reason, every task it holds, stamped with the broker's
-clock) every interval and soon after a change. The presence is what holds a batch's lease
+clock) every ``HSX_HEARTBEAT_S`` and soon after a change; it
+never waits for a store write (a hung S3 request must not let a live batch's lease expire). The presence is what holds a batch's lease
 (``workers/lease.py``), what ``enqueue`` reads to learn the roots the fleet serves, and how a
 worker's state reaches ``status`` when the store cannot take a record (a full disk).
 """
@@ -78,6 +79,10 @@ class Heartbeat:
         # the broker presence (hsx/fleet.py): set by attach_broker at worker start
         self._broker = None  # {"url", "queue", "roots", "model", "node"}
         self._held: dict[str, dict] = {}  # task id -> {"task_id", "run_url", "batch", "phase"}
+        # deliveries of each held task id: a retry's message (same id) can arrive before the attempt ends
+        self._deliveries: dict[str, int] = {}
+        self._presence_wake = threading.Event()
+        self._presence_thread: threading.Thread | None = None
         self._served: list[str] = []  # run addresses, oldest first (bounded)
         self._presence_dirty = True
         self._presence_last = 0.0
@@ -98,21 +103,31 @@ class Heartbeat:
             self._broker = {"url": broker_url, "queue": queue, "roots": list(roots), "model": model, "node": node}
             self._presence_dirty = True
             self._ensure_thread()
-        self._wake.set()
+        self._wake_all()
 
     def received(self, task_id: str, run_url: str, batch: str) -> None:
         """This process got the task (prefetched, or held for its retry countdown): listed in its presence."""
         with self._lock:
             self._held.setdefault(task_id, {"task_id": task_id, "run_url": run_url, "batch": batch, "phase": "received"})
+            self._deliveries[task_id] = self._deliveries.get(task_id, 0) + 1
             self._presence_dirty = True
-        self._wake.set()
+        self._wake_all()
 
     def released(self, task_id: str) -> None:
-        """The task is over (acknowledged, retried, rejected or revoked): no longer listed."""
+        """One delivery of the task is over (acknowledged, retried, rejected or revoked). The task stays
+        listed while another delivery of it is held: Celery's retry sends the same task id again, and
+        the new message may be received before the attempt that sent it has ended."""
         with self._lock:
-            if self._held.pop(task_id, None) is not None:
-                self._presence_dirty = True
-        self._wake.set()
+            left = self._deliveries.get(task_id, 1) - 1
+            if left > 0:
+                self._deliveries[task_id] = left
+                if task_id in self._held:
+                    self._held[task_id]["phase"] = "received"
+            else:
+                self._deliveries.pop(task_id, None)
+                if self._held.pop(task_id, None) is not None:
+                    self._presence_dirty = True
+        self._wake_all()
 
     def served(self, run_url: str) -> None:
         """Remember a run this process served (the healer's list of runs, in its presence)."""
@@ -130,7 +145,7 @@ class Heartbeat:
             self._presence_dirty = True
             for run in self._runs.values():
                 run["dirty"], run["final"] = True, None
-        self._wake.set()
+        self._wake_all()
 
     def resume(self) -> None:
         """The pause of :meth:`pause` is over."""
@@ -139,7 +154,7 @@ class Heartbeat:
             self._presence_dirty = True
             for run in self._runs.values():
                 run["dirty"] = True
-        self._wake.set()
+        self._wake_all()
 
     def phase(self, run_url: str, store, batch: str, phase: str, task_id: str | None = None) -> None:
         """Batch ``batch`` of the run at ``run_url`` (its store: ``store``) entered ``phase``."""
@@ -154,7 +169,7 @@ class Heartbeat:
                 self._held[task_id] = {"task_id": task_id, "run_url": run_url, "batch": batch, "phase": phase}
             self._presence_dirty = True
             self._ensure_thread()
-        self._wake.set()
+        self._wake_all()
 
     def finished(self, run_url: str, batch: str, certified: bool) -> None:
         """The batch's task is over; ``certified``: this process wrote its marker."""
@@ -167,7 +182,7 @@ class Heartbeat:
             self._done_total += int(certified)
             run["dirty"] = True
             self._presence_dirty = True
-        self._wake.set()
+        self._wake_all()
 
     def record(self, run_url: str, state_override: str | None = None) -> WorkerStatus:
         """The record of ``run_url`` as it would be written now (see the module doc)."""
@@ -278,25 +293,45 @@ class Heartbeat:
                     if r["final"] is None and now - r["last"] >= MIN_WRITE_GAP_S
                     and (r["dirty"] or now - r["last"] >= self.interval_s)]
 
+    def _wake_all(self) -> None:
+        self._wake.set()
+        self._presence_wake.set()
+
     def _loop(self) -> None:
+        """The store records' thread."""
         while True:
             self._wake.wait(self.interval_s)
             self._wake.clear()
             time.sleep(MIN_WRITE_GAP_S / 4)  # gather a burst of phase changes into one write
-            if self._presence_due():
-                self.write_presence()
             for url in self._due():
                 self.write(url)
             with self._lock:
-                pending = any(r["final"] is None and r["dirty"] for r in self._runs.values()) or self._presence_dirty
+                pending = any(r["final"] is None and r["dirty"] for r in self._runs.values())
             if pending:
                 self._wake.set()
+                time.sleep(MIN_WRITE_GAP_S / 2)
+
+    def _presence_loop(self) -> None:
+        """The presence's own thread: it holds the leases, so a store write that hangs (an S3 outage
+        under boto's retries, a full disk) must never delay it."""
+        while True:
+            self._presence_wake.wait(min(self.interval_s, 1.0))
+            self._presence_wake.clear()
+            time.sleep(MIN_WRITE_GAP_S / 4)
+            if self._presence_due():
+                self.write_presence()
+            with self._lock:
+                pending = self._presence_dirty and self._broker is not None
+            if pending:
+                self._presence_wake.set()
                 time.sleep(MIN_WRITE_GAP_S / 2)
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="hsx-heartbeat", daemon=True)
             self._thread.start()
+            self._presence_thread = threading.Thread(target=self._presence_loop, name="hsx-presence", daemon=True)
+            self._presence_thread.start()
             atexit.register(self.stop)
 
     def stop(self) -> None:

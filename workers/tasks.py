@@ -110,9 +110,9 @@ def extract_batch(self, run_url: str, batch: str) -> dict:
             return {"status": "parked", "batch": shown, "error": str(exc)[:500]}
         if cause in (GONE, CANCELLED):
             if _once(cause, run_url):
+                said = str(exc) if str(run_url) in str(exc) else f"run {run_url}: {exc}"  # the error often names the run
                 log.log(logging.ERROR if cause == GONE else logging.WARNING,
-                        "run %s: %s; its queued batches are acknowledged without work (this is said once per run)",
-                        run_url, exc)
+                        "%s; its queued batches are acknowledged without work (this is said once per run)", said)
             return {"status": cause, "batch": shown, "error": str(exc)[:500]}
         if cause == REFUSED:
             # Never run, never put back (any worker would meet it again), nothing written for it.
