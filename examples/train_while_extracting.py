@@ -30,9 +30,11 @@ not that the head is useful.
 Every ``--save-every`` steps (and at the end) it writes ``--checkpoint`` (head, optimizer, step and
 the reader's position, one ``torch.save`` file replaced atomically); started again with the same
 checkpoint, it continues after the last sample it trained on, whatever the run did meanwhile.
+Ctrl-C (SIGINT) saves it too, at the last step done (a step under way finishes first; samples read
+after it are read again on resume), says what it saved and exits 130.
 ``--log-jsonl`` writes one JSON line per step (``step``, ``loss``, ``batches``, ``samples``
-trained on, ``certified`` / ``planned`` batches at that moment, ``plan_complete``: whether ``planned``
-is all of them) and a last line with ``done``.
+trained on, ``certified`` / ``planned`` batches of the run at that moment, ``plan_complete``: whether
+``planned`` is all of them) and a last line with ``done`` (``interrupted`` after a Ctrl-C).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -162,11 +165,35 @@ def sample_loss(head: Eagle3Head, sample: dict) -> tuple[torch.Tensor, int]:
     return nn.functional.cross_entropy(logits_TD[keep_T], slot_T[keep_T], reduction="sum"), int(keep_T.sum())
 
 
-def save(path: Path, head: Eagle3Head, optimizer, step: int, reader: LiveHiddenStatesDataset) -> None:
+def save(path: Path, head: Eagle3Head, optimizer, step: int, reader_state: dict) -> None:
     trainable = {k: v for k, v in head.state_dict().items() if not k.startswith(("embed.", "lm_head."))}  # + d2t_D
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"head": trainable, "optimizer": optimizer.state_dict(), "step": step, "reader": reader.state_dict()}, tmp)
+    torch.save({"head": trainable, "optimizer": optimizer.state_dict(), "step": step, "reader": reader_state}, tmp)
     os.replace(tmp, path)  # a crash mid-save leaves the previous checkpoint whole
+
+
+class _StepGuard:
+    """SIGINT as KeyboardInterrupt, except inside a training step: there it is held until the step
+    (and its checkpoint) is done, so that an interrupt never leaves a half-applied optimizer step."""
+
+    def __init__(self):
+        self.in_step = False
+        self.pending = False
+
+    def on_sigint(self, signum, frame) -> None:
+        if self.in_step:
+            self.pending = True
+        else:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> None:
+        self.in_step = True
+
+    def __exit__(self, *exc) -> None:
+        self.in_step = False
+        if self.pending and exc[0] is None:
+            self.pending = False
+            raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,9 +244,17 @@ def main(argv: list[str] | None = None) -> int:
         step = int(state["step"])
         print(f"resumed at step {step}: {reader.progress()['yielded']} batches of {reader.config.run_id} read")
     log = open(args.log_jsonl, "a") if args.log_jsonl else None
+    # The reader's position after the last sample trained on: what a checkpoint at a Ctrl-C holds
+    # (the reader itself is past the samples gathered for the next step, not trained on yet).
+    trained_state = reader.state_dict()
+    guard = _StepGuard()
 
     def finish_step(group: list[dict]) -> None:
-        nonlocal step
+        with guard:  # a Ctrl-C during the step waits for its end: head, optimizer and position agree
+            _finish_step(group)
+
+    def _finish_step(group: list[dict]) -> None:
+        nonlocal step, trained_state
         t0 = time.perf_counter()
         optimizer.zero_grad()
         total, count = torch.zeros(()), 0
@@ -230,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             (total / count).backward()
             optimizer.step()
         step += 1
+        trained_state = reader.state_dict()
         progress = reader.progress()
         line = {"step": step, "loss": round(float(total.detach()) / max(count, 1), 4), "tokens": count,
                 "batches": sorted({s["batch"] for s in group}), "samples": [s["sample_index"] for s in group],
@@ -242,21 +278,38 @@ def main(argv: list[str] | None = None) -> int:
             log.write(json.dumps(line) + "\n")
             log.flush()
         if args.checkpoint and step % args.save_every == 0:
-            save(args.checkpoint, head, optimizer, step, reader)
+            save(args.checkpoint, head, optimizer, step, trained_state)
 
     group: list[dict] = []
-    for sample in reader:
-        group.append(sample)
-        if len(group) == args.samples_per_step:
-            finish_step(group)
-            group = []
-            if args.max_steps is not None and step >= args.max_steps:
-                break
-    else:
-        if group:  # the run is over (or idle): train on what is left
-            finish_step(group)
+    previous = signal.signal(signal.SIGINT, guard.on_sigint)
+    try:
+        for sample in reader:
+            group.append(sample)
+            if len(group) == args.samples_per_step:
+                finish_step(group)
+                group = []
+                if args.max_steps is not None and step >= args.max_steps:
+                    break
+        else:
+            if group:  # the run is over (or idle): train on what is left
+                finish_step(group)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
+        where = f"saved {args.checkpoint}" if args.checkpoint else "nothing saved (no --checkpoint)"
+        if args.checkpoint:
+            save(args.checkpoint, head, optimizer, step, trained_state)
+        print(f"interrupted at step {step}: {where}" + (
+            f" (step {step}, {trained_state['cursor']} batches of {reader.config.run_id} read whole; "
+            f"{len(group)} samples read after the last step are read again on resume: run the same command)"
+            if args.checkpoint else ""), flush=True)
+        if log:
+            log.write(json.dumps({"done": True, "interrupted": True, "steps": step, **reader.progress()}) + "\n")
+            log.close()
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     if args.checkpoint:
-        save(args.checkpoint, head, optimizer, step, reader)
+        save(args.checkpoint, head, optimizer, step, trained_state)
     done = {"done": True, "steps": step, "stop_reason": reader.stop_reason, **reader.progress()}
     print(f"stopped after {step} steps ({reader.stop_reason or 'max steps'}); "
           f"{done['yielded']}/{done['planned'] or '?'} batches read")
@@ -275,3 +328,6 @@ if __name__ == "__main__":
     except (HsxError, MissingKey) as exc:  # a bad run, checkpoint or setting: its message says what and the fix, no traceback
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # before the first step (loading, waiting for the run): nothing trained yet
+        print("interrupted before training began: nothing to save", file=sys.stderr)
+        raise SystemExit(130) from None

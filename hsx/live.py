@@ -150,6 +150,10 @@ class LiveHiddenStatesDataset(_IterableDataset):
         """Why the planning stopped before the plan was complete (``plan/planning.json``), or None."""
         self.stop_reason: str | None = None
         """Why the last iteration ended: ``complete`` or ``idle_timeout`` (None while it runs)."""
+        self.certified: int | None = None
+        """This rank's planned batches the run had certified (their markers listed) at the last look
+        (:meth:`poll`, :meth:`load_state_dict`); None before one. The schedule may hold fewer: it
+        takes new batches only when the reader needs them."""
         self._markers: dict[str, Marker] = {}
         self._warned: set[str] = set()
 
@@ -203,6 +207,7 @@ class LiveHiddenStatesDataset(_IterableDataset):
             self._read_plan()
         known = set(self.schedule)
         names = sorted(done_batches(self.store))
+        self._count_certified(names)
         new = [b for b in names if b not in known and self._mine(b)
                and (self.plan_complete or b in self.planned)]  # its window read after ours: next poll
         if not new:
@@ -226,10 +231,15 @@ class LiveHiddenStatesDataset(_IterableDataset):
         (the run is done for us)."""
         return self.plan_complete and self.planned is not None and self.planned.issubset(self.schedule)
 
+    def _count_certified(self, names: list[str]) -> None:
+        self.certified = sum(1 for b in names if self._mine(b) and (self.planned is None or b in self.planned))
+
     def progress(self) -> dict:
-        """``{"yielded": batches fully or partly read, "certified": batches scheduled, "planned": int | None}``;
-        ``planned`` counts this rank's batches planned so far (``plan_complete`` says whether that is all)."""
-        return {"yielded": self.cursor, "certified": len(self.schedule),
+        """``{"yielded": batches fully or partly read, "certified": int, "planned": int | None}``: of this
+        rank's batches, ``certified`` those the run had certified at the last look (:attr:`certified`;
+        before any, the ones scheduled), ``planned`` those planned so far (``plan_complete`` says
+        whether that is all; None before the plan was read)."""
+        return {"yielded": self.cursor, "certified": len(self.schedule) if self.certified is None else self.certified,
                 "planned": None if self.planned is None else len(self.planned)}
 
     def _next_batch(self) -> str | None:
@@ -352,6 +362,7 @@ class LiveHiddenStatesDataset(_IterableDataset):
         Raises:
             BadConfig: ``state`` is not a live reader state, or was taken for another run, run
                 config, seed, rank or world size (the schedule would not mean the same batches).
+            hsx.errors.StoreError: the store cannot be read (one look at the plan and the markers).
         """
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise BadConfig(f"not a live reader state (format {state.get('format') if isinstance(state, dict) else state!r}, "
@@ -368,3 +379,8 @@ class LiveHiddenStatesDataset(_IterableDataset):
                             "(with duplicates?) is not a position; pass an unmodified state_dict()")
         self.schedule, self.cursor, self.offset = schedule, cursor, offset
         self._markers = {b: m for b, m in self._markers.items() if b in set(schedule)}
+        # One look at the plan and the markers, so that progress() tells the run as it is now (a
+        # resumed reader yields from its schedule before it polls again); the schedule is unchanged.
+        if not self.plan_complete:
+            self._read_plan()
+        self._count_certified(sorted(done_batches(self.store)))

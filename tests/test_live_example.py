@@ -14,8 +14,11 @@ import math
 import subprocess
 import sys
 
-from jobfixtures import ROOT, clean_env, read_samples
+from jobfixtures import ROOT, clean_env, read_samples, wait_until
+from smallrun import copy_run
 
+from hsx.marker import marker_key
+from hsx.plan import read_batch_list
 from hsx.store import open_store
 
 PAUSE_S = 2.0
@@ -83,3 +86,57 @@ def test_the_example_says_what_is_wrong_without_a_traceback(tmp_path):
     proc = subprocess.run([sys.executable, EXAMPLE, str(tmp_path), "--wait-for-run-s", "0"], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: no run.json in") and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_ctrl_c_saves_the_last_step_says_so_and_the_resumed_example_counts_what_the_run_certified(small_run, tmp_path):
+    """Issue 22 item 5. A run with half its batches certified: the example trains on every certified sample
+    (one per step, no periodic checkpoint) and waits for more; Ctrl-C then saves a checkpoint at that step,
+    says so in one line, no traceback, exit 130. With the other markers back, the same command resumes at
+    that step, its first line counts the run's certified batches (all, of all planned: not ``?``), and
+    across both every stored sample is trained on once."""
+    import signal
+
+    import torch
+
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    batches = read_batch_list(store)
+    held = {b["batch"]: (run_dir / marker_key(b["batch"])).read_bytes() for b in batches[len(batches) // 2:]}
+    for batch in held:
+        (run_dir / marker_key(batch)).unlink()
+    certified = len(batches) - len(held)
+    samples_certified = sum(b["num_samples"] for b in batches[:certified])
+    log, checkpoint = tmp_path / "steps.jsonl", tmp_path / "head.pt"
+    common = [str(run_dir), "--checkpoint", str(checkpoint), "--log-jsonl", str(log), "--samples-per-step", "1",
+              "--save-every", "1000", "--poll-s", "0.2"]
+    env = clean_env(cache_dir=small_run["cache"])
+    trainer = subprocess.Popen([sys.executable, EXAMPLE, *common, "--idle-timeout-s", "300"], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        steps = lambda: [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []  # noqa: E731
+        wait_until(lambda: len(steps()) == samples_certified or trainer.poll() is not None, 240,
+                   "the example trained on every certified sample")
+        assert trainer.poll() is None, trainer.communicate()
+        trainer.send_signal(signal.SIGINT)
+        out, err = trainer.communicate(timeout=120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(30)
+    assert trainer.returncode == 130 and "Traceback" not in err, f"exit {trainer.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    assert f"interrupted at step {samples_certified}: saved {checkpoint}" in out, out
+    assert torch.load(checkpoint, weights_only=True)["step"] == samples_certified
+    assert steps()[-1] == {"done": True, "interrupted": True, "steps": samples_certified, "yielded": certified,
+                           "certified": certified, "planned": len(batches)}
+
+    for batch, marker in held.items():
+        (run_dir / marker_key(batch)).write_bytes(marker)
+    second = _example([*common, "--idle-timeout-s", "60"], env)
+    assert f"resumed at step {samples_certified}" in second.stdout, second.stdout
+    lines = steps()
+    resumed = lines[samples_certified + 1]
+    assert resumed["step"] == samples_certified + 1
+    assert (resumed["certified"], resumed["planned"]) == (len(batches), len(batches)), resumed
+    assert f"run: {len(batches)}/{len(batches)} batches certified" in second.stdout
+    trained = [i for line in lines if "step" in line for i in line["samples"]]
+    assert sorted(trained) == sorted(read_samples(store)) and len(trained) == len(set(trained))
