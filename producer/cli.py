@@ -469,6 +469,15 @@ def cmd_export(args, settings: Settings) -> int:
     run_store = open_store(args.run_address, settings, create=False)  # read-only: makes nothing
     target = Path(args.out)
     created = not target.exists()
+    was_empty = target.is_dir() and not any(target.iterdir())  # export_run refuses any other existing path
+
+    def remove_partial() -> None:
+        if created:
+            shutil.rmtree(target, ignore_errors=True)
+        elif was_empty:  # everything in it is this export's
+            for child in target.iterdir():
+                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+
     try:
         with progress_factory() as progress:
             report = export_run(run_store, args.format, target, group_size=args.group_size, partial=args.partial,
@@ -476,9 +485,14 @@ def cmd_export(args, settings: Settings) -> int:
     except MissingKey:
         console.print(_no_run_message(args.run_address, run_store), highlight=False)
         return 2
+    except KeyboardInterrupt:
+        remove_partial()
+        left = f"{target} removed" if created else f"{target} emptied again"
+        console.print(f"interrupted: the export was stopped and nothing of it is left ({left}); the run is unchanged "
+                      "(export only reads it); run the same command again to export it", highlight=False)
+        return 130
     except BaseException:
-        if created:
-            shutil.rmtree(target, ignore_errors=True)
+        remove_partial()
         raise
     if args.json:
         out.print_json(json.dumps(report))

@@ -324,3 +324,30 @@ def test_the_compatibility_script_checks_every_export_format():
     for consumer, _ in re.findall(r"^check (\S+) (.*)$", text, re.M):
         assert (script.parent / f"compat_{consumer}.py").is_file(), consumer
     subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-directory", "empty-directory"])
+def test_ctrl_c_during_export_says_that_nothing_of_it_is_left(small_run, tmp_path, monkeypatch, existing):
+    """Issue 22 item 6: a SIGINT once the first sample file is written stops ``producer export`` with exit 130
+    and a line about the export (not ``run``'s markers): the directory it made is gone, an empty one it
+    was given is empty again, and the run is as it was."""
+    import os
+    import signal
+
+    target = tmp_path / "eagle3-data"
+    if existing:
+        target.mkdir()
+    real_save = torch.save
+
+    def save_then_interrupt(*args, **kwargs):
+        real_save(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C in the middle of the export
+
+    monkeypatch.setattr(torch, "save", save_then_interrupt)
+    before = sorted(p.relative_to(small_run["dir"]) for p in small_run["dir"].rglob("*"))
+    proc = run_here(["export", str(small_run["dir"]), "--format", "specforge-eagle3", str(target)], small_run["env"])
+    said = " ".join(proc.stderr.split() + proc.stdout.split())
+    assert proc.returncode == 130, said
+    assert "interrupted: the export was stopped and nothing of it is left" in said and "markers" not in said, said
+    assert (target.is_dir() and not any(target.iterdir())) if existing else not target.exists()
+    assert sorted(p.relative_to(small_run["dir"]) for p in small_run["dir"].rglob("*")) == before
