@@ -99,7 +99,8 @@ class Settings(BaseSettings):
     """Fault injection, for the recovery tests only; never set it in production. Comma-separated:
     ``pause_<point>=S`` sleeps S seconds at that point of every batch (``forward``, ``upload``,
     ``store``, ``marker``), ``store_down=N`` / ``store_full=N`` / ``spool_full=N`` fail the first N
-    store or spool writes of the process (``workers/faults.py`` has the table)."""
+    store or spool writes of the process, ``die_load=KILL`` kills the worker with that signal while it
+    loads its model (``workers/faults.py`` has the table)."""
 
     # --- planning -----------------------------------------------------------------------
     max_length: int = Field(default=4096, ge=8)

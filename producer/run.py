@@ -53,9 +53,13 @@ class LocalWorkers:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
+        # One JSON line per worker death, said as it happens (producer/deaths.py); a new file per start.
+        self.events_path = log_path.with_suffix(".deaths.jsonl")
+        self.events_path.unlink(missing_ok=True)
         # --exit-with-parent: if this process dies without stopping them (SIGKILL, a crash), the
         # workers shut down instead of serving the next run's broker with this run's environment.
-        cmd = [sys.executable, "-m", "workers", "--exit-with-parent", str(os.getpid())] + (["--count", str(count)] if count else [])
+        cmd = [sys.executable, "-m", "workers", "--exit-with-parent", str(os.getpid()), "--events", str(self.events_path)] + (
+            ["--count", str(count)] if count else [])
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def alive(self) -> bool:
@@ -170,12 +174,14 @@ class PauseWatch:
 
 
 def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress=None, poll_s: float | None = None,
-                     reconcile=None, reconcile_after_s: float = 300.0, task=None, pauses: PauseWatch | None = None) -> dict:
+                     reconcile=None, reconcile_after_s: float = 300.0, task=None, pauses: PauseWatch | None = None,
+                     deaths=None) -> dict:
     """Block until every batch has a marker, or every unfinished batch has failed, or the workers
     died, or the run was cancelled (``producer cancel``: its ``cancelled.json``).
 
     ``task``: the progress task to show the markers on (``run``'s, shown since the first window);
-    None: a new ``extracting`` task. ``pauses``: a :class:`PauseWatch` checked as it waits.
+    None: a new ``extracting`` task. ``pauses``: a :class:`PauseWatch` checked as it waits;
+    ``deaths``: a :class:`producer.deaths.WorkerDeaths`, each worker death said as it is seen.
 
     ``reconcile`` (a :class:`producer.reconcile.RunReconciler`) is called when every unfinished
     batch has failed, before giving up, and after ``reconcile_after_s`` seconds without a new
@@ -233,6 +239,8 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
             break
         if pauses is not None:
             pauses.check()
+        if deaths is not None:
+            deaths.check()
         if time.monotonic() - last_fail_check > 2.0:
             try:
                 failed = _failed(run_store, seen)
@@ -255,6 +263,8 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
             last_progress = time.monotonic()
             reconcile()
         if workers is not None and not workers.alive():
+            if deaths is not None:
+                deaths.check()  # the launcher's last words: the death after which it gave up
             return {"done": len(seen), "failed": _failed(run_store, seen), "workers_died": True, "cancelled": None}
         time.sleep(poll_s)
     if pauses is not None and seen >= set(by_name):
@@ -377,6 +387,7 @@ class _Launch:
         self.task = None  # "extracting": batches planned so far, and their markers
         self.planned = 0
         self.pauses: PauseWatch | None = None  # a full store, said while the plan is still written too
+        self.deaths = None  # producer.deaths.WorkerDeaths: each worker death, said as it happens
 
     def __call__(self, job: PlanJob, batches: list[dict]) -> None:
         if self.sender is None:
@@ -390,6 +401,8 @@ class _Launch:
         (the planner calls this every few seconds, and after each window)."""
         if self.pauses is not None:
             self.pauses.check()
+        if self.deaths is not None:
+            self.deaths.check()
         if self.progress is None or self.sender is None:
             return
         if self.task is None:
@@ -427,6 +440,11 @@ class _Launch:
         self.sender = WindowSender(settings, self.broker_url, self.progress)
         self.pauses = PauseWatch(settings, self.broker_url, job.run_url,
                                  lambda line: console.print(line, highlight=False, soft_wrap=True))
+        from producer.deaths import WorkerDeaths
+
+        events = getattr(self.local, "events_path", None)  # a stand-in for LocalWorkers (tests) may have none
+        self.deaths = events and WorkerDeaths(events, job.run_store,
+                                              lambda line: console.print(line, style="red", highlight=False, soft_wrap=True))
 
 
 def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:
@@ -482,7 +500,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
                 report["resumed"] = sender.result.resumed if sender else None
                 reconciler = RunReconciler(planned.run_store, settings, launch.broker_url)
                 waited = wait_for_markers(planned, launch.local, progress, reconcile=reconciler, task=launch.task,
-                                          pauses=launch.pauses)
+                                          pauses=launch.pauses, deaths=launch.deaths)
                 report["reconciled"] = reconciler.redone
         if waited is None:
             code = 1
@@ -491,6 +509,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
             report["cancelled"] = waited["cancelled"]
             if waited["workers_died"]:
                 report["workers_log_tail"] = launch.local.log_tail()
+                report["workers_gave_up"] = launch.deaths.gave_up if launch.deaths is not None else None
                 code = 1
             elif waited["failed"] or waited["cancelled"]:
                 code = 1

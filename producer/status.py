@@ -365,7 +365,7 @@ class RunWatch:
         total = len(by_name)
         tokens_total = sum(b["num_tokens"] for b in self.batches)
         tokens_done = sum(by_name[b]["num_tokens"] for b in done)
-        rate = self._rate(now)
+        rate = self._rate(now, finished=self.plan_complete and len(done) == total)
         remaining_tokens = tokens_total - tokens_done
         if self.plan_complete and len(done) == total:
             state, eta = "done", 0.0
@@ -553,8 +553,10 @@ class RunWatch:
         return (f"{first}{rerun} (a run enqueued on a broker of yours: start workers on it, "
                 f"`HSX_BROKER_URL=redis://... python -m workers`){reconcile}")
 
-    def _rate(self, now: float) -> dict:
-        """Tokens/s over the recent window (the current rate, for the ETA) and over the whole run so far."""
+    def _rate(self, now: float, finished: bool = False) -> dict:
+        """Tokens/s over the recent window (the current rate, for the ETA) and over the whole run so far.
+        ``finished``: every batch is done: the window ends at the last marker, not ``now`` (a finished
+        run's rate and ``rate_window_s`` do not change as it ages)."""
         timed = [m for m in self.markers.values() if m["end"] is not None]
         out = {"tokens_per_s": None, "samples_per_s": None, "overall_tokens_per_s": None, "overall_samples_per_s": None,
                "started_at": None, "last_done_at": None, "rate_window_s": None}
@@ -566,8 +568,9 @@ class RunWatch:
         span = max(last - start, 1.0)  # finished_at has a resolution of one second
         out["overall_tokens_per_s"] = round(sum(m["planned_tokens"] for m in timed) / span, 1)
         out["overall_samples_per_s"] = round(sum(m["samples"] + m["quarantined"] for m in timed) / span, 2)
-        tokens, window = recent_window([(m["end"], m["planned_tokens"]) for m in timed], now)
-        samples = recent_rate([(m["end"], m["samples"] + m["quarantined"]) for m in timed], now)
+        at = last if finished else now
+        tokens, window = recent_window([(m["end"], m["planned_tokens"]) for m in timed], at)
+        samples = recent_rate([(m["end"], m["samples"] + m["quarantined"]) for m in timed], at)
         out["tokens_per_s"] = round(tokens, 1) if tokens is not None else None
         out["samples_per_s"] = round(samples, 2) if samples is not None else None
         out["rate_window_s"] = round(window, 1) if window is not None else None
@@ -636,6 +639,7 @@ class RunWatch:
                     r["state"] = "lost"  # killed, or cut off from the store: its batches are reclaimed after the lease
             if h.state == "stopped" and h.exit:
                 r["state"] = "lost"  # python -m workers found it dead (killed, non-zero exit) and marked its record
+                r["exit"] = h.exit  # how, when (loading, serving) and the likely cause (workers/launcher.py describe_death)
             if not r["online"]:  # of a dead worker's batches, those done since by another delivery are not its
                 r["running"] = [shown for shown, b in zip(r["running"], h.batches) if b.batch not in self.markers]
 

@@ -134,7 +134,7 @@ def progress_table(status: dict) -> Table:
     if status["skipped"]:
         t.add_row("skipped", ", ".join(f"{k} {v:,}" for k, v in status["skipped"].items()) + " (at planning)")
     broker = status.get("broker")
-    if broker:
+    if broker and not (broker.get("error") and state == "done"):  # a finished `producer run` stopped its broker
         if broker.get("error"):
             t.add_row("broker", Text(f"{broker['url']}: {broker['error']}", style="red"))
         else:
@@ -176,7 +176,8 @@ def workers_table(status: dict) -> Table | Text:
         style = "dim" if r.get("online") is False else ""
         t.add_row(who, device, util, mem, temp, ", ".join(map(str, r.get("running") or [])) or "-",
                   _rate(r.get("tokens_per_s"), ""), f"{r.get('batches_done', 0):,}", beat,
-                  Text(f"paused: {r['paused']}", style="yellow") if r.get("paused") else "-", style=style)
+                  Text(f"paused: {r['paused']}", style="yellow") if r.get("paused")
+                  else Text(r["exit"], style="red") if r.get("exit") else "-", style=style)
     return t
 
 

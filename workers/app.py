@@ -49,6 +49,15 @@ def _preload(**_kwargs) -> None:
         from workers.target import get_target
 
         get_target(_settings.model, _settings)
+        if _settings.worker_runs_dir:  # the launcher tells a death while loading from one after it (workers/launcher.py)
+            import os
+
+            from workers.launcher import READY_SUFFIX
+
+            try:
+                (_settings.worker_runs_dir / f"{os.getpid()}{READY_SUFFIX}").touch()
+            except OSError as exc:
+                log.warning("ready file not written in %s: %s", _settings.worker_runs_dir, exc)
 
 
 @worker_ready.connect

@@ -14,6 +14,7 @@ a while: ``pause_<point>=S`` sleeps S seconds at ``point`` of every batch and lo
 | ``store_down=N`` | the first N direct store writes of this process fail as if the store did not answer (a transient ``StoreError``): the shard takes the overflow path through the spool |
 | ``store_full=N`` | the first N direct store writes of this process fail with ENOSPC (a permanent ``StoreError`` on a local store) |
 | ``spool_full=N`` | the first N spool writes of this process fail with ENOSPC |
+| ``die_load=SIG`` | the worker process kills itself with signal SIG (a number, or a name such as ``KILL``) while it loads its model, after the weights are read: what the kernel's OOM killer does to a worker short of host memory |
 
 Never set it in production: it only slows batches down or fails them.
 """
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 POINTS = ("forward", "upload", "store", "marker")
 COUNTED = ("spool_full", "store_down", "store_full")
+SIGNALLED = ("die_load",)
 
 _lock = threading.Lock()
 _state: dict[str, dict] = {}
@@ -54,11 +56,16 @@ def parse_faults(spec: str | None) -> dict:
                 out[name] = float(value)
             elif name in COUNTED:
                 out[name] = int(value)
+            elif name in SIGNALLED:
+                import signal
+
+                value = value.strip().upper()
+                out[name] = int(value) if value.isdigit() else int(signal.Signals["SIG" + value.removeprefix("SIG")])
             else:
                 raise ValueError(f"unknown entry {name!r}")
         except ValueError as exc:
-            raise BadConfig(f"HSX_FAULTS={spec!r}: {exc}; use pause_<point>=S (points: {', '.join(POINTS)}) or "
-                            f"{'=N, '.join(COUNTED)}=N") from None
+            raise BadConfig(f"HSX_FAULTS={spec!r}: {exc}; use pause_<point>=S (points: {', '.join(POINTS)}), "
+                            f"{'=N, '.join(COUNTED)}=N or die_load=SIGNAL") from None
     return out
 
 
@@ -90,6 +97,18 @@ def _take(spec: str | None, name: str) -> bool:
             return False
         state[f"{name}_left"] -= 1
     return True
+
+
+def at_load(spec: str | None) -> None:
+    """Kill this process with ``die_load``'s signal, if ``HSX_FAULTS`` asks for it (no-op otherwise)."""
+    if not spec:
+        return
+    sig = _faults(spec)["faults"].get("die_load")
+    if sig:
+        import os
+
+        log.warning("fault injection: killing this worker with signal %d while it loads its model", sig)
+        os.kill(os.getpid(), sig)
 
 
 def check_spool_write(spec: str | None, path) -> None:

@@ -174,6 +174,74 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+def meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (``MemTotal``, ``MemAvailable``, ...); {} where there is none."""
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                parts = value.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def checkpoint_bytes(settings: Settings) -> int | None:
+    """Bytes of the files of ``HSX_MODEL``'s local checkpoint (``hsx.models.checkpoint_files``);
+    None for a hub id not on this machine, or no model set. Reads no weight bytes."""
+    from hsx.models import checkpoint_files, resolve_model_path
+
+    if not settings.model:
+        return None
+    try:
+        path = Path(resolve_model_path(settings.model, settings.cache_dir))
+        if not path.is_dir():
+            return None
+        return sum(f.stat().st_size for f in checkpoint_files(path)) or None
+    except Exception:  # a cause is a hint: never let it stop the launcher
+        return None
+
+
+#: Name of the file a worker process writes in HSX_WORKER_RUNS_DIR once its model is loaded
+#: (``workers/app.py``): a death before it happened while loading.
+READY_SUFFIX = ".ready"
+
+
+def describe_death(returncode: int, loaded: bool, settings: Settings, memory: dict[str, int] | None = None) -> str:
+    """How a worker process died, when, and its likely cause: ``killed by SIGKILL while loading the
+    model: likely the kernel's OOM killer: its checkpoint (80.0 GB) is more than the host's available
+    memory (41.2 GB of 125.8 GB, /proc/meminfo); ...``.
+
+    ``loaded``: the process had written its ready file. ``memory``: ``/proc/meminfo`` (default:
+    read now; after the kill, what the dead process held is free again). A SIGKILL is compared
+    with the checkpoint's size; other endings say only how and when.
+    """
+    how = describe_exit(returncode).split(" (")[0]
+    phase = "while serving" if loaded else "while loading the model"
+    if returncode != -signal.SIGKILL:
+        return f"{how} {phase}"
+    memory = meminfo() if memory is None else memory
+    size, avail, total = checkpoint_bytes(settings), memory.get("MemAvailable"), memory.get("MemTotal")
+    gb = lambda n: f"{n / 1e9:.1f} GB"  # noqa: E731
+    if size and avail is not None and total and not loaded:
+        if size >= avail:
+            cause = (f"likely the kernel's OOM killer: its checkpoint ({gb(size)}) is more than the host's available "
+                     f"memory ({gb(avail)} of {gb(total)}, /proc/meminfo MemAvailable); free host memory, start fewer "
+                     "workers on this host (HSX_WORKERS_PER_NODE), or see `dmesg | grep -i oom`")
+        else:
+            cause = (f"by the kernel's OOM killer, a person or a supervisor: its checkpoint ({gb(size)}) is less than the "
+                     f"host's available memory now ({gb(avail)} of {gb(total)}, /proc/meminfo MemAvailable), so look at "
+                     "`dmesg | grep -i oom` and at what else runs on this host")
+    else:
+        cause = "sent by a person, a supervisor or the kernel's OOM killer: see `dmesg | grep -i oom`"
+        if avail is not None and total:
+            cause += f" (host memory available now: {gb(avail)} of {gb(total)})"
+    return f"{how} {phase}: {cause}"
+
+
 def mark_dead_worker(runs_file: Path, host: str, pid: int, how: str, settings: Settings) -> list[str]:
     """Mark the status records of worker process ``pid`` on ``host``, which died, as ``stopped``.
 
@@ -401,7 +469,7 @@ GROUPS_NOT_WIRED = (
 
 
 def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INFO", grace_s: float = 600.0,
-           exit_with_parent: int | None = None, policy: RestartPolicy | None = None) -> int:
+           exit_with_parent: int | None = None, policy: RestartPolicy | None = None, events: Path | None = None) -> int:
     """Start the workers and keep them running until a signal arrives or they exit; returns an exit code.
 
     Returns 0 after a requested stop (a signal, the parent gone) or when every worker exited 0 by
@@ -409,18 +477,37 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
 
     ``exit_with_parent``: a pid (``producer run``'s); when that process is gone, the workers are
     stopped as on SIGTERM (warm shutdown), so that a killed ``run`` leaves no worker behind.
+
+    ``events``: a file that gets one JSON line per worker death, as it is seen (``producer run``
+    prints them): ``worker``, ``pid``, ``host``, ``exit`` (:func:`describe_death`), ``ran_s``,
+    ``action`` (``restart``, ``gave_up``, ``not_restarted`` or ``stopping``), ``restart_in_s``,
+    ``restarts``, ``limit``, ``window_s``, ``at`` (UTC ISO 8601).
     """
     policy = policy or RestartPolicy.from_settings(settings)
     env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="hsx-worker-runs-") as own_dir:
         runs_dir = settings.worker_runs_dir or Path(own_dir)
         env["HSX_WORKER_RUNS_DIR"] = str(runs_dir)
-        return _supervise(settings, env, runs_dir, count, loglevel, grace_s, exit_with_parent, policy)
+        return _supervise(settings, env, runs_dir, count, loglevel, grace_s, exit_with_parent, policy, events)
 
 
 def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: int | None, loglevel: str, grace_s: float,
-               exit_with_parent: int | None, policy: RestartPolicy) -> int:
+               exit_with_parent: int | None, policy: RestartPolicy, events: Path | None = None) -> int:
     """The body of :func:`launch`: start the children, then watch them until none is left."""
+    import json
+
+    def event(slot: WorkerSlot, pid: int | None, how: str, ran_s: float, action: str, restart_in_s: float | None) -> None:
+        if events is None:
+            return
+        line = {"worker": slot.name, "pid": pid, "host": socket.gethostname(), "exit": how, "ran_s": round(ran_s, 1),
+                "action": action, "restart_in_s": restart_in_s, "restarts": len(slot.restarts), "limit": policy.limit,
+                "window_s": policy.window_s, "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        try:
+            with open(events, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as exc:
+            log.warning("death of worker %s not written to %s: %s", slot.name, events, exc)
+
     marking: list[threading.Thread] = []
     slots, gpus = plan_slots(settings, env, count, loglevel)
     state = {"stopping_at": None, "signals": 0, "gave_up": False}
@@ -447,18 +534,22 @@ def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: i
 
     def exited(slot: WorkerSlot, now: float) -> None:
         proc, slot.proc = slot.proc, None
-        how = describe_exit(proc.returncode)
+        ready = runs_dir / f"{proc.pid}{READY_SUFFIX}"
+        how = describe_exit(proc.returncode) if proc.returncode == 0 else describe_death(proc.returncode, ready.exists() or not settings.model, settings)
+        ready.unlink(missing_ok=True)
         if proc.returncode != 0:  # it could not write its last status record: write it for it (store I/O: a thread)
             t = threading.Thread(target=mark_dead_worker, name=f"mark-{proc.pid}", daemon=True,
                                  args=(runs_dir / f"{proc.pid}.runs", socket.gethostname(), proc.pid, how, settings))
             t.start()
             marking.append(t)
-        ended(slot, f"worker {slot.name} (pid {proc.pid})", how, proc.returncode, now - slot.started_at, now)
+        ended(slot, f"worker {slot.name} (pid {proc.pid})", how, proc.returncode, now - slot.started_at, now, proc.pid)
 
-    def ended(slot: WorkerSlot, who: str, how: str, returncode: int, ran_s: float, now: float) -> None:
+    def ended(slot: WorkerSlot, who: str, how: str, returncode: int, ran_s: float, now: float, pid: int | None = None) -> None:
         """Log how the process ended and decide: nothing (a stop, exit 0), a restart, or giving up."""
         if state["stopping_at"] is not None:
             log.info("%s %s while stopping", who, how)
+            if returncode != 0:
+                event(slot, pid, how, ran_s, "stopping", None)
             return
         if returncode == 0:
             log.warning("%s %s after %.1f s without this launcher asking it to (a SIGTERM sent to it, "
@@ -471,6 +562,7 @@ def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: i
                       "(HSX_WORKER_RESTART_LIMIT=%d, HSX_WORKER_RESTART_WINDOW_S=%g); stopping the other workers",
                       who, how, ran_s, len(slot.restarts), policy.window_s, policy.limit, policy.window_s)
             state["gave_up"] = True
+            event(slot, pid, how, ran_s, "gave_up", None)
             stop()
             return
         delay_s = policy.delay(len(slot.restarts))
@@ -478,6 +570,7 @@ def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: i
         slot.restart_at = now + delay_s
         log.warning("%s %s after %.1f s; restarting it in %g s (restart %d of at most %d within %g s)",
                     who, how, ran_s, delay_s, len(slot.restarts), policy.limit, policy.window_s)
+        event(slot, pid, how, ran_s, "restart", delay_s)
 
     signal.signal(signal.SIGINT, on_signal)  # before the first child: a signal now stops what was started
     signal.signal(signal.SIGTERM, on_signal)
@@ -576,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grace", type=float, default=600.0, help="seconds to let running batches finish after Ctrl-C / SIGTERM")
     parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                         help="stop the workers (warm shutdown) when process PID is gone (producer run passes its own)")
+    parser.add_argument("--events", default=None, metavar="FILE",
+                        help="append one JSON line per worker death to FILE (producer run prints them as they happen)")
     parser.add_argument("--allow-slow-kernels", action="store_true",
                         help="run a Gated DeltaNet model on CUDA without the fla kernels (slow; refused otherwise)")
     args = parser.parse_args(argv)
@@ -598,4 +693,5 @@ def main(argv: list[str] | None = None) -> int:
     if not settings.broker_url:
         raise BadConfig(NO_BROKER)
     check_broker(settings.broker_url, settings.broker_check_timeout_s)
-    return launch(settings, count=args.count, loglevel=args.loglevel, grace_s=args.grace, exit_with_parent=args.exit_with_parent)
+    return launch(settings, count=args.count, loglevel=args.loglevel, grace_s=args.grace, exit_with_parent=args.exit_with_parent,
+                  events=Path(args.events) if args.events else None)

@@ -19,7 +19,7 @@ from hsx.decoder import decoder_of
 from hsx.errors import BadConfig
 from hsx.models import model_info, resolve_model_path, safetensors_only
 from settings import Settings
-from workers import compile_cache
+from workers import compile_cache, faults
 from workers.capture import capture_batch
 
 log = logging.getLogger(__name__)
@@ -330,6 +330,7 @@ def load_target(name: str, settings: Settings) -> Target:
         trust_remote_code=settings.trust_remote_code,
         device_map=load_device_map(device),  # straight to the device, one tensor at a time (load_device_map)
     )
+    faults.at_load(settings.faults)
     after = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     if after.revision != info.revision:
         raise BadConfig(f"checkpoint {path} changed while this worker loaded it (revision {info.revision} before, "
