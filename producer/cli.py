@@ -730,6 +730,12 @@ def main(argv: list[str] | None = None) -> int:
     except HsxError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False)
         return 2
+    except BrokenPipeError:
+        # The reader of stdout left (`status --json | head`): not an error of ours. Point stdout at
+        # /dev/null so that the interpreter's own flush at exit does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1  # as rich's Console does for its own writes (Console.on_broken_pipe)
     except KeyboardInterrupt as exc:
         from producer.run import PlanningInterrupted
 

@@ -300,3 +300,49 @@ def test_a_producer_run_stopped_before_its_workers_took_a_batch_is_stalled_and_s
     assert said["state"] == "stalled" and said["restart"] == gone["restart"], proc.stderr
     view = " ".join(run_here(["status", str(run_dir)], env).stdout.split())
     assert "stalled" in view and "no workers seen yet" in view and "set HSX_BROKER_URL" not in view, view
+
+
+# --- the rough spots of issue 22, item 7 ----------------------------------------------------------
+
+
+def test_a_finished_runs_rate_and_its_window_do_not_change_as_it_ages(small_run):
+    """The recent rate of a done run is measured up to its last marker: an hour later it is the same."""
+    store = open_store(str(small_run["dir"]))
+    now = time.time()
+    soon, later = RunWatch(store).poll(now=now), RunWatch(store).poll(now=now + 3600)
+    assert soon["state"] == later["state"] == "done"
+    assert soon["rate_window_s"] is not None and soon["rate_window_s"] == later["rate_window_s"]
+    assert soon["tokens_per_s"] == later["tokens_per_s"]
+
+
+def test_the_last_frame_of_a_finished_producer_run_does_not_show_its_stopped_brokers_error(small_run):
+    """``status --watch`` next to a ``producer run``: the run ends, stops its embedded broker, and the
+    last poll fails to reach it. A done run's view leaves that out; a running one shows it."""
+    status = RunWatch(open_store(str(small_run["dir"]))).poll()
+    gone = {"url": "redis+socket:///tmp/hsx/broker.sock", "error": "ConnectionError: Error 2 connecting to unix socket"}
+    out = Console(record=True, width=200)
+    out.print(status_view({**status, "broker": gone}))
+    assert status["state"] == "done" and "ConnectionError" not in out.export_text()
+    out = Console(record=True, width=200)
+    out.print(status_view({**status, "state": "running", "broker": gone}))
+    assert "ConnectionError" in out.export_text()
+
+
+@pytest.mark.parametrize("watch", [[], ["--watch"]], ids=["once", "watch"])
+def test_status_json_into_a_closed_pipe_exits_quietly(small_run, watch):
+    """``status --json | head`` where the reader is gone: no BrokenPipeError traceback, exit 1 (as rich's
+    own writes do), also for ``--watch --json``'s lines."""
+    import os
+    import subprocess
+    import sys
+
+    from jobfixtures import ROOT
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader left before anything was written: the first write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "producer", "status", str(small_run["dir"]), "--json", "--no-broker", *watch],
+                              cwd=ROOT, env=small_run["env"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
