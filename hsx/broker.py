@@ -103,6 +103,25 @@ class EmbeddedBroker:
             self._lock()
         return self
 
+    def stop_orphan(self) -> bool:
+        """Shut down a server that a killed ``producer run`` left in this state dir (it still owns
+        the AOF), and remove its socket and URL file. Call with the lock held (:meth:`claim`): then
+        no live run uses the state dir, so any server answering there is an orphan. Returns whether
+        one was stopped."""
+        socks = [self.state_dir / "valkey.sock"]
+        try:  # a socket in a temp dir (a state dir path too long for AF_UNIX) is named only there
+            url = (self.state_dir / URL_FILE).read_text().strip()
+            socks.append(Path(url[len("redis+socket://"):].split("?", 1)[0]))
+        except OSError:
+            pass
+        stopped = False
+        for sock in socks:
+            if sock.exists():
+                stopped = _shutdown_orphan(sock) or stopped
+                sock.unlink(missing_ok=True)
+        (self.state_dir / URL_FILE).unlink(missing_ok=True)
+        return stopped
+
     def release(self) -> None:
         """Give the lock back without a server having started (see :meth:`claim`)."""
         self._unlock()
@@ -112,9 +131,7 @@ class EmbeddedBroker:
         sock = self.state_dir / "valkey.sock"
         if len(str(sock)) > _MAX_SOCKET_PATH:
             sock = Path(tempfile.mkdtemp(prefix="hsx-")) / "valkey.sock"
-        if sock.exists():
-            _shutdown_orphan(sock)  # a server left by a killed run still owns the AOF: stop it first
-            sock.unlink(missing_ok=True)
+        self.stop_orphan()  # a server left by a killed run still owns the AOF: stop it first
         self.socket_path = sock
         args = [
             valkey_binary(),
@@ -186,18 +203,20 @@ class EmbeddedBroker:
         self.stop()
 
 
-def _shutdown_orphan(sock: Path) -> None:
+def _shutdown_orphan(sock: Path) -> bool:
+    """Shut down the server listening on ``sock``; False when nobody listens (a stale socket file)."""
     import redis
 
     try:
         client = redis.Redis(unix_socket_path=str(sock), socket_timeout=5)
         client.ping()
     except Exception:
-        return  # a stale socket file: nobody listens
+        return False  # a stale socket file: nobody listens
     try:
         client.shutdown()  # flushes the AOF, then exits
     except Exception:
         pass  # the connection closes as it exits
+    return True
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:

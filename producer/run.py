@@ -470,6 +470,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
             done_before = done_batches(planned.run_store) & {b["batch"] for b in planned.batches}
             if len(done_before) == len(planned.batches):
                 if claimed is not None:
+                    claimed.stop_orphan()  # the broker of a killed run is stopped even when nothing is left
                     claimed.release()
                 report = _plan_report(planned, done_before)
                 report["seconds"] = round(time.perf_counter() - t0, 2)

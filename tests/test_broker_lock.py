@@ -3,9 +3,15 @@ and a server orphaned by a killed run is shut down (AOF kept) before a new one s
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
-from hsx.broker import EmbeddedBroker, redis_client
+from hsx.broker import URL_FILE, EmbeddedBroker, redis_client
 from hsx.errors import BadConfig
 
 
@@ -51,3 +57,39 @@ def test_a_second_run_is_refused_before_it_tokenises_its_dataset(tmp_path, tiny_
     said = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 2 and f"another 'producer run' (pid {os.getpid()})" in said, said
     assert "tokenis" not in said.lower() and not (tmp_path / "out").exists(), "planning started before the refusal"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_run_with_nothing_to_do_stops_the_broker_a_killed_run_left(small_run, tmp_path):
+    """Issue 22 item 8: ``producer run`` killed with SIGKILL leaves its embedded valkey-server running
+    (its own session); the next ``run`` of a finished run finds nothing to do, and still stops that
+    server and removes its URL file, as the README says the next ``run`` does."""
+    from jobfixtures import ROOT, run_here, wait_until
+    from smallrun import SMALL_JOB
+
+    state = tmp_path / "state"
+    owner = subprocess.Popen([sys.executable, "-c",
+                              "import sys, time; from hsx.broker import EmbeddedBroker; "
+                              "b = EmbeddedBroker(sys.argv[1]).start(); print(b.proc.pid, flush=True); time.sleep(600)",
+                              str(state)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    server_pid = int(owner.stdout.readline())
+    os.kill(owner.pid, signal.SIGKILL)  # as `kill -9` of `producer run`: no cleanup runs
+    owner.wait(30)
+    assert _alive(server_pid) and (state / URL_FILE).exists()
+    try:
+        env = {**small_run["env"], "HSX_STATE_DIR": str(state)}
+        proc = run_here(["run", *SMALL_JOB, "--output", str(small_run["dir"].parent), "--json"], env)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["batches_enqueued"] == 0
+        wait_until(lambda: not _alive(server_pid), 30, "the orphaned broker to exit")
+        assert not (state / URL_FILE).exists()
+    finally:
+        if _alive(server_pid):
+            os.kill(server_pid, signal.SIGKILL)
