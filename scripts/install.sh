@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install the project into it. Usage: scripts/install.sh [extras]
-#   extras: "" (default, to run jobs) or "dev" (tests). Safe to run again: it only adds what is missing.
+#   extras: "" (default, to run jobs), "dev" (tests), "gpu" (CUDA kernels: fla, causal-conv1d, nvidia-ml-py),
+#   "parquet", "sharegpt", or several joined by commas ("dev,gpu"). Safe to run again: it only adds what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
