@@ -382,3 +382,43 @@ def test_a_worker_the_launcher_saw_die_has_its_batch_put_back_at_once_not_after_
             p.kill()
         launcher.kill()
         launcher.wait()
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_killed_on_delivery_before_listing_the_message_has_it_put_back_in_seconds(template, cluster, tmp_path):
+    """A worker SIGKILLed the moment a message is delivered to it (``HSX_FAULTS=die_received=KILL``: before its
+    presence lists it) leaves a claim nobody lists. ``python -m workers`` sees the death, looks again a few
+    seconds later and puts that claim back (``its worker died before listing it``), so a live worker does the
+    batch long before its lease (10 minutes here) would expire."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from jobfixtures import ROOT
+
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
+    long_lease = dict(lease_s=600, reclaim_interval_s=1)
+    log_path = tmp_path / "launcher.log"
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen([sys.executable, "-m", "workers", "--count", "1"], cwd=ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=cluster.env(faults="die_received=KILL", worker_restart_delay_s=120,
+                                                    worker_concurrency=1, **long_lease))
+    try:
+        wait_until(lambda: "ready." in log_path.read_text(errors="replace"), 90, "the launcher's worker ready")
+        first = template.batches[0]
+        cluster.enqueue(run_store, [first])
+        wait_until(lambda: "killed by SIGKILL" in log_path.read_text(errors="replace"), 60, "the worker's death on delivery")
+        died_at = time.monotonic()
+        cluster.worker("rescuer", **long_lease)
+        wait_until(lambda: first["batch"] in done_batches(run_store), 60, "the batch done by the rescuer")
+        assert time.monotonic() - died_at < 60
+        reclaims = _reclaims(run_store)
+        assert [(r["batch"], r["why"]) for r in reclaims] == [(first["batch"], "its worker died before listing it")], reclaims
+        assert "put back at the head of the queue" in log_path.read_text(errors="replace")
+    finally:
+        for p in psutil.Process(launcher.pid).children(recursive=True):
+            p.kill()
+        launcher.kill()
+        launcher.wait()

@@ -78,6 +78,9 @@ def _on_received(request=None, **_kwargs) -> None:
     from hsx.queue import EXTRACT_TASK
     from workers.heartbeat import process_heartbeat
 
+    from workers import faults
+
+    faults.at_received(_settings.faults)
     task_id, args = _held(request)
     if task_id and getattr(request, "name", None) == EXTRACT_TASK and len(args) >= 2:
         process_heartbeat(_settings.heartbeat_s).received(task_id, str(args[0]), str(args[1]))

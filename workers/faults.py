@@ -14,6 +14,7 @@ a while: ``pause_<point>=S`` sleeps S seconds at ``point`` of every batch and lo
 | ``store_down=N`` | the first N direct store writes of this process fail as if the store did not answer (a transient ``StoreError``): the shard takes the overflow path through the spool |
 | ``store_full=N`` | the first N direct store writes of this process fail with ENOSPC (a permanent ``StoreError`` on a local store) |
 | ``spool_full=N`` | the first N spool writes of this process fail with ENOSPC |
+| ``die_received=SIG`` | the worker process kills itself with signal SIG when a message is delivered to it, before its presence lists it (the second in which only the message's claim says where it went) |
 | ``die_load=SIG`` | the worker process kills itself with signal SIG (a number, or a name such as ``KILL``) while it loads its model, after the weights are read: what the kernel's OOM killer does to a worker short of host memory |
 
 Never set it in production: it only slows batches down or fails them.
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 POINTS = ("forward", "upload", "store", "marker")
 COUNTED = ("spool_full", "store_down", "store_full")
-SIGNALLED = ("die_load",)
+SIGNALLED = ("die_load", "die_received")
 
 _lock = threading.Lock()
 _state: dict[str, dict] = {}
@@ -65,7 +66,7 @@ def parse_faults(spec: str | None) -> dict:
                 raise ValueError(f"unknown entry {name!r}")
         except ValueError as exc:
             raise BadConfig(f"HSX_FAULTS={spec!r}: {exc}; use pause_<point>=S (points: {', '.join(POINTS)}), "
-                            f"{'=N, '.join(COUNTED)}=N or die_load=SIGNAL") from None
+                            f"{'=N, '.join(COUNTED)}=N, die_load=SIGNAL or die_received=SIGNAL") from None
     return out
 
 
@@ -108,6 +109,18 @@ def at_load(spec: str | None) -> None:
         import os
 
         log.warning("fault injection: killing this worker with signal %d while it loads its model", sig)
+        os.kill(os.getpid(), sig)
+
+
+def at_received(spec: str | None) -> None:
+    """Kill this process with ``die_received``'s signal, if ``HSX_FAULTS`` asks for it (no-op otherwise)."""
+    if not spec:
+        return
+    sig = _faults(spec)["faults"].get("die_received")
+    if sig:
+        import os
+
+        log.warning("fault injection: killing this worker with signal %d on a delivery, before listing it", sig)
         os.kill(os.getpid(), sig)
 
 

@@ -298,13 +298,15 @@ def mark_dead_worker(runs_file: Path, host: str, pid: int, how: str, settings: S
 def _reclaim_dead(dead: str, batches: dict[str, list[str]], settings: Settings) -> None:
     """Put back now every claim worker ``dead`` held (those its broker presence lists, and
     ``batches``: ``{run address: [batch]}`` from its status records), then mark its presence
-    ``stopped`` (``Reclaimer.reclaim_dead``); a failure only leaves them to the other workers' reclaimers."""
+    ``stopped`` (``Reclaimer.reclaim_dead``), and a few seconds later the claims nobody lists (delivered
+    to it just before it died); a failure only leaves them to the other workers' reclaimers."""
     from hsx.store import mask_url
-    from workers.lease import Reclaimer
+    from workers.lease import Reclaimer, unlisted_confirm_s
 
     try:
+        # the claims nobody lists are looked at again a few seconds on: those it died before listing
         done = Reclaimer(settings, settings.broker_url, me=f"{socket.gethostname()}-{os.getpid()}").reclaim_dead(
-            dead, batches)
+            dead, batches, confirm_unlisted_s=unlisted_confirm_s(settings))
     except Exception as exc:
         log.warning("claims of dead worker %s left to the other workers' reclaimers: %s: %s", dead,
                     exc.__class__.__name__, exc)

@@ -47,7 +47,10 @@ deletes its own shard.
 **A death the launcher saw** needs no lease: when ``python -m workers`` reaps a child that died,
 it puts back every claim the child's presence (and its status records) listed at once
 (:meth:`Reclaimer.reclaim_dead`), then marks the presence ``stopped``, so that any reclaimer takes
-what is left at its next look.
+what is left at its next look. A message delivered to the child in the second before it died is
+claimed but listed by nobody; the claims unlisted at the death and still unlisted
+:func:`unlisted_confirm_s` later (a live worker lists its own deliveries within a second) are put
+back too (:meth:`Reclaimer.reclaim_unlisted`), instead of waiting for ``HSX_LEASE_S``.
 
 **Parked messages come back** (:meth:`Reclaimer.unpark`): each look reads ``hsx:<queue>:parked``;
 an entry this worker serves (its run lies under this worker's roots, the worker is not among those
@@ -100,6 +103,14 @@ def stale_confirm_s(settings) -> float:
     """Seconds (this observer's monotonic clock) between the two looks that must both find a
     presence stale before its claims are taken: two heartbeats, at most half the lease, at least 1 s."""
     return max(1.0, min(settings.lease_s / 2, 2 * settings.heartbeat_s))
+
+
+def unlisted_confirm_s(settings) -> float:
+    """Seconds after a death the launcher saw before an unlisted claim is taken as the dead worker's:
+    three of the presence's shortest write gaps (a live worker lists a delivery within one), at least 3 s."""
+    from workers.heartbeat import MIN_WRITE_GAP_S
+
+    return max(3.0, 3 * MIN_WRITE_GAP_S)
 
 
 def lease_state(claim: dict, presences, now: float, lease_s: float) -> tuple[str, list]:
@@ -309,12 +320,16 @@ class Reclaimer:
         self._unlisted = unlisted_now  # tags no longer claimed, or listed again, are forgotten
         return done
 
-    def reclaim_dead(self, worker: str, batches: dict[str, list[str]] | None = None) -> list[dict]:
+    def reclaim_dead(self, worker: str, batches: dict[str, list[str]] | None = None,
+                     confirm_unlisted_s: float | None = None) -> list[dict]:
         """Put back at once every claim that worker ``worker`` (``<host>-<pid>``), which died, held:
         those its presence lists, and the ``batches`` of each run (``{run address: [batch]}``, from
         its status records); then mark its presence ``stopped``. A claim that another live worker
-        lists is left to it. For ``python -m workers``, which saw the process die. Returns the
-        reclaims made, as :meth:`reclaim_stale` does.
+        lists is left to it. With ``confirm_unlisted_s``, the claims no presence lists now are
+        looked at again that many seconds later (this call waits), and those still unlisted are
+        put back (:meth:`reclaim_unlisted`: messages delivered to it that it died before listing).
+        For ``python -m workers``, which saw the process die. Returns the reclaims made now, as
+        :meth:`reclaim_stale` does.
 
         Raises whatever redis raises when the broker does not answer (the launcher logs it; the
         lease reclaims those batches later)."""
@@ -344,6 +359,39 @@ class Reclaimer:
         if dead is not None and dead.state != "stopped":
             # Its tasks stay listed: what this call could not put back, any reclaimer takes at its next look.
             write_presence(client, self.settings.queue, dead.model_copy(update={"state": "stopped"}))
+        unlisted = {c["tag"] for c in claims(client) if lease_state(c, presences, now, self.settings.lease_s)[0] == UNLISTED}
+        if unlisted and confirm_unlisted_s is not None:
+            time.sleep(confirm_unlisted_s)  # in the caller's thread: a launcher giving up next still does it
+            done += self.reclaim_unlisted(unlisted)
+        return done
+
+    def reclaim_unlisted(self, tags: set[str]) -> list[dict]:
+        """Put back the claims among delivery ``tags`` that no presence lists, live or not.
+
+        A worker lists a message within about a second of its delivery (``workers/heartbeat.py``:
+        ``received``, then its presence's next write); one that died inside that second leaves a
+        claim nobody lists, which only the lease would take back (``HSX_LEASE_S``, minutes). After a
+        death the launcher saw, the claims unlisted then and still unlisted :func:`unlisted_confirm_s`
+        later were the dead worker's (a live worker would have listed its own by then); a live
+        worker whose presence could not be written for that long only loses a marker race.
+        Returns the reclaims made; raises whatever redis raises when the broker does not answer."""
+        from hsx.fleet import broker_time, claims, read_presences
+
+        client = self.client()
+        now = broker_time(client)
+        presences = read_presences(client, self.settings.queue)
+        done = []
+        for claim in claims(client):
+            if claim["tag"] not in tags or lease_state(claim, presences, now, self.settings.lease_s)[0] != UNLISTED:
+                continue
+            try:
+                result = self._reclaim(claim, now, "its worker died before listing it")
+            except Exception as exc:
+                log.warning("reclaim of batch %s of %s (unlisted after a death) failed: %s: %s", claim["batch"],
+                            claim["run_url"], exc.__class__.__name__, exc)
+                continue
+            if result is not None:
+                done.append(result)
         return done
 
     def reclaim_abandoned(self, run_url: str, batches: list[str]) -> list[dict]:
