@@ -130,6 +130,10 @@ class Settings(BaseSettings):
     """On CUDA with fla, run a batch's rows through the Gated DeltaNet kernel as one variable-length
     row (``workers.target.RowsAsSequences``): the same values, and one compiled kernel variant for
     every batch size instead of one per row count (a cold start of seconds, not minutes)."""
+    load_threads: int = Field(default=16, ge=1)
+    """Threads that copy the checkpoint's tensors to the device while a worker loads its target
+    (transformers' loading pool, ``core_model_loading.GLOBAL_WORKERS``, 4 by default upstream), at
+    most the host's CPUs. ``bench/load.py`` measures the load's GB/s with each."""
     compile_cache: bool = True
     """Share Triton's compile cache (``TRITON_CACHE_DIR``) through the store: the first CUDA worker
     that warms up without it stores its cache at ``compile-cache/triton/<GPU arch + torch, triton,

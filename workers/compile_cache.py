@@ -200,7 +200,8 @@ def for_worker(settings, device):
     from hsx.store import mask_url, open_store
 
     try:
-        store = open_store(settings.store_url, settings, create=False)
+        # create: a worker may start before any run was planned under its local root
+        store = open_store(settings.store_url, settings, create=True)
     except Exception as exc:
         log.warning("compile cache: store %s not opened (%s: %s); the warm-up compiles", mask_url(settings.store_url),
                     exc.__class__.__name__, exc)

@@ -298,6 +298,21 @@ def load_device_map(device: torch.device) -> dict[str, torch.device]:
     return {"": device}
 
 
+def _set_load_threads(n: int) -> None:
+    """Size transformers' tensor-loading pool (``core_model_loading.GLOBAL_WORKERS``, read when each
+    load starts its ``ThreadPoolExecutor``, l. 1873 at 5.24): ``min(n, cpus)``. Upstream caps it at 4,
+    which left a 52 GB load at 2.0 GB/s on the H200 (BENCHMARKS.md, "Loading a target"). A
+    transformers without that constant is left as it is."""
+    import os
+
+    try:
+        import transformers.core_model_loading as loading
+    except ImportError:
+        return
+    if hasattr(loading, "GLOBAL_WORKERS"):
+        loading.GLOBAL_WORKERS = max(1, min(n, os.cpu_count() or 1))
+
+
 def load_target(name: str, settings: Settings) -> Target:
     """Load ``name`` on this worker's device and run one warm-up forward.
 
@@ -323,6 +338,7 @@ def load_target(name: str, settings: Settings) -> Target:
     use_safetensors = safetensors_only(path, settings.allow_pickle_checkpoints)
     info = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     t0 = time.perf_counter()
+    _set_load_threads(settings.load_threads)
     model = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=dtype,
