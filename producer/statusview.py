@@ -69,8 +69,8 @@ def progress_table(status: dict) -> Table:
     """The run's totals: state, a bar of batches done, samples, tokens, rate, ETA, skips; while the plan
     is written, the planning's progress and the batches planned so far."""
     t = Table(title=f"run {status['run_id']}", show_header=False, title_justify="left", box=None, padding=(0, 1))
-    t.add_column(style="bold")
-    t.add_column()
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(overflow="fold")  # a long address wraps whole rather than ending in "…" at 80 columns
     total, done = status["batches_total"], status["batches_done"]
     state = status["state"]
     state_style = {"done": "green", "failed": "red", "plan_failed": "red", "running": "cyan", "stalled": "yellow",
@@ -145,8 +145,34 @@ def progress_table(status: dict) -> Table:
     return t
 
 
-def workers_table(status: dict) -> Table | Text:
-    """One row per worker process: host, GPU, utilisation, memory, current batch, tokens/s, heartbeat, paused."""
+#: The workers table's columns (name, justify). Every header is shown whole (``min_width``) and every
+#: cell wraps or folds instead of ending in "…": at 80 columns a table of ten no-wrap columns cut its
+#: headers to ``work…`` / ``dev…`` and squeezed the note to nothing (issue 22, item 7). So the GPU
+#: readings are lines of the device cell, each running batch a line of its own, and a row's note
+#: (why it is paused, how it died) a line under the table, where it has the full width.
+WORKER_COLUMNS = (("worker", "left"), ("device", "left"), ("batch", "left"), ("tok/s", "right"),
+                  ("batches", "right"), ("heartbeat", "left"))
+
+
+def _device_cell(r: dict) -> str:
+    """The device, then the GPU's readings (utilisation, memory, temperature and power), one line each."""
+    gpu = r.get("gpu") or {}
+    lines = [gpu.get("name") or r.get("device") or ("no GPU" if r.get("no_gpu") else "-")]
+    if gpu.get("utilization_pct") is not None:
+        lines.append(f"{gpu['utilization_pct']}% util")
+    if gpu.get("memory_total_bytes"):
+        lines.append(f"{fmt_bytes(gpu.get('memory_used_bytes'))} / {fmt_bytes(gpu.get('memory_total_bytes'))}")
+    temp = " ".join(x for x in (f"{gpu['temperature_c']}C" if gpu.get("temperature_c") is not None else "",
+                                f"{gpu['power_w']:.0f}W" if gpu.get("power_w") is not None else "") if x)
+    if temp:
+        lines.append(temp)
+    return "\n".join(lines)
+
+
+def workers_table(status: dict) -> RenderableType:
+    """One row per worker process: worker, device with its GPU readings, running batches, tokens/s,
+    batches done, state and heartbeat age; under the table, each paused or dead worker's note.
+    Readable at 80 columns: no header is cut and no cell ends in an ellipsis (:data:`WORKER_COLUMNS`)."""
     rows = status["workers"]
     if not rows:
         if status.get("broker"):
@@ -157,28 +183,22 @@ def workers_table(status: dict) -> Table | Text:
             hint = " (set HSX_BROKER_URL to ask the workers for live GPU stats)"
         return Text(f"no workers seen yet{hint}", style="dim")
     t = Table(title="workers", title_justify="left")
-    for name, justify in (("worker", "left"), ("device", "left"), ("util", "right"), ("memory", "right"),
-                          ("temp/power", "right"), ("batch", "left"), ("tok/s", "right"), ("batches", "right"),
-                          ("heartbeat", "right"), ("note", "left")):
-        t.add_column(name, justify=justify, no_wrap=name != "note")
+    for name, justify in WORKER_COLUMNS:
+        t.add_column(name, justify=justify, min_width=len(name), overflow="fold")
+    notes: list[Text] = []
     for r in rows:
-        gpu = r.get("gpu") or {}
         who = r.get("name") or f"{r.get('host')}:{r.get('pid')}"
-        device = gpu.get("name") or r.get("device") or ("no GPU" if r.get("no_gpu") else "-")
-        util = f"{gpu['utilization_pct']}%" if gpu.get("utilization_pct") is not None else "-"
-        mem = (f"{fmt_bytes(gpu.get('memory_used_bytes'))} / {fmt_bytes(gpu.get('memory_total_bytes'))}"
-               if gpu.get("memory_total_bytes") else "-")
-        temp = " ".join(x for x in (f"{gpu['temperature_c']}C" if gpu.get("temperature_c") is not None else "",
-                                    f"{gpu['power_w']:.0f}W" if gpu.get("power_w") is not None else "") if x) or "-"
         beat = "-" if r.get("heartbeat_age_s") is None else f"{fmt_duration(r['heartbeat_age_s'])} ago"
         if r.get("state"):
             beat = f"{r['state']}, {beat}"
         style = "dim" if r.get("online") is False else ""
-        t.add_row(who, device, util, mem, temp, ", ".join(map(str, r.get("running") or [])) or "-",
-                  _rate(r.get("tokens_per_s"), ""), f"{r.get('batches_done', 0):,}", beat,
-                  Text(f"paused: {r['paused']}", style="yellow") if r.get("paused")
-                  else Text(r["exit"], style="red") if r.get("exit") else "-", style=style)
-    return t
+        t.add_row(who, _device_cell(r), "\n".join(map(str, r.get("running") or [])) or "-",
+                  _rate(r.get("tokens_per_s"), ""), f"{r.get('batches_done', 0):,}", beat, style=style)
+        if r.get("paused"):
+            notes.append(Text(f"{who}: paused: {r['paused']}", style="yellow"))
+        elif r.get("exit"):
+            notes.append(Text(f"{who}: {r['exit']}", style="red"))
+    return Group(t, *notes) if notes else t
 
 
 def failures_table(status: dict, limit: int = 20) -> Table | None:
@@ -219,7 +239,7 @@ def fleet_view(fleet: dict) -> RenderableType:
     if fleet["workers"]:
         t = Table(title="workers", title_justify="left")
         for name in ("worker", "node", "roots", "model", "state", "tasks", "seen"):
-            t.add_column(name, no_wrap=name in ("worker", "node", "seen"))
+            t.add_column(name, min_width=len(name), overflow="fold")  # whole headers, no "…" at 80 columns
         for w in fleet["workers"]:
             state = w["state"]
             if state == "paused" and w.get("paused_reason"):

@@ -346,3 +346,42 @@ def test_status_json_into_a_closed_pipe_exits_quietly(small_run, watch):
     finally:
         os.close(write_end)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+def test_the_workers_table_is_readable_at_80_columns(small_run, tmp_path):
+    """The default terminal width: every header is whole (not ``work…`` / ``dev…``), no cell ends in an
+    ellipsis, nothing is wider than the terminal, and a paused or dead worker's note is there in full
+    (it had a zero-width column). The small run's own worker and two records as workers/heartbeat.py and
+    ``python -m workers`` write them: one paused by its spool, one found dead while loading."""
+    import socket
+
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    batches = [b["batch"] for b in read_batch_list(store)]
+    now = float(int(time.time()))
+    reason = "spool 85% full (limit 80%, HSX_SPOOL_MAX_FRACTION)"
+    store.write("workers/gpu-node-17.example.org-41.json", json.dumps({
+        "host": "gpu-node-17.example.org", "pid": 41, "device": "NVIDIA H200", "state": "paused", "heartbeat_s": 5.0,
+        "paused_reason": reason, "paused_since": _utc(now - 30),
+        "batches": [{"batch": b, "phase": "waiting_gpu", "since": _utc(now - 30)} for b in batches],
+        "updated_at": _utc(now - 2)}).encode())
+    death = ("killed by SIGKILL while loading the model: the checkpoint (52.1 GB) is larger than the host's "
+             "available memory (31.0 GB, /proc/meminfo MemAvailable): likely the kernel's OOM killer")
+    store.write(f"workers/{socket.gethostname()}-42.json", json.dumps({
+        "host": socket.gethostname(), "pid": 42, "device": "cuda:3", "state": "stopped", "heartbeat_s": 5.0,
+        "batches": [], "exit": death, "exited_at": _utc(now - 5), "updated_at": _utc(now - 5)}).encode())
+    status = RunWatch(store).poll(now=now)
+    assert len(status["workers"]) >= 3, status["workers"]
+
+    out = Console(record=True, width=80)
+    out.print(status_view(status))
+    text = out.export_text()
+    assert "…" not in text, text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    header = next(line for line in text.splitlines() if "worker" in line and "batch" in line)
+    for name in ("worker", "device", "batch", "tok/s", "batches", "heartbeat"):
+        assert f" {name} " in header, f"{name!r} not whole in the header {header!r}:\n{text}"
+    said = " ".join(text.split())
+    for whole in (f"paused: {reason}", death, "NVIDIA H200", "cuda:3", *batches):
+        assert whole in said, f"{whole!r} not in the view:\n{text}"
+    assert f"file://{run_dir}" in "".join(text.split()), f"the address is folded whole onto lines, not cut:\n{text}"
