@@ -38,6 +38,7 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from hsx.errors import BadConfig
@@ -193,6 +194,84 @@ def resolve_model_path(name: str, cache_dir: Path) -> str:
             raise BadConfig(f"--model {name!r}: not a built-in model, a local directory or a hub id (org/name); "
                             f"did you mean {close[0]!r}?")
     return name
+
+
+#: Seconds the one look at the hub may take: an unreachable hub is said at once, not after
+#: huggingface_hub's retries with backoff (26 s for an offline hub id, issue 22 item 9).
+HUB_TIMEOUT_S = 10.0
+
+
+def _hub_cache_dir() -> Path:
+    """The hub cache as the environment names it now (``HF_HUB_CACHE``, else ``HF_HOME/hub``)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on") or bool(constants.HF_HUB_OFFLINE)
+
+
+@lru_cache(maxsize=None)
+def hub_local_only(name: str) -> bool:
+    """For a hub id: True when it is read from the local hub cache alone (``local_files_only``),
+    False when the hub answers. One look at each: the cache (``try_to_load_from_cache``, no
+    network), then, unless ``HF_HUB_OFFLINE`` is set, one request to the hub (``HfApi.model_info``,
+    at most :data:`HUB_TIMEOUT_S` s, no retries). A model in the cache is read from it when the hub
+    does not answer; one that is not is refused at once.
+
+    Raises:
+        BadConfig: the model is neither in the cache nor to be had from the hub: names the model,
+            the cache looked in, why the hub was not asked or what it said, and the fix.
+    """
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    cache = _hub_cache_dir()
+    cached = isinstance(try_to_load_from_cache(name, "config.json", cache_dir=cache), str)
+    looked = (f"the local Hugging Face cache {cache} holds no copy of it "
+              f"(looked for {cache / ('models--' + name.replace('/', '--'))})")
+    fix = (f"download it where there is network (`hf download {name}`, into this cache: HF_HOME / HF_HUB_CACHE), "
+           f"or give the checkpoint's local directory, or one of {', '.join(BUILTIN_MODELS)}")
+    if _hub_offline():
+        if cached:
+            return True
+        raise BadConfig(f"--model {name!r}: HF_HUB_OFFLINE is set, so the hub was not asked, and {looked}. Fix: {fix}; "
+                        "or unset HF_HUB_OFFLINE where the hub can be reached")
+    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    try:
+        HfApi(endpoint=endpoint).model_info(name, timeout=HUB_TIMEOUT_S)
+        return False
+    except GatedRepoError:
+        why = (f"the hub says it is gated: accept its terms on huggingface.co/{name} and set HF_TOKEN (or hf auth login) "
+               "to a token of that account")
+    except RepositoryNotFoundError:
+        why = (f"the hub has no model {name!r} (or it is private: set HF_TOKEN to a token that can read it), and no "
+               "local directory of that name exists")
+    except Exception as exc:  # no network, a proxy, a 5xx: httpx / requests / OSError / HfHubHTTPError
+        why = f"the hub at {endpoint} could not be reached ({type(exc).__name__}: {str(exc)[:200]}; asked once)"
+    if cached:
+        log.warning("--model %s: %s; reading it from the local hub cache %s (set HF_HUB_OFFLINE=1 to not ask the hub)",
+                    name, why, cache)
+        return True
+    raise BadConfig(f"--model {name!r}: {why}; {looked}. Fix: {fix}; on a machine without network, with the model "
+                    "in the cache, set HF_HUB_OFFLINE=1")
+
+
+def _hub_kwargs(path: str) -> dict:
+    """``from_pretrained`` arguments for what :func:`resolve_model_path` returned: none for a local
+    directory; for a hub id, the cache :func:`hub_local_only` looked in and whether to read it alone
+    (one look at the cache and the hub before, so that transformers does not retry the hub for long)."""
+    if Path(path).is_dir():
+        return {}
+    return {"cache_dir": str(_hub_cache_dir()), "local_files_only": hub_local_only(path)}
 
 
 def looks_like_path(name: str) -> bool:
@@ -375,8 +454,9 @@ def model_info(name: str, cache_dir: Path, *, trust_remote_code: bool = False) -
     if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
         raise BadConfig(f"--model {name!r}: the directory {path} has no config.json; give the directory of a "
                         "Hugging Face checkpoint (config.json, tokenizer files, *.safetensors)")
+    hub = _hub_kwargs(path)  # a hub id: the cache and the hub, each looked at once; BadConfig at once
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **hub)
     except Exception as exc:  # transformers raises OSError / ValueError / EnvironmentError variants
         if not trust_remote_code and ("trust_remote_code" in str(exc) or "custom code" in str(exc)):
             raise BadConfig(
@@ -404,7 +484,8 @@ def load_tokenizer(name: str, cache_dir: Path, *, trust_remote_code: bool = Fals
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name, cache_dir)
+    hub = _hub_kwargs(path)
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **hub)
     except Exception as exc:
         raise BadConfig(f"--model {name!r}: cannot load its tokenizer ({exc.__class__.__name__}: {str(exc)[:300]})") from None

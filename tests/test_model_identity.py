@@ -311,3 +311,67 @@ def test_a_misspelled_built_in_model_is_refused_at_once_naming_the_built_in(tmp_
     with pytest.raises(BadConfig, match=r"did you mean 'tiny-qwen3\.5'\?"):
         resolve_model_path("tiny-qwen3", tmp_path)
     assert resolve_model_path("gpt2", tmp_path) == "gpt2"
+
+
+# --- a hub id offline (issue 22, item 9) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("offline", [False, True], ids=["hub-unreachable", "HF_HUB_OFFLINE"])
+def test_a_hub_id_that_is_not_cached_and_cannot_be_fetched_is_refused_at_once(tmp_path, tiny_cache, offline):
+    """``producer run ... --model Qwen/Qwen3-8B`` with no network (the hub's endpoint a closed port of this
+    machine) and an empty hub cache: refused without huggingface_hub's retries (they took 26 s), naming the
+    model, the cache it looked in, and the fix (download it, a local directory; HF_HUB_OFFLINE when it is
+    cached). With HF_HUB_OFFLINE set the hub is not asked at all."""
+    import subprocess
+    import sys
+
+    from jobfixtures import ROOT, clean_env, free_port
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    env = {**clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state"), "HF_HOME": str(tmp_path / "hf"),
+           "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "COLUMNS": "400"}
+    env.pop("HF_HUB_CACHE", None)
+    env.pop("HUGGINGFACE_HUB_CACHE", None)
+    env.pop("HF_HUB_OFFLINE", None)
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "producer", "run", str(data), "--model", "Qwen/Qwen3-8B",
+                           "--output", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    took = time.monotonic() - t0
+    said = " ".join(proc.stderr.split())
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Retrying" not in proc.stderr, f"the hub was retried:\n{proc.stderr[-3000:]}"
+    cache = tmp_path / "hf" / "hub"
+    for words in ("--model 'Qwen/Qwen3-8B'", f"cache {cache} holds no copy of it", str(cache / "models--Qwen--Qwen3-8B"),
+                  "`hf download Qwen/Qwen3-8B`", "local directory"):
+        assert words in said, f"{words!r} not in:\n{proc.stderr[-3000:]}"
+    assert ("HF_HUB_OFFLINE is set, so the hub was not asked" in said) == offline, said
+    assert ("could not be reached" in said and "asked once" in said and "set HF_HUB_OFFLINE=1" in said) != offline, said
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir()), "a refused run writes nothing"
+    assert took < 12, f"{took:.1f} s to refuse it (26 s of retries before)"
+
+
+def test_a_cached_hub_id_is_read_from_the_cache_at_once_when_the_hub_cannot_be_reached(ckpt, tmp_path, monkeypatch):
+    """The same id in the local hub cache (a real snapshot layout of the tiny checkpoint) and no network: its
+    config is read from the cache after one refused connection (no retries); with HF_HUB_OFFLINE the hub is
+    not asked."""
+    from jobfixtures import free_port
+
+    snapshot = _hub_snapshot(ckpt, tmp_path)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(snapshot.name)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    for offline in ("", "1"):
+        monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+        hsx.models.hub_local_only.cache_clear()
+        info = model_info("org/tiny", tmp_path / "cache")
+        assert hsx.models.hub_local_only("org/tiny") is True
+        assert info.path == "org/tiny" and info.model_type == "qwen3_5_text" and info.num_layers == 8, info
+    hsx.models.hub_local_only.cache_clear()
