@@ -315,8 +315,9 @@ def run_store(store: str, tasks: int, workers_n: int, threads: int, cache_dir: P
 
 # --- the fleet soak: faults that must not idle the fleet (issue 19) -----------------------------------
 
-#: the size (MiB) of the tmpfs one good run's store lives on: small, so that filling it takes a moment.
-FILL_TMPFS_MIB = 64
+#: the size (MiB) of the tmpfs one good run's store lives on: room for its shards (a 1,500-batch run of the tiny
+#: model writes ~60 MB), filled by the soak's filler file in a second or two.
+FILL_TMPFS_MIB = 1024
 
 
 class FleetFaults:

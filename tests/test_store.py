@@ -432,6 +432,22 @@ def test_open_store_without_create_refuses_a_missing_directory_and_makes_nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+def test_a_run_deleted_under_an_open_store_is_not_brought_back_by_a_late_write(tmp_path):
+    """A worker holds the store of an existing run (create=False); someone deletes the run (rm -rf). A late
+    write (a status record, a failure record) is a StoreError naming the root, and the directory stays gone."""
+    import shutil
+
+    from hsx.errors import StoreError
+
+    (tmp_path / "run").mkdir()
+    store = open_store(str(tmp_path / "run"), create=False)
+    store.write("workers/a.json", b"{}")
+    shutil.rmtree(tmp_path / "run")
+    with pytest.raises(StoreError, match="no longer exists"):
+        store.write("workers/a.json", b"{}")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_scheme_with_one_slash_is_refused_as_a_typo_not_made_a_directory(tmp_path, monkeypatch):
     """'s3:/bad' (one slash) is refused naming the accepted forms, with or without create; './s3:/bad' stays a local path."""
     monkeypatch.chdir(tmp_path)

@@ -40,6 +40,8 @@ class LocalStore:
     def __init__(self, root: Path):
         self.root = Path(os.path.abspath(root))
         self.url = self.root.as_uri()
+        # opened as an existing run (check(create=False)): a write never makes the root again
+        self._root_must_exist = False
 
     def __repr__(self) -> str:
         return f"LocalStore({self.url})"
@@ -66,6 +68,7 @@ class LocalStore:
         made; an existing root need not be writable (read-only commands)."""
         if not create:
             if self.root.is_dir():
+                self._root_must_exist = True
                 return
             what = "is not a directory" if self.root.exists() else "does not exist"
             raise StoreError(f"store {self.url}: {self.root} {what}; nothing was created. Fix: give the "
@@ -91,6 +94,10 @@ class LocalStore:
                 raise MissingKey(f"{key!r} not found in {self.url}") from None
 
     def _write_tmp(self, final: Path, fill) -> Path:
+        if self._root_must_exist and not self.root.is_dir():
+            # A run deleted under a worker (rm -rf): a late status record must not bring its directory back.
+            raise StoreError(f"store {self.url}: {self.root} no longer exists (the run was deleted?): nothing is "
+                             "written there; it was opened as an existing run")
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp_for(final)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
