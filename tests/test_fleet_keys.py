@@ -93,6 +93,21 @@ def test_one_healer_is_elected_per_look(client):
     assert elect(client, "gpu", "a-1", 5) and not elect(client, "gpu", "b-2", 5)
 
 
+def test_the_elected_healer_removes_presences_gone_for_a_day_and_keeps_the_others(broker, client):
+    """A broker shared for months sees a new presence at every worker restart: the healer's look drops those
+    not written for a day of broker time (``PRESENCE_KEEP_S``), and keeps a stopped one of an hour ago."""
+    from workers.lease import PRESENCE_KEEP_S, Reclaimer
+
+    now = broker_time(client)
+    for name, age, state in (("gone-1", PRESENCE_KEEP_S + 60, "stopped"), ("gone-2", PRESENCE_KEEP_S + 60, "working"),
+                             ("recent-3", 3600, "stopped")):
+        body = Presence(worker=name, host="h", pid=1, state=state, stamp=now - age)
+        client.hset("hsx:gpu:workers", name, body.model_dump_json())
+    elected, _ = Reclaimer(Settings(_env_file=None, queue="gpu"), broker.url, me="healer-9").heal()
+    assert elected
+    assert sorted(_k.decode() if isinstance(_k, bytes) else _k for _k in client.hkeys("hsx:gpu:workers")) == ["recent-3"]
+
+
 # --- the presence a worker process writes (workers/heartbeat.py) ---
 
 def test_a_retried_task_stays_listed_while_its_new_delivery_waits():

@@ -105,6 +105,10 @@ def stale_confirm_s(settings) -> float:
     return max(1.0, min(settings.lease_s / 2, 2 * settings.heartbeat_s))
 
 
+#: seconds of broker time after its last write that a presence is kept (the elected healer removes older ones).
+PRESENCE_KEEP_S = 86400.0
+
+
 def unlisted_confirm_s(settings) -> float:
     """Seconds after a death the launcher saw before an unlisted claim is taken as the dead worker's:
     three of the presence's shortest write gaps (a live worker lists a delivery within one), at least 3 s."""
@@ -568,12 +572,14 @@ class Reclaimer:
 
         Returns ``(elected, healed)``. Raises whatever redis raises when the broker does not answer;
         a run whose store fails is logged and skipped."""
-        from hsx.fleet import (broker_time, claims, elect, known_runs, queued_messages, queued_of, read_parked,
-                               read_presences, unaccounted_key)
+        from hsx.fleet import (broker_time, claims, elect, known_runs, prune_presences, queued_messages, queued_of,
+                               read_parked, read_presences, unaccounted_key)
 
         client, queue, lease_s = self.client(), self.settings.queue, self.settings.lease_s
         if not elect(client, queue, self.me, self.heal_every_s()):
             return False, []
+        # presences of processes gone for a day: a long-lived broker's hash would grow with every restart
+        prune_presences(client, queue, PRESENCE_KEEP_S)
         waiting = queued_messages(client, queue)
         if waiting > HEAL_SCAN_MAX:
             log.debug("lost batches not looked for: %d messages queued (more than %d): the fleet is busy",
