@@ -118,3 +118,10 @@ class RunCancelled(HsxError):
 class StoreFull(StoreError):
     """The store has no room for a shard: its disk is full (ENOSPC, EDQUOT), or S3 answered with a
     quota error. The worker pauses and waits for space (``workers/extract.py``); never raised out of a task."""
+
+
+class GroupBroken(HsxError):
+    """A worker of K GPUs (``HSX_GPUS_PER_WORKER``) lost its tensor-parallel group: a follower rank
+    died, or a forward failed on the leader and left the ranks' collectives unmatched
+    (``workers/group.py``). Transient: the batch goes back to the queue, and the worker process
+    exits so that the launcher restarts the whole group (``workers/causes.py``)."""

@@ -245,6 +245,8 @@ def cmd_run(args, settings: Settings) -> int:
 
     if args.output:  # the workers this starts serve the --output root (hsx/access.py: HSX_STORE_URL)
         settings = settings.model_copy(update={"store_url": args.output})
+    if args.gpus_per_worker:  # passed to the workers as HSX_GPUS_PER_WORKER (producer.run.settings_env)
+        settings = settings.model_copy(update={"gpus_per_worker": args.gpus_per_worker})
     code, report = run_job(_options(args), settings, console, workers=args.workers, progress_factory=progress_factory)
     if args.json:
         out.print_json(json.dumps(report))
@@ -654,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", help="the whole job on this machine: plan, start broker and workers, extract, stop")
     _add_plan_options(p)
     p.add_argument("--workers", type=_at_least_one, help="worker processes to start (default: one per GPU, one on CPU)")
+    p.add_argument("--gpus-per-worker", type=_at_least_one, metavar="K",
+                   help="GPUs per worker: the target split over K GPUs by tensor parallelism (K must divide its KV "
+                        "heads; HSX_GPUS_PER_WORKER, default 1; with HSX_DEVICE=cpu: K gloo ranks on the CPU)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("status", help="a run's progress, rate, ETA, workers, parked messages and failures (from the store; "
                                       "live workers over the broker); without a run: the fleet on the broker")

@@ -469,6 +469,10 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         claimed = EmbeddedBroker(settings.broker_state_dir).claim()
     try:
         try:
+            if settings.gpus_per_worker > 1:  # a K the model cannot be split into: refused before planning
+                from workers.group import check_group
+
+                check_group(opts.model, settings)
             job = prepare_plan(opts, settings)  # every refusal before anything starts
         except KeyboardInterrupt:
             raise PlanningInterrupted("interrupted before planning: nothing was written; "

@@ -143,23 +143,35 @@ def test_a_group_size_that_does_not_divide_the_gpus_is_refused_with_the_sizes_th
         _slots(4, "0,1,2,3,4,5")
 
 
-def test_a_group_without_gpus_is_refused():
+def test_a_group_without_gpus_is_refused_unless_the_cpu_is_asked_for():
+    """No GPU visible and no HSX_DEVICE: K > 1 is a misconfigured GPU node, refused; HSX_DEVICE=cpu
+    set explicitly asks for CPU workers of K gloo ranks each (workers/group.py)."""
     from settings import load_settings
     from workers.launcher import plan_slots
 
-    with pytest.raises(BadConfig, match=r"HSX_GPUS_PER_WORKER=2: .* none is visible .*fix: HSX_GPUS_PER_WORKER=1"):
-        plan_slots(load_settings(gpus_per_worker=2, device="cpu"), {}, None, "INFO")
+    with pytest.raises(BadConfig, match=r"HSX_GPUS_PER_WORKER=2: .* none is visible .*fix: HSX_GPUS_PER_WORKER=1, or set "
+                                         r"HSX_DEVICE=cpu explicitly for a group of 2 gloo ranks"):
+        plan_slots(load_settings(gpus_per_worker=2, device=None), {"CUDA_VISIBLE_DEVICES": ""}, None, "INFO")
+    slots, gpus = plan_slots(load_settings(gpus_per_worker=2, device="cpu"), {}, None, "INFO")
+    assert gpus == [] and [(s.name, s.env["HSX_GPUS_PER_WORKER"]) for s in slots] == [("cpu0x2", "2")]
 
 
-def test_python_m_workers_refuses_groups_until_the_worker_splits_the_target(monkeypatch):
+def test_python_m_workers_refuses_a_group_size_its_model_cannot_split_before_the_broker(monkeypatch, tiny_cache):
+    """tiny-qwen3.5 has 2 KV heads: 4 ranks would split one, refused before anything starts (the
+    broker here does not answer: its check would fail with another message)."""
     from settings import get_settings
     from workers.launcher import main
 
-    monkeypatch.setenv("HSX_BROKER_URL", "redis://127.0.0.1:1/0")  # never reached: refused before the broker check
+    monkeypatch.setenv("HSX_BROKER_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("HSX_MODEL", "tiny-qwen3.5")
+    monkeypatch.setenv("HSX_DEVICE", "cpu")
+    monkeypatch.setenv("HSX_CACHE_DIR", str(tiny_cache))
     get_settings.cache_clear()
     try:
-        with pytest.raises(BadConfig, match=r"HSX_GPUS_PER_WORKER=2: the workers do not split a target across a group yet"):
-            main(["--gpus-per-worker", "2"])
+        with pytest.raises(BadConfig, match=r"HSX_GPUS_PER_WORKER=4 \(--gpus-per-worker\) refused for model 'tiny-qwen3.5': "
+                                             r".*num_key_value_heads=2 is not divisible by the group size 4.*"
+                                             r"fix: HSX_GPUS_PER_WORKER=2.*Nothing was started"):
+            main(["--gpus-per-worker", "4"])
     finally:
         monkeypatch.delenv("HSX_GPUS_PER_WORKER", raising=False)
         get_settings.cache_clear()

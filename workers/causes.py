@@ -4,7 +4,7 @@ No error of one message, one run or one batch makes a worker stop taking the oth
 
 | cause | examples | what happens |
 |---|---|---|
-| ``transient`` | a store timeout, refused connection, HTTP 5xx or throttling that outlasted ``HSX_STORE_RETRY_S``; a full spool (``SpoolFull``); a broker hiccup; CUDA out of memory | the task goes back to the queue through Celery (``Task.retry``) after ``HSX_TASK_RETRY_BASE_S`` doubling up to ``HSX_TASK_RETRY_MAX_S``, for as long as it takes; no failure record. A **full store** is not an error of a task: the worker pauses with the batch in hand and goes on when there is room (``workers/extract.py``, :func:`~workers.extract.until_room`) |
+| ``transient`` | a store timeout, refused connection, HTTP 5xx or throttling that outlasted ``HSX_STORE_RETRY_S``; a full spool (``SpoolFull``); a broker hiccup; CUDA out of memory; a worker of K GPUs whose group broke (``GroupBroken``: the process then exits and the launcher restarts the group) | the task goes back to the queue through Celery (``Task.retry``) after ``HSX_TASK_RETRY_BASE_S`` doubling up to ``HSX_TASK_RETRY_MAX_S``, for as long as it takes; no failure record. A **full store** is not an error of a task: the worker pauses with the batch in hand and goes on when there is room (``workers/extract.py``, :func:`~workers.extract.until_room`) |
 | ``park`` | a run this worker does not serve: outside its store roots, another checkpoint than its ``HSX_MODEL`` or than the one the run was planned for (``hsx.access.NotServed``); a run it cannot read: credentials refused, bucket missing (a non-transient ``StoreError``), a ``run.json`` this code cannot read (``RunFormatError``), a bad setting (``BadConfig``) | the message is **parked** on the broker (``hsx/fleet.py``: the reason and this worker) and acknowledged; this worker goes on with the next message. It comes back to the queue by itself when a worker that serves it (and has not refused it) looks, or with ``producer reconcile RUN``; ``status`` shows ``parked`` with the reason |
 | ``gone`` | the run's address holds no run (``RunGone``: deleted) | the message is acknowledged with one ERROR line per run and process; nothing is written |
 | ``cancelled`` | ``producer cancel`` (``RunCancelled``) | acknowledged, nothing written; one line per run and process |
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import errno
 
-from hsx.errors import (BadConfig, BadPlan, FidelityError, RunCancelled, RunConflict, RunFormatError, RunGone, SpoolFull,
+from hsx.errors import (BadConfig, BadPlan, FidelityError, GroupBroken, RunCancelled, RunConflict, RunFormatError, RunGone, SpoolFull,
                         StoreError, StoreFull)
 from hsx.store import MissingKey
 
@@ -61,7 +61,7 @@ def classify(exc: BaseException) -> str:
         return GONE
     if isinstance(exc, RunCancelled):
         return CANCELLED
-    if isinstance(exc, (SpoolFull, StoreFull)):
+    if isinstance(exc, (SpoolFull, StoreFull, GroupBroken)):
         return TRANSIENT
     if isinstance(exc, StoreError):
         return TRANSIENT if exc.transient or disk_full(exc) else PARK

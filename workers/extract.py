@@ -51,7 +51,7 @@ from hsx.shard import Final, StoreDtype, select_samples, serialize_shard, shard_
 from hsx.access import ModelNotServed, Refused, check_run_allowed, normalise
 from hsx.store import MissingKey, open_store, retry_transient, write_file
 from settings import Settings
-from workers.capture import launch_capture, merge_captured, right_padded_rows, split_by_tokens
+from workers.capture import merge_captured, right_padded_rows, split_by_tokens
 from workers import faults
 from workers.heartbeat import process_heartbeat
 from workers.spool import (is_disk_full, process_host_buffers, process_spool, spool_file_name, spool_full_error,
@@ -422,8 +422,10 @@ def _extract_batch(admitted: Admitted, settings: Settings, job: _Job) -> dict:
         while pending is None:
             try:
                 # one range: the pooled host buffer; several: each range's own host tensors, merged below
-                pending = [launch_capture(target.model, r, selection, store_dtype=store_dtype.torch_dtype,
-                                          host_buffer=job.buffer if len(rows) == 1 else None) for r in rows]
+                # target.launch: launch_capture, or through the worker's tensor-parallel group (a
+                # GroupBroken from it is transient: workers/group.py)
+                pending = [target.launch(r, selection, store_dtype=store_dtype.torch_dtype,
+                                         host_buffer=job.buffer if len(rows) == 1 else None) for r in rows]
             except torch.OutOfMemoryError:
                 # The measured limit was too optimistic (fragmentation, another process on the GPU):
                 # halve it for this process and run the batch again in smaller forwards, unless the

@@ -11,6 +11,7 @@ a while: ``pause_<point>=S`` sleeps S seconds at ``point`` of every batch and lo
 | ``pause_upload=S`` | before the shard is written to the store (its states in a host buffer) |
 | ``pause_store=S`` | in the middle of the store write: after its first piece (the header) went out |
 | ``pause_marker=S`` | after the shard is stored, before the marker |
+| ``pause_follow=S`` | in a follower rank of a worker's group (``workers/follower.py``), after rank 0's batch arrived, before its forward: rank 0 waits inside the forward's first collective; the line names the follower's pid |
 | ``store_down=N`` | the first N direct store writes of this process fail as if the store did not answer (a transient ``StoreError``): the shard takes the overflow path through the spool |
 | ``store_full=N`` | the first N direct store writes of this process fail with ENOSPC (a permanent ``StoreError`` on a local store) |
 | ``spool_full=N`` | the first N spool writes of this process fail with ENOSPC |
@@ -31,7 +32,7 @@ from hsx.errors import BadConfig
 
 log = logging.getLogger(__name__)
 
-POINTS = ("forward", "upload", "store", "marker")
+POINTS = ("forward", "upload", "store", "marker", "follow")
 COUNTED = ("spool_full", "store_down", "store_full")
 SIGNALLED = ("die_load", "die_received")
 

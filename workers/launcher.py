@@ -27,6 +27,10 @@ No worker outlives its launcher: each child gets SIGTERM (a warm shutdown) when 
 however it dies, SIGKILL included (Linux ``PR_SET_PDEATHSIG``, :func:`die_with_parent`), and a
 crash of the launcher's own loop stops its workers (SIGTERM, then SIGKILL after the grace period)
 before the launcher exits with the error.
+
+A worker of a group (``HSX_GPUS_PER_WORKER`` > 1) starts its own K-1 follower ranks
+(``workers/group.py``); when one of them dies, the worker fails the batches it holds as
+transient and exits with code 75, and is restarted here, group and all, like any other death.
 """
 
 from __future__ import annotations
@@ -420,7 +424,8 @@ def gpu_groups(gpus: list[str], per_worker: int) -> list[list[str]]:
         return [[g] for g in gpus]
     if not gpus:
         raise BadConfig(f"HSX_GPUS_PER_WORKER={per_worker}: a worker of {per_worker} GPUs needs GPUs, and none is visible "
-                        "(HSX_DEVICE=cpu, or no CUDA device); fix: HSX_GPUS_PER_WORKER=1")
+                        "(no CUDA device, or CUDA_VISIBLE_DEVICES is empty); fix: HSX_GPUS_PER_WORKER=1, or set "
+                        f"HSX_DEVICE=cpu explicitly for a group of {per_worker} gloo ranks on the CPU (tests, no GPU)")
     if len(gpus) % per_worker:
         fits = [k for k in range(1, len(gpus) + 1) if len(gpus) % k == 0]
         raise BadConfig(
@@ -436,16 +441,19 @@ def plan_slots(settings: Settings, env: dict[str, str], count: int | None, logle
 
     A worker of one GPU is named ``gpu<id>``, a worker of a group ``gpu<first id>x<K>``
     (``gpu4x2`` holds GPUs 4 and 5); each child's CUDA_VISIBLE_DEVICES is its group and its
-    HSX_GPUS_PER_WORKER the group size.
+    HSX_GPUS_PER_WORKER the group size. With ``HSX_DEVICE=cpu`` set explicitly, a K > 1 makes
+    CPU workers of K gloo ranks each (``cpu0x2``; ``workers/group.py``).
 
     Raises:
         BadConfig: from :func:`gpu_groups`.
     """
     gpus = visible_gpus(env)
-    if settings.device == "cpu":
-        gpus = []
     per_worker = settings.gpus_per_worker
-    groups = gpu_groups(gpus, per_worker)
+    if settings.device == "cpu":  # set explicitly: CPU workers, of K gloo ranks each when K > 1
+        gpus = []
+        groups = []
+    else:
+        groups = gpu_groups(gpus, per_worker)
     n = count or settings.workers_per_node or max(1, len(groups))
     slots = []
     for i in range(n):
@@ -456,18 +464,11 @@ def plan_slots(settings: Settings, env: dict[str, str], count: int | None, logle
             child_env["HSX_GPUS_PER_WORKER"] = str(per_worker)
             name = f"gpu{group[0]}" + (f"x{per_worker}" if per_worker > 1 else "") + (f"-{i // len(groups)}" if n > len(groups) else "")
         else:
-            name = f"cpu{i}"
+            name = f"cpu{i}" + (f"x{per_worker}" if per_worker > 1 else "")
+            if per_worker > 1:
+                child_env["HSX_GPUS_PER_WORKER"] = str(per_worker)
         slots.append(WorkerSlot(name, child_env, worker_command(settings, name, loglevel)))
     return slots, gpus
-
-
-#: Why ``python -m workers`` refuses HSX_GPUS_PER_WORKER > 1 for now (see README, "Targets larger than one GPU").
-GROUPS_NOT_WIRED = (
-    "HSX_GPUS_PER_WORKER={k}: the workers do not split a target across a group yet: workers/target.py loads the "
-    "whole model on the group's first GPU. The pieces are built and tested on the CPU (workers/parallel.py: "
-    "the tensor-parallel load and the rank-0 capture; the grouping above) but not joined to the Celery worker, "
-    "and no run on {k} GPUs has been made; fix: HSX_GPUS_PER_WORKER=1 and a target that fits one GPU"
-)
 
 
 def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INFO", grace_s: float = 600.0,
@@ -661,7 +662,9 @@ def main(argv: list[str] | None = None) -> int:
 
     Raises:
         BadSettings: a bad ``HSX_*`` value (nothing was started).
-        BadConfig: no broker URL, or the broker does not answer (nothing was started).
+        BadConfig: no broker URL, or the broker does not answer, or ``HSX_GPUS_PER_WORKER`` cannot
+            split ``HSX_MODEL`` (``workers.group.check_group``), or K GPUs per worker with no GPU
+            visible and no explicit ``HSX_DEVICE=cpu`` (nothing was started).
     """
     parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", type=int, default=None, help="worker processes (default: one per visible GPU, one on CPU)")
@@ -690,8 +693,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["HSX_GPUS_PER_WORKER"] = str(args.gpus_per_worker)  # validated by Settings, inherited by the children
         get_settings.cache_clear()
     settings = get_settings()  # BadSettings names the variable, the value and the rule
-    if settings.gpus_per_worker > 1:
-        raise BadConfig(GROUPS_NOT_WIRED.format(k=settings.gpus_per_worker))
+    if settings.gpus_per_worker > 1 and settings.model:
+        from workers.group import check_group
+
+        check_group(settings.model, settings)  # a K the model cannot be split into: refused before any process starts
     if not settings.broker_url:
         raise BadConfig(NO_BROKER)
     check_broker(settings.broker_url, settings.broker_check_timeout_s)

@@ -32,14 +32,15 @@ import torch.distributed as dist
 from hsx.errors import BadConfig
 from hsx.layers import LayerSelection
 from hsx.shard import Final
-from workers.capture import PendingCapture, Rows, launch_capture
+from hsx.decoder import decoder_of
+from workers.capture import PendingCapture, Rows, _check_model, launch_capture
 
 log = logging.getLogger(__name__)
 
 #: ``LayerSelection.final`` <-> its code in the broadcast header (its index here).
 FINALS = tuple(Final)
 #: header ops
-OP_STOP, OP_BATCH = 0, 1
+OP_STOP, OP_BATCH, OP_PROBE = 0, 1, 2
 #: header: op, B, S, T, N, num_layers, final code, K (captured layers)
 HEADER_LEN = 8
 
@@ -127,6 +128,9 @@ def lead_capture(model: torch.nn.Module, rows: Rows, selection: LayerSelection, 
     :class:`~workers.capture.PendingCapture`, which holds the whole states.
     """
     if dist.is_initialized() and dist.get_world_size() > 1:
+        # What launch_capture refuses is refused before the broadcast: a follower must never run
+        # a forward its leader does not (the group would be left waiting in a collective).
+        _check_model(decoder_of(model), model, selection)
         B, S, T = rows.shape
         N = rows.cu_seqlens_N1.shape[0] - 1
         ids = torch.tensor(selection.layer_ids, dtype=torch.int64)
@@ -138,17 +142,46 @@ def lead_capture(model: torch.nn.Module, rows: Rows, selection: LayerSelection, 
     return launch_capture(model, rows, selection, store_dtype=store_dtype, host_buffer=host_buffer)
 
 
+def lead_probe(model: torch.nn.Module) -> int | None:
+    """Rank 0: measure the padded tokens per forward that fit the group's GPUs, all ranks at once.
+
+    Every rank runs ``workers.target.forward_tokens_that_fit`` (two bare forwards, the same on
+    each rank: their collectives match) and the group takes the smallest answer (an all-reduce
+    MIN), since the rank with the least free memory bounds the forward. None on the CPU (no
+    limit; no forward runs), or without a group.
+    """
+    from workers.target import forward_tokens_that_fit
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return forward_tokens_that_fit(model)
+    _broadcast_header(torch.tensor([OP_PROBE] + [0] * (HEADER_LEN - 1), dtype=torch.int64))
+    return _probe(model)
+
+
+def _probe(model: torch.nn.Module) -> int | None:
+    from workers.target import forward_tokens_that_fit
+
+    fit = forward_tokens_that_fit(model)
+    wire = torch.tensor([-1 if fit is None else fit], dtype=torch.int64, device=_wire_device())
+    dist.all_reduce(wire, op=dist.ReduceOp.MIN)
+    value = int(wire.item())
+    return None if value < 0 else value
+
+
 def stop_followers() -> None:
     """Rank 0: end the followers' :func:`follow` loops (they return)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         _broadcast_header(torch.tensor([OP_STOP] + [0] * (HEADER_LEN - 1), dtype=torch.int64))
 
 
-def follow(model: torch.nn.Module) -> int:
+def follow(model: torch.nn.Module, before_forward=None) -> int:
     """Ranks 1..K-1: run every batch rank 0 sends (:func:`lead_capture`) until :func:`stop_followers`.
 
     Each batch runs the same forward as rank 0, as far as its selection needs, keeping nothing
-    (``keep_states=False``). Returns the number of batches followed.
+    (``keep_states=False``); a probe (:func:`lead_probe`) runs the same memory probe as rank 0.
+    ``before_forward(n)``, if given, is called with the batch's number (1-based) after it arrived
+    and before its forward (fault injection: ``workers/faults.py``). Returns the number of
+    batches followed.
 
     Raises:
         Whatever the forward raises (a rank that fails leaves the group's next collective
@@ -159,11 +192,16 @@ def follow(model: torch.nn.Module) -> int:
         op, B, S, T, N, num_layers, final, K = _broadcast_header(None).tolist()
         if op == OP_STOP:
             return followed
+        if op == OP_PROBE:
+            _probe(model)
+            continue
         payload = torch.empty(B * S + T + N + 1 + K, dtype=torch.int64, device=_wire_device())
         dist.broadcast(payload, src=0)
         payload = payload.cpu()
         ids_BS, valid_T, cu_N1, layer_ids = payload.split([B * S, T, N + 1, K])
         rows = Rows(ids_BS.reshape(B, S).clone(), valid_T.clone(), cu_N1.clone())
         selection = LayerSelection(tuple(layer_ids.tolist()), FINALS[final], None, num_layers)
+        if before_forward is not None:
+            before_forward(followed + 1)
         launch_capture(model, rows, selection, store_dtype=torch.float32, keep_states=False).wait()
         followed += 1

@@ -20,7 +20,7 @@ from hsx.errors import BadConfig
 from hsx.models import model_info, resolve_model_path, safetensors_only
 from settings import Settings
 from workers import compile_cache, faults
-from workers.capture import capture_batch
+from workers.capture import PendingCapture, Rows, launch_capture, right_padded_rows
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,21 @@ class Target:
     gpu_lock: threading.Lock = field(default_factory=threading.Lock)
     """Held during the forward and the device-to-host copy: with two task threads per worker, one
     batch runs on the GPU while the other writes and stores its shard."""
+    group: object | None = None
+    """The tensor-parallel group this process leads (:class:`workers.group.Group`) when
+    ``HSX_GPUS_PER_WORKER`` > 1; None: the whole model is in this process."""
+
+    def launch(self, rows: Rows, selection, *, store_dtype: torch.dtype, host_buffer=None) -> PendingCapture:
+        """Queue one forward's capture (``workers.capture.launch_capture``); in a group, through
+        the group (``Group.lead``: broadcast to the followers first). Call it under :attr:`gpu_lock`.
+
+        Raises:
+            hsx.errors.GroupBroken: the group is broken, or broke in this forward (transient).
+            What ``launch_capture`` raises, without a group.
+        """
+        if self.group is None:
+            return launch_capture(self.model, rows, selection, store_dtype=store_dtype, host_buffer=host_buffer)
+        return self.group.lead(self.model, rows, selection, store_dtype=store_dtype, host_buffer=host_buffer)
 
 
 def _version(dist: str) -> str | None:
@@ -332,6 +347,8 @@ def load_target(name: str, settings: Settings) -> Target:
     """
     from transformers import AutoModelForCausalLM
 
+    from workers.group import Group, group_size
+
     device = pick_device(settings)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     path = resolve_model_path(name, settings.cache_dir)
@@ -339,19 +356,31 @@ def load_target(name: str, settings: Settings) -> Target:
     info = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     t0 = time.perf_counter()
     _set_load_threads(settings.load_threads)
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=dtype,
-        use_safetensors=use_safetensors,
-        trust_remote_code=settings.trust_remote_code,
-        device_map=load_device_map(device),  # straight to the device, one tensor at a time (load_device_map)
-    )
+    group = None
+    if group_size(settings) > 1:
+        # K ranks, this process rank 0 (workers/group.py); the followers start before CUDA is touched here
+        from workers.parallel import load_tensor_parallel
+
+        group = Group.start(name, settings)
+        model = load_tensor_parallel(path, dtype=dtype, use_safetensors=use_safetensors,
+                                     trust_remote_code=settings.trust_remote_code)
+        device = next(model.parameters()).device
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            use_safetensors=use_safetensors,
+            trust_remote_code=settings.trust_remote_code,
+            device_map=load_device_map(device),  # straight to the device, one tensor at a time (load_device_map)
+        )
     faults.at_load(settings.faults)
     after = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     if after.revision != info.revision:
         raise BadConfig(f"checkpoint {path} changed while this worker loaded it (revision {info.revision} before, "
                         f"{after.revision} after): let whatever writes it finish, then start the worker again")
-    model.to(device).eval()  # a no-op: every tensor is on the device already (a buffer left behind would move)
+    if group is None:
+        model.to(device)  # a no-op: every tensor is on the device already (a buffer left behind would move)
+    model.eval()
     model.requires_grad_(False)
     check_kernels(model, device, settings)
     if settings.gdn_rows_as_sequences:
@@ -359,20 +388,24 @@ def load_target(name: str, settings: Settings) -> Target:
     load_s = time.perf_counter() - t0
     pad = _pad_id(model)
     engine = _engine(model, device, dtype)
+    if group is not None:
+        engine["tensor_parallel"] = group.size  # shard metadata: K ranks made these states
+    launch = group.lead if group is not None else launch_capture
     t1 = time.perf_counter()
     shared = compile_cache.for_worker(settings, device)
     if shared is None:
-        _warm_up(model, info, pad, settings.max_batch_samples)
+        _warm_up(model, info, pad, settings.max_batch_samples, launch=launch)
         cache_record = None
     else:  # Triton's kernels from the store before the warm-up, stored after it if the store had none
         store, key, cache_dir = shared
-        cache_record = compile_cache.around_warm_up(store, key, cache_dir,
-                                                    lambda: _warm_up(model, info, pad, settings.max_batch_samples))
+        cache_record = compile_cache.around_warm_up(
+            store, key, cache_dir, lambda: _warm_up(model, info, pad, settings.max_batch_samples, launch=launch))
     warmup_s = time.perf_counter() - t1
-    max_forward = settings.max_forward_tokens or forward_tokens_that_fit(model)
-    log.info("target %s loaded on %s in %.1f s, warm-up %.1f s, kernels %s, at most %s padded tokens per forward",
-             name, device, load_s, warmup_s, kernel_report(model), f"{max_forward:,}" if max_forward else "unlimited")
-    return Target(name, model, device, dtype, info, engine, pad, load_s, warmup_s, max_forward, cache_record)
+    max_forward = settings.max_forward_tokens or (group.probe(model) if group is not None else forward_tokens_that_fit(model))
+    log.info("target %s loaded on %s in %.1f s, warm-up %.1f s, kernels %s, at most %s padded tokens per forward%s",
+             name, device, load_s, warmup_s, kernel_report(model), f"{max_forward:,}" if max_forward else "unlimited",
+             f", split over a group of {group.size} ranks ({group.backend})" if group is not None else "")
+    return Target(name, model, device, dtype, info, engine, pad, load_s, warmup_s, max_forward, cache_record, group=group)
 
 
 #: Sample lengths of the warm-up batches. Triton compiles one variant of a kernel per
@@ -383,8 +416,9 @@ def load_target(name: str, settings: Settings) -> Target:
 WARM_UP_LENGTHS = ((32, 16), (33,), (80, 47, 5), (1024,), (1041, 700))
 
 
-def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256) -> None:
+def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256, launch=launch_capture) -> None:
     # Small padded batches through every layer: JIT-compiles kernels before the first real task.
+    # ``launch``: launch_capture, or a group's lead (every rank must run every forward).
     from hsx.layers import select_layers
     from hsx.shard import Final
 
@@ -395,8 +429,14 @@ def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256) -> Non
     for lengths in WARM_UP_LENGTHS if on_cuda else WARM_UP_LENGTHS[:1]:
         cu = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0)
         ids_T = torch.arange(1, 1 + int(cu[-1]), dtype=torch.long) % 1000
-        capture_batch(model, ids_T, cu, selection, store_dtype=torch.float32, pad_token_id=pad)
+        rows = right_padded_rows(ids_T, cu, pad_token_id=pad, pin=on_cuda)
+        launch(model, rows, selection, store_dtype=torch.float32).wait()
     if not rows_as_sequences_active(model):
+        if launch is not launch_capture:  # a bare module call on rank 0 alone would leave the followers behind
+            if on_cuda:
+                log.warning("a group does not warm up the batched Gated DeltaNet kernels per row count: each new row "
+                            "count compiles on first use (HSX_GDN_ROWS_AS_SEQUENCES=true avoids it)")
+            return
         _warm_up_row_counts(model, max_rows)  # only the batched kernels compile per row count
 
 
@@ -440,6 +480,13 @@ def loaded_targets() -> list[Target]:
 def get_target(name: str, settings: Settings) -> Target:
     """The loaded target for ``name``, loading it on first use (one model per process at a time)."""
     with _lock:
+        group = next((t.group for t in _loaded.values() if t.group is not None), None)
+        if name not in _loaded and group is not None:
+            from hsx.access import ModelNotServed
+
+            raise ModelNotServed(f"model {name!r}: this worker leads a tensor-parallel group of {group.size} ranks "
+                                 f"loaded with {group.model!r}, and a group serves the one model it loaded; fix: "
+                                 "send the run to workers of its model (HSX_MODEL), or restart this worker")
         if name not in _loaded:
             _loaded.clear()  # free the previous model before loading another
             if torch.cuda.is_available():
