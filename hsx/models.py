@@ -8,7 +8,8 @@ job runs on a fresh clone with no hub and no GPU, not to train a useful draft mo
 
 **Identity** (``ModelInfo.revision``, recorded in ``run.json`` and checked by every worker):
 
-- a hub id: the commit hash transformers resolved it to (``config._commit_hash``);
+- a hub id: the commit hash transformers resolved it to (``config._commit_hash``, or, since transformers 5
+  sets none, the name of the cache snapshot its config was read from);
 - a local checkpoint directory: ``sha256:<hex>``, the sha256 of one line ``<file name>\t<sha256 of
   its bytes>`` per file that decides the model (:func:`checkpoint_files`: ``config.json``, the
   safetensors index and every ``*.safetensors`` file; the pickle weight files when there is no
@@ -296,11 +297,37 @@ def _legacy_revision(path: str, config) -> str:
     return "unknown"
 
 
+def _snapshot_commit(repo_id: str) -> str | None:
+    """The commit of the hub cache's snapshot that ``config.json`` of ``repo_id`` was read from
+    (``<cache>/models--org--name/snapshots/<40 hex>/config.json``, huggingface_hub's cache layout),
+    None when it is not in the cache."""
+    import re
+
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=str(_hub_cache_dir()))
+    except Exception:
+        return None
+    if not isinstance(found, str):
+        return None
+    commit = Path(found).parent.name
+    return commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
+
+
 def _revision(path: str, config, cache_dir: Path) -> str:
-    """A local directory's content revision, else the hub commit hash (module docstring)."""
+    """A local directory's content revision, else the hub commit hash (module docstring).
+
+    transformers 5.x no longer sets ``config._commit_hash``; the commit is then the name of the
+    cache snapshot the config was read from (:func:`_snapshot_commit`). Without either it is
+    ``unknown`` (two revisions of one hub id would then share a run id: a warning says so)."""
     if Path(path).is_dir():
         return content_revision(Path(path), cache_dir)
-    return getattr(config, "_commit_hash", None) or "unknown"
+    commit = getattr(config, "_commit_hash", None) or _snapshot_commit(path)
+    if commit is None:
+        log.warning("the revision of hub model %s is unknown (no commit hash in its config or cache path): runs of "
+                    "two revisions of it would share an identity; give a local directory or pin the revision", path)
+    return commit or "unknown"
 
 
 def checkpoint_files(path: Path) -> list[Path]:

@@ -374,4 +374,7 @@ def test_a_cached_hub_id_is_read_from_the_cache_at_once_when_the_hub_cannot_be_r
         info = model_info("org/tiny", tmp_path / "cache")
         assert hsx.models.hub_local_only("org/tiny") is True
         assert info.path == "org/tiny" and info.model_type == "qwen3_5_text" and info.num_layers == 8, info
+        # the commit of the snapshot the config came from (transformers 5 sets no _commit_hash): two revisions
+        # of one hub id must not share a run identity
+        assert info.revision == snapshot.name, info.revision
     hsx.models.hub_local_only.cache_clear()
