@@ -142,8 +142,10 @@ class Settings(BaseSettings):
     gpus_per_worker: int = Field(default=1, ge=1)
     """GPUs of one worker process: ``python -m workers`` splits the visible GPUs into consecutive
     groups of this many (their count must be a multiple of it) and starts one worker per group, its
-    CUDA_VISIBLE_DEVICES set to the group; a target larger than one GPU is split across the group
-    by tensor parallelism (``workers/parallel.py``). 1: one GPU per worker."""
+    CUDA_VISIBLE_DEVICES set to the group; the worker leads K ranks (ranks 1..K-1 its child
+    processes) and its target is split across them by tensor parallelism (``workers/group.py``,
+    ``workers/parallel.py``; K must divide the model's KV heads). With ``HSX_DEVICE=cpu`` set
+    explicitly: K gloo ranks on the CPU (tests). 1: one GPU per worker."""
     workers_per_node: int | None = Field(default=None, ge=1)
     """Worker processes ``python -m workers`` starts; unset: one per visible GPU (one on CPU)."""
     worker_restart_delay_s: float = Field(default=1.0, gt=0)
