@@ -266,7 +266,7 @@ def hub_local_only(name: str) -> bool:
                     "in the cache, set HF_HUB_OFFLINE=1")
 
 
-def _hub_kwargs(path: str) -> dict:
+def hub_kwargs(path: str) -> dict:
     """``from_pretrained`` arguments for what :func:`resolve_model_path` returned: none for a local
     directory; for a hub id, the cache :func:`hub_local_only` looked in and whether to read it alone
     (one look at the cache and the hub before, so that transformers does not retry the hub for long)."""
@@ -481,7 +481,7 @@ def model_info(name: str, cache_dir: Path, *, trust_remote_code: bool = False) -
     if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
         raise BadConfig(f"--model {name!r}: the directory {path} has no config.json; give the directory of a "
                         "Hugging Face checkpoint (config.json, tokenizer files, *.safetensors)")
-    hub = _hub_kwargs(path)  # a hub id: the cache and the hub, each looked at once; BadConfig at once
+    hub = hub_kwargs(path)  # a hub id: the cache and the hub, each looked at once; BadConfig at once
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **hub)
     except Exception as exc:  # transformers raises OSError / ValueError / EnvironmentError variants
@@ -511,7 +511,7 @@ def load_tokenizer(name: str, cache_dir: Path, *, trust_remote_code: bool = Fals
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name, cache_dir)
-    hub = _hub_kwargs(path)
+    hub = hub_kwargs(path)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **hub)
     except Exception as exc:

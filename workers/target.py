@@ -17,7 +17,7 @@ import torch
 
 from hsx.decoder import decoder_of
 from hsx.errors import BadConfig
-from hsx.models import model_info, resolve_model_path, safetensors_only
+from hsx.models import hub_kwargs, model_info, resolve_model_path, safetensors_only
 from settings import Settings
 from workers import compile_cache, faults
 from workers.capture import PendingCapture, Rows, launch_capture, right_padded_rows
@@ -372,6 +372,7 @@ def load_target(name: str, settings: Settings) -> Target:
             use_safetensors=use_safetensors,
             trust_remote_code=settings.trust_remote_code,
             device_map=load_device_map(device),  # straight to the device, one tensor at a time (load_device_map)
+            **hub_kwargs(path),  # a hub id: its cache, read alone when the hub cannot be reached (no retries)
         )
     faults.at_load(settings.faults)
     after = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
