@@ -151,14 +151,14 @@ class Group:
         group = cls(k, "gloo" if device == "cpu" else "nccl", model)
         if device == "cpu":
             _free_thread_share(k)
-        else:
-            torch.cuda.set_device(0)  # rank 0 of the group's GPUs (CUDA_VISIBLE_DEVICES)
         store = dist.TCPStore("127.0.0.1", 0, k, is_master=True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
         group._watcher = threading.Thread(target=group._watch, args=(store.port, settings), name="hsx-group", daemon=True)
         group._watcher.start()
         group._spawned.wait()
         if group._spawn_error is not None:
             raise group._spawn_error
+        if device != "cpu":
+            torch.cuda.set_device(0)  # rank 0 of the group's GPUs (CUDA_VISIBLE_DEVICES); after the followers' fork+exec
         # transformers' tp_plan reads LOCAL_RANK to bind the device (transformers/distributed/utils.py l. 241)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(k))
         log.info("group of %d ranks (%s): followers %s; waiting for them to meet on 127.0.0.1:%d", k, group.backend,
