@@ -72,6 +72,9 @@ class ModelInfo:
     checkpoint's identity (module docstring): a hub commit hash, or ``sha256:<hex>`` of a local
     checkpoint's bytes. ``legacy_revision``: what identity version 1 recorded for the same
     checkpoint (``local-<16 hex>`` for a local directory; the same as ``revision`` for a hub id).
+    ``quantization``: how the checkpoint's weights are stored when they are quantised
+    (:func:`quantization_of`: e.g. ``{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size":
+    [128, 128], ...}`` from ``config.json``'s ``quantization_config``), None for an unquantised one.
     """
 
     name: str
@@ -81,16 +84,26 @@ class ModelInfo:
     hidden_size: int
     revision: str
     legacy_revision: str = field(default="", compare=False)
+    quantization: dict | None = field(default=None, hash=False)
 
     def as_dict(self) -> dict:
-        """The ``model`` of ``run.json`` (``legacy_revision`` is not part of it)."""
-        return {
+        """The ``model`` of ``run.json`` (``legacy_revision`` is not part of it).
+
+        ``quantization`` is there only for a quantised checkpoint: ``model`` is hashed into the run
+        identity (``hsx/runconfig.py``), so an unquantised model's dict, and with it every run id
+        made before the field existed, stays what it was, while an FP8 release of a model never
+        shares a run id with its bf16 release, and a conflict between them names the quantisation.
+        """
+        out = {
             "name": self.name,
             "model_type": self.model_type,
             "num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "revision": self.revision,
         }
+        if self.quantization is not None:
+            out["quantization"] = self.quantization
+        return out
 
     def differences(self, recorded: dict) -> list[str]:
         """How this checkpoint differs from a run's recorded ``model`` (``run.json``); [] when it is the same.
@@ -503,7 +516,38 @@ def model_info(name: str, cache_dir: Path, *, trust_remote_code: bool = False) -
         hidden_size=int(text.hidden_size),
         revision=_revision(path, config, Path(cache_dir)),
         legacy_revision=_legacy_revision(path, config),
+        quantization=quantization_of(config),
     )
+
+
+#: Keys of a checkpoint's ``quantization_config`` recorded in its identity: what decides how its
+#: weights are stored and computed (transformers' ``FineGrainedFP8Config`` and the other methods'
+#: ``bits`` / ``group_size``). The skip list (``modules_to_not_convert``, hundreds of names for
+#: Qwen3-Next) is recorded as its sha256: the weight bytes are in ``revision`` already.
+QUANTIZATION_KEYS = ("quant_method", "fmt", "weight_block_size", "activation_scheme", "scale_fmt", "bits",
+                     "group_size")
+
+
+def quantization_of(config) -> dict | None:
+    """The quantisation a checkpoint's config declares, as recorded in :attr:`ModelInfo.quantization`.
+
+    ``config``: a transformers config (``quantization_config`` a dict as read from ``config.json``,
+    or a ``QuantizationConfigMixin``). None when it has no ``quantization_config`` (an unquantised
+    checkpoint). E.g. Qwen3-8B-FP8: ``{"activation_scheme": "dynamic", "fmt": "e4m3",
+    "quant_method": "fp8", "weight_block_size": [128, 128]}``.
+    """
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        qc = getattr(config.get_text_config(), "quantization_config", None) if hasattr(config, "get_text_config") else None
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict()
+    out = {k: (list(qc[k]) if isinstance(qc[k], tuple) else qc[k]) for k in QUANTIZATION_KEYS if qc.get(k) is not None}
+    skip = qc.get("modules_to_not_convert")
+    if skip:
+        out["modules_to_not_convert_sha256"] = hashlib.sha256(json.dumps(sorted(skip)).encode()).hexdigest()
+    return out or {"quant_method": "unknown"}
 
 
 def load_tokenizer(name: str, cache_dir: Path, *, trust_remote_code: bool = False):

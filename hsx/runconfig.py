@@ -20,7 +20,10 @@ Identity versions:
 | 2 | version 1's, ``special_tokens_in_content`` and ``identity_version`` | special-token strings inside message content are tokenised as text (``text``) unless ``special`` is asked for (``producer/masks.py``); a version-1 run.json reads as ``special``, what its code did. And ``model.revision`` of a local checkpoint directory is ``sha256:<hex>``, a hash of its weight bytes (``hsx/models.py``), where version 1 recorded ``local-<16 hex>``, a hash of the weight files' names and sizes and of ``config.json``: two checkpoints with weights of the same shapes had one revision. A hub id's revision is its commit hash in both |
 
 Why each version-1 field decides the bytes of the shards: ``model`` (name, type, layer count,
-hidden size, revision: which weights), ``tokenizer`` (class, vocab size, chat template sha256,
+hidden size, revision: which weights; and, for a quantised checkpoint only, ``quantization``:
+how they are stored, e.g. fine-grained FP8, ``hsx/models.py`` ``ModelInfo.as_dict``; absent for an
+unquantised one, the same rule as :data:`IDENTITY_FIELDS_UNLESS_DEFAULT` inside ``model``, so
+no earlier run id changes), ``tokenizer`` (class, vocab size, chat template sha256,
 end-of-turn ids, ``enable_thinking``: which token ids and loss masks), ``dataset_fingerprint`` and
 ``limit`` (which records), ``sample_policy`` (which records become samples, truncated or dropped),
 ``max_length`` (truncation), ``batch_tokens`` and ``max_batch_samples`` (which samples share a

@@ -19,7 +19,7 @@ from hsx.decoder import decoder_of
 from hsx.errors import BadConfig
 from hsx.models import hub_kwargs, model_info, resolve_model_path, safetensors_only
 from settings import Settings
-from workers import compile_cache, faults
+from workers import compile_cache, faults, quantized
 from workers.capture import PendingCapture, Rows, launch_capture, right_padded_rows
 
 log = logging.getLogger(__name__)
@@ -335,6 +335,11 @@ def load_target(name: str, settings: Settings) -> Target:
     (:func:`load_device_map`): a loading worker needs little free host memory besides the page
     cache, whatever the checkpoint's size.
 
+    A fine-grained FP8 checkpoint (``quantization_config`` in its config.json, as the Qwen ``-FP8``
+    releases) loads as released: on CUDA with float8 weights and transformers' FP8 matmuls, the
+    captured states bf16 as for any target; on the CPU dequantised to fp32 while loading
+    (``workers/quantized.py``).
+
     The checkpoint's identity (``info.revision``: a hash of a local checkpoint's bytes, or the hub
     commit; ``hsx/models.py``) is computed before the weights are read and again after (from the
     hash cache: a ``stat`` per file), so ``info`` names the bytes this process loaded; tasks compare
@@ -343,7 +348,8 @@ def load_target(name: str, settings: Settings) -> Target:
     Raises:
         hsx.errors.BadConfig: the model or its config cannot be read, its weights are pickle
             files and ``HSX_ALLOW_PICKLE_CHECKPOINTS`` is off (refused before any weight file is
-            read), or the checkpoint's files changed while they were loaded.
+            read), the checkpoint's files changed while they were loaded, or an FP8 checkpoint's
+            kernels cannot be loaded on CUDA (``workers.quantized.check_fp8_kernels``).
     """
     from transformers import AutoModelForCausalLM
 
@@ -373,6 +379,7 @@ def load_target(name: str, settings: Settings) -> Target:
             trust_remote_code=settings.trust_remote_code,
             device_map=load_device_map(device),  # straight to the device, one tensor at a time (load_device_map)
             **hub_kwargs(path),  # a hub id: its cache, read alone when the hub cannot be reached (no retries)
+            **quantized.load_kwargs(info, device, path),  # FP8 on the CPU: dequantised while loading (workers/quantized.py)
         )
     faults.at_load(settings.faults)
     after = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
@@ -384,11 +391,14 @@ def load_target(name: str, settings: Settings) -> Target:
     model.eval()
     model.requires_grad_(False)
     check_kernels(model, device, settings)
+    quantized.check_fp8_kernels(info, device)  # FP8 on CUDA: its matmul kernels loaded now, before any batch
     if settings.gdn_rows_as_sequences:
         run_rows_as_sequences(model)
     load_s = time.perf_counter() - t0
     pad = _pad_id(model)
     engine = _engine(model, device, dtype)
+    if info.quantization:  # shard metadata: how the weights ran (the states are bf16 / fp32 either way)
+        engine["weights"] = quantized.fp8_mode(info, device) or info.quantization.get("quant_method")
     if group is not None:
         engine["tensor_parallel"] = group.size  # shard metadata: K ranks made these states
     launch = group.lead if group is not None else launch_capture
