@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -338,10 +340,16 @@ def test_ctrl_c_during_export_says_that_nothing_of_it_is_left(small_run, tmp_pat
     if existing:
         target.mkdir()
     real_save = torch.save
+    interrupted = threading.Event()
 
     def save_then_interrupt(*args, **kwargs):
         real_save(*args, **kwargs)
+        if interrupted.is_set():  # one Ctrl-C: a second SIGINT from another writer could land after the CLI returned
+            return
+        interrupted.set()
         os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C in the middle of the export
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(1.0)  # a writer thread: the export stays unfinished until the main thread has taken the signal
 
     monkeypatch.setattr(torch, "save", save_then_interrupt)
     before = sorted(p.relative_to(small_run["dir"]) for p in small_run["dir"].rglob("*"))
