@@ -94,8 +94,10 @@ def check_group(model: str, settings: Settings) -> None:
     from hsx.models import resolve_model_path
     from workers.parallel import check_group_size
 
-    config = AutoConfig.from_pretrained(resolve_model_path(model, settings.cache_dir),
-                                        trust_remote_code=settings.trust_remote_code)
+    from hsx.models import hub_kwargs
+
+    path = resolve_model_path(model, settings.cache_dir)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=settings.trust_remote_code, **hub_kwargs(path))
     try:
         check_group_size(config, k)
     except BadConfig as exc:

@@ -96,10 +96,13 @@ def load_tensor_parallel(path, *, dtype: torch.dtype, use_safetensors: bool = Tr
     if not dist.is_available() or not dist.is_initialized():
         raise BadConfig("load_tensor_parallel needs an initialised torch.distributed process group "
                         "(torch.distributed.init_process_group, one process per GPU of the group)")
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    from hsx.models import hub_kwargs
+
+    hub = hub_kwargs(path)  # a hub id: its cache looked at once, no retries of an unreachable hub
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **hub)
     check_group_size(config, dist.get_world_size())
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto", use_safetensors=use_safetensors,
-                                                 trust_remote_code=trust_remote_code)
+                                                 trust_remote_code=trust_remote_code, **hub)
     model.requires_grad_(False)
     return model.eval()
 
