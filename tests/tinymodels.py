@@ -158,7 +158,12 @@ def _fp8_quantised(key: str, tensor: torch.Tensor) -> bool:
     module = key[: -len(".weight")]
     if any(module.endswith(keep) for keep in FP8_KEEP):
         return False
-    return module.rsplit(".", 1)[-1].endswith("_proj") or module.rsplit(".", 1)[-1] in ("proj", "fc1", "fc2")
+    return "proj" in module.rsplit(".", 1)[-1] or module.rsplit(".", 1)[-1] in ("fc1", "fc2")
+
+
+def _blockable(tensor: torch.Tensor, block: int) -> bool:
+    """Each side at most one block or a whole number of blocks (:func:`fp8_block_quantize`)."""
+    return all(side <= block or side % block == 0 for side in tensor.shape)
 
 
 def quantize_checkpoint_fp8(src: Path, dest: Path, block: int = 128) -> dict:
@@ -168,6 +173,9 @@ def quantize_checkpoint_fp8(src: Path, dest: Path, block: int = 128) -> dict:
     :func:`fp8_block_quantize`), everything else as it was (bf16), and ``quantization_config``
     (:data:`FP8_QUANTIZATION_CONFIG`, ``modules_to_not_convert`` listing the kept linear layers)
     in ``config.json``. One shard at a time (the bench builds large ones). Other files are copied.
+    A linear weight with a side longer than a block and not a multiple of it (only tiny models
+    have one: 192 = Qwen3-Next's tiny ``in_proj_qkvz``) is kept in bf16 and listed as not
+    converted, since transformers' dequantiser would read its scale grid wrongly.
 
     Returns {"quantized": number of weights quantised, "kept": linear layers kept in bf16}.
     """
@@ -185,14 +193,14 @@ def quantize_checkpoint_fp8(src: Path, dest: Path, block: int = 128) -> dict:
         with safe_open(shard, framework="pt") as f:
             for key in f.keys():
                 t = f.get_tensor(key)
-                if _fp8_quantised(key, t):
+                if _fp8_quantised(key, t) and _blockable(t, block):
                     out[key], out[key[: -len("weight")] + "weight_scale_inv"] = fp8_block_quantize(t, block)
                     quantized += 1
                 else:
                     out[key] = t
                     module = key.rsplit(".", 1)[0]
-                    if t.ndim == 2 and any(module.endswith(k) for k in FP8_KEEP):
-                        kept.add(module)
+                    if t.ndim == 2 and (any(module.endswith(k) for k in FP8_KEEP) or _fp8_quantised(key, t)):
+                        kept.add(module)  # a released skip, or a tiny side no block grid describes
         save_file(out, dest / shard.name, metadata={"format": "pt"})
         index.update({k: shard.name for k in out})
         del out
