@@ -37,6 +37,8 @@ warm-up) and ``no_store`` (``HSX_COMPILE_CACHE=false``: compiles again). The sto
     # on a CPU: a tiny checkpoint, fields only
     python bench/load.py --build tests/data/configs/qwen3-8b.json --layers 1 --vocab 2048 --dest /tmp/ckpt
     python bench/load.py /tmp/ckpt --loader worker,plain,read --json /tmp/load.json
+    # an FP8 release's layout (Qwen3-Next-80B-A3B shape, 48 layers: 80 GB; --fp8 writes a bf16 build first)
+    python bench/load.py --build /work/shared/data/configs/qwen3-next-80b-a3b-thinking.json --fp8 --dest /dev/shm/ckpt-next-fp8
 """
 
 from __future__ import annotations
@@ -200,10 +202,18 @@ def read_files(path: Path) -> float:
     return time.perf_counter() - t0
 
 
-def build(config_path: Path, dest: Path, *, layers: int | None, vocab: int | None, dtype: str, device: str) -> dict:
+def build(config_path: Path, dest: Path, *, layers: int | None, vocab: int | None, dtype: str, device: str,
+          fp8: bool = False) -> dict:
     """A checkpoint directory with random weights (normal, std 0.02) from the real config at
     ``config_path`` (``text_config`` of a multimodal one), cut to ``layers`` decoder layers and a
-    ``vocab``-token vocabulary when given; safetensors in 5 GB shards, as releases are."""
+    ``vocab``-token vocabulary when given; safetensors in 5 GB shards, as releases are.
+
+    ``fp8``: then quantised as the Qwen ``-FP8`` releases are (``tests/tinymodels.py``
+    ``quantize_checkpoint_fp8``: float8_e4m3fn linear weights with bf16 128x128 ``weight_scale_inv``,
+    ``quantization_config`` in config.json), one shard at a time, into ``dest``; the bf16 build is
+    written to ``<dest>.bf16-build`` first and removed after. Both exist at once on the disk
+    (a 80B-A3B shape: 160 GB of bf16, then 80 GB of FP8) and the whole bf16 model is built on
+    ``device`` first: a shape larger than one GPU needs another builder."""
     import torch
     import transformers
 
@@ -226,8 +236,20 @@ def build(config_path: Path, dest: Path, *, layers: int | None, vocab: int | Non
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=gen)  # buffers (rotary inv_freq) are not saved: the loader computes them
-    model.save_pretrained(dest, safe_serialization=True, max_shard_size="5GB")
-    return {"checkpoint": str(dest), "checkpoint_bytes": checkpoint_bytes(dest), "build_s": round(time.perf_counter() - t0, 1)}
+    out = dest.with_name(dest.name + ".bf16-build") if fp8 else dest
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
+    record = {}
+    if fp8:
+        import shutil
+
+        from tests.tinymodels import quantize_checkpoint_fp8
+
+        del model
+        done = quantize_checkpoint_fp8(out, dest)
+        shutil.rmtree(out)
+        record = {"fp8_weights": done["quantized"], "kept_bf16": len(done["kept"])}
+    return {"checkpoint": str(dest), "checkpoint_bytes": checkpoint_bytes(dest), "build_s": round(time.perf_counter() - t0, 1),
+            **record}
 
 
 def environment() -> dict:
@@ -278,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--fp8", action="store_true", help="with --build: quantise it as the Qwen -FP8 releases are "
+                        "(float8_e4m3fn, 128x128 block scales, quantization_config)")
     args = parser.parse_args(argv)
 
     if args.checkpoint == "child":
@@ -288,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        result = build(Path(args.build), Path(args.dest), layers=args.layers, vocab=args.vocab, dtype=args.dtype, device=device)
+        result = build(Path(args.build), Path(args.dest), layers=args.layers, vocab=args.vocab, dtype=args.dtype, device=device,
+                       fp8=args.fp8)
         print(json.dumps(result))
         return 0
     if not args.checkpoint:
