@@ -1,156 +1,358 @@
-"""Fine-grained FP8 checkpoints as released (issue 20 item 5; workers/quantized.py).
+"""``--store-dtype fp8``: float8 e4m3 hidden states with one float32 scale per token and part.
 
-A tiny FP8 checkpoint is written in the Qwen ``-FP8`` layout (float8_e4m3fn weights, bf16
-``weight_scale_inv`` per 128x128 block, ``quantization_config`` in config.json:
-``tests/tinymodels.py`` ``quantize_checkpoint_fp8``). transformers dequantises such a checkpoint
-on the CPU (``quantizer_finegrained_fp8.py`` l.38-44), so on the CPU it runs: its states are the
-ones of the model whose weights are the dequantised values. Its quantisation is part of the
-model's identity: an FP8 and a bf16 checkpoint of one model never share a run id, and the run ids
-of unquantised models are what they were.
+From the bottom up: the quantise / dequantise functions (hsx/fp8.py) against e4m3's error bound
+on tensors with outliers and zero rows; the capture path quantising on the device after its NaN/Inf
+flags; a worker's batch with NaN and Inf injected (still quarantined); and a whole fp8 run made by
+``python -m producer run`` (embedded broker, worker process) next to the same job in bf16
+(tests/smallrun.py): its shards' dtypes, the reader's dequantised output against the bf16 run,
+``verify --recompute`` with the fp8 tolerance, and an export that holds no fp8.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from jobfixtures import assert_matches_reference, clean_env, cli_json, read_samples, run_cli
-from tinymodels import FP8_QUANTIZATION_CONFIG, fp8_block_quantize, fp8_dequantize, quantize_checkpoint_fp8, tiny_fp8_checkpoint
+from jobfixtures import clean_env, cli_json, run_here
+from smallrun import SMALL_JOB
+from tinymodels import random_batch, tiny_model
 
-from hsx.models import ModelInfo, model_info, resolve_model_path
-from hsx.runconfig import RunConfig, load_run
-from hsx.store import open_store
+from hsx.fp8 import (E4M3_MAX, FP8_DTYPE, TOKEN_MAX_REL_ERR, dequantize_fp8, error_bound, quantize_fp8,
+                      bytes_per_token)
+from hsx.layers import select_layers
+from workers.capture import capture_batch
 
-JOB = ["sharegpt", "--limit", "8", "--max-length", "256", "--batch-tokens", "1024", "--store-dtype", "float32"]
+#: float32 arithmetic around the e4m3 rounding (amax / 448, x / scale, q * scale) moves a value by
+#: a few parts in 2**24; the bounds are checked with this relative slack.
+SLACK = 1e-6
 
 
-def _config(model: dict) -> RunConfig:
-    return RunConfig(model=model, model_name=model["name"], layers={"ids": [1]}, max_length=256, batch_tokens=1024,
-                     max_batch_samples=64, store_dtype="float32", tokenizer={}, dataset_fingerprint="x" * 64,
-                     dataset_source="chats.jsonl", limit=None)
+def outlier_tensor(seed: int = 0) -> torch.Tensor:
+    """[T=300, K=3, H=512] float32: Gaussian rows with outlier channels (x50), one massive token
+    (x1e4, as BOS activations are), heavy-tailed (Cauchy) rows, rows of tiny magnitude (1e-20) and
+    rows spanning 30 orders of magnitude (values below e4m3's subnormal range after scaling)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(300, 3, 512, generator=g)
+    x[:, :, [7, 100, 301]] *= 50.0
+    x[0] *= 1e4
+    x[10:40] = torch.distributions.Cauchy(0.0, 1.0).sample((30, 3, 512))
+    x[50:60] *= 1e-20
+    x[60:70] *= torch.logspace(-15, 15, 512)
+    return x
+
+
+def check_within_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[float, float]:
+    """Assert the elementwise and per-token bounds of hsx/fp8.py; return (worst token max-abs relative
+    error, global relative Frobenius error)."""
+    x = x.float()
+    dq = dequantize_fp8(q, scale, torch.float32)
+    err = (dq - x).abs()
+    bound = error_bound(x, scale)
+    worst = (err / bound.clamp_min(1e-45)).max().item()
+    assert (err <= bound * (1 + SLACK) + 1e-44).all(), f"elementwise bound broken: worst {worst:.4f}x the bound"
+    amax = x.abs().amax(dim=-1)
+    nonzero = amax > 0
+    token_rel = err.amax(dim=-1)[nonzero] / amax[nonzero]
+    assert token_rel.max().item() <= TOKEN_MAX_REL_ERR * (1 + SLACK), f"per-token max-abs relative {token_rel.max():.5f}"
+    return token_rel.max().item(), ((dq - x).norm() / x.norm()).item()
+
+
+def test_round_trip_stays_within_the_e4m3_bound_on_tensors_with_outliers():
+    """|dq - x| <= 2**-4 |x| + 2**-10 scale elementwise; per token max|dq - x| <= max|x| / 28;
+    each row's largest value maps to +-448, so one token's outlier costs no other token precision."""
+    x = outlier_tensor()
+    q, scale = quantize_fp8(x)
+    assert q.dtype == FP8_DTYPE and q.shape == x.shape
+    assert scale.dtype == torch.float32 and scale.shape == x.shape[:-1]
+    torch.testing.assert_close(scale, x.abs().amax(dim=-1) / E4M3_MAX)
+    assert (q.float().abs().amax(dim=-1) == E4M3_MAX).all()
+    token_max_rel, frobenius = check_within_bound(x, q, scale)
+    assert token_max_rel > 0.02, "the outlier rows must exercise the top binade"
+    assert frobenius < 2**-4
+    # The Gaussian rows around the massive token keep their own precision.
+    _, rest = check_within_bound(x[1:10], q[1:10], scale[1:10])
+    assert rest < 0.05
+
+
+def test_bf16_input_and_bf16_output_round_trip():
+    """A bf16 activation quantises the same way; dequantising to bf16 (the readers' default) adds only bf16's rounding (2**-8 relative)."""
+    x = outlier_tensor(1)[:, 0].to(torch.bfloat16)  # [T, H], as a final state
+    q, scale = quantize_fp8(x)
+    assert scale.shape == (300,)
+    check_within_bound(x, q, scale)
+    dq = dequantize_fp8(q, scale)
+    assert dq.dtype == torch.bfloat16
+    xf = x.float()
+    assert ((dq.float() - xf).abs() <= error_bound(xf, scale) * (1 + SLACK) + 2**-8 * dq.float().abs() + 1e-44).all()
+
+
+def test_zero_rows_get_scale_one_and_dequantise_to_exact_zeros():
+    """A row of zeros (a token whose layer output is exactly 0) has scale 1: no division by zero, no NaN, zeros back."""
+    x = torch.randn(4, 2, 16)
+    x[1] = 0.0
+    x[3, 1] = 0.0
+    x[2, 0] = -0.0
+    q, scale = quantize_fp8(x)
+    assert scale[1].tolist() == [1.0, 1.0] and scale[3, 1] == 1.0 and scale[2, 0] == 1.0
+    dq = dequantize_fp8(q, scale, torch.float32)
+    assert torch.isfinite(dq).all()
+    assert (dq[1] == 0).all() and (dq[3, 1] == 0).all() and (dq[2, 0] == 0).all()
+    check_within_bound(x, q, scale)
+
+
+def test_dequantize_refuses_a_scale_of_another_shape():
+    q, scale = quantize_fp8(torch.randn(5, 3, 8))
+    with pytest.raises(ValueError, match=r"needs a scale of shape \(5, 3\)"):
+        dequantize_fp8(q, scale[:, :2])
+
+
+def test_bytes_per_token_counts_the_scales():
+    """DFlash on Qwen3.5-27B (5 layers, H 5120): 51,200 bytes per token in bf16, 25,620 in fp8 (0.5004x)."""
+    assert bytes_per_token(5, 5120, "bfloat16") == 51_200
+    assert bytes_per_token(5, 5120, "fp8") == 25_620
+
+
+# --- the capture path -----------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def fp8_qwen35(tmp_path_factory, tiny_cache) -> Path:
-    """tiny-qwen3.5 (its real vocabulary and tokenizer) quantised to fine-grained FP8."""
-    dest = tmp_path_factory.mktemp("fp8") / "tiny-qwen3.5-fp8"
-    quantize_checkpoint_fp8(Path(resolve_model_path("tiny-qwen3.5", tiny_cache)), dest)
-    return dest
+def qwen35():
+    return tiny_model("qwen3.5")
 
 
-def test_block_quantisation_keeps_each_block_within_fp8_precision():
-    w = torch.randn(256, 384) * torch.linspace(0.01, 3, 384)  # blocks of very different magnitudes
-    q, scale = fp8_block_quantize(w)
-    assert q.dtype == torch.float8_e4m3fn and q.shape == (256, 384)
-    assert scale.dtype == torch.bfloat16 and scale.shape == (2, 3)
-    back = fp8_dequantize(q, scale)
-    # e4m3 has 3 mantissa bits: each value within 2^-4 of itself, relative to its block's max
-    block_max = w.abs().reshape(2, 128, 3, 128).amax(dim=(1, 3)).repeat_interleave(128, 0).repeat_interleave(128, 1)
-    assert ((back - w).abs() <= block_max * 2 ** -4 + 1e-6).all()
-    with pytest.raises(ValueError, match="not a multiple"):
-        fp8_block_quantize(torch.randn(200, 64))
+def test_capture_in_fp8_holds_e4m3_states_and_scales_within_the_bound_of_the_fp32_capture(qwen35):
+    """One right-padded batch captured twice: fp8 states + float32 scales, dequantised within e4m3's bound of the fp32 states."""
+    _, ids_T, cu = random_batch([3, 40, 129, 17], seed=11)
+    selection = select_layers(6, layer_ids=[0, 2, 4], final="both")
+    ref = capture_batch(qwen35, ids_T, cu, selection, store_dtype=torch.float32)
+    got = capture_batch(qwen35, ids_T, cu, selection, store_dtype=FP8_DTYPE)
+    T = int(cu[-1])
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in got.states.items()} == {
+        "hidden_states": (FP8_DTYPE, (T, 3, 64)), "hidden_states_scale": (torch.float32, (T, 3)),
+        "final_postnorm": (FP8_DTYPE, (T, 64)), "final_postnorm_scale": (torch.float32, (T,)),
+        "final_prenorm": (FP8_DTYPE, (T, 64)), "final_prenorm_scale": (torch.float32, (T,)),
+    }
+    assert got.nonfinite == {} == ref.nonfinite
+    for name in ("hidden_states", "final_postnorm", "final_prenorm"):
+        x = ref.states[name]
+        torch.testing.assert_close(got.states[name + "_scale"], x.abs().amax(dim=-1) / E4M3_MAX)
+        check_within_bound(x, got.states[name], got.states[name + "_scale"])
 
 
-def test_the_builder_writes_the_layout_of_the_qwen_fp8_releases(fp8_qwen35):
-    config = json.loads((fp8_qwen35 / "config.json").read_text())
-    qc = config["quantization_config"]
-    assert {k: qc[k] for k in FP8_QUANTIZATION_CONFIG} == FP8_QUANTIZATION_CONFIG
-    assert "model.layers.0.linear_attn.in_proj_a" in qc["modules_to_not_convert"]  # as Qwen3.5/3.6-FP8 keep it
-    with safe_open(fp8_qwen35 / "model.safetensors", framework="pt") as f:
-        keys = set(f.keys())
-        q = f.get_tensor("model.layers.3.self_attn.q_proj.weight")
-        s = f.get_tensor("model.layers.3.self_attn.q_proj.weight_scale_inv")
-        assert f.get_tensor("model.layers.0.linear_attn.in_proj_a.weight").dtype != torch.float8_e4m3fn
-        assert f.get_tensor("model.embed_tokens.weight").dtype != torch.float8_e4m3fn
-        assert f.get_tensor("model.layers.0.linear_attn.in_proj_qkv.weight").dtype == torch.float8_e4m3fn
-    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.bfloat16
-    assert s.shape == (-(-q.shape[0] // 128), -(-q.shape[1] // 128))
-    assert "lm_head.weight_scale_inv" not in keys and "model.layers.0.mlp.down_proj.weight_scale_inv" in keys
-    # transformers recognises it as its fine-grained FP8 format
-    from transformers import AutoConfig
-    from transformers.quantizers.auto import AutoQuantizationConfig
-    from transformers.utils.quantization_config import FineGrainedFP8Config
+def test_nan_and_inf_are_flagged_on_the_unquantised_values_under_fp8(qwen35):
+    """Inf in sample 0 and NaN in sample 2 from layer 2 on: fp8 flags the same samples and parts as fp32
+    (e4m3fn has no Inf: the flags must be taken before the cast)."""
+    _, ids_T, cu = random_batch([5, 9, 7], seed=12)
+    lengths = [5, 9, 7]
 
-    parsed = AutoQuantizationConfig.from_dict(AutoConfig.from_pretrained(fp8_qwen35).quantization_config)
-    assert isinstance(parsed, FineGrainedFP8Config) and list(parsed.weight_block_size) == [128, 128]
+    def poison(_module, _args, output):
+        hidden_BSH = (output[0] if isinstance(output, tuple) else output).clone()
+        hidden_BSH[0, : lengths[0], 3] = float("inf")
+        hidden_BSH[2, 1, :] = float("nan")
+        return (hidden_BSH, *output[1:]) if isinstance(output, tuple) else hidden_BSH
 
-
-def test_the_quantisation_is_part_of_the_identity_and_unquantised_run_ids_are_unchanged(tmp_path, tiny_cache):
-    bf16, fp8 = tiny_fp8_checkpoint("qwen3", tmp_path, num_layers=2)
-    plain, quantised = model_info(str(bf16), tiny_cache), model_info(str(fp8), tiny_cache)
-    assert plain.quantization is None
-    assert {k: quantised.quantization[k] for k in FP8_QUANTIZATION_CONFIG} == FP8_QUANTIZATION_CONFIG
-    assert quantised.as_dict()["quantization"] == quantised.quantization
-    # an unquantised model's record is what it was before the field existed: the same keys, the same run id
-    assert set(plain.as_dict()) == {"name", "model_type", "num_layers", "hidden_size", "revision"}
-    before = ModelInfo(**{k: getattr(plain, k) for k in ("name", "path", "model_type", "num_layers", "hidden_size",
-                                                         "revision")})
-    assert _config(plain.as_dict()).default_run_id("chats") == _config(before.as_dict()).default_run_id("chats")
-    # same model, same recorded name and revision: the quantisation alone tells the two runs apart
-    same_bytes = dict(quantised.as_dict(), name=plain.name, revision=plain.revision)
-    assert _config(same_bytes).default_run_id("chats") != _config(plain.as_dict()).default_run_id("chats")
-    assert any("quantization" in d for d in plain.differences(quantised.as_dict()))
+    selection = select_layers(6, layer_ids=[1, 2, 4], final="postnorm")
+    handle = qwen35.model.layers[2].register_forward_hook(poison)
+    try:
+        ref = capture_batch(qwen35, ids_T, cu, selection, store_dtype=torch.float32)
+        got = capture_batch(qwen35, ids_T, cu, selection, store_dtype=FP8_DTYPE)
+    finally:
+        handle.remove()
+    assert set(ref.nonfinite) == {0, 2}
+    assert got.nonfinite == ref.nonfinite
+    assert got.nonfinite[0][:2] == ["2", "4"]  # layer 1 is before the poison
 
 
-def test_the_cpu_worker_dequantises_an_fp8_checkpoint_and_runs_it(tmp_path, tiny_cache):
-    """Loaded the way a worker loads it (workers.target.load_target): every weight is the block
-    dequantisation of the file's float8 values, the model is fp32, and the engine says how."""
+# --- a worker's batch -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_planned(tmp_path_factory, tiny_cache):
+    """A run planned in-process with --store-dtype fp8: 16 ShareGPT records, EAGLE-3 ids + post-norm."""
+    from producer.planner import PlanOptions, plan_run
     from settings import Settings
-    from workers.target import load_target
 
-    bf16, fp8 = tiny_fp8_checkpoint("qwen3-next", tmp_path, num_layers=4)  # MoE experts, DeltaNet, attention
-    target = load_target(str(fp8), Settings(_env_file=None, cache_dir=tiny_cache, device="cpu", max_batch_samples=4))
-    assert target.engine["weights"] == "dequantized-fp32"
-    assert {p.dtype for p in target.model.parameters()} == {torch.float32}
-    with safe_open(fp8 / "model.safetensors", framework="pt") as f:
-        for key in ("model.layers.3.self_attn.q_proj.weight", "model.layers.0.linear_attn.out_proj.weight",
-                    "model.layers.1.mlp.shared_expert.down_proj.weight"):
-            want = fp8_dequantize(f.get_tensor(key), f.get_tensor(key + "_scale_inv"))
-            assert torch.equal(target.model.get_parameter(key), want), key
-        # the experts are fused by transformers' loader (gate and up of each expert in one tensor)
-        gate_up = target.model.get_parameter("model.layers.2.mlp.experts.gate_up_proj")
-        e = "model.layers.2.mlp.experts.1."
-        want = torch.cat([fp8_dequantize(f.get_tensor(e + p + ".weight"), f.get_tensor(e + p + ".weight_scale_inv"))
-                          for p in ("gate_proj", "up_proj")])
-        assert torch.equal(gate_up[1], want)
+    tmp = tmp_path_factory.mktemp("fp8-extract")
+    settings = Settings(_env_file=None, cache_dir=tiny_cache, spool_dir=tmp / "spool", device="cpu", store_url=str(tmp / "out"))
+    opts = PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp / "out"), limit=16, max_length=256,
+                       batch_tokens=1024, store_dtype="fp8")
+    run = plan_run(opts, settings)
+    assert run.config.store_dtype == "fp8"
+    batches = [b["batch"] for b in run.batches if b["num_samples"] >= 3]
+    return {"run": run, "settings": settings, "batches": batches}
 
 
-def test_producer_run_extracts_an_fp8_checkpoint_on_the_cpu(tmp_path, tiny_cache, fp8_qwen35, tiny_qwen35):
-    """The whole process stack (producer run, embedded broker, Celery worker) on the FP8 checkpoint:
-    run.json records its quantisation, and the states are the per-sample forward of the model whose
-    weights are the dequantised ones (not of the fp32 original: the quantisation is applied)."""
-    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool", device="cpu")
-    report = cli_json(run_cli("producer", ["run", *JOB, "--model", str(fp8_qwen35), "--output", str(tmp_path / "out"),
-                                           "--json"], env, timeout_s=600))
-    assert report["batches_done"] == report["batches_total"] >= 1
-    run_store = open_store(report["address"])
-    recorded = load_run(run_store).model
-    assert recorded["quantization"]["quant_method"] == "fp8" and recorded["quantization"]["weight_block_size"] == [128, 128]
-    samples = read_samples(run_store)
-    assert '"weights": "dequantized-fp32"' in next(iter(samples.values()))["meta"]["engine"]
+def test_nan_and_inf_samples_are_still_quarantined_under_fp8(fp8_planned):
+    """NaN in one sample and Inf in another from layer 2 on: both quarantined with their parts named;
+    the shard holds the rest as F8_E4M3 + F32 scales, finite after dequantisation."""
+    from safetensors import safe_open
 
-    reference = _dequantised_copy(tiny_qwen35, fp8_qwen35)
-    assert assert_matches_reference(reference, samples, [1, 3, 4], atol=1e-4, rtol=1e-4) > 10_000
-    with pytest.raises(AssertionError, match="max \\|diff\\|"):
-        assert_matches_reference(tiny_qwen35, samples, [1, 3, 4], atol=1e-4, rtol=1e-4)
+    from hsx.marker import read_marker
+    from hsx.plan import read_batch
+    from workers.extract import extract_batch
+    from workers.target import get_target
+
+    run, settings = fp8_planned["run"], fp8_planned["settings"]
+    batch = fp8_planned["batches"][0]
+    plan = read_batch(run.run_store, batch)
+    lengths = plan.lengths_N.tolist()
+    shape = (len(lengths), max(lengths))
+
+    def poison(_module, _args, output):
+        hidden_BSH = output[0] if isinstance(output, tuple) else output
+        if tuple(hidden_BSH.shape[:2]) != shape:
+            return None
+        hidden_BSH = hidden_BSH.clone()
+        hidden_BSH[0, : lengths[0]] = float("nan")
+        hidden_BSH[2, lengths[2] - 1, 5] = float("-inf")
+        return (hidden_BSH, *output[1:]) if isinstance(output, tuple) else hidden_BSH
+
+    target = get_target("tiny-qwen3.5", settings)
+    handle = target.model.model.layers[2].register_forward_hook(poison)
+    try:
+        result = extract_batch(run.run_url, batch, settings)
+    finally:
+        handle.remove()
+    assert result["status"] == "done" and result["num_quarantined"] == 2
+    marker = read_marker(run.run_store, batch)
+    victims = [int(plan.sample_index_N[0]), int(plan.sample_index_N[2])]
+    assert [q.model_dump() for q in marker.quarantined] == [
+        {"sample_index": s, "reason": "nonfinite hidden states (layers 3, 4, final_postnorm)"} for s in victims]
+    path = run.run_store.local_path(marker.shard.key)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    assert dtypes == {"input_ids": "I32", "loss_mask": "U8", "cu_seqlens": "I64", "sample_index": "I64",
+                      "hidden_states": "F8_E4M3", "hidden_states_scale": "F32",
+                      "final_postnorm": "F8_E4M3", "final_postnorm_scale": "F32"}
+    assert meta["store_dtype"] == "fp8" and "amax(|x|) / 448" in meta["fp8_scaling"]
+    assert not set(victims) & set(t["sample_index"].tolist())
+    T = marker.num_tokens
+    assert t["hidden_states"].shape == (T, 3, 64) and t["hidden_states_scale"].shape == (T, 3)
+    assert torch.isfinite(dequantize_fp8(t["hidden_states"], t["hidden_states_scale"], torch.float32)).all()
+    assert torch.isfinite(t["final_postnorm_scale"]).all() and (t["final_postnorm_scale"] > 0).all()
 
 
-def _dequantised_copy(model: torch.nn.Module, fp8_dir: Path) -> torch.nn.Module:
-    """``model`` with each weight that ``fp8_dir`` quantised replaced by its dequantised value
-    (computed here from the file, not by transformers)."""
-    import copy
+# --- a whole run ----------------------------------------------------------------------------
 
-    out = copy.deepcopy(model)
-    replaced = 0
-    with safe_open(fp8_dir / "model.safetensors", framework="pt") as f, torch.no_grad():
-        for key in f.keys():
-            if key.endswith(".weight_scale_inv"):
-                weight = key[: -len("_scale_inv")]
-                out.get_parameter(weight).copy_(fp8_dequantize(f.get_tensor(weight), f.get_tensor(key)))
-                replaced += 1
-    assert replaced > 10
-    return out.eval()
+
+@pytest.fixture(scope="module")
+def fp8_run(small_run, tmp_path_factory, shared_worker):
+    """The shared small job (tests/smallrun.py) again with --store-dtype fp8, by ``producer run`` on the shared worker."""
+    tmp = tmp_path_factory.mktemp("fp8-run")
+    env = clean_env(cache_dir=small_run["cache"], state_dir=tmp / "state", spool_dir=tmp / "spool")
+    report = cli_json(shared_worker.producer(["run", *SMALL_JOB, "--store-dtype", "fp8", "--output", str(tmp / "out"), "--json"], env))
+    assert report["batches_done"] == report["batches_total"] == small_run["report"]["batches_total"], report
+    assert report["run_id"] != small_run["report"]["run_id"], "the store dtype is part of the run's identity"
+    return {"dir": tmp / "out" / report["run_id"], "address": str(tmp / "out" / report["run_id"]), "report": report, "env": env}
+
+
+def test_an_fp8_run_stores_e4m3_states_with_their_scales_and_about_half_the_bytes(fp8_run, small_run):
+    from safetensors import safe_open
+
+    from hsx.runconfig import load_run
+    from hsx.store import open_store
+
+    config = load_run(open_store(fp8_run["address"]))
+    assert config.store_dtype == "fp8"
+    shards = sorted((fp8_run["dir"] / "shards").glob("*.safetensors"))
+    assert len(shards) == fp8_run["report"]["batches_total"]
+    for path in shards:
+        with safe_open(str(path), framework="pt") as f:
+            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        T = shapes["input_ids"][0]
+        assert {k: dtypes[k] for k in dtypes if "hidden" in k or "final" in k} == {
+            "hidden_states": "F8_E4M3", "hidden_states_scale": "F32", "final_postnorm": "F8_E4M3",
+            "final_postnorm_scale": "F32", "final_prenorm": "F8_E4M3", "final_prenorm_scale": "F32"}
+        assert shapes["hidden_states_scale"] == [T, 3] and shapes["final_prenorm_scale"] == [T]
+    fp8_bytes = sum(p.stat().st_size for p in shards)
+    bf16_bytes = sum(p.stat().st_size for p in (small_run["dir"] / "shards").glob("*.safetensors"))
+    # H = 64: states are (64 + 4) / 128 of bf16's; ids, masks and headers are the same in both.
+    assert 0.5 < fp8_bytes / bf16_bytes < 0.6, (fp8_bytes, bf16_bytes)
+
+
+def test_the_reader_returns_bf16_states_of_an_fp8_run_within_the_bound_of_the_bf16_run(fp8_run, small_run):
+    """HiddenStatesDataset on the fp8 run == the same sample of the bf16 run, per token within
+    1/28 of its largest value (+ bf16's rounding on both sides); raw=True gives the stored fp8 and scales."""
+    from hsx.reader import HiddenStatesDataset, IterableHiddenStatesDataset
+
+    fp8_ds, bf16_ds = HiddenStatesDataset(fp8_run["address"]), HiddenStatesDataset(small_run["address"])
+    assert len(fp8_ds) == len(bf16_ds) > 0
+    assert fp8_ds.sample_indices.tolist() == bf16_ds.sample_indices.tolist()
+    worst = 0.0
+    for i in range(len(fp8_ds)):
+        a, b = fp8_ds[i], bf16_ds[i]
+        assert a["sample_index"] == b["sample_index"]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        for name in ("hidden_states", "final_postnorm", "final_prenorm"):
+            assert a[name].dtype == torch.bfloat16 and a[name].shape == b[name].shape
+            got, want = a[name].float(), b[name].float()
+            if name == "hidden_states":
+                got, want = got.view(got.shape[0], 3, -1), want.view(want.shape[0], 3, -1)
+            rel = (got - want).abs().amax(dim=-1) / want.abs().amax(dim=-1)
+            worst = max(worst, rel.max().item())
+    # 1/28 from e4m3, 2**-8 from each side's bf16 rounding, relative to the bf16 run's (rounded) max.
+    assert 0.005 < worst <= (TOKEN_MAX_REL_ERR + 2 * 2**-8) / (1 - 2**-8), worst
+
+    raw = HiddenStatesDataset(fp8_run["address"], raw=True)[0]
+    assert raw["hidden_states"].dtype == FP8_DTYPE and raw["hidden_states_scale"].dtype == torch.float32
+    S = raw["input_ids"].shape[0]
+    assert raw["hidden_states_scale"].shape == (S, 3) and raw["final_postnorm_scale"].shape == (S,)
+    exact = dequantize_fp8(raw["hidden_states"].view(S, 3, -1), raw["hidden_states_scale"], torch.float32)
+    as_fp32 = HiddenStatesDataset(fp8_run["address"], dequant_dtype=torch.float32)[0]["hidden_states"]
+    assert torch.equal(as_fp32, exact.reshape(S, -1))
+    streamed = next(iter(IterableHiddenStatesDataset(fp8_run["address"])))
+    assert streamed["hidden_states"].dtype == torch.bfloat16
+
+
+def test_verify_recompute_passes_on_an_fp8_run_with_the_fp8_tolerance_and_still_catches_a_wrong_layer(fp8_run):
+    import dataclasses
+
+    from hsx.records import Marker
+    from hsx.plan import read_batch
+    from hsx.runconfig import load_run
+    from hsx.store import open_store
+    from producer.verify import recompute_samples
+    from settings import Settings
+
+    proc = run_here(["verify", fp8_run["address"], "--recompute", "4", "--json"], fp8_run["env"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["problems"] == []
+    rec = report["recompute"]
+    assert rec["rtol"] == 0.075 and len(rec["samples"]) == 4
+    # e4m3's rounding is visible (bf16 would be ~0.1x of the tolerance), yet within the bound.
+    assert 0.1 < rec["worst_ratio"] <= 1.0, rec
+
+    run_store = open_store(fp8_run["address"])
+    config = load_run(run_store)
+    shifted = dataclasses.replace(config, layers={**config.layers, "layer_ids": [i + 1 for i in config.layers["layer_ids"]]})
+    marker = Marker.read(run_store, "b000000")
+    plan = read_batch(run_store, "b000000")
+    picks = [("b000000", marker, int(plan.sample_index_N[0]), int(plan.cu_seqlens_N1[0]), int(plan.cu_seqlens_N1[1]))]
+    settings = Settings(_env_file=None, cache_dir=fp8_run["env"]["HSX_CACHE_DIR"])
+    summary, problems = recompute_samples(run_store, shifted, picks, settings)
+    assert [p.kind for p in problems] == ["recompute_mismatch"] and summary["worst_ratio"] > 2, summary
+
+
+def test_a_speculators_export_of_an_fp8_run_holds_bf16_equal_to_the_reader(fp8_run, tmp_path):
+    from safetensors.torch import load_file
+
+    from hsx.reader import HiddenStatesDataset
+
+    out = tmp_path / "spec"
+    report = cli_json(run_here(["export", fp8_run["address"], "--format", "speculators", str(out), "--json"],
+                              fp8_run["env"]))
+    assert report["store_dtype"] == "fp8" and report["hidden_dtype"] == "bfloat16"
+    exported = json.loads((out / "export.json").read_text())
+    ds = HiddenStatesDataset(fp8_run["address"])
+    sample = ds[ds.position_of(exported["sample_index"][0])]
+    hs = load_file(str(out / "hidden_states" / "hs_0.safetensors"))["hidden_states"]
+    S = sample["input_ids"].shape[0]
+    assert hs.dtype == torch.bfloat16 and hs.shape == (S, 4, 64)
+    assert torch.equal(hs[:, :3].reshape(S, -1), sample["hidden_states"])
+    assert torch.equal(hs[:, 3], sample["final_prenorm"])

@@ -1,0 +1,156 @@
+"""Fine-grained FP8 checkpoints as released (issue 20 item 5; workers/quantized.py).
+
+A tiny FP8 checkpoint is written in the Qwen ``-FP8`` layout (float8_e4m3fn weights, bf16
+``weight_scale_inv`` per 128x128 block, ``quantization_config`` in config.json:
+``tests/tinymodels.py`` ``quantize_checkpoint_fp8``). transformers dequantises such a checkpoint
+on the CPU (``quantizer_finegrained_fp8.py`` l.38-44), so on the CPU it runs: its states are the
+ones of the model whose weights are the dequantised values. Its quantisation is part of the
+model's identity: an FP8 and a bf16 checkpoint of one model never share a run id, and the run ids
+of unquantised models are what they were.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from jobfixtures import assert_matches_reference, clean_env, cli_json, read_samples, run_cli
+from tinymodels import FP8_QUANTIZATION_CONFIG, fp8_block_quantize, fp8_dequantize, quantize_checkpoint_fp8, tiny_fp8_checkpoint
+
+from hsx.models import ModelInfo, model_info, resolve_model_path
+from hsx.runconfig import RunConfig, load_run
+from hsx.store import open_store
+
+JOB = ["sharegpt", "--limit", "8", "--max-length", "256", "--batch-tokens", "1024", "--store-dtype", "float32"]
+
+
+def _config(model: dict) -> RunConfig:
+    return RunConfig(model=model, model_name=model["name"], layers={"ids": [1]}, max_length=256, batch_tokens=1024,
+                     max_batch_samples=64, store_dtype="float32", tokenizer={}, dataset_fingerprint="x" * 64,
+                     dataset_source="chats.jsonl", limit=None)
+
+
+@pytest.fixture(scope="module")
+def fp8_qwen35(tmp_path_factory, tiny_cache) -> Path:
+    """tiny-qwen3.5 (its real vocabulary and tokenizer) quantised to fine-grained FP8."""
+    dest = tmp_path_factory.mktemp("fp8") / "tiny-qwen3.5-fp8"
+    quantize_checkpoint_fp8(Path(resolve_model_path("tiny-qwen3.5", tiny_cache)), dest)
+    return dest
+
+
+def test_block_quantisation_keeps_each_block_within_fp8_precision():
+    w = torch.randn(256, 384) * torch.linspace(0.01, 3, 384)  # blocks of very different magnitudes
+    q, scale = fp8_block_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (256, 384)
+    assert scale.dtype == torch.bfloat16 and scale.shape == (2, 3)
+    back = fp8_dequantize(q, scale)
+    # e4m3 has 3 mantissa bits: each value within 2^-4 of itself, relative to its block's max
+    block_max = w.abs().reshape(2, 128, 3, 128).amax(dim=(1, 3)).repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert ((back - w).abs() <= block_max * 2 ** -4 + 1e-6).all()
+    with pytest.raises(ValueError, match="not a multiple"):
+        fp8_block_quantize(torch.randn(200, 64))
+
+
+def test_the_builder_writes_the_layout_of_the_qwen_fp8_releases(fp8_qwen35):
+    config = json.loads((fp8_qwen35 / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert {k: qc[k] for k in FP8_QUANTIZATION_CONFIG} == FP8_QUANTIZATION_CONFIG
+    assert "model.layers.0.linear_attn.in_proj_a" in qc["modules_to_not_convert"]  # as Qwen3.5/3.6-FP8 keep it
+    with safe_open(fp8_qwen35 / "model.safetensors", framework="pt") as f:
+        keys = set(f.keys())
+        q = f.get_tensor("model.layers.3.self_attn.q_proj.weight")
+        s = f.get_tensor("model.layers.3.self_attn.q_proj.weight_scale_inv")
+        assert f.get_tensor("model.layers.0.linear_attn.in_proj_a.weight").dtype != torch.float8_e4m3fn
+        assert f.get_tensor("model.embed_tokens.weight").dtype != torch.float8_e4m3fn
+        assert f.get_tensor("model.layers.0.linear_attn.in_proj_qkv.weight").dtype == torch.float8_e4m3fn
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.bfloat16
+    assert s.shape == (-(-q.shape[0] // 128), -(-q.shape[1] // 128))
+    assert "lm_head.weight_scale_inv" not in keys and "model.layers.0.mlp.down_proj.weight_scale_inv" in keys
+    # transformers recognises it as its fine-grained FP8 format
+    from transformers import AutoConfig
+    from transformers.quantizers.auto import AutoQuantizationConfig
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    parsed = AutoQuantizationConfig.from_dict(AutoConfig.from_pretrained(fp8_qwen35).quantization_config)
+    assert isinstance(parsed, FineGrainedFP8Config) and list(parsed.weight_block_size) == [128, 128]
+
+
+def test_the_quantisation_is_part_of_the_identity_and_unquantised_run_ids_are_unchanged(tmp_path, tiny_cache):
+    bf16, fp8 = tiny_fp8_checkpoint("qwen3", tmp_path, num_layers=2)
+    plain, quantised = model_info(str(bf16), tiny_cache), model_info(str(fp8), tiny_cache)
+    assert plain.quantization is None
+    assert {k: quantised.quantization[k] for k in FP8_QUANTIZATION_CONFIG} == FP8_QUANTIZATION_CONFIG
+    assert quantised.as_dict()["quantization"] == quantised.quantization
+    # an unquantised model's record is what it was before the field existed: the same keys, the same run id
+    assert set(plain.as_dict()) == {"name", "model_type", "num_layers", "hidden_size", "revision"}
+    before = ModelInfo(**{k: getattr(plain, k) for k in ("name", "path", "model_type", "num_layers", "hidden_size",
+                                                         "revision")})
+    assert _config(plain.as_dict()).default_run_id("chats") == _config(before.as_dict()).default_run_id("chats")
+    # same model, same recorded name and revision: the quantisation alone tells the two runs apart
+    same_bytes = dict(quantised.as_dict(), name=plain.name, revision=plain.revision)
+    assert _config(same_bytes).default_run_id("chats") != _config(plain.as_dict()).default_run_id("chats")
+    assert any("quantization" in d for d in plain.differences(quantised.as_dict()))
+
+
+def test_the_cpu_worker_dequantises_an_fp8_checkpoint_and_runs_it(tmp_path, tiny_cache):
+    """Loaded the way a worker loads it (workers.target.load_target): every weight is the block
+    dequantisation of the file's float8 values, the model is fp32, and the engine says how."""
+    from settings import Settings
+    from workers.target import load_target
+
+    bf16, fp8 = tiny_fp8_checkpoint("qwen3-next", tmp_path, num_layers=4)  # MoE experts, DeltaNet, attention
+    target = load_target(str(fp8), Settings(_env_file=None, cache_dir=tiny_cache, device="cpu", max_batch_samples=4))
+    assert target.engine["weights"] == "dequantized-fp32"
+    assert {p.dtype for p in target.model.parameters()} == {torch.float32}
+    with safe_open(fp8 / "model.safetensors", framework="pt") as f:
+        for key in ("model.layers.3.self_attn.q_proj.weight", "model.layers.0.linear_attn.out_proj.weight",
+                    "model.layers.1.mlp.shared_expert.down_proj.weight"):
+            want = fp8_dequantize(f.get_tensor(key), f.get_tensor(key + "_scale_inv"))
+            assert torch.equal(target.model.get_parameter(key), want), key
+        # the experts are fused by transformers' loader (gate and up of each expert in one tensor)
+        gate_up = target.model.get_parameter("model.layers.2.mlp.experts.gate_up_proj")
+        e = "model.layers.2.mlp.experts.1."
+        want = torch.cat([fp8_dequantize(f.get_tensor(e + p + ".weight"), f.get_tensor(e + p + ".weight_scale_inv"))
+                          for p in ("gate_proj", "up_proj")])
+        assert torch.equal(gate_up[1], want)
+
+
+def test_producer_run_extracts_an_fp8_checkpoint_on_the_cpu(tmp_path, tiny_cache, fp8_qwen35, tiny_qwen35):
+    """The whole process stack (producer run, embedded broker, Celery worker) on the FP8 checkpoint:
+    run.json records its quantisation, and the states are the per-sample forward of the model whose
+    weights are the dequantised ones (not of the fp32 original: the quantisation is applied)."""
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool", device="cpu")
+    report = cli_json(run_cli("producer", ["run", *JOB, "--model", str(fp8_qwen35), "--output", str(tmp_path / "out"),
+                                           "--json"], env, timeout_s=600))
+    assert report["batches_done"] == report["batches_total"] >= 1
+    run_store = open_store(report["address"])
+    recorded = load_run(run_store).model
+    assert recorded["quantization"]["quant_method"] == "fp8" and recorded["quantization"]["weight_block_size"] == [128, 128]
+    samples = read_samples(run_store)
+    assert '"weights": "dequantized-fp32"' in next(iter(samples.values()))["meta"]["engine"]
+
+    reference = _dequantised_copy(tiny_qwen35, fp8_qwen35)
+    assert assert_matches_reference(reference, samples, [1, 3, 4], atol=1e-4, rtol=1e-4) > 10_000
+    with pytest.raises(AssertionError, match="max \\|diff\\|"):
+        assert_matches_reference(tiny_qwen35, samples, [1, 3, 4], atol=1e-4, rtol=1e-4)
+
+
+def _dequantised_copy(model: torch.nn.Module, fp8_dir: Path) -> torch.nn.Module:
+    """``model`` with each weight that ``fp8_dir`` quantised replaced by its dequantised value
+    (computed here from the file, not by transformers)."""
+    import copy
+
+    out = copy.deepcopy(model)
+    replaced = 0
+    with safe_open(fp8_dir / "model.safetensors", framework="pt") as f, torch.no_grad():
+        for key in f.keys():
+            if key.endswith(".weight_scale_inv"):
+                weight = key[: -len("_scale_inv")]
+                out.get_parameter(weight).copy_(fp8_dequantize(f.get_tensor(weight), f.get_tensor(key)))
+                replaced += 1
+    assert replaced > 10
+    return out.eval()
