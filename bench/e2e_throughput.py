@@ -269,7 +269,7 @@ class S3Server:
         return str(out)
 
     def start(self) -> "S3Server":
-        """Launch ``weed mini`` (the flags tests/conftest.py's server uses) and wait for the bucket ``bench``."""
+        """Launch ``weed mini`` (the flags bench/servers.py's server uses) and wait for the bucket ``bench``."""
         import random
 
         def free_pair() -> int:  # P and P + 10000 free: SeaweedFS puts gRPC on port + 10000

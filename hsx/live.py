@@ -3,7 +3,7 @@
 :class:`LiveHiddenStatesDataset` polls the run's ``markers/`` listing (one prefix listing per poll:
 cheap on S3 and on disk), reads each new marker once, and yields the samples of every batch once
 its marker exists. A marker is created last, with a conditional create, after its shard was stored
-and verified (hsx/marker.py), so a batch the reader sees is complete; the reader hashes the shard
+and verified (:class:`hsx.records.Marker`), so a batch the reader sees is complete; the reader hashes the shard
 against the marker's sha256 where :class:`hsx.reader.IterableHiddenStatesDataset` does (always
 for shards it downloads from S3, local ones with ``verify=True``).
 

@@ -31,7 +31,7 @@ so that a user never sees fp8 unless they ask: ``raw=True`` returns the stored f
 tensors as they are, with ``hidden_states_scale`` float32 [S, K] and ``final_*_scale`` float32 [S].
 
 Only batches whose marker exists and carries the run's ``config_sha256`` are read (a batch is done
-if and only if that holds, hsx/marker.py). Samples a marker lists as ``quarantined`` are never
+if and only if that holds, :class:`hsx.records.Marker`). Samples a marker lists as ``quarantined`` are never
 returned, whether or not their rows are in the shard. A sample certified by two markers is a
 corrupt run: the map-style dataset refuses it (run ``python -m producer verify``).
 """
@@ -83,7 +83,7 @@ def quarantined_ids(marker: Marker) -> set[int]:
 def marker_problem(batch: str, marker: Marker | Exception, config_sha256: str) -> str | None:
     """Why ``marker`` (read from ``markers/<batch>.json``) does not certify ``batch`` of the run whose
     ``config_sha256`` is given, or None when it does: it must be readable, name its own batch and
-    carry the run's config hash (hsx/marker.py)."""
+    carry the run's config hash (:class:`hsx.records.Marker`)."""
     if isinstance(marker, Exception):
         return f"marker of {batch} is unreadable ({marker}): skipped; run `python -m producer verify`"
     if marker.batch != batch or marker.config_sha256 != config_sha256:

@@ -172,7 +172,15 @@ class Marker(Record):
     """Completion marker ``markers/<batch>.json``: batch ``batch`` of run ``run_id`` is done.
 
     A batch is done if and only if its marker exists and its ``config_sha256`` equals the run's
-    identity (``hsx/marker.py`` says why and how it is created). Fields before ``supervised_tokens``
+    identity. The worker writes it last, with a conditional create (:meth:`create`). It names the
+    shard object it certifies (key, bytes, sha256): shard keys carry an attempt suffix
+    (``shards/<batch>-<attempt>.safetensors``, :func:`hsx.layout.shard_key`) so that two workers
+    racing on the same batch never overwrite each other's shard; the loser of the marker race
+    deletes its own shard. A batch whose every sample is quarantined gets no shard and no marker:
+    its task fails (:class:`hsx.errors.FidelityError`) and ``failures/<batch>.json``
+    (:class:`Failure`) says why.
+
+    Fields before ``supervised_tokens``
     are required; every later one is optional, so markers of older runs (without them) still read.
     Markers of older runs also hold ``store_s`` and ``verify_s`` (the spool path every shard took
     then): ignored.

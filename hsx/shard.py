@@ -25,7 +25,7 @@ exports return dequantised tensors (bf16 by default); ``raw=True`` gives the sto
 A shard holds the batch's planned samples minus the quarantined ones: a sample whose captured
 states hold NaN or Inf is left out (its tokens, ids, mask and states; ``cu_seqlens`` and
 ``sample_index`` are recomputed without it) and listed in the marker's ``quarantined`` with its
-reason (see ``hsx/marker.py``). ``sample_index`` says which planned samples a shard holds.
+reason (see :class:`hsx.records.Marker`). ``sample_index`` says which planned samples a shard holds.
 
 String metadata (safetensors header): ``schema_version``, ``run_id``, ``batch``, ``layer_ids``
 (JSON list), ``layer_id_convention``, ``hf_hidden_states_indices``, ``vllm_ids``, ``final``,

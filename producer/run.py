@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hsx.broker import EmbeddedBroker, check_broker
 from hsx.errors import RunCancelled, StoreError
+from hsx.fleet import UNACKED_KEY
 from hsx.records import Cancelled, done_batches, read_failures
 from hsx.store import mask_url
 from hsx.layout import window_key
@@ -319,7 +320,7 @@ def drop_leftover_messages(broker_url: str, queue: str) -> dict[str, int]:
         raws = []
         for key in queue_keys(queue):
             raws += client.lrange(key, 0, -1)
-        raws += [json.dumps(unacked_message(entry)) for entry in client.hvals("unacked")]  # null: not ours
+        raws += [json.dumps(unacked_message(entry)) for entry in client.hvals(UNACKED_KEY)]  # null: not ours
         client.flushdb()
     finally:
         client.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 from jobfixtures import WorkerProcess, clean_env, plan_samples, read_samples, wait_until
 
 from hsx.broker import EmbeddedBroker
-from hsx.marker import done_batches
+from hsx.records import done_batches
 from hsx.runconfig import load_run
 from hsx.store import open_store
 from settings import Settings

@@ -319,13 +319,13 @@ def read_samples(run_store) -> dict[int, dict]:
 
     Fails if a sample appears twice or a shard does not match its marker's sha256 / size.
     """
-    from hsx.marker import done_batches, read_marker
+    from hsx.records import Marker, done_batches
     from hsx.shard import read_shard
     from hsx.store import verify
 
     samples: dict[int, dict] = {}
     for batch in sorted(done_batches(run_store)):
-        marker = read_marker(run_store, batch)
+        marker = Marker.read(run_store, batch)
         key = marker.shard.key
         verify(run_store, key, marker.shard.bytes, marker.shard.sha256)
         path = run_store.local_path(key)

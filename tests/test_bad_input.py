@@ -151,7 +151,7 @@ def test_wrong_s3_credentials_are_refused_before_planning_without_printing_the_s
     _refused(proc, "credentials refused", "HSX_S3_SECRET_ACCESS_KEY", secured_s3.endpoint_url)
     assert secret not in proc.stderr + proc.stdout
     assert not (tmp_path / "state").exists(), "no broker or worker may start"
-    from conftest import s3_client
+    from bench.servers import s3_client
 
     assert "Contents" not in s3_client(secured_s3.endpoint_url).list_objects_v2(Bucket="guarded", Prefix=prefix), "nothing written"
 

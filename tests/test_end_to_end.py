@@ -18,7 +18,8 @@ import torch
 from jobfixtures import (TcpBroker, WorkerProcess, assert_matches_reference, clean_env, cli_json, plan_samples, read_samples,
                          run_here, wait_until)
 
-from hsx.marker import done_batches, marker_key
+from hsx.layout import marker_key
+from hsx.records import done_batches
 from hsx.runconfig import load_run
 from hsx.store import open_store
 

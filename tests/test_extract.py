@@ -17,8 +17,8 @@ import torch
 from jobfixtures import assert_matches_reference, plan_samples, read_samples
 
 from hsx.errors import FidelityError
-from hsx.marker import read_marker
 from hsx.plan import read_batch
+from hsx.records import Marker
 from settings import Settings
 
 
@@ -79,7 +79,7 @@ def test_a_sample_with_nan_states_is_quarantined_and_the_rest_of_the_batch_is_wr
         handle.remove()
     assert result["status"] == "done" and result["num_quarantined"] == 1
 
-    marker = read_marker(run.run_store, batch)
+    marker = Marker.read(run.run_store, batch)
     # Layer 1 is captured before the poison; layers 3, 4 and the post-norm state come after it.
     assert [q.model_dump() for q in marker.quarantined] == [{"sample_index": victim, "reason": "nonfinite hidden states (layers 3, 4, final_postnorm)"}]
     assert marker.num_quarantined == 1
@@ -114,13 +114,13 @@ def test_a_batch_whose_every_sample_is_nonfinite_fails_loudly_and_writes_no_mark
             extract_batch(run.run_url, batch, settings)
     finally:
         handle.remove()
-    assert read_marker(run.run_store, batch) is None
+    assert Marker.read(run.run_store, batch) is None
     assert batch_shards(run.run_store, batch) == []
     assert not any(planned["spool"].glob(f"*{batch}*"))
 
     # The same batch without the fault is then extracted in full: nothing half-done was left behind.
     result = extract_batch(run.run_url, batch, settings)
-    marker = read_marker(run.run_store, batch)
+    marker = Marker.read(run.run_store, batch)
     assert result["status"] == "done" and marker.quarantined == [] and marker.num_samples == plan.num_samples
     assert json.loads(run.run_store.read(f"markers/{batch}.json"))["shard"]["key"] in batch_shards(run.run_store, batch)
 
@@ -141,12 +141,12 @@ def test_a_batch_bigger_than_the_forward_limit_runs_as_several_forwards_into_one
     try:
         for key in batch_shards(run.run_store, batch):  # start clean if an earlier test ran this batch
             run.run_store.delete(key)
-        if read_marker(run.run_store, batch):
+        if Marker.read(run.run_store, batch):
             run.run_store.delete(f"markers/{batch}.json")
         result = extract_batch(run.run_url, batch, settings)
     finally:
         target.max_forward_tokens = saved
-    marker = read_marker(run.run_store, batch)
+    marker = Marker.read(run.run_store, batch)
     assert result["status"] == "done" and marker.forwards >= 2 and marker.num_samples == plan.num_samples
     stored = {s: v for s, v in read_samples(run.run_store).items() if v["batch"] == batch}
     assert set(stored) == set(plan.sample_index_N.tolist())
@@ -156,7 +156,7 @@ def test_a_batch_bigger_than_the_forward_limit_runs_as_several_forwards_into_one
 def _redo(run_store, batch: str) -> None:
     for key in batch_shards(run_store, batch):
         run_store.delete(key)
-    if read_marker(run_store, batch):
+    if Marker.read(run_store, batch):
         run_store.delete(f"markers/{batch}.json")
 
 
@@ -167,7 +167,7 @@ def _extract_with(planned, batch: str, **overrides):
     faults.reset()
     settings = planned["settings"].model_copy(update=overrides)
     _redo(planned["run"].run_store, batch)
-    return extract_batch(planned["run"].run_url, batch, settings), read_marker(planned["run"].run_store, batch)
+    return extract_batch(planned["run"].run_url, batch, settings), Marker.read(planned["run"].run_store, batch)
 
 
 def _certified(run_store, marker) -> bytes:
@@ -229,7 +229,7 @@ def test_a_write_that_meets_a_full_disk_is_written_again_from_the_host_buffer_an
     run_store, batch = planned["run"].run_store, planned["batches"][0]
     _redo(run_store, batch)
     result = extract_batch(planned["run"].run_url, batch, planned["settings"].model_copy(update={"faults": "store_full=1"}))
-    marker = read_marker(run_store, batch)
+    marker = Marker.read(run_store, batch)
     assert result["status"] == "done" and marker is not None and marker.forwards == 1
     assert batch_shards(run_store, batch) == [marker.shard.key]
     assert not [p for p in run_store.local_path("shards").iterdir() if p.name.startswith(".hsx-tmp-")]
@@ -270,7 +270,7 @@ def test_a_run_asking_for_the_last_layer_and_both_finals_stores_them_as_the_refe
         gap = (ref["hidden_states"][:, 0] - ref["final_postnorm"]).abs().max().item()
         assert gap > 0.1, f"sample {sample}: the last layer's output and the post-norm state differ by only {gap:.3g}"
 
-    marker, plan = read_marker(run.run_store, batch), read_batch(run.run_store, batch)
+    marker, plan = Marker.read(run.run_store, batch), read_batch(run.run_store, batch)
     assert marker.quarantined == []  # so the shard's rows are the plan's
     cu = plan.cu_seqlens_N1.tolist()
     picks = [(batch, marker, int(sample), cu[j], cu[j + 1]) for j, sample in enumerate(plan.sample_index_N.tolist())]

@@ -189,7 +189,7 @@ def test_nan_and_inf_samples_are_still_quarantined_under_fp8(fp8_planned):
     the shard holds the rest as F8_E4M3 + F32 scales, finite after dequantisation."""
     from safetensors import safe_open
 
-    from hsx.marker import read_marker
+    from hsx.records import Marker
     from hsx.plan import read_batch
     from workers.extract import extract_batch
     from workers.target import get_target
@@ -216,7 +216,7 @@ def test_nan_and_inf_samples_are_still_quarantined_under_fp8(fp8_planned):
     finally:
         handle.remove()
     assert result["status"] == "done" and result["num_quarantined"] == 2
-    marker = read_marker(run.run_store, batch)
+    marker = Marker.read(run.run_store, batch)
     victims = [int(plan.sample_index_N[0]), int(plan.sample_index_N[2])]
     assert [q.model_dump() for q in marker.quarantined] == [
         {"sample_index": s, "reason": "nonfinite hidden states (layers 3, 4, final_postnorm)"} for s in victims]

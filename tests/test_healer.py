@@ -20,9 +20,8 @@ from jobfixtures import wait_until
 from hsx.broker import EmbeddedBroker, redis_client
 from hsx.fleet import (Parked, batch_field, broker_time, healer_key, known_runs, park, queued_of, register_runs,
                        unaccounted_key)
-from hsx.marker import done_batches
 from hsx.queue import send_batches
-from hsx.records import Cancelled, Failure
+from hsx.records import Cancelled, Failure, done_batches
 from settings import Settings
 from workers import lease
 from workers.lease import Reclaimer

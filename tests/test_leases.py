@@ -24,7 +24,7 @@ from clusters import HOLD_S, Cluster, assert_complete, copy_plan, held_batch, wa
 
 from hsx.broker import redis_client
 from hsx.errors import FidelityError, SpoolFull, StoreError
-from hsx.marker import done_batches
+from hsx.records import done_batches
 from hsx.store import MissingKey
 from settings import Settings
 from workers.causes import DATA, PARK, TRANSIENT, UNKNOWN, classify

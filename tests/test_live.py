@@ -22,8 +22,8 @@ from jobfixtures import read_samples
 from smallrun import copy_run, quarantine_first_sample
 
 from hsx.errors import BadConfig, FidelityError, HsxError
+from hsx.layout import marker_key
 from hsx.live import LiveHiddenStatesDataset, order_key, rank_of
-from hsx.marker import marker_key
 from hsx.store import MissingKey, exists, open_store, write_file
 
 K, H = 3, 64  # EAGLE-3 layers of the 8-layer tiny model, hidden size 64

@@ -17,7 +17,7 @@ import sys
 from jobfixtures import ROOT, clean_env, read_samples, wait_until
 from smallrun import copy_run
 
-from hsx.marker import marker_key
+from hsx.layout import marker_key
 from hsx.plan import read_batch_list
 from hsx.store import open_store
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from hsx.marker import read_marker
+from hsx.records import Marker
 from hsx.store import open_store, verify, write_file
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,6 +41,6 @@ def test_marker_conflicts_that_outlast_the_stores_retries_end_done_not_lost(smal
         proxy.stop()
     assert conflicts.hits == 8
     assert result["status"] == "done", result
-    marker = read_marker(direct, batch)
+    marker = Marker.read(direct, batch)
     assert direct.list("shards/") == [marker.shard.key], "the shard the marker names must be the one kept"
     verify(direct, marker.shard.key, marker.shard.bytes, marker.shard.sha256)

@@ -22,8 +22,8 @@ import pytest
 from jobfixtures import ROOT, WorkerProcess, clean_env, cli_json, free_port, run_cli, wait_until
 
 from hsx.broker import EmbeddedBroker, running_embedded_broker
-from hsx.marker import done_batches
 from hsx.plan import read_batch_list
+from hsx.records import done_batches
 from hsx.store import open_store
 
 # 24 real ShareGPT records in small batches: enough batches that a running job can be watched.

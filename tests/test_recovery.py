@@ -17,7 +17,7 @@ import pytest
 from clusters import HOLD_S, assert_complete, copy_plan, held_batch, shards_of, wait_done, wait_log
 from jobfixtures import clean_env, run_cli, wait_until
 
-from hsx.marker import done_batches, read_marker
+from hsx.records import Marker, done_batches
 from hsx.store import open_store
 
 
@@ -179,7 +179,7 @@ def test_a_shard_corrupted_after_its_marker_is_named_by_verify_and_redone_by_rec
     cluster.enqueue_all(run_store)
     wait_done(run_store)
     victim = sorted(done_batches(run_store))[1]
-    key = read_marker(run_store, victim).shard.key
+    key = Marker.read(run_store, victim).shard.key
     path = run_store.local_path(key)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -192,7 +192,7 @@ def test_a_shard_corrupted_after_its_marker_is_named_by_verify_and_redone_by_rec
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"repaired {victim}: shard_altered" in proc.stdout and f"enqueued {victim}" in proc.stdout, proc.stdout
     wait_done(run_store)
-    assert read_marker(run_store, victim).shard.key != key
+    assert Marker.read(run_store, victim).shard.key != key
     assert_complete(run_store)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from jobfixtures import clean_env, cli_json
 
-from hsx.marker import marker_key
+from hsx.layout import marker_key
 from hsx.plan import read_batch_list
 from hsx.store import open_store
 from producer.planner import PlanOptions, plan_run

@@ -187,7 +187,7 @@ def test_secrets_never_appear_in_output_logs_or_the_store(tmp_path, tiny_cache, 
         outputs.append(proc.stdout + proc.stderr)
         assert proc.returncode == 0, proc.stderr[-2000:]
         address = json.loads(proc.stdout)["address"]
-        from hsx.marker import done_batches
+        from hsx.records import done_batches
         from hsx.store import open_store
 
         run_store = open_store(address, st)

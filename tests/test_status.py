@@ -15,8 +15,8 @@ from rich.console import Console
 from jobfixtures import run_here
 from smallrun import copy_run, quarantine_first_sample
 
-from hsx.layout import WORKERS_PREFIX
-from hsx.marker import done_batches, marker_key
+from hsx.layout import WORKERS_PREFIX, marker_key
+from hsx.records import done_batches
 from hsx.plan import read_batch_list
 from hsx.store import open_store
 from producer.status import RunWatch

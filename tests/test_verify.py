@@ -13,9 +13,9 @@ import time
 from jobfixtures import run_here
 from smallrun import copy_run, quarantine_first_sample, upload_run
 
-from hsx.marker import marker_key
-from hsx.records import Marker
+from hsx.layout import marker_key
 from hsx.plan import batch_key, read_batch
+from hsx.records import Marker
 from hsx.runconfig import load_run
 from hsx.store import open_store
 from producer.verify import problem_batches, recompute_samples, verify_run

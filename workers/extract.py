@@ -15,7 +15,7 @@
   take it for a transient reason, the shard goes to the overflow spool and is stored from there
   with retries (``workers/spool.py``), freeing its host buffer for the next forward.
 - **certify**: the marker (:class:`hsx.records.Marker`), last, with a conditional create
-  (``hsx/marker.py``). Shard keys carry a random attempt id, so racing duplicates never overwrite
+  (:meth:`hsx.records.Marker.create`). Shard keys carry a random attempt id, so racing duplicates never overwrite
   each other's shard; the loser deletes its own.
 
 Store calls that fail for a transient reason are retried with backoff (``hsx/store/retry.py``); the
