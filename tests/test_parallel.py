@@ -166,6 +166,9 @@ def test_python_m_workers_refuses_a_group_size_its_model_cannot_split_before_the
     monkeypatch.setenv("HSX_MODEL", "tiny-qwen3.5")
     monkeypatch.setenv("HSX_DEVICE", "cpu")
     monkeypatch.setenv("HSX_CACHE_DIR", str(tiny_cache))
+    # main() sets os.environ's HSX_GPUS_PER_WORKER for its children: set here first, so that monkeypatch's undo
+    # removes it (a delenv after main() would restore main's "4" at teardown, for every later test of this process)
+    monkeypatch.setenv("HSX_GPUS_PER_WORKER", "1")
     get_settings.cache_clear()
     try:
         with pytest.raises(BadConfig, match=r"HSX_GPUS_PER_WORKER=4 \(--gpus-per-worker\) refused for model 'tiny-qwen3.5': "
@@ -173,5 +176,4 @@ def test_python_m_workers_refuses_a_group_size_its_model_cannot_split_before_the
                                              r"fix: HSX_GPUS_PER_WORKER=2.*Nothing was started"):
             main(["--gpus-per-worker", "4"])
     finally:
-        monkeypatch.delenv("HSX_GPUS_PER_WORKER", raising=False)
         get_settings.cache_clear()
