@@ -60,6 +60,27 @@ POLL_S = 0.2
 READY_TIMEOUT_S = 240.0
 
 
+def kill_random_worker(launcher_pid: int, rng) -> int | None:
+    """SIGKILL one random Celery worker process among the children of ``python -m workers`` (pid
+    ``launcher_pid``, which restarts it); returns its pid, None when there was none to kill."""
+    import signal
+
+    import psutil
+
+    try:
+        children = [c for c in psutil.Process(launcher_pid).children() if "celery" in " ".join(c.cmdline())]
+    except psutil.Error:
+        return None
+    if not children:
+        return None
+    victim = rng.choice(children)
+    try:
+        victim.send_signal(signal.SIGKILL)
+    except psutil.Error:
+        return None
+    return victim.pid
+
+
 class Chaos:
     """Faults injected during the measured window, with no command typed to recover from them.
 
@@ -87,17 +108,7 @@ class Chaos:
         self._thread.start()
         return self
 
-    def _children(self):
-        import psutil
-
-        try:
-            return [c for c in psutil.Process(self.launcher_pid).children() if "celery" in " ".join(c.cmdline())]
-        except psutil.Error:
-            return []
-
     def _run(self) -> None:
-        import signal
-
         next_kill = self.t0 + self.kill_every_s * self.rng.uniform(0.5, 1.5)
         outage_start = self.t0 + self.outage_at_s if self.outage_at_s is not None and self.server is not None else None
         while not self._stop.wait(0.5):
@@ -112,14 +123,9 @@ class Chaos:
                 self.outages[-1]["started_at"] = time.time()
                 outage_start = None
             if now >= next_kill and now < self.t0 + self.duration_s - self.quiet_tail_s:
-                children = self._children()
-                if children:
-                    victim = self.rng.choice(children)
-                    try:
-                        victim.send_signal(signal.SIGKILL)
-                        self.kills.append({"pid": victim.pid, "at": now})
-                    except Exception:
-                        pass
+                pid = kill_random_worker(self.launcher_pid, self.rng)
+                if pid is not None:
+                    self.kills.append({"pid": pid, "at": now})
                 next_kill = now + self.kill_every_s * self.rng.uniform(0.5, 1.5)
 
     def stop(self) -> None:
@@ -352,21 +358,9 @@ class FleetFaults:
         return self
 
     def _kill_one(self, now: float) -> None:
-        import signal
-
-        import psutil
-
-        try:
-            children = [c for c in psutil.Process(self.launcher_pid).children() if "celery" in " ".join(c.cmdline())]
-        except psutil.Error:
-            return
-        if children:
-            victim = self.rng.choice(children)
-            try:
-                victim.send_signal(signal.SIGKILL)
-                self.kills.append({"pid": victim.pid, "at": now})
-            except psutil.Error:
-                pass
+        pid = kill_random_worker(self.launcher_pid, self.rng)
+        if pid is not None:
+            self.kills.append({"pid": pid, "at": now})
 
     def _fill_up(self) -> Path:
         """Write zeros under ``fill_dir`` until the filesystem refuses (ENOSPC); returns the filler file."""

@@ -329,28 +329,45 @@ def test_a_stopped_holder_s_claim_comes_back_at_once_a_stale_one_s_on_a_second_l
         assert client.hlen("unacked") == 1
 
 
+def _launcher(cluster, tmp_path, faults: str, lease: dict):
+    """``python -m workers --count 1`` on the cluster's broker (one task thread, no restart within the test),
+    logging to ``launcher.log``; returns (its process, the log's path)."""
+    import subprocess
+    import sys
+
+    from jobfixtures import ROOT
+
+    log_path = tmp_path / "launcher.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "workers", "--count", "1"], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env=cluster.env(faults=faults, worker_restart_delay_s=120, worker_concurrency=1, **lease))
+    return proc, log_path
+
+
+def _kill_tree(proc) -> None:
+    import psutil
+
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        p.kill()
+    proc.kill()
+    proc.wait()
+
+
 @pytest.mark.timeout(150)
 def test_a_worker_the_launcher_saw_die_has_its_batch_put_back_at_once_not_after_its_lease(template, cluster, tmp_path):
     """``python -m workers`` reaps its SIGKILLed child holding batches: it marks the child's record ``stopped`` with
     the batches ``abandoned`` and puts their claims back at once (a reclaim record each, by the launcher, ``its
     worker died``), so a live worker does them long before their lease (10 minutes here) would expire."""
     import socket
-    import subprocess
-    import sys
 
     import psutil
 
-    from jobfixtures import ROOT
     from hsx.records import WorkerStatus
 
     run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     long_lease = dict(lease_s=600, reclaim_interval_s=1)
-    log_path = tmp_path / "launcher.log"
-    with open(log_path, "wb") as log:
-        launcher = subprocess.Popen([sys.executable, "-m", "workers", "--count", "1"], cwd=ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=cluster.env(faults=f"pause_forward={HOLD_S}", worker_restart_delay_s=120,
-                                                    worker_concurrency=1, **long_lease))
+    launcher, log_path = _launcher(cluster, tmp_path, f"pause_forward={HOLD_S}", long_lease)
     try:
         wait_until(lambda: "ready." in log_path.read_text(errors="replace"), 90, "the launcher's worker ready")
         cluster.worker("rescuer", **long_lease)
@@ -378,10 +395,7 @@ def test_a_worker_the_launcher_saw_die_has_its_batch_put_back_at_once_not_after_
         [presence] = [p for p in read_presences(redis_client(cluster.broker.url), "gpu") if p.pid == child.pid]
         assert presence.state == "stopped", "the launcher marked its dead child stopped on the broker"
     finally:
-        for p in psutil.Process(launcher.pid).children(recursive=True):
-            p.kill()
-        launcher.kill()
-        launcher.wait()
+        _kill_tree(launcher)
 
 
 @pytest.mark.timeout(150)
@@ -390,21 +404,9 @@ def test_a_worker_killed_on_delivery_before_listing_the_message_has_it_put_back_
     presence lists it) leaves a claim nobody lists. ``python -m workers`` sees the death, looks again a few
     seconds later and puts that claim back (``its worker died before listing it``), so a live worker does the
     batch long before its lease (10 minutes here) would expire."""
-    import subprocess
-    import sys
-
-    import psutil
-
-    from jobfixtures import ROOT
-
     run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     long_lease = dict(lease_s=600, reclaim_interval_s=1)
-    log_path = tmp_path / "launcher.log"
-    with open(log_path, "wb") as log:
-        launcher = subprocess.Popen([sys.executable, "-m", "workers", "--count", "1"], cwd=ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=cluster.env(faults="die_received=KILL", worker_restart_delay_s=120,
-                                                    worker_concurrency=1, **long_lease))
+    launcher, log_path = _launcher(cluster, tmp_path, "die_received=KILL", long_lease)
     try:
         wait_until(lambda: "ready." in log_path.read_text(errors="replace"), 90, "the launcher's worker ready")
         first = template.batches[0]
@@ -418,7 +420,4 @@ def test_a_worker_killed_on_delivery_before_listing_the_message_has_it_put_back_
         assert [(r["batch"], r["why"]) for r in reclaims] == [(first["batch"], "its worker died before listing it")], reclaims
         assert "put back at the head of the queue" in log_path.read_text(errors="replace")
     finally:
-        for p in psutil.Process(launcher.pid).children(recursive=True):
-            p.kill()
-        launcher.kill()
-        launcher.wait()
+        _kill_tree(launcher)

@@ -101,28 +101,26 @@ def _take(spec: str | None, name: str) -> bool:
     return True
 
 
-def at_load(spec: str | None) -> None:
-    """Kill this process with ``die_load``'s signal, if ``HSX_FAULTS`` asks for it (no-op otherwise)."""
+def _die(spec: str | None, name: str, when: str) -> None:
+    # Kill this process with the signal of the entry ``name``, if HSX_FAULTS has it.
     if not spec:
         return
-    sig = _faults(spec)["faults"].get("die_load")
+    sig = _faults(spec)["faults"].get(name)
     if sig:
         import os
 
-        log.warning("fault injection: killing this worker with signal %d while it loads its model", sig)
+        log.warning("fault injection: killing this worker with signal %d %s", sig, when)
         os.kill(os.getpid(), sig)
+
+
+def at_load(spec: str | None) -> None:
+    """Kill this process with ``die_load``'s signal, if ``HSX_FAULTS`` asks for it (no-op otherwise)."""
+    _die(spec, "die_load", "while it loads its model")
 
 
 def at_received(spec: str | None) -> None:
     """Kill this process with ``die_received``'s signal, if ``HSX_FAULTS`` asks for it (no-op otherwise)."""
-    if not spec:
-        return
-    sig = _faults(spec)["faults"].get("die_received")
-    if sig:
-        import os
-
-        log.warning("fault injection: killing this worker with signal %d on a delivery, before listing it", sig)
-        os.kill(os.getpid(), sig)
+    _die(spec, "die_received", "on a delivery, before listing it")
 
 
 def check_spool_write(spec: str | None, path) -> None:

@@ -78,6 +78,7 @@ class Heartbeat:
         self.paused: dict | None = None  # {"reason", "since"}: the process waits for room in a full store
         # the broker presence (hsx/fleet.py): set by attach_broker at worker start
         self._broker = None  # {"url", "queue", "roots", "model", "node"}
+        self._redis = None  # one client (and connection pool) for every presence write
         self._held: dict[str, dict] = {}  # task id -> {"task_id", "run_url", "batch", "phase"}
         # deliveries of each held task id: a retry's message (same id) can arrive before the attempt ends
         self._deliveries: dict[str, int] = {}
@@ -270,7 +271,9 @@ class Heartbeat:
             return
         body = self.presence(state_override)
         try:
-            stamped = write_presence(redis_client(broker["url"]), broker["queue"], body)
+            if self._redis is None:
+                self._redis = redis_client(broker["url"])
+            stamped = write_presence(self._redis, broker["queue"], body)
             with self._lock:
                 self._started_broker = self._started_broker or stamped.started
                 if self.paused is not None and self.paused.get("broker_since") is None:
