@@ -15,9 +15,12 @@ SMALL_JOB = ["sharegpt", "--model", "tiny-qwen3.5", "--limit", "12", "--max-leng
 
 
 def copy_run(small_run: dict, dest: Path) -> Path:
-    """A copy of the shared run under ``dest`` (same run id); returns its directory."""
+    """A copy of the shared run under ``dest`` (same run id); returns its directory.
+
+    The shared worker still writes its presence into the run while the session lasts; its
+    in-flight temporary files (renamed into place a moment later) are left out of the copy."""
     target = dest / small_run["report"]["run_id"]
-    shutil.copytree(small_run["dir"], target)
+    shutil.copytree(small_run["dir"], target, ignore=shutil.ignore_patterns(".hsx-tmp-*"))
     return target
 
 
