@@ -29,11 +29,12 @@ def restore_options(visibility_timeout_s: int) -> dict:
 
 
 def celery_config(settings: Settings, broker_url: str) -> dict:
-    """Celery configuration for ``broker_url`` (result backend: the same server unless set)."""
+    """Celery configuration for ``broker_url`` (result backend: the same server, where the worker's
+    deduplication of finished tasks looks)."""
     transport = {"visibility_timeout": settings.visibility_timeout_s, **restore_options(settings.visibility_timeout_s)}
     return dict(
         broker_url=broker_url,
-        result_backend=settings.result_backend or broker_url,
+        result_backend=broker_url,
         broker_transport_options=transport,
         result_backend_transport_options=transport,
         broker_connection_retry_on_startup=True,

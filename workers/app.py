@@ -49,15 +49,18 @@ def _preload(**_kwargs) -> None:
         from workers.target import get_target
 
         get_target(_settings.model, _settings)
-        if _settings.worker_runs_dir:  # the launcher tells a death while loading from one after it (workers/launcher.py)
+        from workers.heartbeat import runs_dir
+
+        listed = runs_dir()
+        if listed:  # the launcher tells a death while loading from one after it (workers/launcher.py)
             import os
 
             from workers.launcher import READY_SUFFIX
 
             try:
-                (_settings.worker_runs_dir / f"{os.getpid()}{READY_SUFFIX}").touch()
+                (listed / f"{os.getpid()}{READY_SUFFIX}").touch()
             except OSError as exc:
-                log.warning("ready file not written in %s: %s", _settings.worker_runs_dir, exc)
+                log.warning("ready file not written in %s: %s", listed, exc)
 
 
 @worker_ready.connect
@@ -80,7 +83,7 @@ def _on_received(request=None, **_kwargs) -> None:
 
     from workers import faults
 
-    faults.at_received(_settings.faults)
+    faults.hooks().at_received()
     task_id, args = _held(request)
     if task_id and getattr(request, "name", None) == EXTRACT_TASK and len(args) >= 2:
         process_heartbeat(_settings.heartbeat_s).received(task_id, str(args[0]), str(args[1]))

@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_tensor_parallel(path, dtype=torch.bfloat16 if args.backend == "nccl" else torch.float32,
                                  use_safetensors=safetensors_only(path, settings.allow_pickle_checkpoints),
                                  trust_remote_code=settings.trust_remote_code)
-    if settings.gdn_rows_as_sequences:
-        run_rows_as_sequences(model)  # the leader's kernels (the values do not depend on it; the speed does)
+    run_rows_as_sequences(model)  # the leader's kernels (the values do not depend on it; the speed does)
     log.info("rank %d of %d loaded %s (%s); following rank 0", args.rank, args.world, args.model, args.backend)
     from workers import faults
 

@@ -39,16 +39,25 @@ log = logging.getLogger(__name__)
 #: shortest gap between two writes of one run's record (seconds).
 MIN_WRITE_GAP_S = 1.0
 
+#: Set by ``python -m workers`` for its children, never by hand (so no setting): a directory where
+#: each worker process lists the runs it writes status records for (``<pid>.runs``, one run address
+#: a line), so that the launcher can mark the records of a child that died as ``stopped``.
+RUNS_DIR_ENV = "HSX_WORKER_RUNS_DIR"
+
+
+def runs_dir() -> Path | None:
+    """The directory of :data:`RUNS_DIR_ENV`, or None outside a launcher's child."""
+    value = os.environ.get(RUNS_DIR_ENV)
+    return Path(value) if value else None
+
 
 def _list_run(run_url: str) -> None:
     """Add ``run_url`` to ``<HSX_WORKER_RUNS_DIR>/<pid>.runs``, where ``python -m workers`` finds the
     runs whose record of this process to mark ``stopped`` if the process dies (``workers/launcher.py``)."""
-    from settings import get_settings
-
     try:
-        runs_dir = get_settings().worker_runs_dir
-        if runs_dir is not None:
-            with open(Path(runs_dir) / f"{os.getpid()}.runs", "a") as f:
+        listed = runs_dir()
+        if listed is not None:
+            with open(listed / f"{os.getpid()}.runs", "a") as f:
                 f.write(run_url + "\n")
     except Exception as exc:  # best effort: a status record is not worth a failed batch
         log.debug("runs list not written: %s", exc)

@@ -53,6 +53,8 @@ from pathlib import Path
 from hsx.errors import BadConfig
 from hsx.processes import pid_alive
 from settings import Settings, get_settings
+from workers.heartbeat import RUNS_DIR_ENV
+from workers.heartbeat import runs_dir as listed_runs_dir
 
 log = logging.getLogger("workers.launcher")
 
@@ -489,8 +491,8 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
     policy = policy or RestartPolicy.from_settings(settings)
     env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="hsx-worker-runs-") as own_dir:
-        runs_dir = settings.worker_runs_dir or Path(own_dir)
-        env["HSX_WORKER_RUNS_DIR"] = str(runs_dir)
+        runs_dir = listed_runs_dir() or Path(own_dir)
+        env[RUNS_DIR_ENV] = str(runs_dir)
         return _supervise(settings, env, runs_dir, count, loglevel, grace_s, exit_with_parent, policy, events)
 
 

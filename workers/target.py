@@ -392,8 +392,7 @@ def load_target(name: str, settings: Settings) -> Target:
     model.requires_grad_(False)
     check_kernels(model, device, settings)
     quantized.check_fp8_kernels(info, device)  # FP8 on CUDA: its matmul kernels loaded now, before any batch
-    if settings.gdn_rows_as_sequences:
-        run_rows_as_sequences(model)
+    run_rows_as_sequences(model)
     load_s = time.perf_counter() - t0
     pad = _pad_id(model)
     engine = _engine(model, device, dtype)
@@ -446,7 +445,7 @@ def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256, launch
         if launch is not launch_capture:  # a bare module call on rank 0 alone would leave the followers behind
             if on_cuda:
                 log.warning("a group does not warm up the batched Gated DeltaNet kernels per row count: each new row "
-                            "count compiles on first use (HSX_GDN_ROWS_AS_SEQUENCES=true avoids it)")
+                            "count compiles on first use")
             return
         _warm_up_row_counts(model, max_rows)  # only the batched kernels compile per row count
 
