@@ -15,7 +15,7 @@ COPY . /app
 # causal-conv1d. causal-conv1d builds against the installed torch (no build isolation) and needs nvcc
 # when no prebuilt wheel matches this torch/CUDA; this runtime image has no nvcc, so a failed build
 # leaves it out: transformers then runs the short convolution in torch (correct, a little slower;
-# FIELD-NOTES 2) and the worker logs it.
+# docs/FACTS.md §2) and the worker logs it.
 RUN pip install -e ".[sharegpt]" "flash-linear-attention>=0.4" "fla-core>=0.4" "nvidia-ml-py>=12" \
     && (pip install --no-build-isolation "causal-conv1d>=1.5" \
         || echo "causal-conv1d not installed (no prebuilt wheel for this torch/CUDA): the torch fallback is used")
