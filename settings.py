@@ -115,12 +115,6 @@ class Settings(BaseSettings):
     # who needs it: the backoff of transient retries (the tests shorten it)
     task_retry_max_s: float = Field(default=300.0, gt=0)
     """Longest wait between two retries of a task (seconds)."""
-    faults: str | None = None
-    """Fault injection, for the recovery tests only; never set it in production. Comma-separated:
-    ``pause_<point>=S`` sleeps S seconds at that point of every batch (``forward``, ``upload``,
-    ``store``, ``marker``), ``store_down=N`` / ``store_full=N`` / ``spool_full=N`` fail the first N
-    store or spool writes of the process, ``die_load=KILL`` kills the worker with that signal while it
-    loads its model (``workers/faults.py`` has the table)."""
 
     # --- planning -----------------------------------------------------------------------
     # who needs it: the default of ``--max-length``
@@ -332,7 +326,9 @@ def settings_error(exc: ValidationError, environ: dict[str, str] | None = None) 
 #: ``HSX_*`` variables that are not settings: read by scripts/compat.sh, scripts/test.sh and
 #: docker-compose.yml, and ``HSX_WORKER_RUNS_DIR``, which ``python -m workers`` sets for its children
 #: (``workers.heartbeat.RUNS_DIR_ENV``: no user sets it).
-NOT_SETTINGS = frozenset({"HSX_COMPAT_DIR", "HSX_IMAGE", "HSX_PYTHON", "HSX_TEST_PROCESSES", "HSX_WORKER_RUNS_DIR"})
+#: ``HSX_FAULTS`` is the recovery tests' fault injection (``workers.faults.ENV``, read there: no user sets it).
+NOT_SETTINGS = frozenset({"HSX_COMPAT_DIR", "HSX_FAULTS", "HSX_IMAGE", "HSX_PYTHON", "HSX_TEST_PROCESSES",
+                          "HSX_WORKER_RUNS_DIR"})
 
 
 def unknown_variables(environ=None) -> list[str]:

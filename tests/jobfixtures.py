@@ -275,6 +275,9 @@ class SharedWorker:
             job = Settings(_env_file=None)
         differ = {name: (getattr(job, name), getattr(self.settings, name)) for name in Settings.model_fields
                   if name not in self.PER_JOB and getattr(job, name) != getattr(self.settings, name)}
+        from workers.faults import ENV as FAULTS  # fault injection is no setting, but the worker's all the same
+        if env.get(FAULTS) != self.env.get(FAULTS):
+            differ["faults"] = (env.get(FAULTS), self.env.get(FAULTS))
         assert not differ, (f"this job's worker settings differ from the shared worker's (job, shared): {differ}; "
                             "give the test a worker of its own (WorkerProcess) or run it with run_cli")
         assert self.root.contains(normalise(job.store_url)), (

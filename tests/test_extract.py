@@ -8,7 +8,9 @@ with a forward hook on decoder layer 2 of the worker's loaded target, on the row
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -160,14 +162,33 @@ def _redo(run_store, batch: str) -> None:
         run_store.delete(f"markers/{batch}.json")
 
 
-def _extract_with(planned, batch: str, **overrides):
-    from workers import faults
+def _extract_with(planned, batch: str, faults: str | None = None, **overrides):
+    """The batch extracted again in this process, with ``faults`` as ``HSX_FAULTS`` (workers/faults.py) and
+    ``overrides`` of the run's settings: (result, marker)."""
+    from workers import faults as fault_hooks
     from workers.extract import extract_batch
 
-    faults.reset()
+    fault_hooks.reset()
     settings = planned["settings"].model_copy(update=overrides)
     _redo(planned["run"].run_store, batch)
-    return extract_batch(planned["run"].run_url, batch, settings), Marker.read(planned["run"].run_store, batch)
+    with _faults_env(faults):
+        return extract_batch(planned["run"].run_url, batch, settings), Marker.read(planned["run"].run_store, batch)
+
+
+@contextlib.contextmanager
+def _faults_env(spec: str | None):
+    """``HSX_FAULTS=spec`` in this process's environment for the block (unset when None)."""
+    from workers.faults import ENV
+
+    before = os.environ.pop(ENV, None)
+    if spec is not None:
+        os.environ[ENV] = spec
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV, None)
+        if before is not None:
+            os.environ[ENV] = before
 
 
 def _certified(run_store, marker) -> bytes:
@@ -224,11 +245,14 @@ def test_with_the_overflow_full_a_shard_the_store_refused_is_retried_from_host_m
 def test_a_write_that_meets_a_full_disk_is_written_again_from_the_host_buffer_and_leaves_no_half_shard(planned):
     """store_full=1 (ENOSPC after the header): the write waits for room (here there is room at once) and is made
     again from the same host buffer: one certified shard, the forward run once, no temp file left in the run."""
+    from workers import faults
     from workers.extract import extract_batch
 
     run_store, batch = planned["run"].run_store, planned["batches"][0]
     _redo(run_store, batch)
-    result = extract_batch(planned["run"].run_url, batch, planned["settings"].model_copy(update={"faults": "store_full=1"}))
+    faults.reset()
+    with _faults_env("store_full=1"):
+        result = extract_batch(planned["run"].run_url, batch, planned["settings"])
     marker = Marker.read(run_store, batch)
     assert result["status"] == "done" and marker is not None and marker.forwards == 1
     assert batch_shards(run_store, batch) == [marker.shard.key]

@@ -98,24 +98,38 @@ def test_without_nvml_the_reply_says_there_is_no_gpu(monkeypatch):
     assert reply["pid"] > 0 and reply["running"] == [] and "tokens_per_s" in reply
 
 
-def test_tracker_rate_counts_overlapping_batches_once_and_forgets_old_ones(monkeypatch):
-    """Two overlapping batches of 1000 tokens over 2 s of wall time: 1000 tok/s; after the window, no rate but the totals stay."""
+class _Nowhere:
+    """A store that takes the heartbeat's status records and keeps nothing."""
+
+    def write(self, key, data, **_kw):
+        pass
+
+
+def test_the_heartbeat_rate_counts_overlapping_batches_once_and_forgets_old_ones(monkeypatch):
+    """The process's one tracker of its batches is its heartbeat (workers/heartbeat.py): the gpu_stats reply reads
+    it. Two overlapping batches of 1000 tokens over 2 s of wall time: 1000 tok/s; after the window, no rate but the
+    totals stay."""
+    from workers import heartbeat
+
     t = {"now": 1000.0}
-    monkeypatch.setattr(monitor.time, "time", lambda: t["now"])
-    tracker = monitor.BatchTracker()
-    tracker.started("t1", "s3://b/runs/r1", "b000001")
+    monkeypatch.setattr(heartbeat.time, "time", lambda: t["now"])
+    beat, store, run = heartbeat.Heartbeat(interval_s=3600), _Nowhere(), "s3://b/runs/r1"
+    beat.phase(run, store, "b000001", "claimed", task_id="t1")
     t["now"] = 1000.5
-    tracker.started("t2", "s3://b/runs/r1", "b000002")
-    snap = tracker.snapshot()
-    assert [(r["run_id"], r["batch"]) for r in snap["running"]] == [("r1", "b000001"), ("r1", "b000002")]
+    beat.phase(run, store, "b000002", "claimed", task_id="t2")
+    beat.phase(run, store, "b000001", "forward", task_id="t1")  # a later phase keeps the batch's start
+    snap = beat.activity()
+    assert [(r["run_id"], r["batch"], r["task_id"]) for r in snap["running"]] == [("r1", "b000001", "t1"),
+                                                                                  ("r1", "b000002", "t2")]
+    assert snap["running"][0]["seconds"] == 0.5
     t["now"] = 1001.5
-    tracker.finished("t1", {"status": "done", "num_tokens": 1000})
+    beat.finished(run, "b000001", certified=True, tokens=1000)
     t["now"] = 1002.0
-    tracker.finished("t2", {"status": "done", "num_tokens": 1000})
-    tracker.started("t3", "s3://b/runs/r1", "b000003")
-    tracker.finished("t3", {"status": "already_done", "batch": "b000003"})  # no work: not counted
-    snap = tracker.snapshot()
+    beat.finished(run, "b000002", certified=True, tokens=1000)
+    beat.phase(run, store, "b000003", "claimed", task_id="t3")
+    beat.finished(run, "b000003", certified=False)  # failed or lost its race: not counted
+    snap = beat.activity()
     assert snap["running"] == [] and snap["batches_done"] == 2 and snap["tokens_done"] == 2000
     assert snap["tokens_per_s"] == 1000.0
-    snap = tracker.snapshot(now=1002.0 + monitor.RATE_WINDOW_S + 1)
+    snap = beat.activity(now=1002.0 + heartbeat.RATE_WINDOW_S + 1)
     assert snap["tokens_per_s"] is None and snap["tokens_done"] == 2000

@@ -15,7 +15,7 @@ import logging
 from celery.signals import task_postrun, task_received, task_rejected, task_revoked, task_unknown, worker_ready
 
 from hsx.errors import BadConfig
-from hsx.queue import make_celery
+from hsx.queue import EXTRACT_TASK, make_celery
 from settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -28,15 +28,18 @@ if not _settings.broker_url:
     )
 
 app = make_celery(_settings, _settings.broker_url, name="workers")
-app.conf.include = ["workers.tasks"]
 
-import workers.monitor  # noqa: E402,F401  (registers the gpu_stats inspect command and the batch tracker)
+# The app imports what runs on it, one way: the task's body (workers/tasks.py imports no app) and the
+# gpu_stats inspect command (workers/monitor.py).
+from workers import faults, monitor, tasks  # noqa: E402,F401
+from workers.heartbeat import process_heartbeat, runs_dir  # noqa: E402
+
+extract_batch = app.task(name=EXTRACT_TASK, **tasks.TASK_OPTIONS)(tasks.extract_batch)
 
 
 @worker_ready.connect
 def _attach_presence(sender=None, **_kwargs) -> None:
     from hsx.access import allowed_roots
-    from workers.heartbeat import process_heartbeat
 
     process_heartbeat(_settings.heartbeat_s).attach_broker(
         _settings.broker_url, _settings.queue, [str(r) for r in allowed_roots(_settings)], _settings.model,
@@ -49,8 +52,6 @@ def _preload(**_kwargs) -> None:
         from workers.target import get_target
 
         get_target(_settings.model, _settings)
-        from workers.heartbeat import runs_dir
-
         listed = runs_dir()
         if listed:  # the launcher tells a death while loading from one after it (workers/launcher.py)
             import os
@@ -78,20 +79,13 @@ def _held(request) -> tuple[str | None, list]:
 def _on_received(request=None, **_kwargs) -> None:
     # The presence lists a task from its delivery on (prefetched, or held for a retry's countdown):
     # a live worker's claim is never taken for a dead one's (workers/lease.py).
-    from hsx.queue import EXTRACT_TASK
-    from workers.heartbeat import process_heartbeat
-
-    from workers import faults
-
-    faults.hooks().at_received()
+    faults.hooks().at_received()  # HSX_FAULTS=die_received (tests): dies here, before the presence lists it
     task_id, args = _held(request)
     if task_id and getattr(request, "name", None) == EXTRACT_TASK and len(args) >= 2:
         process_heartbeat(_settings.heartbeat_s).received(task_id, str(args[0]), str(args[1]))
 
 
 def _release(task_id) -> None:
-    from workers.heartbeat import process_heartbeat
-
     if task_id:
         process_heartbeat(_settings.heartbeat_s).released(str(task_id))
 

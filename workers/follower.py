@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("rank %d of %d loaded %s (%s); following rank 0", args.rank, args.world, args.model, args.backend)
     from workers import faults
 
-    followed = follow(model, lambda n: faults.pause(settings.faults, "follow", f"{n} (rank {args.rank}, pid {os.getpid()})"))
+    followed = follow(model, lambda n: faults.hooks().pause("follow", f"{n} (rank {args.rank}, pid {os.getpid()})"))
     log.info("rank %d: stopped by rank 0 after %d batches", args.rank, followed)
     dist.destroy_process_group()
     return 0

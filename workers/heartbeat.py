@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 
 #: shortest gap between two writes of one run's record (seconds).
 MIN_WRITE_GAP_S = 1.0
+#: seconds of finished batches that the process's ``tokens_per_s`` averages over (:meth:`Heartbeat.activity`).
+RATE_WINDOW_S = 300.0
+#: finished batches kept for the rate (the window is cut to these many).
+RATE_HISTORY = 256
 
 #: Set by ``python -m workers`` for its children, never by hand (so no setting): a directory where
 #: each worker process lists the runs it writes status records for (``<pid>.runs``, one run address
@@ -98,6 +103,8 @@ class Heartbeat:
         self._presence_last = 0.0
         self._started_broker: float = 0.0
         self._done_total = 0
+        self._tokens_total = 0
+        self._finished: deque[tuple[float, float, int]] = deque(maxlen=RATE_HISTORY)  # (start, end, tokens), wall clock
 
     def _run(self, run_url: str, store) -> dict:
         run = self._runs.get(run_url)
@@ -168,9 +175,11 @@ class Heartbeat:
 
     def phase(self, run_url: str, store, batch: str, phase: str, task_id: str | None = None) -> None:
         """Batch ``batch`` of the run at ``run_url`` (its store: ``store``) entered ``phase``."""
+        now = time.time()
         with self._lock:
             run = self._run(run_url, store)
-            run["batches"][batch] = {"batch": batch, "phase": phase, "since": time.time()}
+            started = run["batches"].get(batch, {}).get("started", now)
+            run["batches"][batch] = {"batch": batch, "phase": phase, "since": now, "started": started, "task_id": task_id}
             run["dirty"], run["final"] = True, None
             for held in self._held.values():
                 if held["run_url"] == run_url and held["batch"] == batch:
@@ -181,18 +190,45 @@ class Heartbeat:
             self._ensure_thread()
         self._wake_all()
 
-    def finished(self, run_url: str, batch: str, certified: bool) -> None:
-        """The batch's task is over; ``certified``: this process wrote its marker."""
+    def finished(self, run_url: str, batch: str, certified: bool, tokens: int = 0) -> None:
+        """The batch's task is over; ``certified``: this process wrote its marker, for a shard of ``tokens``
+        tokens (they count toward the process's rate)."""
+        now = time.time()
         with self._lock:
             run = self._runs.get(run_url)
             if run is None:
                 return
-            run["batches"].pop(batch, None)
+            entry = run["batches"].pop(batch, None)
             run["done"] += int(certified)
             self._done_total += int(certified)
+            if certified:
+                self._tokens_total += tokens
+                self._finished.append((entry["started"] if entry else now, now, tokens))
             run["dirty"] = True
             self._presence_dirty = True
         self._wake_all()
+
+    def activity(self, now: float | None = None) -> dict:
+        """What this process runs and has run, for the ``gpu_stats`` reply (``workers/monitor.py``):
+        ``running`` (``[{run_id, batch, task_id, started_at, seconds}]``), ``batches_done`` and
+        ``tokens_done`` (certified since the process started), ``tokens_per_s`` (tokens of the
+        batches finished in the last :data:`RATE_WINDOW_S` seconds over the wall time they span,
+        overlapping batches counted once; None before the first) and ``last_batch_at``."""
+        now = time.time() if now is None else now
+        with self._lock:
+            batches = sorted(((url, b) for url, run in self._runs.items() for b in run["batches"].values()),
+                             key=lambda ub: ub[1]["started"])
+            running = [{"run_id": url.rstrip("/").rsplit("/", 1)[-1], "batch": b["batch"], "task_id": b["task_id"],
+                        "started_at": _utc(b["started"]), "seconds": round(now - b["started"], 1)} for url, b in batches]
+            recent = [f for f in self._finished if f[1] >= now - RATE_WINDOW_S]
+            last = self._finished[-1][1] if self._finished else None
+            done, tokens = self._done_total, self._tokens_total
+        rate = None
+        if recent:
+            span = max(f[1] for f in recent) - min(f[0] for f in recent)
+            rate = round(sum(f[2] for f in recent) / max(span, 1e-3), 1)
+        return {"running": running, "batches_done": done, "tokens_done": tokens,
+                "tokens_per_s": rate, "last_batch_at": _utc(last)}
 
     def record(self, run_url: str, state_override: str | None = None) -> WorkerStatus:
         """The record of ``run_url`` as it would be written now (see the module doc)."""
@@ -355,6 +391,11 @@ class Heartbeat:
 
 _heartbeat: Heartbeat | None = None
 _heartbeat_lock = threading.Lock()
+
+
+def current_heartbeat() -> Heartbeat | None:
+    """This process's :class:`Heartbeat` if one was made (None before its first batch or the worker's start)."""
+    return _heartbeat
 
 
 def process_heartbeat(interval_s: float = 5.0) -> Heartbeat:

@@ -11,15 +11,16 @@ which is what ``python -m producer status`` sends) returns one reply per worker 
 | ``torch_memory`` | ``{allocated_bytes, reserved_bytes, max_allocated_bytes}`` of this process on its CUDA device, when CUDA is initialised |
 | ``running`` | the batches in progress: ``[{run_id, batch, task_id, started_at, seconds}]`` |
 | ``batches_done``, ``tokens_done`` | batches this process certified since it started, and their tokens |
-| ``tokens_per_s`` | tokens of the batches it finished in the last :data:`RATE_WINDOW_S` seconds over the wall time they span (overlapping task threads counted once); None before the first |
+| ``tokens_per_s`` | tokens of the batches it finished in the last :data:`~workers.heartbeat.RATE_WINDOW_S` seconds over the wall time they span (overlapping task threads counted once); None before the first |
 | ``last_batch_at``, ``at`` | when its last batch finished, when this reply was made (UTC, ISO 8601) |
 
 NVML reads the whole machine and ignores ``CUDA_VISIBLE_DEVICES``: the process's GPUs are found
 by the UUID torch reports once CUDA is initialised, and before that by the ids (or UUIDs) in
 ``CUDA_VISIBLE_DEVICES``, which ``python -m workers`` sets for each process.
 
-Batches are tracked with Celery's ``task_prerun`` / ``task_postrun`` signals, so the task code
-stays as it is; the reply needs no lock on the GPU and costs a few NVML calls (about a millisecond).
+The batches are the ones the process's heartbeat tracks (``workers/heartbeat.py``: one tracker per
+process, the one its status records and presence are written from); the reply needs no lock on
+the GPU and costs a few NVML calls (about a millisecond).
 """
 
 from __future__ import annotations
@@ -29,83 +30,26 @@ import os
 import socket
 import threading
 import time
-from collections import deque
 from datetime import datetime, timezone
 
-from celery.signals import task_postrun, task_prerun
 from celery.worker.control import inspect_command
 
-from hsx.queue import EXTRACT_TASK
+from workers.heartbeat import current_heartbeat
 
 log = logging.getLogger(__name__)
-
-#: Seconds of finished batches that ``tokens_per_s`` averages over.
-RATE_WINDOW_S = 300.0
-#: Finished batches kept for the rate (the window is cut to these many).
-RATE_HISTORY = 256
 
 
 def _utc(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
 
 
-class BatchTracker:
-    """The batches a worker process runs now and the ones it finished recently (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running: dict[str, dict] = {}
-        self._finished: deque[tuple[float, float, int]] = deque(maxlen=RATE_HISTORY)  # (start, end, tokens), wall clock
-        self.batches_done = 0
-        self.tokens_done = 0
-
-    def started(self, task_id: str, run_url: str, batch: str) -> None:
-        """Record that ``task_id`` (batch ``batch`` of the run at ``run_url``) began now."""
-        with self._lock:
-            self._running[task_id] = {"run_id": str(run_url).rstrip("/").rsplit("/", 1)[-1], "batch": batch,
-                                      "task_id": task_id, "t0": time.time()}
-
-    def finished(self, task_id: str, result) -> None:
-        """Record the end of ``task_id``; a result ``{"status": "done", "num_tokens": n}`` counts toward the rate."""
-        now = time.time()
-        with self._lock:
-            info = self._running.pop(task_id, None)
-            if info is not None and isinstance(result, dict) and result.get("status") == "done":
-                tokens = int(result.get("num_tokens") or 0)
-                self._finished.append((info["t0"], now, tokens))
-                self.batches_done += 1
-                self.tokens_done += tokens
-
-    def snapshot(self, now: float | None = None) -> dict:
-        """``running``, ``batches_done``, ``tokens_done``, ``tokens_per_s``, ``last_batch_at`` (see the module doc)."""
-        now = time.time() if now is None else now
-        with self._lock:
-            running = [{"run_id": r["run_id"], "batch": r["batch"], "task_id": r["task_id"], "started_at": _utc(r["t0"]),
-                        "seconds": round(now - r["t0"], 1)} for r in self._running.values()]
-            recent = [f for f in self._finished if f[1] >= now - RATE_WINDOW_S]
-            last = self._finished[-1][1] if self._finished else None
-            done, tokens = self.batches_done, self.tokens_done
-        rate = None
-        if recent:
-            span = max(f[1] for f in recent) - min(f[0] for f in recent)
-            rate = round(sum(f[2] for f in recent) / max(span, 1e-3), 1)
-        return {"running": running, "batches_done": done, "tokens_done": tokens, "tokens_per_s": rate,
-                "last_batch_at": _utc(last) if last else None}
-
-
-tracker = BatchTracker()
-
-
-@task_prerun.connect
-def _on_prerun(task_id=None, task=None, args=None, **_kw) -> None:
-    if task is not None and task.name == EXTRACT_TASK and args and len(args) >= 2:
-        tracker.started(task_id, args[0], args[1])
-
-
-@task_postrun.connect
-def _on_postrun(task_id=None, task=None, retval=None, **_kw) -> None:
-    if task is not None and task.name == EXTRACT_TASK:
-        tracker.finished(task_id, retval)
+def activity() -> dict:
+    """``running``, ``batches_done``, ``tokens_done``, ``tokens_per_s``, ``last_batch_at``: read from
+    the process's one tracker of its batches, its heartbeat (:meth:`workers.heartbeat.Heartbeat.activity`)."""
+    beat = current_heartbeat()
+    if beat is None:  # no batch yet, and the worker has not started its presence
+        return {"running": [], "batches_done": 0, "tokens_done": 0, "tokens_per_s": None, "last_batch_at": None}
+    return beat.activity()
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,7 +184,7 @@ def gpu_stats() -> dict:
         "gpus": gpus,
         "no_gpu": no_gpu,
         "torch_memory": memory,
-        **tracker.snapshot(),
+        **activity(),
         "at": _utc(time.time()),
     }
 

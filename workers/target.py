@@ -381,7 +381,7 @@ def load_target(name: str, settings: Settings) -> Target:
             **hub_kwargs(path),  # a hub id: its cache, read alone when the hub cannot be reached (no retries)
             **quantized.load_kwargs(info, device, path),  # FP8 on the CPU: dequantised while loading (workers/quantized.py)
         )
-    faults.at_load(settings.faults)
+    faults.hooks().at_load()  # HSX_FAULTS=die_load (tests): dies here, as the OOM killer kills a loading worker
     after = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     if after.revision != info.revision:
         raise BadConfig(f"checkpoint {path} changed while this worker loaded it (revision {info.revision} before, "

@@ -1,6 +1,7 @@
-"""Celery tasks. Thin on purpose: ids in, the batch job (``workers/extract.py``) does the work; what a
-failure does depends on its cause (``workers/causes.py``), and no cause makes this worker stop
-taking other runs' tasks:
+"""The extraction task's body. Thin on purpose: ids in, the batch job (``workers/extract.py``) does
+the work; what a failure does depends on its cause (``workers/causes.py``), and no cause makes this
+worker stop taking other runs' tasks. ``workers/app.py`` registers :func:`extract_batch` on the
+Celery app (this module imports no app: the app imports it):
 
 - **transient**: ``Task.retry`` sends the task back to the queue with a countdown (doubling from
   ``HSX_TASK_RETRY_BASE_S`` up to ``HSX_TASK_RETRY_MAX_S``, no limit on the count); the new message
@@ -27,9 +28,7 @@ import threading
 
 from celery.exceptions import Reject, Retry
 
-from hsx.queue import EXTRACT_TASK
 from settings import get_settings
-from workers.app import app
 from workers.causes import (CANCELLED, DATA, GONE, PARK, REFUSED, TRANSIENT, TRIES, UNKNOWN, classify,
                             retry_countdown)
 from workers.extract import extract_batch as _extract_batch
@@ -37,6 +36,11 @@ from workers.extract import record_failure, run_exists
 from workers.heartbeat import worker_name
 
 log = logging.getLogger(__name__)
+
+#: how ``workers/app.py`` registers :func:`extract_batch`: acknowledged after it returns (a worker that
+#: dies first leaves the message to be delivered again), never a retry limit (transient causes retry
+#: for as long as they last; the others count their attempts, ``workers.causes.TRIES``).
+TASK_OPTIONS = {"bind": True, "acks_late": True, "reject_on_worker_lost": True, "max_retries": None}
 
 _said_lock = threading.Lock()
 _said: set[tuple[str, str]] = set()  # (cause, run address): the one line per run and process already logged
@@ -70,9 +74,9 @@ def park_message(task_id: str | None, run_url: str, batch: str, exc: BaseExcepti
     return stored
 
 
-@app.task(bind=True, name=EXTRACT_TASK, acks_late=True, reject_on_worker_lost=True, max_retries=None)
 def extract_batch(self, run_url: str, batch: str) -> dict:
-    """Extract batch ``batch`` of the run stored at ``run_url``; no-op if its marker exists.
+    """Extract batch ``batch`` of the run stored at ``run_url``; no-op if its marker exists. ``self``:
+    the bound Celery task (:data:`TASK_OPTIONS`: acknowledged late, so only once the marker exists).
 
     Returns ``{"status", "batch", ...}``: ``done``, ``already_done``, ``lost_race``, or what was done
     with a message this worker did not run: ``parked``, ``gone``, ``cancelled``, ``refused``.
