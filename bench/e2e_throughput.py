@@ -354,19 +354,19 @@ class LocalRun:
         return sorted(p.name for p in (d / MARKERS_PREFIX).glob("*.json")
                       if not p.name.startswith(".")) if d and (d / MARKERS_PREFIX).is_dir() else []
 
-    def read_marker(self, name: str) -> dict:
-        """The marker file ``name``, read through :class:`hsx.records.Marker`, as a dict."""
+    def read_marker(self, name: str) -> Marker:
+        """The marker file ``name``."""
         key = f"{MARKERS_PREFIX}{name}"
-        return Marker.from_json((self.run_dir() / key).read_bytes(), key).model_dump()
+        return Marker.from_json((self.run_dir() / key).read_bytes(), key)
 
-    def shard_bytes_and_hash_ok(self, marker: dict) -> bool:
+    def shard_bytes_and_hash_ok(self, marker: Marker) -> bool:
         import hashlib
 
-        data = (self.run_dir() / marker["shard"]["key"]).read_bytes()
-        return len(data) == marker["shard"]["bytes"] and hashlib.sha256(data).hexdigest() == marker["shard"]["sha256"]
+        data = (self.run_dir() / marker.shard.key).read_bytes()
+        return len(data) == marker.shard.bytes and hashlib.sha256(data).hexdigest() == marker.shard.sha256
 
-    def delete_shard(self, marker: dict) -> None:
-        (self.run_dir() / marker["shard"]["key"]).unlink(missing_ok=True)
+    def delete_shard(self, marker: Marker) -> None:
+        (self.run_dir() / marker.shard.key).unlink(missing_ok=True)
 
     def planned_batches(self) -> int | None:
         d = self.run_dir()
@@ -395,15 +395,15 @@ class S3Run(LocalRun):
         run = self.run_dir()
         return [k.rsplit("/", 1)[1] for k in run.list(MARKERS_PREFIX)] if run else []
 
-    def read_marker(self, name: str) -> dict:
+    def read_marker(self, name: str) -> Marker:
         key = f"{MARKERS_PREFIX}{name}"
-        return Marker.from_json(self.run_dir().read(key), key).model_dump()
+        return Marker.from_json(self.run_dir().read(key), key)
 
-    def shard_bytes_and_hash_ok(self, marker: dict) -> bool:
-        return self.run_dir().sha256(marker["shard"]["key"]) == (marker["shard"]["bytes"], marker["shard"]["sha256"])
+    def shard_bytes_and_hash_ok(self, marker: Marker) -> bool:
+        return self.run_dir().sha256(marker.shard.key) == (marker.shard.bytes, marker.shard.sha256)
 
-    def delete_shard(self, marker: dict) -> None:
-        self.run_dir().delete(marker["shard"]["key"])
+    def delete_shard(self, marker: Marker) -> None:
+        self.run_dir().delete(marker.shard.key)
 
     def planned_batches(self) -> int | None:
         run = self.run_dir()
@@ -480,8 +480,8 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
     out_path, err_path = workdir / "run.stdout", workdir / "run.stderr"
     t_start = time.time()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(out_path, "wb"), stderr=open(err_path, "wb"))
-    seen: dict[str, dict] = {}
-    kept: list[dict] = []
+    seen: dict[str, Marker] = {}
+    kept: list[Marker] = []
     arrivals: list[tuple[float, int, int]] = []  # (marker time, valid tokens, shard bytes)
     compiles_at_first = None
     sampler = GpuSampler(device)
@@ -506,7 +506,7 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
                 except Exception:
                     continue
                 seen[name] = m
-                arrivals.append((float(m.get("finished_unix") or time.time()), int(m["num_tokens"]), int(m["shard"]["bytes"])))
+                arrivals.append((m.finished_unix or time.time(), m.num_tokens, m.shard.bytes))
                 if compiles_at_first is None:
                     compiles_at_first = triton_cache_entries()
                 if len(kept) < keep:
@@ -704,14 +704,14 @@ def main() -> None:
         window = max(w1 - w0, 1e-9)
         steady = w_tokens / window if w1 > w0 else None
         busy_steady = run["gpu"].busy(w0, w1) if w1 > w0 else None
-        in_window = [m for m in run["markers"].values() if w0 < float(m.get("finished_unix") or 0) <= w1]
-        phases = {p: round(float(np.mean([m.get(p, 0.0) for m in in_window])), 3) for p in ("launch_s", "forward_s", "write_s", "seconds")} if in_window else {}
+        in_window = [m for m in run["markers"].values() if w0 < (m.finished_unix or 0) <= w1]
+        phases = {p: round(float(np.mean([getattr(m, p) or 0.0 for m in in_window])), 3) for p in ("launch_s", "forward_s", "write_s", "seconds")} if in_window else {}
         # Summed GPU-lock and write time over the window's wall: forward near 1 means the GPU never waited.
-        phases["forward_over_wall"] = round(sum(m.get("forward_s", 0.0) for m in in_window) / window, 3) if in_window else None
-        phases["write_over_wall"] = round(sum(m.get("write_s", 0.0) for m in in_window) / window, 3) if in_window else None
+        phases["forward_over_wall"] = round(sum(m.forward_s or 0.0 for m in in_window) / window, 3) if in_window else None
+        phases["write_over_wall"] = round(sum(m.write_s or 0.0 for m in in_window) / window, 3) if in_window else None
         starts = worker_start_seconds(cache / "logs")
         start_s = round(sum(starts[0]), 1) if starts else None
-        paths = [m.get("write_path", "?") for m in run["markers"].values()]
+        paths = [m.write_path or "?" for m in run["markers"].values()]
         crossings = {p: CROSSINGS.get(("s3" if kind == "s3" else "local", p)) for p in set(paths)}
         store_tok_s = bandwidth * 1e9 / bytes_per_token
         ceiling = min(ceiling_same, store_tok_s)

@@ -204,7 +204,7 @@ def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: in
     from hsx.layout import SHARDS_PREFIX
     from hsx.plan import BatchPlan, batch_id, batch_key
     from hsx.records import BatchSummary, Marker
-    from hsx.runconfig import RunConfig, claim_run
+    from hsx.runconfig import LayersConfig, ModelConfig, RunConfig, TokenizerConfig, claim_run
     from hsx.store import open_store
     from producer.batching import cut_batches, padding_waste
     from settings import Settings
@@ -214,8 +214,11 @@ def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: in
     selection = select_layers(info.num_layers, preset=layers, final="none")
     store_root = store_dir or (workdir / "store")
     store = open_store(str(store_root))
-    config = RunConfig(model=info.as_dict(), model_name=info.name, layers=selection.as_dict(), max_length=max(len(s[0]) for s in samples),
-                       batch_tokens=batch_tokens, max_batch_samples=256, store_dtype="bfloat16", tokenizer={},
+    # The bench feeds token ids of its own: no tokenizer planned them (an empty record of one).
+    no_tokenizer = TokenizerConfig(tokenizer_class="", vocab_size=0, chat_template_sha256="", end_of_turn_ids=[])
+    config = RunConfig(model=ModelConfig.of(info), model_name=info.name, layers=LayersConfig.of(selection),
+                       max_length=max(len(s[0]) for s in samples),
+                       batch_tokens=batch_tokens, max_batch_samples=256, store_dtype="bfloat16", tokenizer=no_tokenizer,
                        dataset_fingerprint="bench", dataset_source="sharegpt", limit=None, run_id="bench")
     run = store.child("bench")
     claim_run(run, config)
@@ -229,7 +232,7 @@ def run_ours(model, info, samples, device, *, batch_tokens: int, concurrency: in
         plan = BatchPlan(batch_id(b), np.concatenate([samples[i][0] for i in members]), np.concatenate([samples[i][1] for i in members]), cu, members)
         run.write(batch_key(plan.batch), plan.to_bytes())
         names.append(plan.batch)
-        summaries.append(BatchSummary(**plan.summary()))
+        summaries.append(plan.summary())
     BatchSummary.write_list(run, summaries)
 
     spool = Path("/dev/shm") if Path("/dev/shm").exists() else workdir

@@ -152,7 +152,7 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
     planned, records, plan_s = _plan(store_url, settings, tasks + warm_n)
     warm = dataclasses.replace(planned, batches=planned.batches[:warm_n])
     measured = dataclasses.replace(planned, batches=planned.batches[warm_n:warm_n + tasks])
-    unused = {b["batch"] for b in planned.batches[warm_n + tasks:]}  # planned beyond the window, never enqueued
+    unused = {b.batch for b in planned.batches[warm_n + tasks:]}  # planned beyond the window, never enqueued
     broker = EmbeddedBroker(tmp / "state" / "broker").start()
     extra = {}
     if chaos:
@@ -191,25 +191,24 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
 
     log = log_path.read_text(errors="replace")
     with ThreadPoolExecutor(16) as pool:
-        # as dicts (the figures below read them by name); read through hsx.records.Marker
-        markers = list(pool.map(lambda b: Marker.read(planned.run_store, b["batch"]).model_dump(), measured.batches))
+        markers = list(pool.map(lambda b: Marker.read(planned.run_store, b.batch), measured.batches))
     t_verify = time.perf_counter()
     report = verify_run(planned.run_store)
     verify_s = time.perf_counter() - t_verify
     problems = [p for p in report["problems"] if not (p["kind"] == "not_done" and p["batch"] in unused)]
     enqueued = planned.batches[:warm_n + tasks]
-    forward_s = np.array([m["forward_s"] for m in markers])
-    in_task_s = np.array([m["seconds"] for m in markers]) - forward_s
-    hosts = {(m["worker"]["host"], m["worker"]["pid"]) for m in markers}
+    forward_s = np.array([m.forward_s for m in markers])
+    in_task_s = np.array([m.seconds for m in markers]) - forward_s
+    hosts = {(m.worker.host, m.worker.pid) for m in markers}
     n = len(markers)
     return {
         "store": store_name,
         "workers": workers_n,
         "threads_per_worker": threads,
         "tasks": n,
-        "samples": int(sum(m["num_samples"] for m in markers)),
-        "tokens": int(sum(m["num_tokens"] for m in markers)),
-        "shard_bytes_mean": round(statistics.fmean(m["shard"]["bytes"] for m in markers)),
+        "samples": int(sum(m.num_samples for m in markers)),
+        "tokens": int(sum(m.num_tokens for m in markers)),
+        "shard_bytes_mean": round(statistics.fmean(m.shard.bytes for m in markers)),
         "wall_s": round(wall_s, 2),
         "tasks_per_s": round(n / wall_s, 2),
         "overhead_ms_per_task": _ms((workers_n * wall_s - forward_s.sum()) / n),
@@ -222,7 +221,7 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
             "problems": problems[:20],
             "batches_enqueued": len(enqueued),
             "batches_done": report["batches_done"],
-            "samples_planned": sum(b["num_samples"] for b in enqueued),
+            "samples_planned": sum(b.num_samples for b in enqueued),
             "samples_stored": report["samples_stored"],
             "samples_quarantined": report["samples_quarantined"],
             "orphan_shards": len(report["orphans"]),
@@ -236,7 +235,7 @@ def soak(store_name: str, store_url: str, settings, tasks: int, workers_n: int, 
     }
 
 
-def _chaos_report(chaos: Chaos, run_store, markers: list[dict], measured) -> dict:
+def _chaos_report(chaos: Chaos, run_store, markers: list[Marker], measured) -> dict:
     """Faults and how the run recovered: the reclaims the leases made, and for each reclaimed batch the
     time from the kill that stranded it to its marker (the stranded time).
 
@@ -269,12 +268,12 @@ def _chaos_report(chaos: Chaos, run_store, markers: list[dict], measured) -> dic
             held = [b.get("batch") for b in record.get("batches") or [] if isinstance(b, dict)]
             for batch in filter(None, held + list(record.get("abandoned") or [])):
                 holder_kill[batch] = killed_at[record["pid"]]
-    by_batch = {m["batch"]: m for m in markers if m}
+    by_batch = {m.batch: m for m in markers if m}
     kills = sorted(k["at"] for k in chaos.kills)
     stranded, named = [], 0
     for r in reclaims:
         marker = by_batch.get(r["batch"])
-        if not (marker and marker.get("finished_unix")):
+        if not (marker and marker.finished_unix):
             continue
         kill = holder_kill.get(r["batch"])
         if kill is not None:
@@ -283,7 +282,7 @@ def _chaos_report(chaos: Chaos, run_store, markers: list[dict], measured) -> dic
             claimed = unix_seconds(r.get("claimed_at")) or 0.0
             kill = next((k for k in kills if k >= claimed - 1.0), None)
         if kill is not None:
-            stranded.append(round(marker["finished_unix"] - kill, 1))
+            stranded.append(round(marker.finished_unix - kill, 1))
     return {"kills": len(chaos.kills), "kill_times_s": [round(k - chaos.t0, 1) for k in kills],
             "outages": [{"at_s": round(o["stopped_at"] - chaos.t0, 1), "for_s": round(o.get("started_at", o["stopped_at"]) - o["stopped_at"], 1)}
                         for o in chaos.outages],
@@ -502,7 +501,7 @@ def fleet_soak(settings, tmp: Path, *, tasks: int, workers_n: int, duration_s: f
                                  fill_s=fill_s).start()
             deadline = time.monotonic() + 3 * duration_s
             while True:
-                left = {k: len({b["batch"] for b in p.batches} - done_batches(p.run_store)) for k, p in good.items()}
+                left = {k: len({b.batch for b in p.batches} - done_batches(p.run_store)) for k, p in good.items()}
                 if not any(left.values()):
                     break
                 if time.monotonic() > deadline:
@@ -526,15 +525,15 @@ def fleet_soak(settings, tmp: Path, *, tasks: int, workers_n: int, duration_s: f
         runs, finished_all, small = {}, [], []
         for name, planned in good.items():
             with ThreadPoolExecutor(16) as pool:
-                markers = list(pool.map(lambda b: Marker.read(planned.run_store, b["batch"]), planned.batches))
+                markers = list(pool.map(lambda b: Marker.read(planned.run_store, b.batch), planned.batches))
             report = verify_run(planned.run_store)
-            mine = {b["batch"] for b in planned.batches}
+            mine = {b.batch for b in planned.batches}
             problems = [p for p in report["problems"] if p["kind"] != "not_done" or p["batch"] in mine]
             finished = [m.finished_unix for m in markers]
             finished_all += finished
             if name == "on_small_disk":
                 small = finished
-            runs[name] = {"batches": len(markers), "samples_planned": sum(b["num_samples"] for b in planned.batches),
+            runs[name] = {"batches": len(markers), "samples_planned": sum(b.num_samples for b in planned.batches),
                           "samples_stored": report["samples_stored"], "samples_quarantined": report["samples_quarantined"],
                           "verify_ok": not problems, "problems": problems[:20], "orphan_shards": len(report["orphans"]),
                           "reclaims": len(planned.run_store.list("reclaims/")),

@@ -159,17 +159,17 @@ def _one_worker(planned, batches: list[dict], concurrency: int, settings, broker
         if workers is not None:
             workers.stop()
 
-    markers = [Marker.read(planned.run_store, b["batch"]).model_dump() for b in measured.batches]  # hsx.records.Marker
-    forward_s = np.array([m["forward_s"] for m in markers])
-    seconds = np.array([m["seconds"] for m in markers])
+    markers = [Marker.read(planned.run_store, b.batch) for b in measured.batches]
+    forward_s = np.array([m.forward_s for m in markers])
+    seconds = np.array([m.seconds for m in markers])
     in_task_s = seconds - forward_s
     n = len(markers)
     return {
         "concurrency": concurrency,
         "tasks": n,
-        "samples": int(sum(m["num_samples"] for m in markers)),
-        "tokens": int(sum(m["num_tokens"] for m in markers)),
-        "shard_bytes_mean": round(statistics.fmean(m["shard"]["bytes"] for m in markers)),
+        "samples": int(sum(m.num_samples for m in markers)),
+        "tokens": int(sum(m.num_tokens for m in markers)),
+        "shard_bytes_mean": round(statistics.fmean(m.shard.bytes for m in markers)),
         "wall_s": round(wall_s, 3),
         "tasks_per_s": round(n / wall_s, 2),
         "overhead_ms_per_task": _ms((wall_s - forward_s.sum()) / n),

@@ -128,8 +128,8 @@ class LiveHiddenStatesDataset(_IterableDataset):
         self.store = _open_run(run, settings)
         self.config = self._wait_for_run(wait_for_run_s, poll_s)
         self.config_sha256 = self.config.identity_sha256()
-        self.layer_ids: list[int] = list(self.config.layers["layer_ids"])
-        self.hidden_size = int(self.config.model["hidden_size"])
+        self.layer_ids: list[int] = list(self.config.layers.layer_ids)
+        self.hidden_size = self.config.model.hidden_size
         self.finals = _final_names(self.config, finals)
         self.seed, self.rank, self.world_size = int(seed), rank, world_size
         self.poll_s, self.idle_timeout_s = poll_s, idle_timeout_s
@@ -185,7 +185,7 @@ class LiveHiddenStatesDataset(_IterableDataset):
     def _read_plan(self) -> None:
         """``planned`` (and ``plan_complete``, ``plan_failed``): this rank's batches planned so far."""
         batches, complete = planned_batches(self.store)
-        self.planned = {b["batch"] for b in batches if self._mine(b["batch"])}
+        self.planned = {b.batch for b in batches if self._mine(b.batch)}
         self.plan_complete = complete
         self.plan_failed = None if complete else planning_failed(read_planning_record(self.store))
 

@@ -105,13 +105,15 @@ class ModelInfo:
             out["quantization"] = self.quantization
         return out
 
-    def differences(self, recorded: dict) -> list[str]:
-        """How this checkpoint differs from a run's recorded ``model`` (``run.json``); [] when it is the same.
+    def differences(self, recorded) -> list[str]:
+        """How this checkpoint differs from a run's recorded ``model`` (run.json's
+        :class:`hsx.runconfig.ModelConfig`); [] when it is the same.
 
         A recorded revision that is not a content revision (``sha256:``) comes from identity
         version 1 (or a hub commit, where both agree): it is compared with
         :attr:`legacy_revision`, the way it was computed.
         """
+        recorded = recorded.as_dict()
         mine = self.as_dict()
         if (not str(recorded.get("revision", "")).startswith(CONTENT_REVISION_PREFIX)
                 and recorded.get("revision") == self.legacy_revision):

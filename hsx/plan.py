@@ -127,15 +127,12 @@ class BatchPlan:
             return f"cu_seqlens {cu.tolist()[:6]}... does not run from 0 to the {t} tokens of input_ids without decreasing"
         return None
 
-    def summary(self) -> dict:
+    def summary(self) -> BatchSummary:
+        """The batch's entry in ``plan/batches.json``: samples, tokens, longest sample, supervised tokens."""
         lengths = self.lengths_N
-        return {
-            "batch": self.batch,
-            "num_samples": self.num_samples,
-            "num_tokens": self.num_tokens,
-            "max_len": int(lengths.max()) if len(lengths) else 0,
-            "supervised_tokens": int(self.loss_mask_T.sum()),
-        }
+        return BatchSummary(batch=self.batch, num_samples=self.num_samples, num_tokens=self.num_tokens,
+                            max_len=int(lengths.max()) if len(lengths) else 0,
+                            supervised_tokens=int(self.loss_mask_T.sum()))
 
 
 def read_batch(run_store: Store, batch: str) -> BatchPlan:
@@ -143,21 +140,20 @@ def read_batch(run_store: Store, batch: str) -> BatchPlan:
     return BatchPlan.from_bytes(batch, run_store.read(batch_key(batch)))
 
 
-def read_batch_list(run_store: Store) -> list[dict]:
-    """The plan's batch summaries (``batch``, ``num_samples``, ``num_tokens``, ``max_len``,
-    ``supervised_tokens``), read through :class:`hsx.records.BatchSummary`, as dicts.
+def read_batch_list(run_store: Store) -> list[BatchSummary]:
+    """The plan's batch summaries (``plan/batches.json``), in batch order.
 
     Raises:
         hsx.store.MissingKey: the plan is not complete.
         hsx.errors.RecordFormatError: ``plan/batches.json`` is not a valid batch list.
     """
-    return [b.model_dump(exclude={"schema_version"}) for b in BatchSummary.read_list(run_store)]
+    return BatchSummary.read_list(run_store)
 
 
-def planned_batches(run_store: Store) -> tuple[list[dict], bool]:
+def planned_batches(run_store: Store) -> tuple[list[BatchSummary], bool]:
     """The batches planned so far and whether the plan is complete: ``plan/batches.json`` when it
-    is, else the batches of the windows written so far (in batch order; dicts as
-    :func:`read_batch_list` gives). A run being planned has some; one not planned yet, none.
+    is, else the batches of the windows written so far (in batch order). A run being planned has
+    some; one not planned yet, none.
 
     Raises:
         hsx.errors.RecordFormatError: a damaged batch list or window record.
@@ -167,8 +163,7 @@ def planned_batches(run_store: Store) -> tuple[list[dict], bool]:
             return read_batch_list(run_store), True
         except MissingKey:  # a race with a delete: fall through to the windows
             pass
-    batches = [b.model_dump(exclude={"schema_version"}) for w in read_windows(run_store) for b in w.batches]
-    return batches, False
+    return [b for w in read_windows(run_store) for b in w.batches], False
 
 
 def plan_complete(run_store: Store) -> bool:

@@ -156,7 +156,7 @@ def shard_index(path: Path) -> tuple[np.ndarray, np.ndarray]:
 def _final_names(config: RunConfig, finals: str) -> tuple[str, ...]:
     """Which final tensors to return: ``present`` (whatever the run stored) or a
     :class:`hsx.shard.Final` value. Raises BadConfig when the run lacks what is asked."""
-    stored = Final(config.layers["final"]).tensors
+    stored = config.layers.final.tensors
     if finals == "present":
         return stored
     if finals not in tuple(Final):
@@ -165,7 +165,7 @@ def _final_names(config: RunConfig, finals: str) -> tuple[str, ...]:
     missing = [n for n in asked if n not in stored]
     if missing:
         raise BadConfig(
-            f"run {config.run_id} stored final={config.layers['final']!r}, so {missing} cannot be read; "
+            f"run {config.run_id} stored final={config.layers.final.value!r}, so {missing} cannot be read; "
             "re-run the extraction with --final postnorm|prenorm|both"
         )
     return asked
@@ -248,8 +248,8 @@ class HiddenStatesDataset(_Dataset):
                 "use IterableHiddenStatesDataset to stream from S3, or copy the run locally"
             )
         self.run_url = store.url
-        self.layer_ids: list[int] = list(self.config.layers["layer_ids"])
-        self.hidden_size = int(self.config.model["hidden_size"])
+        self.layer_ids: list[int] = list(self.config.layers.layer_ids)
+        self.hidden_size = self.config.model.hidden_size
         self.finals = _final_names(self.config, finals)
 
         paths: list[str] = []
@@ -354,8 +354,8 @@ class IterableHiddenStatesDataset(_IterableDataset):
             raise BadConfig(f"rank {rank} / world_size {world_size}: need 0 <= rank < world_size")
         self.store = _open_run(run, settings)
         self.config = load_run(self.store)
-        self.layer_ids: list[int] = list(self.config.layers["layer_ids"])
-        self.hidden_size = int(self.config.model["hidden_size"])
+        self.layer_ids: list[int] = list(self.config.layers.layer_ids)
+        self.hidden_size = self.config.model.hidden_size
         self.finals = _final_names(self.config, finals)
         self.markers = certified_markers(self.store, self.config)
         self.shuffle_shards = shuffle_shards

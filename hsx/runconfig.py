@@ -18,6 +18,7 @@ Identity versions:
 | 1 | ``model``, ``model_name``, ``layers``, ``max_length``, ``batch_tokens``, ``max_batch_samples``, ``store_dtype``, ``tokenizer``, ``dataset_fingerprint``, ``limit``, ``sample_policy``, ``schema_version`` | what every run made before ``identity_version`` existed hashed (every field but ``run_id``, ``created_at``, ``dataset_source`` and ``stats``); a ``run.json`` without ``identity_version`` is version 1. ``identity_version`` itself is not hashed, so those runs keep their ids and their markers' ``config_sha256`` |
 | 3 | version 2's, ``plan_windows`` and ``dataset_options`` | the streamed plan (``producer/planner.py``): samples are sorted and cut into batches within windows of consecutive samples, whose sizes ``plan_windows`` gives (``[first, largest]``, each window twice the one before up to the largest), where versions 1 and 2 sorted the whole dataset (``plan_windows`` absent: ``None``); ``dataset_options`` says which records of the dataset are read and in which order (``shuffle``, ``seed``, ``sample``, and a hub dataset's ``subset`` and ``split``). ``dataset_fingerprint`` is computed over 8 MiB blocks (``producer/sources.py``), the hash that the reading pass checks |
 | 2 | version 1's, ``special_tokens_in_content`` and ``identity_version`` | special-token strings inside message content are tokenised as text (``text``) unless ``special`` is asked for (``producer/masks.py``); a version-1 run.json reads as ``special``, what its code did. And ``model.revision`` of a local checkpoint directory is ``sha256:<hex>``, a hash of its weight bytes (``hsx/models.py``), where version 1 recorded ``local-<16 hex>``, a hash of the weight files' names and sizes and of ``config.json``: two checkpoints with weights of the same shapes had one revision. A hub id's revision is its commit hash in both |
+| 4 | version 3's but ``model_name``; each typed part by its :meth:`ConfigPart.identity` | the parts (``model``, ``layers``, ``tokenizer``, ``sample_policy``, ``dataset_options``) are typed (:class:`ConfigPart`), and only their fields that decide the bytes are hashed: ``layers`` by its ids and final states, not its prose (``convention``, ``notes``), its derived ids or the ``--draft-config`` path the ids were read from (``source``); ``model`` by name, type, layer count, hidden size, revision and quantisation; ``tokenizer`` by all it holds; ``sample_policy`` by its three choices; ``dataset_options`` by the options set. ``model_name`` (a repeat of ``model.name``) is not hashed. Versions 1-3 hashed each part as run.json holds it, and still do for their runs, so those keep their ids and their markers' ``config_sha256`` |
 
 Why each version-1 field decides the bytes of the shards: ``model`` (name, type, layer count,
 hidden size, revision: which weights; and, for a quantised checkpoint only, ``quantization``:
@@ -31,6 +32,12 @@ shard), ``layers`` (which states: ids, final states), ``store_dtype``, ``schema_
 layout). ``model_name`` repeats ``model.name``, and ``layers`` also holds derived indices and the
 draft config it was read from (``source``): kept because version 1 hashed them. Version 2 adds
 ``special_tokens_in_content`` (which token ids a message's text becomes).
+
+Why version 4: rewording the layers' prose, or passing the same draft config from another
+path, gave a new run id under versions 1-3, and nothing resumed. A run's own ``identity_version``
+decides how it is hashed, so a version-3 run keeps its id; the same options planned by this code
+get a version-4 id (a new run, as with every version before), and a version-3 run resumed under its
+``--run-id`` is compared at version 4: only what decides the bytes must agree.
 
 Why version 2 and not only new values: a local checkpoint's revision changed how it is computed,
 so every re-planned local run gets a new run id anyway; the version says which way a run's
@@ -62,17 +69,29 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hsx.errors import RunConflict, RunFormatError
 from hsx.layout import RUN_JSON
 from hsx.shard import SCHEMA_VERSION  # the shard layout's version, recorded (and hashed) in run.json
+from hsx.shard import Final
 from hsx.store import MissingKey, Store
+
+if TYPE_CHECKING:
+    from hsx.layers import LayerSelection
+    from hsx.models import ModelInfo
+
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 #: The identity version of the runs this code creates.
-IDENTITY_VERSION = 3
+IDENTITY_VERSION = 4
 #: The version of a ``run.json`` written without ``identity_version`` (before it existed).
 LEGACY_IDENTITY_VERSION = 1
+#: The first identity version that hashes the typed parts' :meth:`ConfigPart.identity` (the fields
+#: that decide the bytes) instead of each part as stored (:meth:`ConfigPart.as_dict`).
+TYPED_IDENTITY_VERSION = 4
 #: Per identity version, the run.json fields hashed into the identity (see the module docstring).
 IDENTITY_FIELDS: dict[int, tuple[str, ...]] = {
     1: ("model", "model_name", "layers", "max_length", "batch_tokens", "max_batch_samples", "store_dtype",
@@ -80,11 +99,14 @@ IDENTITY_FIELDS: dict[int, tuple[str, ...]] = {
 }
 IDENTITY_FIELDS[2] = IDENTITY_FIELDS[1] + ("special_tokens_in_content",)
 IDENTITY_FIELDS[3] = IDENTITY_FIELDS[2] + ("plan_windows", "dataset_options")
-#: Fields recorded in run.json that never change the bytes of the shards: never hashed.
-#: ``dataset_source`` and ``chat_template_file`` are paths (the bytes they name are hashed:
-#: ``dataset_fingerprint``, ``tokenizer.chat_template_sha256``); ``dataset`` describes the source.
-NON_IDENTITY_FIELDS = ("identity_version", "run_id", "created_at", "dataset_source", "stats", "dataset",
-                       "chat_template_file")
+# model_name repeats model.name (hashed in model's identity).
+IDENTITY_FIELDS[4] = tuple(name for name in IDENTITY_FIELDS[3] if name != "model_name")
+#: Fields recorded in run.json that this version's identity never hashes (they do not change the
+#: bytes of the shards). ``dataset_source`` and ``chat_template_file`` are paths (the bytes they
+#: name are hashed: ``dataset_fingerprint``, ``tokenizer.chat_template_sha256``); ``dataset``
+#: describes the source; ``model_name`` repeats ``model.name`` (versions 1-3 hashed it).
+NON_IDENTITY_FIELDS = ("identity_version", "run_id", "created_at", "dataset_source", "dataset",
+                       "chat_template_file", "model_name")
 #: Fields hashed only when they differ from the value given here, at every identity version: a
 #: choice added after the runs that made its default implicitly (their bytes are what the default
 #: gives), so those runs and the same options planned now keep one run id, and the other value gets
@@ -92,52 +114,226 @@ NON_IDENTITY_FIELDS = ("identity_version", "run_id", "created_at", "dataset_sour
 IDENTITY_FIELDS_UNLESS_DEFAULT: dict[str, object] = {"added_tokens_in_content": "token"}
 
 
+P = TypeVar("P", bound="ConfigPart")
+
+
+class ConfigPart(BaseModel):
+    """Base of the typed parts of ``run.json`` (``model``, ``layers``, ``tokenizer``,
+    ``sample_policy``, ``dataset_options``).
+
+    A part reads the object run.json holds under its name, with the same keys as ever, and keeps
+    exactly what it read: keys it does not know (written by a newer hsx) are kept (pydantic
+    ``extra="allow"``), and keys the object did not hold (it predates them) are not added back
+    (:meth:`as_dict`). That is what lets identity versions 1-3, which hashed each part as stored,
+    compute the same hash from a typed part. Parts are frozen: a changed part is a new one
+    (``part.model_copy(update={...})``).
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
+
+    @classmethod
+    def parse(cls: type[P], raw: Any, name: str) -> P:
+        """The part from run.json's value under ``name``.
+
+        Raises:
+            RunFormatError: not an object, a required key missing or a value of the wrong type.
+        """
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(f"{name}.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise RunFormatError(f"run.json: {problems}") from None
+
+    def as_dict(self) -> dict:
+        """The part as run.json holds it: the keys it was read or made with (unknown ones too), none added."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+    def identity(self) -> dict:
+        """The part's fields that decide the shards' bytes, as hashed from identity version 4 on:
+        no prose, no notes, no paths."""
+        raise NotImplementedError
+
+
+class ModelConfig(ConfigPart):
+    """``run.json`` ``model``: the target checkpoint (:class:`hsx.models.ModelInfo` without its path).
+
+    ``num_layers`` is the number of decoder layers N, ``hidden_size`` H; ``revision`` the checkpoint's
+    identity (``hsx/models.py``: a hub commit, or ``sha256:<hex>`` of a local checkpoint's bytes;
+    ``local-<16 hex>`` in identity-version-1 runs); ``quantization`` the checkpoint's
+    ``quantization_config`` (e.g. fine-grained FP8), absent for an unquantised one.
+    """
+
+    name: str
+    """What the run was planned with: a hub id, a local checkpoint directory or ``tiny-qwen3.5``."""
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    revision: str
+    quantization: dict | None = None
+
+    @classmethod
+    def of(cls, info: "ModelInfo") -> "ModelConfig":
+        """The ``model`` of a run planned for ``info`` (``quantization`` set only when quantised)."""
+        return cls.model_validate(info.as_dict())
+
+    def identity(self) -> dict:
+        # The name is hashed although a local checkpoint's is a path: the tokenizer is read from
+        # there and its files are in no other hash (the revision covers the weights and config.json).
+        out = {"name": self.name, "model_type": self.model_type, "num_layers": self.num_layers,
+               "hidden_size": self.hidden_size, "revision": self.revision}
+        if self.quantization is not None:
+            out["quantization"] = self.quantization
+        return out
+
+
+class LayersConfig(ConfigPart):
+    """``run.json`` ``layers``: which states the run captures (:class:`hsx.layers.LayerSelection`).
+
+    ``layer_ids``: ascending, 0-based, the output of decoder layer i (HF ``hidden_states[i + 1]``);
+    ``final``: the final states stored beside them. The rest says the same for readers, or where
+    the ids came from: ``convention`` (prose), ``hf_hidden_states_indices`` and ``vllm_ids`` (the
+    ids in other conventions), ``notes`` (prose), ``source`` (the ``--draft-config`` file and key
+    the ids were read from); recorded, and from identity version 4 on never hashed.
+    """
+
+    layer_ids: tuple[int, ...]
+    final: Final
+    preset: str | None = None
+    num_layers: int
+    convention: str
+    hf_hidden_states_indices: tuple[int, ...]
+    vllm_ids: tuple[int, ...]
+    notes: list[str] | None = None
+    source: str | None = None
+
+    @classmethod
+    def of(cls, selection: "LayerSelection", source: str | None = None) -> "LayersConfig":
+        """The ``layers`` of a run capturing ``selection``; ``source``: the draft config the ids came from."""
+        return cls.model_validate({**selection.as_dict(), **({"source": source} if source else {})})
+
+    def selection(self) -> "LayerSelection":
+        """The :class:`hsx.layers.LayerSelection` these layers record."""
+        from hsx.layers import LayerSelection
+
+        return LayerSelection(tuple(self.layer_ids), self.final, self.preset, self.num_layers)
+
+    def identity(self) -> dict:
+        # num_layers is the model's (model.num_layers); the preset only chose the ids.
+        return {"layer_ids": list(self.layer_ids), "final": Final(self.final).value}
+
+
+class TokenizerConfig(ConfigPart):
+    """``run.json`` ``tokenizer``: what turns a conversation into token ids and a loss mask.
+
+    ``tokenizer_class`` (``class`` in run.json): the tokenizer's class name; ``vocab_size``: ``len(tokenizer)``;
+    ``chat_template_sha256``: hex sha256 of the chat template used; ``end_of_turn_ids``: the ids that
+    close an assistant turn (supervised); ``enable_thinking``: passed to the template, None for the
+    template's default (absent in run.json files written before it existed).
+    """
+
+    tokenizer_class: str = Field(alias="class")
+    vocab_size: int
+    chat_template_sha256: str
+    end_of_turn_ids: list[int]
+    enable_thinking: bool | None = None
+
+    def identity(self) -> dict:
+        return {"class": self.tokenizer_class, "vocab_size": self.vocab_size, "chat_template_sha256": self.chat_template_sha256,
+                "end_of_turn_ids": list(self.end_of_turn_ids), "enable_thinking": self.enable_thinking}
+
+
+class SamplePolicy(ConfigPart):
+    """``run.json`` ``sample_policy``: which records become samples and how.
+
+    ``over_length``: ``truncate`` or ``drop`` a conversation longer than ``max_length``;
+    ``allow_text``: plain-text records are used; ``min_consecutive_supervised``: the fewest
+    consecutive supervised tokens a sample must hold. All None in run.json files written before
+    the policy was recorded (``{}``).
+    """
+
+    over_length: Literal["truncate", "drop"] | None = None
+    allow_text: bool | None = None
+    min_consecutive_supervised: int | None = None
+
+    def identity(self) -> dict:
+        return {"over_length": self.over_length, "allow_text": self.allow_text,
+                "min_consecutive_supervised": self.min_consecutive_supervised}
+
+
+class DatasetOptions(ConfigPart):
+    """``run.json`` ``dataset_options``: which records of the dataset are read, in which order
+    (``producer.sources.SourceOptions``): ``shuffle`` with ``seed``, ``sample`` (a seeded subset of
+    that many records), a hub dataset's ``subset`` and ``split``. run.json holds only those set
+    (``{}``: every record, in the dataset's order; also what runs before version 3 read).
+    """
+
+    split: str | None = None
+    subset: str | None = None
+    shuffle: bool = False
+    seed: int | None = None
+    sample: int | None = None
+
+    def identity(self) -> dict:
+        # Only what changes which records are read: the seed only with shuffle or sample.
+        out: dict[str, Any] = {k: getattr(self, k) for k in ("split", "subset", "sample") if getattr(self, k) is not None}
+        if self.shuffle:
+            out["shuffle"] = True
+        if self.shuffle or self.sample is not None:
+            out["seed"] = self.seed
+        return out
+
+
+#: The typed parts of run.json, by field name.
+CONFIG_PARTS: dict[str, type[ConfigPart]] = {"model": ModelConfig, "layers": LayersConfig, "tokenizer": TokenizerConfig,
+                                             "sample_policy": SamplePolicy, "dataset_options": DatasetOptions}
+
+
 @dataclass
 class RunConfig:
     """What a run extracts and how. Stored as ``<run>/run.json``; workers read it, never the CLI args.
 
-    ``model`` is :meth:`hsx.models.ModelInfo.as_dict`, ``layers`` is
-    :meth:`hsx.layers.LayerSelection.as_dict`; ``store_dtype`` is the dtype of the stored hidden
-    states, a :class:`hsx.shard.StoreDtype` value (``bfloat16``, ``float32`` or ``fp8``: float8 e4m3
-    with per-token scales, ``hsx/fp8.py``); ``layers["final"]`` is a :class:`hsx.shard.Final` value. ``tokenizer`` holds the tokenizer class, vocab size, chat
-    template hash, end-of-turn ids and ``enable_thinking`` (None: the template's default).
-    ``sample_policy``: which records become samples and how: ``over_length`` (``truncate`` or
-    ``drop``), ``allow_text`` (plain-text records used) and ``min_consecutive_supervised``; empty
-    in run.json files written before it existed. ``special_tokens_in_content``: how special-token
-    strings inside message content were tokenised, ``text`` or ``special``
+    The nested parts are typed (:class:`ConfigPart`): ``model`` (:class:`ModelConfig`), ``layers``
+    (:class:`LayersConfig`), ``tokenizer`` (:class:`TokenizerConfig`), ``sample_policy``
+    (:class:`SamplePolicy`), ``dataset_options`` (:class:`DatasetOptions`); each reads and writes
+    the keys run.json has always held under its name. ``store_dtype`` is the dtype of the stored
+    hidden states, a :class:`hsx.shard.StoreDtype` value (``bfloat16``, ``float32`` or ``fp8``:
+    float8 e4m3 with per-token scales, ``hsx/fp8.py``). ``special_tokens_in_content``: how
+    special-token strings inside message content were tokenised, ``text`` or ``special``
     (:data:`producer.masks.SPECIAL_TOKENS_IN_CONTENT`); ``special`` in run.json files written before
     it existed (what that code did). ``identity_version`` says which fields make the identity
-    (:data:`IDENTITY_FIELDS`) and how ``model.revision`` was computed (module docstring).
-    ``added_tokens_in_content``: how the strings of non-special added tokens (``<think>``) inside
-    message content were tokenised, ``token`` (their ids: every run before the choice) or ``text``
-    (:data:`producer.masks.ADDED_TOKENS_IN_CONTENT`); hashed only when ``text``
+    (:data:`IDENTITY_FIELDS`), how they are hashed and how ``model.revision`` was computed (module
+    docstring). ``added_tokens_in_content``: how the strings of non-special added tokens
+    (``<think>``) inside message content were tokenised, ``token`` (their ids: every run before the
+    choice) or ``text`` (:data:`producer.masks.ADDED_TOKENS_IN_CONTENT`); hashed only when ``text``
     (:data:`IDENTITY_FIELDS_UNLESS_DEFAULT`).
 
-    Keys of a run.json that this code does not know (written by a newer version) are kept in
-    ``extra`` and written back, never hashed.
+    Keys of a run.json that this code does not know (written by a newer version, or ``stats``:
+    always ``{}``, no longer a field) are kept in ``extra`` and written back, never hashed.
+
+    Raises:
+        TypeError: a part given as something other than its :class:`ConfigPart` class.
     """
 
-    model: dict
+    model: ModelConfig
     model_name: str
-    layers: dict
+    layers: LayersConfig
     max_length: int
     batch_tokens: int
     max_batch_samples: int
     store_dtype: str
-    tokenizer: dict
+    tokenizer: TokenizerConfig
     dataset_fingerprint: str
     dataset_source: str
     limit: int | None
-    sample_policy: dict = field(default_factory=dict)
+    sample_policy: SamplePolicy = field(default_factory=SamplePolicy)
     special_tokens_in_content: str = "special"
     added_tokens_in_content: str = "token"
     #: ``[first, largest]`` samples per window of the streamed plan; None: the whole dataset sorted
     #: at once (runs made before identity version 3).
     plan_windows: list[int] | None = None
-    #: Which records are read, in which order: ``shuffle`` (bool), ``seed``, ``sample`` (a seeded
-    #: subset of that many records), ``subset`` and ``split`` of a hub dataset; {} before version 3.
-    dataset_options: dict = field(default_factory=dict)
-    #: What the dataset is (kind, files and sizes, hub revision): recorded, never hashed.
+    #: Which records are read, in which order; nothing set before version 3.
+    dataset_options: DatasetOptions = field(default_factory=DatasetOptions)
+    #: What the dataset is (kind, files and sizes, hub revision): recorded, never hashed, read by no code.
     dataset: dict = field(default_factory=dict)
     #: The --chat-template file that replaced the tokenizer's template (its sha256 is in ``tokenizer``).
     chat_template_file: str | None = None
@@ -145,12 +341,17 @@ class RunConfig:
     identity_version: int = IDENTITY_VERSION
     run_id: str = ""
     created_at: str = ""
-    stats: dict = field(default_factory=dict)
     #: run.json keys this code does not know; kept, never hashed.
     extra: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     #: identity fields the loaded run.json did not hold (it predates them): left out of the hash,
     #: as the code that wrote it did.
     _absent: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name, part in CONFIG_PARTS.items():
+            if not isinstance(getattr(self, name), part):
+                raise TypeError(f"RunConfig.{name} is a {type(getattr(self, name)).__name__}, not a {part.__name__} "
+                                f"(read a run.json with RunConfig.from_json)")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -166,12 +367,19 @@ class RunConfig:
         version = self.identity_version if version is None else version
         names = identity_fields(version)
         absent = self._absent if version == self.identity_version else frozenset()
-        out = {k: getattr(self, k) for k in names if k not in absent}
+        out = {k: self._identity_value(k, version) for k in names if k not in absent}
         out.update({k: getattr(self, k) for k, default in IDENTITY_FIELDS_UNLESS_DEFAULT.items()
                     if getattr(self, k) != default})
         if version >= 2:
             out["identity_version"] = version
         return out
+
+    def _identity_value(self, name: str, version: int):
+        value = getattr(self, name)
+        if isinstance(value, ConfigPart):
+            # Versions 1-3 hashed each part as stored, prose and paths included.
+            return value.identity() if version >= TYPED_IDENTITY_VERSION else value.as_dict()
+        return value
 
     def identity_sha256(self, version: int | None = None) -> str:
         """sha256 of :meth:`identity`: the ``config_sha256`` of the run's markers."""
@@ -183,8 +391,14 @@ class RunConfig:
         return f"{stem}-{self.identity_sha256()[:12]}"
 
     def as_dict(self) -> dict:
+        """run.json's object: every field (the parts as :meth:`ConfigPart.as_dict`) and ``extra``.
+
+        Identity fields the loaded run.json did not hold are left out, so that the written file
+        hashes as the one read (written with its default, a field would be hashed on the next read).
+        """
         out = dict(self.extra)
-        out.update({k: getattr(self, k) for k in self.field_names()})
+        out.update({k: getattr(self, k) for k in self.field_names() if k not in self._absent})
+        out.update({k: out[k].as_dict() for k in CONFIG_PARTS if k in out})
         return out
 
     def to_json(self) -> bytes:
@@ -210,6 +424,9 @@ class RunConfig:
         names = set(cls.field_names())
         kwargs = {k: v for k, v in raw.items() if k in names}
         kwargs["identity_version"] = version
+        for name, part in CONFIG_PARTS.items():
+            if name in kwargs:
+                kwargs[name] = part.parse(kwargs[name], name)
         try:
             config = cls(**kwargs)
         except TypeError as exc:

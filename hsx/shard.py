@@ -151,8 +151,8 @@ class ShardSpec:
         Raises:
             ValueError: the config's ``final`` or ``store_dtype`` is not one this code knows.
         """
-        return cls(config.run_id, tuple(config.layers["layer_ids"]), int(config.model["hidden_size"]),
-                   Final(config.layers["final"]), StoreDtype(config.store_dtype))
+        return cls(config.run_id, tuple(config.layers.layer_ids), config.model.hidden_size,
+                   config.layers.final, StoreDtype(config.store_dtype))
 
     @property
     def states(self) -> tuple[str, ...]:
@@ -278,9 +278,13 @@ def cu_seqlens_problem(cu_seqlens_N1, num_tokens: int) -> str | None:
     return None
 
 
-def shard_metadata(run_id: str, batch: str, layers: dict, model: dict, engine: dict,
+def shard_metadata(run_id: str, batch: str, layers, model, engine: dict,
                    store_dtype: str | None = None) -> dict[str, str]:
     """The safetensors header metadata of a shard (all values are strings, as safetensors requires).
+
+    ``layers`` and ``model`` are the run's :class:`hsx.runconfig.LayersConfig` and
+    :class:`hsx.runconfig.ModelConfig` (``model`` as run.json holds it); ``engine`` what the worker
+    ran (device, dtypes, kernels).
 
     ``store_dtype`` ``fp8`` adds ``store_dtype`` and ``fp8_scaling`` (other dtypes add nothing, so
     their headers are what they always were)."""
@@ -289,12 +293,12 @@ def shard_metadata(run_id: str, batch: str, layers: dict, model: dict, engine: d
         "schema_version": str(SCHEMA_VERSION),
         "run_id": run_id,
         "batch": batch,
-        "layer_ids": json.dumps(layers["layer_ids"]),
-        "layer_id_convention": layers["convention"],
-        "hf_hidden_states_indices": json.dumps(layers["hf_hidden_states_indices"]),
-        "vllm_ids": json.dumps(layers["vllm_ids"]),
-        "final": str(layers["final"]),
-        "model": json.dumps(model, sort_keys=True),
+        "layer_ids": json.dumps(list(layers.layer_ids)),
+        "layer_id_convention": layers.convention,
+        "hf_hidden_states_indices": json.dumps(list(layers.hf_hidden_states_indices)),
+        "vllm_ids": json.dumps(list(layers.vllm_ids)),
+        "final": layers.final.value,
+        "model": json.dumps(model.as_dict(), sort_keys=True),
         "engine": json.dumps(engine, sort_keys=True),
         **extra,
     }

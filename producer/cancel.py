@@ -67,7 +67,7 @@ def cancel_run(run_store: Store, settings: Settings, broker_url: str | None, *, 
     record = Cancelled(by=who(), at=datetime.now(timezone.utc).isoformat(timespec="seconds"), now=now)
     record.write(run_store)  # first: whatever is claimed from here on is acknowledged unrun
     batches, _complete = planned_batches(run_store)
-    names = {b["batch"] for b in batches}
+    names = {b.batch for b in batches}
     report = {
         "run_id": config.run_id, "address": run_store.url,
         "cancelled": record.model_dump(exclude={"schema_version"}),

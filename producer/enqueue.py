@@ -26,7 +26,7 @@ from hsx.broker import redis_client
 from hsx.errors import BadConfig, RunCancelled
 from hsx.fleet import register_runs
 from hsx.queue import send_batches
-from hsx.records import Cancelled, done_batches
+from hsx.records import BatchSummary, Cancelled, done_batches
 from hsx.store import mask_url
 from producer.words import plural
 from settings import Settings
@@ -109,7 +109,7 @@ class EnqueueResult:
 
 
 def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None, *, skip_in_flight: bool = True,
-                    batches: list[dict] | None = None) -> EnqueueResult:
+                    batches: list[BatchSummary] | None = None) -> EnqueueResult:
     """Send one task per batch of ``planned`` (a :class:`producer.planner.PlannedRun`, or a
     :class:`producer.planner.PlanJob` with ``batches``: a window's) that has no marker and, with
     ``skip_in_flight``, is neither queued, running nor parked on the broker.
@@ -127,8 +127,8 @@ def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None,
     result = EnqueueResult()
     todo = []
     for b in batches:
-        (result.already_done if b["batch"] in done else todo).append(b["batch"])
-    by_name = {b["batch"]: b for b in batches}
+        (result.already_done if b.batch in done else todo).append(b.batch)
+    by_name = {b.batch: b for b in batches}
     if todo and skip_in_flight:
         view = broker_view(settings, broker_url, planned.run_url)
         for batch in todo:
@@ -143,7 +143,7 @@ def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None,
         return result
     task = progress.add_task("enqueueing", total=len(todo)) if progress else None
     register_runs(redis_client(broker_url), settings.queue, [planned.run_url])
-    sent = send_batches(settings, broker_url, planned.run_url, planned.config.run_id, [by_name[b] for b in todo],
+    sent = send_batches(settings, broker_url, planned.run_url, planned.config.run_id, [by_name[b].model_dump() for b in todo],
                         on_sent=(lambda _b: progress.advance(task)) if progress else None)
     result.enqueued += list(sent)
     result.task_ids.update(sent)
@@ -164,7 +164,7 @@ class WindowSender:
         self._called = False
         self.first_sent_at: float | None = None
 
-    def __call__(self, job, batches: list[dict]) -> None:
+    def __call__(self, job, batches: list[BatchSummary]) -> None:
         """Enqueue ``batches`` (a window's, or on the first call every batch already planned).
 
         Raises:

@@ -160,12 +160,12 @@ def supervised_token_counts(run_store: Store, config: RunConfig | None = None, *
     """
     config = config or load_run(run_store)
     markers = certified_markers(run_store, config)
-    planned = [b["batch"] for b in read_batch_list(run_store)]
+    planned = [b.batch for b in read_batch_list(run_store)]
     missing = [b for b in planned if b not in markers]
     if missing and not partial:
         raise BadConfig(f"run {config.run_id}: {len(missing)} of {len(planned)} batches have no marker (first {missing[0]}); "
                         "finish the run, or pass --partial to use the batches that are done")
-    V = int(config.tokenizer.get("vocab_size") or 0)
+    V = config.tokenizer.vocab_size
     counts = np.zeros(max(V, 1), dtype=np.int64)
     samples = supervised = 0
     task = progress.add_task("counting", total=len(markers)) if progress is not None else None
@@ -205,7 +205,7 @@ def check_exportable(config: RunConfig, fmt: str) -> list[str]:
     if fmt not in FORMATS:
         raise BadConfig(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     layers = config.layers
-    ids, final, N = list(layers["layer_ids"]), Final(layers["final"]), int(layers["num_layers"])
+    ids, final, N = list(layers.layer_ids), layers.final, layers.num_layers
     warnings = []
     if fmt == "specforge-eagle3":
         if len(ids) != 3:
@@ -515,15 +515,15 @@ def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP
         "out": str(out),
         "run_id": config.run_id,
         "run_address": run_store.url,
-        "model": config.model,
+        "model": config.model.as_dict(),
         "samples": len(sample_index),
         "supervised_tokens": supervised,
         "bytes": written_bytes,
-        "hidden_size": int(config.model["hidden_size"]),
-        "num_layers": int(layers["num_layers"]),
-        "layer_ids": list(layers["layer_ids"]),
-        "layer_id_convention": layers["convention"],
-        "vllm_layer_ids": [i + 1 for i in layers["layer_ids"]] + ([int(layers["num_layers"])] if fmt == "speculators" else []),
+        "hidden_size": config.model.hidden_size,
+        "num_layers": layers.num_layers,
+        "layer_ids": list(layers.layer_ids),
+        "layer_id_convention": layers.convention,
+        "vllm_layer_ids": list(layers.vllm_ids) + ([layers.num_layers] if fmt == "speculators" else []),
         "final": FORMAT_FINAL_TEXT[fmt],
         "group_size": group_size if fmt not in ("speculators", "modelopt") else None,
         "hidden_dtype": "bfloat16",

@@ -35,7 +35,8 @@ from hsx.models import model_info
 from hsx.plan import (BatchPlan, batch_id, batch_key, fail_planning_record, plan_complete, read_batch_list,
                       read_windows, start_planning_record)
 from hsx.records import BatchSummary, Planning, PlanWindow, SampleRow, SkipCounts, Stats
-from hsx.runconfig import RunConfig, check_run, check_run_id, claim_run
+from hsx.runconfig import (DatasetOptions, LayersConfig, ModelConfig, RunConfig, SamplePolicy, TokenizerConfig, check_run,
+                           check_run_id, claim_run)
 from hsx.shard import StoreDtype
 from hsx.store import Store, exists, open_store
 from producer.batching import cut_batches
@@ -105,7 +106,7 @@ class PlannedRun:
     run_store: Store
     root_store: Store
     config: RunConfig
-    batches: list[dict]
+    batches: list[BatchSummary]
     stats: dict
     reused: bool = False
     run_url: str = ""
@@ -200,9 +201,7 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
         if layer_source:  # say where the ids came from
             raise BadConfig(f"{exc} (ids read from {layer_source})") from None
         raise
-    layers = selection.as_dict()
-    if layer_source:
-        layers["source"] = layer_source
+    layers = LayersConfig.of(selection, source=layer_source)
     spec = TokeniserSpec(model=opts.model, cache_dir=str(settings.cache_dir), trust_remote_code=settings.trust_remote_code,
                          max_length=max_length, enable_thinking=opts.enable_thinking, over_length=opts.over_length,
                          special_tokens_in_content=opts.special_tokens_in_content, allow_text=opts.allow_text,
@@ -213,26 +212,26 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
         where = f"--chat-template {opts.chat_template!r}" if opts.chat_template else f"the chat template of {opts.model!r}"
         raise BadConfig(f"{where} cannot render a conversation ({exc.detail}): fix the template") from None
     config = RunConfig(
-        model=info.as_dict(),
+        model=ModelConfig.of(info),
         model_name=opts.model,
         layers=layers,
         max_length=max_length,
         batch_tokens=batch_tokens,
         max_batch_samples=max_batch_samples,
         store_dtype=StoreDtype(opts.store_dtype).value,
-        tokenizer={
-            "class": type(tokenizer).__name__,
-            "vocab_size": len(tokenizer),
-            "chat_template_sha256": chat.template_sha256,
-            "end_of_turn_ids": sorted(int(i) for i in chat.end_of_turn_ids),
-            "enable_thinking": opts.enable_thinking,
-        },
-        sample_policy={"over_length": opts.over_length, "allow_text": opts.allow_text,
-                       "min_consecutive_supervised": MIN_CONSECUTIVE_SUPERVISED},
+        tokenizer=TokenizerConfig(
+            tokenizer_class=type(tokenizer).__name__,
+            vocab_size=len(tokenizer),
+            chat_template_sha256=chat.template_sha256,
+            end_of_turn_ids=sorted(int(i) for i in chat.end_of_turn_ids),
+            enable_thinking=opts.enable_thinking,
+        ),
+        sample_policy=SamplePolicy(over_length=opts.over_length, allow_text=opts.allow_text,
+                                   min_consecutive_supervised=MIN_CONSECUTIVE_SUPERVISED),
         special_tokens_in_content=opts.special_tokens_in_content,
         added_tokens_in_content=opts.added_tokens_in_content,
         plan_windows=list(PLAN_WINDOWS),
-        dataset_options=options.identity(),
+        dataset_options=DatasetOptions(**options.identity()),
         dataset_fingerprint=source.fingerprint(),
         dataset_source=source.location(),
         dataset=source.describe(),
@@ -383,7 +382,7 @@ class PlanJob:
             self._record = start_planning_record(store, self.opts.command)
             self._write_progress(self.windows[-1].records_read)
         if self.windows and on_window is not None:
-            on_window(self, [b.model_dump(exclude={"schema_version"}) for w in self.windows for b in w.batches])
+            on_window(self, [b for w in self.windows for b in w.batches])
         try:
             if not (self.windows and self.windows[-1].last):
                 self._stream(progress, on_window, t0)
@@ -514,7 +513,7 @@ class PlanJob:
             self.written = record.window + 1
             self._write_progress(records_read, bytes_read)
             if on_window is not None and record.batches:
-                on_window(self, [b.model_dump(exclude={"schema_version"}) for b in record.batches])
+                on_window(self, list(record.batches))
 
         return writer.submit(write)
 
@@ -542,7 +541,7 @@ class PlanJob:
     def _finish(self, t0: float) -> PlannedRun:
         """Stats and the batch list (last: the plan is complete) from the windows."""
         store, windows = self.run_store, self.windows
-        batches = [b.model_dump(exclude={"schema_version"}) for w in windows for b in w.batches]
+        batches = [b for w in windows for b in w.batches]
         skipped = _merge_skips(w.skipped for w in windows)
         tokens = sum(w.tokens for w in windows)
         padded = sum(w.padded_tokens for w in windows)
@@ -598,7 +597,7 @@ def _cut_window(window: _Window, config: RunConfig, records_read: int, last: boo
             for i in range(len(lengths_N))]
     record = PlanWindow(
         window=window.index, first_sample=window.first_sample, num_samples=len(lengths_N),
-        first_batch=window.first_batch, batches=[BatchSummary(**p.summary()) for p in plans],
+        first_batch=window.first_batch, batches=[p.summary() for p in plans],
         tokens=int(lengths_N.sum()), supervised_tokens=sum(supervised), truncated_samples=int(sum(window.truncated)),
         padded_tokens=sum(int(lengths_N[g].max()) * len(g) for g in groups), records_read=records_read,
         skipped=SkipCounts(**window.skips.as_dict()), claimed_ids=window.claimed_ids, last=last,

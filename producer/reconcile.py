@@ -53,7 +53,7 @@ from types import SimpleNamespace
 from hsx.fleet import UNACKED_INDEX_KEY, UNACKED_KEY, Parked, claims, drop_claims, queued_of, read_parked, take_parked
 from hsx.layout import PLAN_WINDOWS_PREFIX, SHARDS_PREFIX, marker_key, names_under
 from hsx.plan import planned_batches, planning_failed, read_planning_record, window_id
-from hsx.records import Cancelled, Failure, Marker, PlanWindow, done_batches, read_failures
+from hsx.records import BatchSummary, Cancelled, Failure, Marker, PlanWindow, done_batches, read_failures
 from hsx.runconfig import load_run
 from hsx.store import Store
 from producer.words import plural
@@ -146,7 +146,8 @@ def clear_finished_unacked(broker_url: str, run_url: str, done: set[str], *, dry
     return sorted(c["batch"] for c in stale)
 
 
-def _enqueue(run_store: Store, run_url: str, config, batches: list[dict], settings: Settings, broker_url: str) -> list[str]:
+def _enqueue(run_store: Store, run_url: str, config, batches: list[BatchSummary], settings: Settings,
+             broker_url: str) -> list[str]:
     """Send one task per batch (the same message ``enqueue`` sends); returns the batches sent."""
     from producer.enqueue import enqueue_batches
 
@@ -231,7 +232,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
     repaired = {} if (not repair or dry_run) else repair_bad_batches(run_store, settings)
     cancelled = Cancelled.read(run_store)
     done = done_batches(run_store)
-    missing = [b for b in batches if b["batch"] not in done]
+    missing = [b for b in batches if b.batch not in done]
     view = BrokerView()
     if broker_url and missing:
         view = broker_view(settings, broker_url, run_url)
@@ -243,7 +244,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
     lost = []
     why: dict[str, str] = {}
     for b in missing:
-        name = b["batch"]
+        name = b.batch
         if name in view.queued or name in view.running or name in view.parked or name in just_planned:
             continue
         lost.append(b)
@@ -260,7 +261,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         cleared = clear_finished_unacked(broker_url, run_url, done, dry_run=dry_run)
     enqueued: list[str] = []
     unparked: list[str] = []
-    by_name = {b["batch"]: b for b in batches}
+    by_name = {b.batch: b for b in batches}
     if broker_url and not dry_run and view.parked and (unpark or cancelled is not None):
         from hsx.broker import redis_client
 
@@ -273,10 +274,10 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
                 back.append(by_name[name])
         if back:
             unparked = _enqueue(run_store, run_url, config, back, settings, broker_url)
-    todo = [b for b in lost if b["batch"] not in skip]
+    todo = [b for b in lost if b.batch not in skip]
     if todo and not dry_run and broker_url and cancelled is None:
         for b in todo:
-            Failure.delete(run_store, b["batch"])
+            Failure.delete(run_store, b.batch)
         enqueued = _enqueue(run_store, run_url, config, todo, settings, broker_url)
 
     removed_shards: list[str] = []
@@ -303,7 +304,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         "run_id": config.run_id,
         "address": run_url,
         "batches_total": len(batches),
-        "batches_done": len(done & {b["batch"] for b in batches}),
+        "batches_done": len(done & {b.batch for b in batches}),
         "plan_complete": complete,
         "plan_note": plan_note,
         "windows": windows,
@@ -312,7 +313,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         "queued": sorted(view.queued),
         "running": sorted(view.running),
         "orphaned_deliveries": sorted(view.orphaned),
-        "lost": [{"batch": b["batch"], "why": why[b["batch"]]} for b in lost],
+        "lost": [{"batch": b.batch, "why": why[b.batch]} for b in lost],
         "enqueued": enqueued,
         "parked": [{"batch": p.batch, "reason": p.reason, "cause": p.cause, "refused_by": p.refused_by}
                    for p in view.parked.values()],
@@ -329,7 +330,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
     }
 
 
-def _plan_in_progress(run_store: Store, batches: list[dict]) -> tuple[str, int, set[str]]:
+def _plan_in_progress(run_store: Store, batches: list[BatchSummary]) -> tuple[str, int, set[str]]:
     """(the note, windows written, the newest window's batches a live planner is enqueueing) of a
     plan not complete yet."""
     record = read_planning_record(run_store)

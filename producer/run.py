@@ -20,7 +20,7 @@ from pathlib import Path
 from hsx.broker import EmbeddedBroker, check_broker
 from hsx.errors import RunCancelled, StoreError
 from hsx.fleet import UNACKED_KEY
-from hsx.records import Cancelled, done_batches, read_failures
+from hsx.records import BatchSummary, Cancelled, done_batches, read_failures
 from hsx.store import mask_url
 from hsx.layout import window_key
 from hsx.plan import plan_complete
@@ -192,7 +192,7 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
     Returns ``{"done": n, "failed": {batch: record}, "workers_died": bool, "cancelled": record or None}``.
     """
     run_store = planned.run_store
-    by_name = {b["batch"]: b for b in planned.batches}
+    by_name = {b.batch: b for b in planned.batches}
     if poll_s is None:
         # Each poll lists markers/ (1,000 keys per S3 page): poll big runs less often.
         poll_s = min(10.0, 0.5 + len(by_name) / 20_000)
@@ -225,14 +225,14 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
             store_down_since = None
         now = clock()
         for b in done - seen:
-            tokens += by_name[b]["num_tokens"]
-            samples += by_name[b]["num_samples"]
+            tokens += by_name[b].num_tokens
+            samples += by_name[b].num_samples
             # The markers of the first look were made before it (by an earlier run this one resumes, or
             # while the plan was written): when is not known here, so they count as done but not in the
             # rate. Stamped with this look's time they made "tok/s now" 2.5-3.5x the steady rate after
             # a resume (issue 22, item 7): the next markers' span counted their tokens too.
             if not first_look:
-                arrivals.append((now, by_name[b]["num_tokens"]))
+                arrivals.append((now, by_name[b].num_tokens))
         first_look = False
         new_done = len(done - seen)
         seen |= done
@@ -398,7 +398,7 @@ class _Launch:
         self.pauses: PauseWatch | None = None  # a full store, said while the plan is still written too
         self.deaths = None  # producer.deaths.WorkerDeaths: each worker death, said as it happens
 
-    def __call__(self, job: PlanJob, batches: list[dict]) -> None:
+    def __call__(self, job: PlanJob, batches: list[BatchSummary]) -> None:
         if self.sender is None:
             self._start(job)
         self.sender(job, batches)
@@ -480,7 +480,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
                                       "run the same command again to start over") from None
         if plan_complete(job.run_store):
             planned = job.run()
-            done_before = done_batches(planned.run_store) & {b["batch"] for b in planned.batches}
+            done_before = done_batches(planned.run_store) & {b.batch for b in planned.batches}
             if len(done_before) == len(planned.batches):
                 if claimed is not None:
                     claimed.stop_orphan()  # the broker of a killed run is stopped even when nothing is left
@@ -534,7 +534,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
     finally:
         _stop_started(launch.local if launch is not None else None, broker, console)
     if planned is not None:
-        report["batches_done"] = len(done_batches(planned.run_store) & {b["batch"] for b in planned.batches})
+        report["batches_done"] = len(done_batches(planned.run_store) & {b.batch for b in planned.batches})
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return code, report
 

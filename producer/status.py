@@ -58,7 +58,7 @@ from datetime import datetime, timezone
 from hsx.layout import PLAN_WINDOWS_PREFIX, names_under
 from hsx.processes import pid_alive, pid_namespace
 from hsx.plan import plan_complete, planning_failed, read_batch_list, read_planning_record
-from hsx.records import (Cancelled, Marker, Planning, PlanWindow, Stats, WorkerStatus, done_batches, read_failures,
+from hsx.records import (BatchSummary, Cancelled, Marker, Planning, PlanWindow, Stats, WorkerStatus, done_batches, read_failures,
                          read_heartbeats)
 from hsx.runconfig import load_run
 from hsx.store import MissingKey, Store, mask_url
@@ -266,7 +266,7 @@ class RunWatch:
         """Whether an embedded broker of a ``producer run`` answers on this machine (None: not asked,
         ``--no-broker``): for a run on the embedded broker that no worker took, queued or stalled."""
         self.config = load_run(run_store)  # MissingKey: no run here
-        self.batches: list[dict] = []
+        self.batches: list[BatchSummary] = []
         """The batches planned so far: the batch list once the plan is complete, else the windows'."""
         self.plan_complete = False
         """``plan/batches.json`` was read: ``batches`` is final and not read again."""
@@ -317,7 +317,7 @@ class RunWatch:
                     self.stats = None
                 return
         self.windows = self._read_windows()
-        self.batches = [b.model_dump(exclude={"schema_version"}) for w in self.windows for b in w.batches]
+        self.batches = [b for w in self.windows for b in w.batches]
 
     def _read_windows(self) -> list[PlanWindow]:
         """The windows written so far, in order up to the first gap (as :func:`hsx.records.read_windows`),
@@ -351,7 +351,7 @@ class RunWatch:
         planner, plan_error, planning = None, None, None
         if not self.plan_complete:
             self._read_plan()
-        by_name = {b["batch"]: b for b in self.batches}
+        by_name = {b.batch: b for b in self.batches}
         done = done_batches(store) & set(by_name)
         for gone in set(self.markers) - done:  # a marker deleted to rerun its batch
             del self.markers[gone]
@@ -363,8 +363,8 @@ class RunWatch:
         failures = read_failures(store, done)
 
         total = len(by_name)
-        tokens_total = sum(b["num_tokens"] for b in self.batches)
-        tokens_done = sum(by_name[b]["num_tokens"] for b in done)
+        tokens_total = sum(b.num_tokens for b in self.batches)
+        tokens_done = sum(by_name[b].num_tokens for b in done)
         rate = self._rate(now, finished=self.plan_complete and len(done) == total)
         remaining_tokens = tokens_total - tokens_done
         if self.plan_complete and len(done) == total:
@@ -437,8 +437,8 @@ class RunWatch:
             "batches_total": total,
             "batches_done": len(done),
             "batches_failed": len(failures),
-            "samples_total": sum(b["num_samples"] for b in self.batches),
-            "samples_done": sum(by_name[b]["num_samples"] for b in done),
+            "samples_total": sum(b.num_samples for b in self.batches),
+            "samples_done": sum(by_name[b].num_samples for b in done),
             "samples_stored": sum(m["samples"] for m in self.markers.values()),
             "samples_quarantined": sum(m["quarantined"] for m in self.markers.values()),
             "tokens_total": tokens_total,

@@ -83,9 +83,9 @@ from hsx.layout import (PLAN_WINDOWS_PREFIX, RUN_JSON, SAMPLES_JSONL, SHARDS_PRE
 from hsx.plan import (BatchPlan, batch_id, plan_complete, planning_failed, read_batch, read_batch_list,
                       read_planning_record, window_id)
 from hsx.reader import quarantined_ids, read_markers, read_sample
-from hsx.records import Marker, PlanWindow, SampleRow, Stats, read_failures
+from hsx.records import BatchSummary, Marker, PlanWindow, SampleRow, Stats, read_failures
 from hsx.runconfig import RunConfig, load_run
-from hsx.shard import Final, ShardSpec, StoreDtype, cu_seqlens_problem, schema_problems
+from hsx.shard import ShardSpec, StoreDtype, cu_seqlens_problem, schema_problems
 from hsx.store import MissingKey, Store, exists, retry_transient
 from producer.words import fmt_bytes, plural
 
@@ -350,7 +350,7 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
 class PlanCheck:
     """What :func:`check_plan` found: the batches to check the markers against, and the plan's problems."""
 
-    batches: list[dict]
+    batches: list[BatchSummary]
     """The batch list once the plan is complete, else the batches of the windows written so far."""
     complete: bool
     windows: int | None
@@ -360,8 +360,8 @@ class PlanCheck:
     """Batches whose plan file is missing (already reported: the per-marker check does not repeat it)."""
 
 
-def _summary_fields(b: dict) -> tuple:
-    return b["batch"], b["num_samples"], b["num_tokens"], b.get("max_len"), b.get("supervised_tokens")
+def _summary_fields(b: BatchSummary) -> tuple:
+    return b.batch, b.num_samples, b.num_tokens, b.max_len, b.supervised_tokens
 
 
 def check_plan(run_store: Store, *, threads: int = LOCAL_THREADS, retry_s: float = VERIFY_RETRY_S) -> PlanCheck:
@@ -445,8 +445,7 @@ def check_plan(run_store: Store, *, threads: int = LOCAL_THREADS, retry_s: float
         expected_sample = w.first_sample + w.num_samples
         expected_batch = w.first_batch + len(w.batches)
 
-    check = PlanCheck([b.model_dump(exclude={"schema_version"}) for w in chain for b in w.batches], complete, len(chain),
-                      problems)
+    check = PlanCheck([b for w in chain for b in w.batches], complete, len(chain), problems)
     with ThreadPoolExecutor(threads) as pool:
         for window_problems, missing in pool.map(lambda w: _check_window(run_store, w, call), chain):
             problems.extend(window_problems)
@@ -456,8 +455,8 @@ def check_plan(run_store: Store, *, threads: int = LOCAL_THREADS, retry_s: float
         if chain and not chain[-1].last:
             problems.append(Problem("-", "plan_mismatch", f"the plan is complete but its last window {chain[-1].name} "
                                                           "is not marked last", window=chain[-1].name))
-        listed_batches = {b["batch"]: b for b in batch_list}
-        in_windows = {b["batch"]: b for b in check.batches}
+        listed_batches = {b.batch: b for b in batch_list}
+        in_windows = {b.batch: b for b in check.batches}
         absent = [b for b in listed_batches if b not in in_windows]
         if absent:
             problems.append(Problem(", ".join(absent[:20]), "plan_mismatch",
@@ -474,7 +473,7 @@ def check_plan(run_store: Store, *, threads: int = LOCAL_THREADS, retry_s: float
             problems.append(Problem(", ".join(differ[:20]), "plan_mismatch",
                                     f"plan/batches.json and the windows differ on {', '.join(differ[:5])}: "
                                     f"{_summary_fields(listed_batches[differ[0]])} vs {_summary_fields(in_windows[differ[0]])}"))
-        if not absent and not unlisted and [b["batch"] for b in batch_list] != list(in_windows):
+        if not absent and not unlisted and [b.batch for b in batch_list] != list(in_windows):
             problems.append(Problem("-", "plan_mismatch", "plan/batches.json lists the windows' batches in another order"))
         stats = _read_stats(run_store, call, check)
         if stats is not None:
@@ -659,8 +658,8 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
     model.to(device).eval().requires_grad_(False)
     summary["device"] = str(device)
     summary["load_s"] = round(time.perf_counter() - t0, 2)
-    layer_ids = list(config.layers["layer_ids"])
-    final = Final(config.layers["final"])
+    layer_ids = list(config.layers.layer_ids)
+    final = config.layers.final
     task = progress.add_task("recompute", total=len(picks)) if progress is not None else None
     by_batch: dict[str, list] = defaultdict(list)
     for batch, marker, sample, start, end in picks:
@@ -731,7 +730,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
     t_hash = time.perf_counter()
     problems: list[Problem] = list(plan_check.problems)
     plan_list = plan_check.batches
-    planned = {b["batch"]: b for b in plan_list}
+    planned = {b.batch: b for b in plan_list}
     markers = read_markers(run_store)
     names = sorted(markers)
     task = progress.add_task("verifying", total=len(names)) if progress is not None else None
@@ -762,7 +761,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
                                                      f"{failure.host or 'a worker'}, {failure.at or 'time unknown'}); "
                                                      f"fix the cause, then `python -m producer reconcile {run_store.url}`"))
             continue
-        problems.append(Problem(batch, "not_done", f"no marker: the batch ({planned[batch]['num_samples']} samples) "
+        problems.append(Problem(batch, "not_done", f"no marker: the batch ({planned[batch].num_samples} samples) "
                                                    "is not extracted yet; run the same `producer run` / `enqueue` again"))
 
     # Every planned sample exactly once, across shards; quarantined ones are accounted for.
@@ -783,7 +782,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
         problems.append(Problem(", ".join(batches), "duplicate",
                                 f"samples {samples[:10]}{'...' if len(samples) > 10 else ''} ({len(samples)}) are stored "
                                 f"in {len(batches)} batches: {', '.join(batches)}"))
-    samples_planned = sum(b["num_samples"] for b in plan_list)
+    samples_planned = sum(b.num_samples for b in plan_list)
     stored = set(owners)
 
     orphans = []

@@ -354,7 +354,7 @@ def plan_samples(run_store) -> dict[int, dict]:
 
     out = {}
     for b in read_batch_list(run_store):
-        plan = read_batch(run_store, b["batch"])
+        plan = read_batch(run_store, b.batch)
         cu = plan.cu_seqlens_N1
         for j, sample in enumerate(plan.sample_index_N.tolist()):
             out[sample] = {"input_ids": plan.input_ids_T[cu[j]:cu[j + 1]], "loss_mask": plan.loss_mask_T[cu[j]:cu[j + 1]]}

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     def on_window(job, batches: list[dict]) -> None:
         index = len(seen)
         seen.append(batches)
-        print(json.dumps({"window": index, "batches": [b["batch"] for b in batches], "address": job.run_url,
+        print(json.dumps({"window": index, "batches": [b.batch for b in batches], "address": job.run_url,
                           "pid": os.getpid()}), flush=True)
         if args.pause_after is not None and index == args.pause_after:
             while not args.release.exists():

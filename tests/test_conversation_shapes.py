@@ -7,7 +7,7 @@ import json
 
 from jobfixtures import clean_env, cli_json, plan_samples
 
-from hsx.runconfig import load_run
+from hsx.runconfig import SamplePolicy, load_run
 from hsx.records import SampleRow
 from hsx.store import open_store
 
@@ -57,5 +57,5 @@ def test_every_record_form_becomes_a_sample_of_a_completed_run(tmp_path, tiny_ca
     assert planned["loss_mask"].tolist() == RECORDS[3]["loss_mask"]
 
     config = load_run(run_store)
-    assert config.tokenizer["enable_thinking"] is True
-    assert config.sample_policy == {"over_length": "truncate", "allow_text": True, "min_consecutive_supervised": 2}
+    assert config.tokenizer.enable_thinking is True
+    assert config.sample_policy == SamplePolicy(over_length="truncate", allow_text=True, min_consecutive_supervised=2)

@@ -52,7 +52,7 @@ def test_shards_equal_a_per_sample_reference_forward_for_every_layer(local_run, 
     config = load_run(run_store)
     samples = read_samples(run_store)
     assert len(samples) == local_run["report"]["plan"]["samples"]
-    layer_ids = config.layers["layer_ids"]
+    layer_ids = list(config.layers.layer_ids)
     assert layer_ids == [1, 3, 4]  # EAGLE-3 preset on 8 layers: [1, N//2-1, N-4]
     compared = assert_matches_reference(tiny_qwen35, samples, layer_ids, atol=1e-4, rtol=1e-4)
     assert compared > 100_000, "the check must have compared real values"

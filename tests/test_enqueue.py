@@ -66,7 +66,7 @@ def test_a_second_enqueue_sends_only_what_is_lost_and_reconcile_clears_stale_del
     With its marker written, reconcile removes the dead delivery from `unacked` and `unacked_index`."""
     run_dir, store, planned = _fresh_run(small_run, tmp_path)
     settings = Settings(_env_file=None, broker_url=broker.url)
-    names = sorted(b["batch"] for b in planned.batches)
+    names = sorted(b.batch for b in planned.batches)
     client = redis_client(broker.url)
 
     first = enqueue_batches(planned, settings, broker.url)

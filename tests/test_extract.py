@@ -34,7 +34,7 @@ def planned(tmp_path_factory, tiny_cache):
     opts = PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp / "out"), limit=16, max_length=256,
                        batch_tokens=1024, store_dtype="float32")
     run = plan_run(opts, settings)
-    batches = [b["batch"] for b in run.batches if b["num_samples"] >= 3]
+    batches = [b.batch for b in run.batches if b.num_samples >= 3]
     assert len(batches) >= 2, f"need two batches of 3+ samples, planned {run.batches}"
     return {"run": run, "settings": settings, "batches": batches, "spool": tmp / "spool"}
 
@@ -279,8 +279,8 @@ def test_a_run_asking_for_the_last_layer_and_both_finals_stores_them_as_the_refe
     run = plan_run(PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp_path / "out"), limit=4,
                                max_length=128, batch_tokens=1024, layers="2,7", final="both", store_dtype="float32"),
                    settings)
-    assert run.config.layers["layer_ids"] == layer_ids and run.config.layers["num_layers"] == num_layers
-    batch = run.batches[0]["batch"]
+    assert list(run.config.layers.layer_ids) == layer_ids and run.config.layers.num_layers == num_layers
+    batch = run.batches[0].batch
     assert extract_batch(run.run_url, batch, settings)["status"] == "done"
 
     stored = {s: v for s, v in read_samples(run.run_store).items() if v["batch"] == batch}

@@ -180,7 +180,7 @@ def fp8_planned(tmp_path_factory, tiny_cache):
                        batch_tokens=1024, store_dtype="fp8")
     run = plan_run(opts, settings)
     assert run.config.store_dtype == "fp8"
-    batches = [b["batch"] for b in run.batches if b["num_samples"] >= 3]
+    batches = [b.batch for b in run.batches if b.num_samples >= 3]
     return {"run": run, "settings": settings, "batches": batches}
 
 
@@ -330,7 +330,8 @@ def test_verify_recompute_passes_on_an_fp8_run_with_the_fp8_tolerance_and_still_
 
     run_store = open_store(fp8_run["address"])
     config = load_run(run_store)
-    shifted = dataclasses.replace(config, layers={**config.layers, "layer_ids": [i + 1 for i in config.layers["layer_ids"]]})
+    shifted = dataclasses.replace(config, layers=config.layers.model_copy(
+        update={"layer_ids": tuple(i + 1 for i in config.layers.layer_ids)}))
     marker = Marker.read(run_store, "b000000")
     plan = read_batch(run_store, "b000000")
     picks = [("b000000", marker, int(plan.sample_index_N[0]), int(plan.cu_seqlens_N1[0]), int(plan.cu_seqlens_N1[1]))]

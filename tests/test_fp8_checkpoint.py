@@ -22,16 +22,21 @@ from jobfixtures import assert_matches_reference, clean_env, cli_json, read_samp
 from tinymodels import FP8_QUANTIZATION_CONFIG, fp8_block_quantize, fp8_dequantize, quantize_checkpoint_fp8, tiny_fp8_checkpoint
 
 from hsx.models import ModelInfo, model_info, resolve_model_path
-from hsx.runconfig import RunConfig, load_run
+from hsx.runconfig import LayersConfig, ModelConfig, RunConfig, TokenizerConfig, load_run
 from hsx.store import open_store
 
 JOB = ["sharegpt", "--limit", "8", "--max-length", "256", "--batch-tokens", "1024", "--store-dtype", "float32"]
 
 
 def _config(model: dict) -> RunConfig:
-    return RunConfig(model=model, model_name=model["name"], layers={"ids": [1]}, max_length=256, batch_tokens=1024,
-                     max_batch_samples=64, store_dtype="float32", tokenizer={}, dataset_fingerprint="x" * 64,
-                     dataset_source="chats.jsonl", limit=None)
+    """A run config of ``model`` (run.json's ``model`` object); the rest fixed."""
+    layers = LayersConfig(layer_ids=(1,), final="none", num_layers=2, convention="output of decoder layer i",
+                          hf_hidden_states_indices=(2,), vllm_ids=(2,))
+    tokenizer = TokenizerConfig(tokenizer_class="Qwen2Tokenizer", vocab_size=151669, chat_template_sha256="0" * 64,
+                                end_of_turn_ids=[151645])
+    return RunConfig(model=ModelConfig.model_validate(model), model_name=model["name"], layers=layers, max_length=256,
+                     batch_tokens=1024, max_batch_samples=64, store_dtype="float32", tokenizer=tokenizer,
+                     dataset_fingerprint="x" * 64, dataset_source="chats.jsonl", limit=None)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +98,7 @@ def test_the_quantisation_is_part_of_the_identity_and_unquantised_run_ids_are_un
     # same model, same recorded name and revision: the quantisation alone tells the two runs apart
     same_bytes = dict(quantised.as_dict(), name=plain.name, revision=plain.revision)
     assert _config(same_bytes).default_run_id("chats") != _config(plain.as_dict()).default_run_id("chats")
-    assert any("quantization" in d for d in plain.differences(quantised.as_dict()))
+    assert any("quantization" in d for d in plain.differences(ModelConfig.of(quantised)))
 
 
 def test_the_cpu_worker_dequantises_an_fp8_checkpoint_and_runs_it(tmp_path, tiny_cache):

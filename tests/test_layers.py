@@ -13,6 +13,7 @@ from tinymodels import random_batch, real_config, reference_forward, tiny_model
 
 from hsx.errors import BadConfig
 from hsx.layers import dflash_layer_ids, eagle3_layer_ids, parse_layer_ids, select_layers
+from hsx.runconfig import LayersConfig, ModelConfig
 from hsx.shard import shard_metadata
 from workers.capture import capture_batch
 
@@ -103,7 +104,8 @@ def test_ids_1_2_3_on_a_6_layer_model_are_hf_hidden_states_2_3_4_and_vllm_ids_2_
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), f"sample {j} id {layer_id}: max |diff| {diff:.3g} > 1e-5"
             # and not its neighbours: an off-by-one would match hf[layer_id] or hf[layer_id + 2]
             assert (got - hf[layer_id]).abs().max() > 0.1 and (got - hf[layer_id + 2]).abs().max() > 0.1
-    meta = shard_metadata("run", "b000000", selection.as_dict(), {"name": "tiny"}, {})
+    model = ModelConfig(name="tiny", model_type="qwen3_5_text", num_layers=8, hidden_size=64, revision="sha256:00")
+    meta = shard_metadata("run", "b000000", LayersConfig.of(selection), model, {})
     assert json.loads(meta["layer_ids"]) == [1, 2, 3]
     assert json.loads(meta["vllm_ids"]) == [2, 3, 4]
     assert json.loads(meta["hf_hidden_states_indices"]) == [2, 3, 4]

@@ -101,11 +101,11 @@ def test_ctrl_c_saves_the_last_step_says_so_and_the_resumed_example_counts_what_
     run_dir = copy_run(small_run, tmp_path)
     store = open_store(str(run_dir))
     batches = read_batch_list(store)
-    held = {b["batch"]: (run_dir / marker_key(b["batch"])).read_bytes() for b in batches[len(batches) // 2:]}
+    held = {b.batch: (run_dir / marker_key(b.batch)).read_bytes() for b in batches[len(batches) // 2:]}
     for batch in held:
         (run_dir / marker_key(batch)).unlink()
     certified = len(batches) - len(held)
-    samples_certified = sum(b["num_samples"] for b in batches[:certified])
+    samples_certified = sum(b.num_samples for b in batches[:certified])
     log, checkpoint = tmp_path / "steps.jsonl", tmp_path / "head.pt"
     common = [str(run_dir), "--checkpoint", str(checkpoint), "--log-jsonl", str(log), "--samples-per-step", "1",
               "--save-every", "1000", "--poll-s", "0.2"]

@@ -205,7 +205,7 @@ def test_a_hub_blob_overwritten_in_place_gives_another_revision_and_the_run_is_r
     _other_weights_of_the_same_shapes(other)
     shutil.copyfile(other / "model.safetensors", blob)  # in place: same name, same size, other bytes
     assert Path(os.path.realpath(snapshot / "model.safetensors")) == blob and _sha256(blob) != blob.name
-    assert model_info(str(snapshot), tmp_path / "cache").revision != first.config.model["revision"]
+    assert model_info(str(snapshot), tmp_path / "cache").revision != first.config.model.revision
     with pytest.raises(RunConflict, match="model.revision"):
         _plan(snapshot, tmp_path, run_id="blob")
 
@@ -241,7 +241,7 @@ def test_a_resumed_run_with_other_weights_is_refused_before_any_model_work(ckpt,
     """The same --run-id after the weights changed: RunConflict naming the revision, nothing written;
     without --run-id the new weights are another run."""
     first = _plan(ckpt, tmp_path, run_id="swap")
-    assert first.config.model["revision"].startswith("sha256:")
+    assert first.config.model.revision.startswith("sha256:")
     assert _plan(ckpt, tmp_path, run_id="swap").reused
     default_id = _plan(ckpt, tmp_path).config.run_id
     before = (tmp_path / "out" / "swap" / "run.json").read_bytes()
@@ -251,7 +251,7 @@ def test_a_resumed_run_with_other_weights_is_refused_before_any_model_work(ckpt,
     assert (tmp_path / "out" / "swap" / "run.json").read_bytes() == before
     other = _plan(ckpt, tmp_path)
     assert not other.reused and other.config.run_id != default_id
-    assert other.config.model["revision"] != first.config.model["revision"]
+    assert other.config.model.revision != first.config.model.revision
 
 
 def test_the_worker_checks_the_checkpoint_it_loaded_against_run_json(ckpt, tmp_path):
@@ -263,12 +263,12 @@ def test_the_worker_checks_the_checkpoint_it_loaded_against_run_json(ckpt, tmp_p
     recorded = load_run(open_store(str(tmp_path / "out" / planned.config.run_id))).model
     settings = Settings(_env_file=None, cache_dir=tmp_path / "cache", device="cpu")
     target = load_target(str(ckpt), settings)
-    assert target.info.as_dict() == recorded and target.info.differences(recorded) == []
+    assert target.info.as_dict() == recorded.as_dict() and target.info.differences(recorded) == []
     _other_weights_of_the_same_shapes(ckpt)
     swapped = load_target(str(ckpt), settings)
-    assert swapped.info.as_dict() != recorded
+    assert swapped.info.as_dict() != recorded.as_dict()
     (difference,) = swapped.info.differences(recorded)
-    assert difference.startswith(f"revision: recorded {recorded['revision']!r}, this checkpoint 'sha256:")
+    assert difference.startswith(f"revision: recorded {recorded.revision!r}, this checkpoint 'sha256:")
     assert not torch.equal(next(swapped.model.parameters()), next(target.model.parameters()))
 
 
@@ -294,11 +294,11 @@ def test_a_version_1_run_is_still_checked_the_way_its_revision_was_recorded(tiny
     """The legacy run recorded ``local-<16 hex>`` for tiny-qwen3.5: the same checkpoint now has a content
     revision (so as_dict() differs) and still matches that record through its legacy revision."""
     recorded = RunConfig.from_json((LEGACY / "chats-307617162427" / "run.json").read_bytes()).model
-    assert recorded["revision"].startswith("local-")
+    assert recorded.revision.startswith("local-")
     info = model_info("tiny-qwen3.5", tiny_cache)
-    assert info.as_dict() != recorded
-    assert info.legacy_revision == recorded["revision"] and info.differences(recorded) == []
-    assert info.differences({**recorded, "revision": "local-0000000000000000"}) != []
+    assert info.as_dict() != recorded.as_dict()
+    assert info.legacy_revision == recorded.revision and info.differences(recorded) == []
+    assert info.differences(recorded.model_copy(update={"revision": "local-0000000000000000"})) != []
 
 
 def test_a_misspelled_built_in_model_is_refused_at_once_naming_the_built_in(tmp_path):

@@ -139,7 +139,7 @@ def test_flower_shows_every_batch_task_with_readable_arguments(flower_job):
     """Every planned batch is one SUCCESS task in Flower whose arguments read run=, batch=, samples=, tokens= as planned."""
     report = flower_job["report"]
     run_store = open_store(report["address"])
-    planned = {b["batch"]: b for b in read_batch_list(run_store)}
+    planned = {b.batch: b for b in read_batch_list(run_store)}
     seen = {}
     for task in flower_job["tasks"].values():
         fields = dict(part.split("=", 1) for part in task["args"].split())
@@ -149,8 +149,8 @@ def test_flower_shows_every_batch_task_with_readable_arguments(flower_job):
         assert "'status': 'done'" in task["result"] or '"status": "done"' in task["result"]
     assert seen.keys() == planned.keys()
     for batch, fields in seen.items():
-        assert int(fields["samples"]) == planned[batch]["num_samples"]
-        assert int(fields["tokens"]) == planned[batch]["num_tokens"]
+        assert int(fields["samples"]) == planned[batch].num_samples
+        assert int(fields["tokens"]) == planned[batch].num_tokens
 
 
 def test_flower_api_needs_the_basic_auth_and_the_queue_is_empty_after_the_job(flower_job):
@@ -167,8 +167,8 @@ def test_status_json_of_a_finished_job_counts_everything_done(flower_job):
     status = cli_json(run_cli("producer", ["status", report["address"], "--json"], flower_job["env"]))
     assert status["state"] == "done" and status["eta_s"] == 0
     assert status["batches_done"] == status["batches_total"] == len(batches) == report["batches_total"]
-    assert status["samples_done"] == status["samples_total"] == sum(b["num_samples"] for b in batches) == report["plan"]["samples"]
-    assert status["tokens_done"] == status["tokens_total"] == sum(b["num_tokens"] for b in batches) == report["plan"]["tokens"]
+    assert status["samples_done"] == status["samples_total"] == sum(b.num_samples for b in batches) == report["plan"]["samples"]
+    assert status["tokens_done"] == status["tokens_total"] == sum(b.num_tokens for b in batches) == report["plan"]["tokens"]
     assert status["samples_stored"] == status["samples_done"] and status["samples_quarantined"] == 0
     assert status["skipped"] == report["plan"]["skipped"]["counts"]
     assert status["failures"] == {} and status["batches_failed"] == 0
@@ -198,7 +198,7 @@ def test_status_json_of_a_running_job_counts_what_is_done_and_the_live_worker(fl
     job = [a if a != "768" else "512" for a in JOB]  # other batches: another run
     enq = cli_json(run_cli("producer", ["enqueue", *job, "--output", str(tmp_path / "out"), "--json"], env))
     run_store = open_store(enq["address"])
-    batches = {b["batch"]: b for b in read_batch_list(run_store)}
+    batches = {b.batch: b for b in read_batch_list(run_store)}
     assert len(batches) >= 6, "the job must have enough batches to be seen running"
 
     status = cli_json(run_cli("producer", ["status", enq["address"], "--json"], env))
@@ -220,8 +220,8 @@ def test_status_json_of_a_running_job_counts_what_is_done_and_the_live_worker(fl
             os.kill(worker.proc.pid, signal.SIGCONT)
         assert status["state"] == "running"
         assert status["batches_done"] == len(observed) and status["batches_total"] == len(batches)
-        assert status["samples_done"] == sum(batches[b]["num_samples"] for b in observed)
-        assert status["tokens_done"] == sum(batches[b]["num_tokens"] for b in observed)
+        assert status["samples_done"] == sum(batches[b].num_samples for b in observed)
+        assert status["tokens_done"] == sum(batches[b].num_tokens for b in observed)
         assert status["tokens_per_s"] > 0 and status["eta_s"] > 0
         assert [(w["pid"], w["batches_done"]) for w in status["workers"] if "markers" in w["sources"]] == [(worker.proc.pid, len(observed))]
 

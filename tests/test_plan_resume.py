@@ -45,7 +45,7 @@ def test_a_plan_killed_between_windows_resumes_after_them_and_plans_every_sample
     handed, records = [], []
 
     def on_window(job, batches):
-        handed.append([b["batch"] for b in batches])
+        handed.append([b.batch for b in batches])
         records.append(Planning.read(store))
 
     resumed = plan_run(_opts(out, limit=1800, num_proc=1, max_length=256), _settings(tiny_cache), on_window=on_window)
@@ -59,5 +59,5 @@ def test_a_plan_killed_between_windows_resumes_after_them_and_plans_every_sample
     assert _plan_files(run_dir) == _plan_files(tmp_path / "whole" / whole.config.run_id)
     ids = [r.record_id for r in SampleRow.read_all(store)]
     assert len(ids) == len(set(ids)) == resumed.stats["samples"]
-    in_batches = sorted(int(i) for b in resumed.batches for i in read_batch(store, b["batch"]).sample_index_N)
+    in_batches = sorted(int(i) for b in resumed.batches for i in read_batch(store, b.batch).sample_index_N)
     assert in_batches == list(range(resumed.stats["samples"]))

@@ -68,9 +68,9 @@ def test_tok_s_now_after_a_resume_counts_only_the_markers_made_since(finished, t
     batches = read_batch_list(store)
     half = len(batches) // 2
     later = batches[half:]
-    pending = [(b["batch"], store.read(marker_key(b["batch"]))) for b in later]
+    pending = [(b.batch, store.read(marker_key(b.batch))) for b in later]
     for b in later:
-        store.delete(marker_key(b["batch"]))  # the run stopped here
+        store.delete(marker_key(b.batch))  # the run stopped here
 
     planned = plan_run(PlanOptions(**JOB, output=str(tmp_path / "out")), Settings(_env_file=None, cache_dir=tiny_cache))
     assert planned.reused and planned.run_url.rstrip("/").endswith(run_dir.name)
@@ -83,7 +83,7 @@ def test_tok_s_now_after_a_resume_counts_only_the_markers_made_since(finished, t
     rates = workers.rates
     assert len(rates) == len(later) + 1, rates
     assert all(r != r for r in rates[:2]), f"no rate before two markers made since the resume: {rates}"
-    tokens = [b["num_tokens"] for b in later]
+    tokens = [b.num_tokens for b in later]
     for k in range(2, len(later) + 1):
         steady = sum(tokens[1:k]) / (10.0 * (k - 1))
         assert rates[k] == pytest.approx(steady), (k, rates, steady)

@@ -2,8 +2,9 @@
 written by earlier versions of hsx keep both.
 
 Fixtures in ``tests/data/legacy-runs/`` (how they were made: its ``SOURCE.md``): a complete run
-written by commit 64dc5fc, before ``identity_version`` existed, and the run.json of an older commit
-(f4b7035) written before ``sample_policy`` existed.
+written by commit 64dc5fc, before ``identity_version`` existed, the run.json of an older commit
+(f4b7035) written before ``sample_policy`` existed, and the run.json files that the last code of
+identity versions 2 and 3 wrote (their ``layers`` hold prose notes and a draft config's path).
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ from hsx.runconfig import (
     IDENTITY_VERSION,
     IDENTITY_FIELDS_UNLESS_DEFAULT,
     NON_IDENTITY_FIELDS,
+    ConfigPart,
+    DatasetOptions,
     RunConfig,
+    SamplePolicy,
     claim_run,
     diff_identity,
     load_run,
 )
+from hsx.shard import Final
 from hsx.store import open_store
 from producer.verify import verify_run
 
@@ -36,6 +41,16 @@ LEGACY_RUN = LEGACY / "chats-307617162427"
 LEGACY_SHA = "30761716242746dd4798c255c9c5e338c71a48e06ac95d2068c4e269815eb521"
 #: What commit f4b7035 computed for run-f4b7035.json.
 F4B_SHA = "8bbaf20ab65cbc039b943f1d8fbe9127a9461edec5420875ba728504f151c5a4"
+#: What the last identity-version-2 code (d95ffac~1) and version-3 code (a4fd82d) computed for their run.json.
+V2_SHA = "ff9d4e9594d8dc1edaf18eb00405ef20da2b64073f0612d50e6e40ac7eb516f1"
+V3_SHA = "219d8dcc45e58550339e252de09b5115d96715f0de773212385be2403dab4822"
+#: Every older run.json fixture: (file, its identity version, the hash its code computed).
+OLD_RUN_JSONS = [
+    (LEGACY_RUN / "run.json", 1, LEGACY_SHA),
+    (LEGACY / "run-f4b7035.json", 1, F4B_SHA),
+    (LEGACY / "run-v2-d95ffac.json", 2, V2_SHA),
+    (LEGACY / "run-v3-a4fd82d.json", 3, V3_SHA),
+]
 
 
 def _legacy_config() -> RunConfig:
@@ -75,7 +90,8 @@ def test_a_run_json_older_than_sample_policy_hashes_as_the_code_that_wrote_it():
     raw = json.loads((LEGACY / "run-f4b7035.json").read_bytes())
     assert "sample_policy" not in raw and "enable_thinking" not in raw["tokenizer"]
     config = RunConfig.from_json((LEGACY / "run-f4b7035.json").read_bytes())
-    assert config.sample_policy == {}  # the field's default, for code that reads it
+    assert config.sample_policy == SamplePolicy() and config.sample_policy.as_dict() == {}  # the field's default
+    assert "enable_thinking" not in config.tokenizer.as_dict()  # a key the part did not hold is not added
     assert config.identity_sha256() == F4B_SHA
     assert config.default_run_id("chats") == config.run_id == "chats-8bbaf20ab65c"
 
@@ -122,7 +138,7 @@ def _new_config(**changes) -> RunConfig:
 def test_new_runs_record_their_identity_version_and_it_round_trips():
     config = _new_config()
     written = json.loads(config.to_json())
-    assert written["identity_version"] == IDENTITY_VERSION == 3
+    assert written["identity_version"] == IDENTITY_VERSION == 4
     assert written["special_tokens_in_content"] == "text"
     again = RunConfig.from_json(config.to_json())
     assert again == config and again.identity_sha256() == config.identity_sha256() != LEGACY_SHA
@@ -153,13 +169,13 @@ def test_version_3_hashes_version_2_the_plan_windows_and_the_dataset_options():
     records are read: both decide the shards' bytes. The source's description and the chat template's
     path are recorded but never hashed (the bytes they name are: dataset_fingerprint, the template's sha256)."""
     assert IDENTITY_FIELDS[3] == IDENTITY_FIELDS[2] + ("plan_windows", "dataset_options")
-    config = _new_config()
+    config = _new_config(identity_version=3)
     assert set(config.identity()) == set(IDENTITY_FIELDS[3]) | {"identity_version"}
     assert config.identity()["identity_version"] == 3
-    other_windows = _new_config(plan_windows=[512, 32768])
-    shuffled = _new_config(dataset_options={"shuffle": True, "seed": 1})
+    other_windows = _new_config(identity_version=3, plan_windows=[512, 32768])
+    shuffled = _new_config(identity_version=3, dataset_options=DatasetOptions(shuffle=True, seed=1))
     assert len({c.default_run_id("chats") for c in (config, other_windows, shuffled)}) == 3
-    moved = _new_config(dataset={"kind": "files", "files": [{"name": "x.jsonl", "bytes": 3}]},
+    moved = _new_config(identity_version=3, dataset={"kind": "files", "files": [{"name": "x.jsonl", "bytes": 3}]},
                         chat_template_file="/elsewhere/template.jinja", dataset_source="/elsewhere/chats.jsonl")
     assert moved.identity_sha256() == config.identity_sha256()
 
@@ -169,7 +185,7 @@ def test_a_version_2_run_reads_as_sorted_whole_with_every_record_in_order():
     old = RunConfig.from_json(json.dumps({k: v for k, v in json.loads(_new_config(identity_version=2).to_json()).items()
                                           if k not in ("plan_windows", "dataset_options", "dataset",
                                                        "chat_template_file")}).encode())
-    assert old.identity_version == 2 and old.plan_windows is None and old.dataset_options == {}
+    assert old.identity_version == 2 and old.plan_windows is None and old.dataset_options == DatasetOptions()
     assert set(old.identity()) == set(IDENTITY_FIELDS[2]) | {"identity_version"}
 
 
@@ -217,7 +233,7 @@ def test_a_run_json_with_a_field_this_code_does_not_know_loads_keeps_it_and_stil
     raw["spool_hint"] = "nvme"
     (run_dir / "run.json").write_text(json.dumps(raw))
     config = load_run(open_store(str(run_dir)))
-    assert config.extra == {"spool_hint": "nvme"}
+    assert config.extra == {"spool_hint": "nvme", "stats": {}}  # stats: always {}, no longer a field
     assert json.loads(config.to_json())["spool_hint"] == "nvme"
     assert config.identity_sha256() == LEGACY_SHA
     assert verify_run(open_store(str(run_dir)))["ok"]
@@ -225,8 +241,7 @@ def test_a_run_json_with_a_field_this_code_does_not_know_loads_keeps_it_and_stil
 
 @pytest.mark.parametrize("name,value", [
     ("model", {"revision": "another-checkpoint"}),
-    ("model_name", "other-model"),
-    ("layers", {"layer_ids": [1, 2, 4]}),
+    ("layers", {"layer_ids": (1, 2, 4)}),
     ("max_length", 128),
     ("batch_tokens", 256),
     ("max_batch_samples", 2),
@@ -241,7 +256,7 @@ def test_changing_an_identity_field_changes_the_run_id(name, value):
     base = _legacy_config()
     changed = _legacy_config()
     old = getattr(changed, name)
-    setattr(changed, name, {**old, **value} if isinstance(old, dict) else value)
+    setattr(changed, name, old.model_copy(update=value) if isinstance(old, ConfigPart) else value)
     assert changed.default_run_id("chats") != base.default_run_id("chats")
     assert changed.identity_sha256() != LEGACY_SHA
     new_base, new_changed = _new_config(), _new_config(**{name: getattr(changed, name)})
@@ -252,7 +267,7 @@ def test_changing_an_identity_field_changes_the_run_id(name, value):
     ("run_id", "another-id"),
     ("created_at", "2030-01-01T00:00:00+00:00"),
     ("dataset_source", "/elsewhere/chats.jsonl"),
-    ("stats", {"samples": 4}),
+    ("chat_template_file", "/elsewhere/template.jinja"),
 ])
 def test_recorded_fields_outside_the_identity_do_not_change_the_run_id(name, value):
     changed = _legacy_config()
@@ -317,6 +332,143 @@ def test_the_planner_records_the_added_token_mode_and_tokenises_content_by_it(tm
         stored = json.loads((tmp_path / mode / run.config.run_id / "run.json").read_bytes())
         assert stored["added_tokens_in_content"] == mode
         (batch,) = run.batches
-        seen[mode] = read_batch(run.run_store, batch["batch"]).input_ids_T.tolist()
+        seen[mode] = read_batch(run.run_store, batch.batch).input_ids_T.tolist()
     assert seen["token"].count(151667) == 2  # the user's and the template's (the reply's empty block)
     assert seen["text"].count(151667) == 1
+
+
+# --- version 4: typed parts, only the fields that decide the bytes are hashed -------------------
+
+
+@pytest.mark.parametrize("path,version,sha", OLD_RUN_JSONS, ids=lambda v: getattr(v, "name", str(v))[:24])
+def test_an_old_run_json_of_each_identity_version_keeps_its_id_and_marker_hash(path, version, sha):
+    """Versions 1-3 hashed each part as stored, prose and paths included: read into the typed parts and
+    written back, every old run.json still hashes to what its code wrote into its markers."""
+    config = RunConfig.from_json(path.read_bytes())
+    assert config.identity_version == version
+    assert config.identity_sha256() == sha
+    assert config.default_run_id("chats") == config.run_id == f"chats-{sha[:12]}"
+    again = RunConfig.from_json(config.to_json())
+    assert again.identity_sha256() == sha
+    raw = json.loads(path.read_bytes())
+    for name in ("model", "layers", "tokenizer", "sample_policy", "dataset_options"):
+        if name in raw:  # each part writes back exactly the keys it was read with
+            assert json.loads(config.to_json())[name] == raw[name]
+
+
+def test_the_version_2_and_3_fixtures_hold_the_prose_and_the_path_those_versions_hashed():
+    """So that the test above proves what it says: their layers carry notes and a draft config's path."""
+    for path, version, _sha in OLD_RUN_JSONS[2:]:
+        layers = RunConfig.from_json(path.read_bytes()).layers
+        assert layers.notes and layers.source.startswith("/tmp/legacy/draft/config.json: ")
+        assert layers.layer_ids == (1, 3, 7) and layers.final == "postnorm"
+
+
+def _v3_run() -> RunConfig:
+    return RunConfig.from_json((LEGACY / "run-v3-a4fd82d.json").read_bytes())
+
+
+def _as_v4(config: RunConfig, **layer_changes) -> RunConfig:
+    """The same run planned by this code (identity version 4), its layers changed by ``layer_changes``."""
+    return dataclasses.replace(config, identity_version=4, layers=config.layers.model_copy(update=layer_changes))
+
+
+def test_a_version_4_id_does_not_change_with_the_layers_prose_notes_or_draft_config_path():
+    base = _as_v4(_v3_run())
+    reworded = _as_v4(_v3_run(), convention="the residual stream after decoder layer i",
+                      notes=["the last layer's raw output, before the final norm"])
+    moved = _as_v4(_v3_run(), source="/home/me/drafts/other-copy/config.json: dflash_config.target_layer_ids (output-of)")
+    assert base.identity_sha256() == reworded.identity_sha256() == moved.identity_sha256()
+    assert base.default_run_id("chats") == moved.default_run_id("chats") != _v3_run().run_id
+    # under version 3 the same changes did change the id: why version 4 exists
+    v3_moved = dataclasses.replace(_v3_run(), layers=moved.layers)
+    assert v3_moved.identity_sha256() != V3_SHA
+
+
+@pytest.mark.parametrize("change", [{"layer_ids": (1, 3, 6)}, {"final": Final.BOTH}])
+def test_a_version_4_id_changes_with_a_layer_id_or_the_final_states(change):
+    base = _as_v4(_v3_run())
+    changed = _as_v4(_v3_run(), **change)
+    assert changed.default_run_id("chats") != base.default_run_id("chats")
+    assert diff_identity(base.identity(), changed.identity())[0].startswith(f"layers.{next(iter(change))}: stored")
+
+
+def test_version_4_hashes_the_typed_fields_of_each_part_and_not_the_model_name_repeat():
+    config = _as_v4(_v3_run())
+    identity = config.identity()
+    assert set(identity) == set(IDENTITY_FIELDS[4]) | {"identity_version"} and "model_name" not in identity
+    assert identity["layers"] == {"layer_ids": [1, 3, 7], "final": "postnorm"}
+    assert set(identity["model"]) == {"name", "model_type", "num_layers", "hidden_size", "revision"}
+    assert identity["tokenizer"]["class"] == "Qwen2Tokenizer" and "enable_thinking" in identity["tokenizer"]
+    assert identity["dataset_options"] == {"shuffle": True, "seed": 7}
+    # what is hashed still decides the id: the model's revision, the sample policy, the dataset order
+    for changed in (dataclasses.replace(config, model=config.model.model_copy(update={"revision": "sha256:" + "1" * 64})),
+                    dataclasses.replace(config, sample_policy=config.sample_policy.model_copy(update={"over_length": "drop"})),
+                    dataclasses.replace(config, dataset_options=DatasetOptions(shuffle=True, seed=8)),
+                    dataclasses.replace(config, tokenizer=config.tokenizer.model_copy(update={"enable_thinking": True}))):
+        assert changed.identity_sha256() != config.identity_sha256()
+    assert dataclasses.replace(config, model_name="./elsewhere/tiny").identity_sha256() == config.identity_sha256()
+
+
+def test_version_4_hashes_the_dataset_options_by_what_they_change_not_how_they_were_spelled():
+    """A seed without shuffle or sample reads every record in order: the same records as no option."""
+    config = _as_v4(_v3_run())
+    in_order = dataclasses.replace(config, dataset_options=DatasetOptions())
+    spelled = dataclasses.replace(config, dataset_options=DatasetOptions(shuffle=False, seed=3))
+    assert in_order.identity_sha256() == spelled.identity_sha256() != config.identity_sha256()
+
+
+def test_a_version_3_run_is_resumed_by_this_code_under_its_run_id_when_only_the_prose_differs(tmp_path):
+    """Compared at version 4 (the newer), a version-3 run and the same options with the draft config at
+    another path agree: claim_run resumes it and leaves its run.json (and so its id) as it was."""
+    run_dir = tmp_path / _v3_run().run_id
+    run_dir.mkdir()
+    (run_dir / "run.json").write_bytes((LEGACY / "run-v3-a4fd82d.json").read_bytes())
+    requested = _as_v4(_v3_run(), source="/elsewhere/config.json: dflash_config.target_layer_ids (output-of)")
+    assert claim_run(open_store(str(run_dir)), requested) is False
+    assert load_run(open_store(str(run_dir))).identity_sha256() == V3_SHA
+    with pytest.raises(RunConflict, match=r"layers.layer_ids: stored \[1, 3, 7\] != requested \[1, 3, 6\]"):
+        claim_run(open_store(str(run_dir)), _as_v4(_v3_run(), layer_ids=(1, 3, 6)))
+
+
+def test_a_part_keeps_the_keys_it_does_not_know_and_never_hashes_them_from_version_4():
+    raw = json.loads((LEGACY / "run-v3-a4fd82d.json").read_bytes())
+    raw["identity_version"] = 4
+    raw["layers"]["draft_model"] = "z-lab/dflash-draft"  # a key a newer hsx might record
+    config = RunConfig.from_json(json.dumps(raw).encode())
+    assert json.loads(config.to_json())["layers"]["draft_model"] == "z-lab/dflash-draft"
+    del raw["layers"]["draft_model"]
+    assert config.identity_sha256() == RunConfig.from_json(json.dumps(raw).encode()).identity_sha256()
+
+
+def test_a_run_json_with_a_part_of_the_wrong_shape_is_refused_naming_the_field():
+    raw = json.loads((LEGACY / "run-v3-a4fd82d.json").read_bytes())
+    raw["layers"]["layer_ids"] = "1,3,7"
+    with pytest.raises(RunFormatError, match=r"layers\.layer_ids"):
+        RunConfig.from_json(json.dumps(raw).encode())
+    del raw["model"]["hidden_size"]
+    with pytest.raises(RunFormatError, match=r"model\.hidden_size: Field required"):
+        RunConfig.from_json(json.dumps(raw).encode())
+
+
+def test_a_part_given_as_a_dict_is_refused():
+    with pytest.raises(TypeError, match="RunConfig.layers is a dict, not a LayersConfig"):
+        dataclasses.replace(_v3_run(), layers={"layer_ids": [1, 3, 7], "final": "postnorm"})
+
+
+def test_the_planner_gives_one_run_id_for_one_draft_config_at_two_paths(tmp_path, tiny_cache):
+    """The issue this version fixes, end to end: the same draft config copied elsewhere plans the same run."""
+    from plans import plan_options, plan_settings
+    from producer.planner import build_config
+
+    draft = {"dflash_config": {"target_layer_ids": [1, 3, 7]}}
+    ids = []
+    for where in ("a", "b/c"):
+        path = tmp_path / where / "config.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(draft))
+        config, _tok, _source = build_config(plan_options(tmp_path / "out", LEGACY / "chats.jsonl", draft_config=str(path)),
+                                             plan_settings(tiny_cache))
+        assert config.identity_version == IDENTITY_VERSION and config.layers.source.startswith(str(path))
+        ids.append(config.run_id)
+    assert ids[0] == ids[1]

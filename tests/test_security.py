@@ -279,7 +279,7 @@ def test_a_worker_refuses_runs_outside_its_roots_and_runs_for_another_model_with
         config["model"]["revision"] = "sha256:" + "0" * 64
         config["model"]["name"] = config["model_name"] = "someone/else"
         planned.run_store.write("run.json", json.dumps(config).encode())
-        batch = planned.batches[0]["batch"]
+        batch = planned.batches[0].batch
         worker.wait_ready()
         app = make_celery(Settings(_env_file=None), broker.url, name="attacker")
         client = redis_client(broker.url)

@@ -14,15 +14,17 @@ import pytest
 import torch
 
 from hsx.layers import select_layers
+from hsx.runconfig import LayersConfig, ModelConfig
 from hsx.shard import Final, ShardSpec, StoreDtype, schema_problems, serialize_shard, shard_metadata
 
 T, N, H = 11, 3, 8
 LAYER_IDS = (1, 5)
+MODEL = ModelConfig(name="m", model_type="qwen3", num_layers=6, hidden_size=H, revision="sha256:00")
 
 
 def make_shard(final: Final, store_dtype: StoreDtype) -> tuple[dict, dict]:
     """(tensors, metadata) of a valid shard of T tokens, N samples, K = 2 layers of H values."""
-    layers = select_layers(6, layer_ids=list(LAYER_IDS), final=final).as_dict()
+    layers = LayersConfig.of(select_layers(6, layer_ids=list(LAYER_IDS), final=final))
     tensors = {"input_ids": torch.arange(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
                "cu_seqlens": torch.tensor([0, 4, 6, T]), "sample_index": torch.tensor([7, 2, 9])}
     for name in (("hidden_states",) + final.tensors):
@@ -30,7 +32,7 @@ def make_shard(final: Final, store_dtype: StoreDtype) -> tuple[dict, dict]:
         tensors[name] = torch.randn(shape).to(store_dtype.torch_dtype)
         if store_dtype.scaled:
             tensors[name + "_scale"] = torch.ones(shape[:-1])
-    return tensors, shard_metadata("run-a", "b000003", layers, {"name": "m"}, {"torch": "x"}, store_dtype=store_dtype)
+    return tensors, shard_metadata("run-a", "b000003", layers, MODEL, {"torch": "x"}, store_dtype=store_dtype)
 
 
 def spec(final: Final, store_dtype: StoreDtype) -> ShardSpec:

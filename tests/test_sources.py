@@ -494,7 +494,7 @@ def test_a_chat_template_file_changes_the_tokens_the_template_hash_and_the_run_i
 
     base = _plan(tmp_path, settings, dataset, out="base")
     custom = _plan(tmp_path, settings, dataset, out="custom", chat_template=str(template))
-    assert custom.config.tokenizer["chat_template_sha256"] != base.config.tokenizer["chat_template_sha256"]
+    assert custom.config.tokenizer.chat_template_sha256 != base.config.tokenizer.chat_template_sha256
     assert custom.config.run_id != base.config.run_id
     assert _run_json(custom)["chat_template_file"] == str(template.resolve())
     assert _run_json(base)["chat_template_file"] is None

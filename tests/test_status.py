@@ -33,7 +33,7 @@ def test_status_counts_quarantine_failures_and_paused_workers_from_the_store(sma
     run_dir = copy_run(small_run, tmp_path)
     store = open_store(str(run_dir))
     batches = read_batch_list(store)
-    first, last = batches[0]["batch"], batches[-1]["batch"]
+    first, last = batches[0].batch, batches[-1].batch
     quarantine_first_sample(run_dir, first)
     store.delete(marker_key(last))
     store.write(f"failures/{last}.json", json.dumps({"batch": last, "error": "FidelityError: all 3 samples NaN",
@@ -48,10 +48,10 @@ def test_status_counts_quarantine_failures_and_paused_workers_from_the_store(sma
         "updated_at": _utc(now - 600)}).encode())
 
     status = RunWatch(store).poll(now=now)
-    total_samples = sum(b["num_samples"] for b in batches)
+    total_samples = sum(b.num_samples for b in batches)
     assert status["state"] == "failed"
     assert status["batches_done"] == len(batches) - 1 and status["batches_failed"] == 1
-    assert status["samples_done"] == total_samples - batches[-1]["num_samples"]
+    assert status["samples_done"] == total_samples - batches[-1].num_samples
     assert status["samples_quarantined"] == 1
     assert status["samples_stored"] == status["samples_done"] - 1
     assert status["failures"][last]["error"].startswith("FidelityError")
@@ -199,7 +199,7 @@ def test_a_worker_of_this_host_whose_process_is_gone_is_lost_at_once_and_shows_o
     store = open_store(str(run_dir))
     for key in store.list(WORKERS_PREFIX):
         store.delete(key)
-    batches = [b["batch"] for b in read_batch_list(store)]
+    batches = [b.batch for b in read_batch_list(store)]
     done, undone = batches[0], batches[-1]
     store.delete(marker_key(undone))
     child = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -252,7 +252,7 @@ def _untaken_run(small_run, tmp_path):
     run_dir = copy_run(small_run, tmp_path)
     store = open_store(str(run_dir))
     for b in read_batch_list(store):
-        store.delete(marker_key(b["batch"]))
+        store.delete(marker_key(b.batch))
     for key in store.list(WORKERS_PREFIX):
         store.delete(key)
     return run_dir, store
@@ -357,7 +357,7 @@ def test_the_workers_table_is_readable_at_80_columns(small_run, tmp_path):
 
     run_dir = copy_run(small_run, tmp_path)
     store = open_store(str(run_dir))
-    batches = [b["batch"] for b in read_batch_list(store)]
+    batches = [b.batch for b in read_batch_list(store)]
     now = float(int(time.time()))
     reason = "spool 85% full (limit 80%, HSX_SPOOL_MAX_FRACTION)"
     store.write("workers/gpu-node-17.example.org-41.json", json.dumps({

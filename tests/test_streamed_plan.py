@@ -36,12 +36,12 @@ def test_each_window_is_handed_over_once_its_files_are_in_the_store_while_later_
         store = job.run_store
         assert batches and not plan_complete(store)
         for b in batches:
-            plan = read_batch(store, b["batch"])  # MissingKey if the message could outrun its plan file
-            assert plan.num_samples == b["num_samples"] and plan.num_tokens == b["num_tokens"]
-        seen.append([b["batch"] for b in batches])
+            plan = read_batch(store, b.batch)  # MissingKey if the message could outrun its plan file
+            assert plan.num_samples == b.num_samples and plan.num_tokens == b.num_tokens
+        seen.append([b.batch for b in batches])
 
     planned = plan_run(_opts(tmp_path / "out", limit=2600, num_proc=1), _settings(tiny_cache), on_window=on_window)
-    assert len(seen) == 2 and [b for part in seen for b in part] == [b["batch"] for b in planned.batches]
+    assert len(seen) == 2 and [b for part in seen for b in part] == [b.batch for b in planned.batches]
     windows = read_windows(planned.run_store)
     assert [w.num_samples for w in windows] == [1024, planned.stats["samples"] - 1024, 0][:len(windows)]
     assert windows[-1].last and not Planning.read(planned.run_store)

@@ -65,7 +65,7 @@ def _enqueue(shared_worker, run_store, names: list[str]) -> None:
     from producer.reconcile import _enqueue
     from hsx.plan import planned_batches
 
-    by_name = {b["batch"]: b for b in planned_batches(run_store)[0]}
+    by_name = {b.batch: b for b in planned_batches(run_store)[0]}
     _enqueue(run_store, run_store.url, load_run(run_store), [by_name[n] for n in names], shared_worker.settings,
              shared_worker.broker.url)
 
@@ -210,7 +210,7 @@ def test_status_verify_reconcile_and_the_live_reader_follow_a_plan_while_it_is_w
         done_line = planner.wait(lambda x: x.get("done"))
         batches = read_batch_list(run_store)
         assert done_line["batches"] == len(batches) > len(first["batches"])
-        mine = [b["batch"] for b in batches if rank_of(b["batch"], WORLD) == rank]
+        mine = [b.batch for b in batches if rank_of(b.batch, WORLD) == rank]
         assert set(mine) > set(mine_first)
         _enqueue(shared_worker, run_store, [b for b in mine if b not in mine_first])
         follower.join(120)
@@ -251,7 +251,7 @@ def test_a_plan_stopped_after_its_first_window_is_plan_failed_and_its_batches_ar
         plan_run(plan_options(out, LIMIT), plan_settings(tiny_cache), on_window=stop_after_the_first)
     (run_dir,) = [p for p in out.iterdir() if (p / "run.json").exists()]
     run_store = open_store(str(run_dir))
-    first = [b["batch"] for b in windows[0]]
+    first = [b.batch for b in windows[0]]
     assert [w.name for w in _windows(run_store)] == ["w000000"]
 
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state")
@@ -287,10 +287,10 @@ def test_a_plan_stopped_after_its_first_window_is_plan_failed_and_its_batches_ar
 
     resumed = plan_run(plan_options(out, LIMIT), plan_settings(tiny_cache))
     assert resumed.config.run_id == run_dir.name and resumed.stats["windows"] == 3
-    assert [b["batch"] for b in resumed.batches][:len(first)] == first
+    assert [b.batch for b in resumed.batches][:len(first)] == first
     report = verify_run(run_store)
     assert not PLAN_KINDS & set(_kinds(report)), report["problems"][:5]
-    assert {b["batch"] for b in resumed.batches} - set(mine) == {p["batch"] for p in report["problems"]}
+    assert {b.batch for b in resumed.batches} - set(mine) == {p["batch"] for p in report["problems"]}
     assert RunWatch(run_store).poll()["state"] in ("running", "stalled"), "nothing queues the other batches: stalled soon"
 
 

@@ -53,7 +53,8 @@ def test_recompute_catches_an_off_by_one_layer_id(small_run):
     """Guard against a vacuous recompute: reading the stored layers as ids + 1 must fail on every sample."""
     run_store = open_store(small_run["address"])
     config = load_run(run_store)
-    shifted = dataclasses.replace(config, layers={**config.layers, "layer_ids": [i + 1 for i in config.layers["layer_ids"]]})
+    shifted = dataclasses.replace(config, layers=config.layers.model_copy(
+        update={"layer_ids": tuple(i + 1 for i in config.layers.layer_ids)}))
     from settings import Settings
 
     marker = Marker.read(run_store, "b000000")

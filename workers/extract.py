@@ -308,8 +308,7 @@ def prepare(claimed: Claimed, store, settings: Settings, job: _Job) -> Prepared:
             f"({'; '.join(differences)}); the checkpoint changed since planning. Re-plan the run or point the worker at "
             "the same checkpoint."
         )
-    layers = config.layers
-    selection = LayerSelection(tuple(layers["layer_ids"]), layers["final"], layers.get("preset"), layers["num_layers"])
+    selection = config.layers.selection()
     store_dtype = StoreDtype(config.store_dtype)
     states_per_token = len(selection.layer_ids) + len(Final(selection.final).tensors)
     spool = process_spool(settings)

@@ -630,7 +630,7 @@ class Reclaimer:
         planned = self._plans.get(run_url)
         if planned is None:
             batches, complete = planned_batches(store)
-            planned = [b["batch"] for b in batches]
+            planned = [b.batch for b in batches]
             if complete:
                 self._plans[run_url] = planned
         done = done_batches(store)
