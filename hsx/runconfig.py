@@ -111,7 +111,10 @@ NON_IDENTITY_FIELDS = ("identity_version", "run_id", "created_at", "dataset_sour
 #: choice added after the runs that made its default implicitly (their bytes are what the default
 #: gives), so those runs and the same options planned now keep one run id, and the other value gets
 #: another. ``added_tokens_in_content``: "token", what every run before the choice did.
-IDENTITY_FIELDS_UNLESS_DEFAULT: dict[str, object] = {"added_tokens_in_content": "token"}
+IDENTITY_FIELDS_UNLESS_DEFAULT: dict[str, object] = {"added_tokens_in_content": "token",
+                                                    # a regenerate run's generation options (hsx/regen.py);
+                                                    # None: an extraction run, as every run before it
+                                                    "regenerate": None}
 
 
 P = TypeVar("P", bound="ConfigPart")
@@ -337,6 +340,9 @@ class RunConfig:
     dataset: dict = field(default_factory=dict)
     #: The --chat-template file that replaced the tokenizer's template (its sha256 is in ``tokenizer``).
     chat_template_file: str | None = None
+    #: A regenerate run (``producer regenerate``, ``hsx/regen.py`` :class:`~hsx.regen.RegenConfig` as a
+    #: dict): its workers answer the prompts with the target instead of capturing states. None: extraction.
+    regenerate: dict | None = None
     schema_version: int = SCHEMA_VERSION
     identity_version: int = IDENTITY_VERSION
     run_id: str = ""

@@ -164,6 +164,7 @@ def _options(args):
         command=getattr(args, "command_line", None),
         split=args.split, subset=args.subset, shuffle=args.shuffle, seed=args.seed, sample=args.sample,
         chat_template=args.chat_template, num_proc=args.num_proc,
+        regenerate=getattr(args, "regenerate_config", None), drop_unfinished=getattr(args, "drop_unfinished", False),
     )
 
 
@@ -242,6 +243,11 @@ def cmd_enqueue(args, settings: Settings) -> int:
 
 def cmd_run(args, settings: Settings) -> int:
     from producer.run import run_job
+
+    if getattr(args, "regenerate", False):  # both stages: regenerate, then extract (producer/regenerate.py)
+        from producer.regenerate import cmd_run_regenerated
+
+        return cmd_run_regenerated(args, settings)
 
     if args.output:  # the workers this starts serve the --output root (hsx/access.py: HSX_STORE_URL)
         settings = settings.model_copy(update={"store_url": args.output})
@@ -418,8 +424,10 @@ def cmd_verify(args, settings: Settings) -> int:
     run_store = open_store(args.run_address, settings, create=False)  # read-only: makes nothing
     try:
         with progress_factory() as progress:
-            report = verify_run(run_store, recompute=args.recompute, seed=args.seed, rtol=args.rtol, settings=settings,
-                                progress=progress)
+            from producer.regenerate import verify_regenerated
+
+            report = verify_regenerated(run_store) or verify_run(  # a regenerate run: its own checks (producer/regenerate.py)
+                run_store, recompute=args.recompute, seed=args.seed, rtol=args.rtol, settings=settings, progress=progress)
     except MissingKey:
         console.print(_no_run_message(args.run_address, run_store), highlight=False)
         return 2
@@ -653,8 +661,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true",
                    help="enqueue even if no live worker on the broker serves --output (its messages then park)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--drop-unfinished", action="store_true",
+                   help="DATASET is a regenerate run: skip the conversations with an answer cut at --max-new-tokens")
+    from producer.regenerate import add_generation_options
+
+    p = sub.add_parser("regenerate", help="answer the dataset's assistant turns again with the target (a run whose shards "
+                                          "are the regenerated conversations; its address is a dataset for run/enqueue)")
+    _add_plan_options(p)
+    add_generation_options(p)
+    p.add_argument("--enqueue", action="store_true", help="plan and enqueue on HSX_BROKER_URL for the fleet's workers "
+                                                          "(as `enqueue`), instead of running it on this machine")
+    p.add_argument("--force", action="store_true", help="with --enqueue: as enqueue --force")
+    p.add_argument("--workers", type=_at_least_one, help="worker processes to start (default: one per GPU, one on CPU)")
+    p.add_argument("--gpus-per-worker", type=_at_least_one, metavar="K", help="as run --gpus-per-worker")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("run", help="the whole job on this machine: plan, start broker and workers, extract, stop")
     _add_plan_options(p)
+    add_generation_options(p, in_run=True)
     p.add_argument("--workers", type=_at_least_one, help="worker processes to start (default: one per GPU, one on CPU)")
     p.add_argument("--gpus-per-worker", type=_at_least_one, metavar="K",
                    help="GPUs per worker: the target split over K GPUs by tensor parallelism (K must divide its KV "
@@ -730,6 +753,10 @@ def main(argv: list[str] | None = None) -> int:
 
             console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
             return 2
+        if args.command == "regenerate":
+            from producer.regenerate import cmd_regenerate
+
+            return cmd_regenerate(args, settings)
         return {"enqueue": cmd_enqueue, "run": cmd_run, "status": cmd_status, "flower": cmd_flower, "verify": cmd_verify, "export": cmd_export,
                 "vocab-counts": cmd_vocab_counts, "reconcile": cmd_reconcile, "cancel": cmd_cancel}[args.command](args, settings)
     except HsxError as exc:

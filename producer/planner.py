@@ -97,6 +97,11 @@ class PlanOptions:
     chat_template: str | None = None
     #: Tokenising processes (None: HSX_PLAN_NUM_PROC, else the machine's cores). Does not change the plan.
     num_proc: int | None = None
+    #: A regenerate run (``producer/regenerate.py``): the generation options (:class:`hsx.regen.RegenConfig`
+    #: as a dict); None: an extraction run.
+    regenerate: dict | None = None
+    #: The dataset is a regenerate run: skip its answers cut at max_new_tokens.
+    drop_unfinished: bool = False
 
 
 @dataclass
@@ -182,7 +187,7 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
             raise BadConfig(f"--run-id: {exc}") from None
     template_text = _chat_template_text(opts.chat_template)
     options = SourceOptions(split=opts.split, subset=opts.subset, shuffle=opts.shuffle, seed=opts.seed,
-                            sample=opts.sample)
+                            sample=opts.sample, drop_unfinished=opts.drop_unfinished)
     source = open_source(opts.dataset, options, cache_dir=settings.cache_dir)  # BadDataset early, before a model config
     info = model_info(opts.model, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     layer_ids = parse_layer_ids(opts.layers) if opts.layers is not None else None
@@ -324,6 +329,10 @@ def prepare_plan(opts: PlanOptions, settings: Settings, progress=None) -> "PlanJ
 
     Raises what :func:`plan_run` raises before anything is written.
     """
+    if opts.regenerate is not None:  # a regenerate run: the same plan, its batches answered (producer/regenerate.py)
+        from producer.regenerate import prepare_regenerate
+
+        return prepare_regenerate(opts, settings, progress)
     root = open_store(opts.output or settings.store_url, settings)
     if exists(root, RUN_JSON):
         # --output takes the store root that holds runs; README examples write runs as ./out/<run_id>.
@@ -349,10 +358,20 @@ class _Window:
     truncated: list = field(default_factory=list)
     claimed_ids: list = field(default_factory=list)
     skips: SkipCounter = field(default_factory=SkipCounter)
+    #: ``(fallback id, raw record)`` of each sample, when the job keeps them (:attr:`PlanJob.keep_records`).
+    raws: list = field(default_factory=list)
 
 
 class PlanJob:
     """One run being planned: :func:`prepare_plan` makes it, :meth:`run` streams the windows."""
+
+    #: Keep each sample's raw record in its window, for :meth:`write_window_extra` (a regenerate plan
+    #: stores the conversations themselves: ``producer/regenerate.py``).
+    keep_records = False
+
+    def write_window_extra(self, store, window: "_Window", plans: list[BatchPlan]) -> None:
+        """More files of a window, written after its batch files and before its record (so before any
+        of its batches is enqueued). Nothing here; a regenerate plan writes its conversations."""
 
     def __init__(self, opts, settings, root, run_store, config, spec, chat, source):
         self.opts, self.settings, self.root, self.run_store = opts, settings, root, run_store
@@ -440,6 +459,8 @@ class PlanJob:
                             window.ids.append(ids_S)
                             window.masks.append(mask_S)
                             window.truncated.append(truncated)
+                            if self.keep_records:
+                                window.raws.append((_fid, _raw))
                     stop = limit is not None and len(seen) >= limit
                     if len(window.ids) >= window_samples(window.index, config.plan_windows) or stop:
                         pending = self._publish(writer, pending, window, records_read, False, on_window, t0)
@@ -509,6 +530,7 @@ class PlanJob:
             with ThreadPoolExecutor(WRITE_THREADS) as pool:
                 list(pool.map(lambda p: store.write(batch_key(p.batch), p.to_bytes()), plans))
             store.write(window_samples_key(record.name), SampleRow.rows_bytes(rows))
+            self.write_window_extra(store, window, plans)
             record.write(store)  # last: the window's batches may now be enqueued
             self.written = record.window + 1
             self._write_progress(records_read, bytes_read)

@@ -62,6 +62,9 @@ class SourceOptions:
     shuffle: bool = False
     seed: int | None = None
     sample: int | None = None
+    #: Of a regenerate run's address as the dataset (``producer/regenerate.py``): skip the answers cut at
+    #: ``--max-new-tokens``. Hashed through that source's fingerprint, not here.
+    drop_unfinished: bool = False
 
     def identity(self) -> dict:
         """The options that decide which records are read, as hashed into the run's identity
@@ -149,6 +152,14 @@ def open_source(source: str, options: SourceOptions | None = None, *, cache_dir:
     """
     options = options or SourceOptions()
     options.check()
+    from producer.regenerate import regenerated_source
+
+    regenerated = regenerated_source(source, options)  # a regenerate run's address: its answered conversations
+    if regenerated is not None:
+        return regenerated
+    if options.drop_unfinished:
+        raise BadConfig(f"--drop-unfinished skips the unfinished answers of a regenerate run; {source!r} is not the "
+                        "address of one (<output>/<run_id> of `producer regenerate`): leave it out")
     from producer import hfsource
 
     if hfsource.is_hf_source(source):

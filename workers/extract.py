@@ -173,6 +173,11 @@ def extract_batch(run_url: str, batch: str, settings: Settings, task_id: str | N
     job = _Job(claimed, settings, task_id)
     result = None
     try:
+        if claimed.config.regenerate is not None:  # a regenerate run: answered, not captured (workers/generate.py)
+            from workers.generate import regenerate_batch
+
+            result = regenerate_batch(claimed, settings, job)
+            return result
         work = prepare(claimed, hooks.store(claimed.store, batch), settings, job)
         forwarded = forward(work, job)
         hooks.pause("forward", batch)

@@ -1,0 +1,339 @@
+"""Regenerate runs (issue 23), the producer's side: plan, options, chaining into extraction.
+
+``python -m producer regenerate DATASET --model M --output STORE`` plans the dataset exactly as an
+extraction run (``producer/planner.py``: the same reading, checks, chat template and tokenisation,
+token-budget batches in streamed windows; the full conversations' lengths size the batches), and
+writes beside each batch its conversations as the planner normalised them
+(``plan/regen/<batch>.jsonl``, ``hsx/regen.py``). The run's ``regenerate`` (:class:`hsx.regen.RegenConfig`)
+is in run.json and its identity: other generation options are another run. The batches go to the
+same queue as extraction batches and the same workers answer them (``workers/generate.py``); the
+broker, the workers, the progress, Ctrl-C and resume are ``producer run``'s (``--enqueue``: the
+fleet form, ``producer enqueue``'s).
+
+A regenerate run's address is a dataset (:class:`RegeneratedSource`): ``enqueue`` / ``run`` of it
+extract the regenerated conversations, and ``--drop-unfinished`` skips those with an answer cut at
+``--max-new-tokens``. ``python -m producer run DATASET --regenerate ...`` runs both stages, one after
+the other, on this machine (:func:`run_regenerated`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from hsx.errors import BadConfig, BadDataset, BadRecord
+from hsx.layout import RUN_JSON
+from hsx.plan import planned_batches
+from hsx.records import read_markers
+from hsx.regen import (TURNS, PlannedConversation, RegenConfig, RegeneratedConversation, is_regenerate, parse_lines,
+                       regen_plan_key)
+from hsx.runconfig import RunConfig, check_run
+from hsx.store import MissingKey, exists, open_store
+from producer.datasets import Conversation, SkipCounter, _normalise, parse_raw
+from producer.planner import PlanJob, PlanOptions, _chat_template_text, build_config
+from producer.sources import RawItem, Source, SourceOptions
+from settings import Settings
+
+
+def add_generation_options(p, *, in_run: bool = False) -> None:
+    """The generation options of ``regenerate`` (and of ``run --regenerate``) on parser ``p``. The
+    plan options' ``--seed`` and ``--enable-thinking`` apply to the generation too."""
+    if in_run:
+        p.add_argument("--regenerate", action="store_true",
+                       help="first answer the dataset's assistant turns with the target (a regenerate run), then extract "
+                            "the regenerated conversations; takes the generation options below")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="tokens an answer may have (default 512); an answer cut "
+                                                                    "there is marked unfinished (finish reason 'length')")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy decoding)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens reaching this "
+                                                             "probability (default 1: all)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="a string that ends an answer (cut before it); repeat for several")
+    p.add_argument("--turns", choices=TURNS, default="last",
+                   help="answer the last assistant turn of each conversation (default), or every one in order, each "
+                        "prompt holding the answers before it")
+    if in_run:
+        p.add_argument("--drop-unfinished", action="store_true",
+                       help="with --regenerate (or a regenerate run's address as DATASET): skip the conversations with an "
+                            "answer cut at --max-new-tokens")
+
+
+def generation_options(args) -> dict:
+    """``run.json`` ``regenerate`` from parsed arguments (checked). Raises BadConfig. ``--seed``
+    unset seeds the generation with 0."""
+    regen = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, seed=args.seed if args.seed is not None else 0, stop=tuple(args.stop),
+                        turns=args.turns)
+    return regen.check().model_dump(mode="json")
+
+
+class RegenPlanJob(PlanJob):
+    """A regenerate run being planned: :class:`producer.planner.PlanJob`, keeping each sample's raw
+    record so that its window's conversations are stored beside its batches (``plan/regen/``)."""
+
+    keep_records = True
+
+    def write_window_extra(self, store, window, plans) -> None:
+        """Write ``plan/regen/<batch>.jsonl`` for each batch of the window: its samples' conversations,
+        normalised as the planner normalised them, in the batch's sample order.
+
+        Raises BadDataset for a pre-tokenised record (there is no conversation to answer)."""
+        for plan in plans:
+            lines = []
+            for sample_index in plan.sample_index_N.tolist():
+                fallback_id, raw = window.raws[int(sample_index) - window.first_sample]
+                record = _normalise(parse_raw(raw), fallback_id, set(), SkipCounter())
+                if not isinstance(record, Conversation):
+                    raise BadDataset(f"record {record.record_id}: a pre-tokenised record has no conversation to answer "
+                                     "again; regenerate a dataset of conversations (ShareGPT / OpenAI messages)")
+                lines.append(PlannedConversation(sample_index=int(sample_index), record_id=record.record_id,
+                                                 messages=list(record.messages),
+                                                 tools=list(record.tools) if record.tools else None).model_dump_json())
+            store.write(regen_plan_key(plan.batch), ("\n".join(lines) + "\n").encode())
+
+
+def prepare_regenerate(opts: PlanOptions, settings: Settings, progress=None) -> RegenPlanJob:
+    """:func:`producer.planner.prepare_plan` for a regenerate run (``opts.regenerate`` set): the same
+    checks and config, with ``regenerate`` in run.json and its identity, and a run id
+    ``<dataset>-regen-<hash>``. Writes nothing.
+
+    Raises BadConfig (an option, ``--allow-text``, ``--output`` a run), BadDataset, RunConflict, as prepare_plan."""
+    regen = RegenConfig.model_validate(opts.regenerate).check()
+    if opts.allow_text:
+        raise BadConfig("--allow-text: a plain-text record has no assistant turn to answer; regenerate conversations")
+    if opts.chat_template:  # the workers render the prompts with it: its text travels in run.json
+        regen = regen.model_copy(update={"chat_template": _chat_template_text(opts.chat_template)})
+    root = open_store(opts.output or settings.store_url, settings)
+    if exists(root, RUN_JSON):
+        raise BadConfig(f"--output {opts.output or settings.store_url!r} is a run (it holds run.json), not the store root "
+                        "that runs are written under. Fix: give its parent directory (e.g. --output ./out)")
+    config, (spec, chat), source = build_config(dataclasses.replace(opts, regenerate=None), settings, progress)
+    config.regenerate = regen.model_dump(mode="json")
+    config.run_id = opts.run_id or config.default_run_id(f"{source.name}-regen")
+    run_store = root.child(config.run_id)
+    check_run(run_store, config)
+    return RegenPlanJob(opts, settings, root, run_store, config, spec, chat, source)
+
+
+# ------------------------------------------------------------------------------------------------
+# A regenerate run as a dataset
+
+
+def regenerated_source(source: str, options: SourceOptions) -> "RegeneratedSource | None":
+    """The :class:`RegeneratedSource` of ``source`` when it is a regenerate run's address (a local
+    directory, ``file://`` or ``s3://`` URL holding a ``run.json`` with ``regenerate``); None for
+    anything else (a file, a directory of files, a hub id)."""
+    local = source[len("file://"):] if source.startswith("file://") else None if "://" in source else source
+    if local is not None and not os.path.isfile(os.path.join(local, RUN_JSON)):
+        return None
+    from settings import get_settings
+
+    try:
+        store = open_store(source, get_settings(), create=False)
+        config = RunConfig.from_json(store.read(RUN_JSON))
+    except MissingKey:
+        return None
+    if not is_regenerate(config):
+        raise BadDataset(f"{source} is an extraction run, not a dataset: give a dataset, or a regenerate run's "
+                         "address (<output>/<run_id> of `producer regenerate`)")
+    return RegeneratedSource(source, store, config, options)
+
+
+class RegeneratedSource(Source):
+    """The conversations of a finished regenerate run, as a dataset: one record per answered
+    conversation (``{"id", "messages", "tools"}``), batch by batch in plan order, each batch's in
+    its sample order. Its fingerprint is the sha256 over the run's identity, every marker's shard
+    sha256 and ``drop_unfinished``: the bytes that are read, checked against it as they are read.
+
+    Raises BadDataset when the run is not finished (a batch without its marker)."""
+
+    def __init__(self, address: str, store, config: RunConfig, options: SourceOptions):
+        self.source, self.store, self.config, self.options = address, store, config, options
+        self.name = config.run_id
+        self.bytes_read = 0
+        batches, complete = planned_batches(store)
+        names = [b["batch"] if isinstance(b, dict) else b.batch for b in batches]  # dicts, or BatchSummary records
+        markers = read_markers(store, names) if names else {}
+        missing = [b for b in names if not hasattr(markers.get(b), "shard")]
+        if not complete or missing or not names:
+            raise BadDataset(f"regenerate run {config.run_id} at {address} is not finished ("
+                             f"{len(names) - len(missing)} of {len(names)} planned batches done"
+                             f"{'' if complete else ', its plan not complete'}): run its `producer regenerate` command "
+                             "to the end first")
+        identity = config.identity_sha256()
+        stale = [b for b in names if markers[b].config_sha256 != identity]
+        if stale:
+            raise BadDataset(f"regenerate run {config.run_id}: the markers of {', '.join(stale[:5])} are not this run's "
+                             "config (config_sha256); `producer verify` names them")
+        self._shards = [(b, markers[b].shard) for b in names]
+        self._total = sum(s.bytes for _, s in self._shards)
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(json.dumps({"run": self.config.identity_sha256(), "drop_unfinished": self.options.drop_unfinished,
+                                       "shards": [[b, s.sha256] for b, s in self._shards]}, sort_keys=True).encode())
+        return h.hexdigest()
+
+    def describe(self) -> dict:
+        return {"kind": "regenerate_run", "run_id": self.config.run_id, "address": self.source,
+                "batches": len(self._shards), "bytes": self._total, "drop_unfinished": self.options.drop_unfinished}
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+    def raw_records(self, skips: SkipCounter) -> Iterator[RawItem]:
+        done = 0
+        for batch, shard in self._shards:
+            data = self.store.read(shard.key)
+            if hashlib.sha256(data).hexdigest() != shard.sha256:
+                from producer.sources import DatasetChanged
+
+                raise DatasetChanged(f"regenerate run {self.config.run_id}: shard {shard.key} of batch {batch} is not the "
+                                     "one its marker certifies (sha256 differs); `producer verify` the run")
+            for conv in parse_lines(data, RegeneratedConversation, shard.key):
+                if not any(a.finish_reason != "prompt_too_long" for a in conv.regenerated):
+                    skips.add(BadRecord(conv.id, "not_regenerated", "no assistant turn's prompt fits in the regenerate "
+                                        "run's max_length: nothing was answered"))
+                    continue
+                if self.options.drop_unfinished and not conv.finished:
+                    reasons = ",".join(a.finish_reason for a in conv.regenerated)
+                    skips.add(BadRecord(conv.id, "unfinished_answer", f"an answer was cut ({reasons}): --drop-unfinished"))
+                    continue
+                yield RawItem(f"{self.config.run_id}:{conv.sample_index}",
+                              {"id": conv.id, "messages": conv.messages, **({"tools": conv.tools} if conv.tools else {})})
+            done += shard.bytes
+            self.bytes_read = done
+
+
+# ------------------------------------------------------------------------------------------------
+# Both stages in one command
+
+
+def run_regenerated(opts: PlanOptions, regen: dict, settings: Settings, console, *, workers=None,
+                    progress_factory=None) -> tuple[int, dict, dict | None]:
+    """``producer run DATASET --regenerate ...``: the regenerate run of ``opts`` with ``regen``, then,
+    once every one of its batches is done, the extraction of its conversations (``opts``' layers and
+    options; ``opts.drop_unfinished``). Returns ``(exit code, the regenerate run's report, the
+    extraction's report or None when the first stage did not finish)``. A Ctrl-C stops the stage
+    running; the same command resumes both (each is a run: its done batches keep their markers)."""
+    from producer.run import run_job
+
+    first = dataclasses.replace(opts, regenerate=regen, drop_unfinished=False, run_id=None)
+    code, report = run_job(first, settings, console, workers=workers, progress_factory=progress_factory)
+    if code != 0 or report.get("batches_done", report.get("batches_already_done")) != report.get("batches_total"):
+        return code or 1, report, None
+    second = dataclasses.replace(opts, dataset=report["address"], regenerate=None, limit=None, sample=None,
+                                 shuffle=False, seed=None, split=None, subset=None)
+    code, extracted = run_job(second, settings, console, workers=workers, progress_factory=progress_factory)
+    return code, report, extracted
+
+
+def cmd_regenerate(args, settings: Settings) -> int:
+    """``python -m producer regenerate``: ``run``'s path (or, with ``--enqueue``, ``enqueue``'s) for a
+    regenerate run."""
+    from producer import cli
+
+    args.regenerate_config = generation_options(args)
+    return cli.cmd_enqueue(args, settings) if args.enqueue else cli.cmd_run(args, settings)
+
+
+def cmd_run_regenerated(args, settings: Settings) -> int:
+    """``python -m producer run DATASET --regenerate ...``: both stages; prints both runs' tables."""
+    from producer import cli
+
+    if args.output:
+        settings = settings.model_copy(update={"store_url": args.output})
+    regen = generation_options(args)
+    opts = cli._options(args)
+    code, first, second = run_regenerated(opts, regen, settings, cli.console, workers=args.workers,
+                                          progress_factory=cli.progress_factory)
+    if args.json:
+        cli.out.print_json(json.dumps({"regenerate": first, "extract": second}))
+        return code
+    cli.out.print(cli._plan_table("regenerate", first))
+    if second is None:
+        cli.out.print(f"the regenerate run did not finish ({first.get('batches_done', 0)}/{first['batches_total']} "
+                      "batches): nothing extracted; run the same command again to resume it")
+        return code
+    cli.out.print(cli._plan_table("extract", second))
+    cli.out.print(f"regenerated under {first['address']}; shards and markers under {second['address']}", soft_wrap=True)
+    return code
+
+
+# ------------------------------------------------------------------------------------------------
+# verify
+
+
+def verify_regenerated(run_store) -> dict | None:
+    """``producer verify`` of a regenerate run; None when the run at ``run_store`` is not one.
+
+    Checks, per planned batch: its marker exists (else ``not_done``) and holds this run's identity
+    (``config_sha256``), its shard's bytes have the marker's size and sha256 (``shard_mismatch``) and
+    parse as :class:`hsx.regen.RegeneratedConversation` lines (``shard_unreadable``), and the shard
+    answers exactly the batch's planned samples, each once, under their record ids (``samples``). The
+    report has ``producer.verify.verify_run``'s keys (``ok``: no problem).
+
+    Raises hsx.store.MissingKey when there is no run.json."""
+    import time
+
+    from hsx.records import SampleRow, read_windows
+    from hsx.regen import parse_lines
+    from hsx.runconfig import load_run
+
+    t0 = time.perf_counter()
+    config = load_run(run_store)
+    if not is_regenerate(config):
+        return None
+    identity = config.identity_sha256()
+    batches, _complete = planned_batches(run_store)
+    names = [b["batch"] if isinstance(b, dict) else b.batch for b in batches]
+    planned: dict[str, dict[int, str]] = {name: {} for name in names}
+    for window in read_windows(run_store):
+        for row in SampleRow.read_window(run_store, window.name):
+            planned.setdefault(row.batch, {})[int(row.sample_index)] = str(row.record_id)
+    markers = read_markers(run_store, names) if names else {}
+    problems, hashed, stored, done = [], 0, 0, 0
+    for name in names:
+        marker = markers.get(name)
+        if not hasattr(marker, "shard"):
+            problems.append({"batch": name, "kind": "not_done", "detail": f"no marker: the batch "
+                             f"({len(planned[name])} samples) was not answered yet"})
+            continue
+        done += 1
+        if marker.config_sha256 != identity:
+            problems.append({"batch": name, "kind": "config_mismatch", "detail": "its marker's config_sha256 is not this "
+                             "run's identity"})
+            continue
+        try:
+            data = run_store.read(marker.shard.key)
+        except MissingKey:
+            problems.append({"batch": name, "kind": "shard_missing", "detail": f"{marker.shard.key} is not in the store"})
+            continue
+        hashed += len(data)
+        if len(data) != marker.shard.bytes or hashlib.sha256(data).hexdigest() != marker.shard.sha256:
+            problems.append({"batch": name, "kind": "shard_mismatch", "detail": f"{marker.shard.key}: {len(data)} bytes, "
+                             f"not the {marker.shard.bytes} bytes and sha256 its marker certifies"})
+            continue
+        try:
+            convs = parse_lines(data, RegeneratedConversation, marker.shard.key)
+        except Exception as exc:  # BadPlan
+            problems.append({"batch": name, "kind": "shard_unreadable", "detail": str(exc)[:300]})
+            continue
+        stored += len(convs)
+        answered = [(c.sample_index, c.id) for c in convs]
+        expected = sorted(planned[name].items())
+        if sorted(answered) != expected:
+            extra = sorted(set(answered) - set(expected))[:3]
+            lost = sorted(set(expected) - set(answered))[:3]
+            problems.append({"batch": name, "kind": "samples", "detail": f"the shard answers {len(answered)} samples for "
+                             f"{len(expected)} planned (each once): not planned {extra}, not answered {lost}"})
+    return {"run_id": config.run_id, "address": run_store.url, "kind": "regenerate", "batches_planned": len(names),
+            "batches_done": done, "markers": done, "samples_planned": sum(len(v) for v in planned.values()),
+            "samples_stored": stored, "samples_quarantined": 0, "bytes_hashed": hashed,
+            "hash_seconds": round(time.perf_counter() - t0, 2), "orphans": [], "problems": problems, "unverified": [],
+            "ok": not problems, "seconds": round(time.perf_counter() - t0, 2)}

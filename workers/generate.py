@@ -1,0 +1,400 @@
+"""One batch of a regenerate run (``hsx/regen.py``), on a worker: answer, write, certify.
+
+The task is the extraction task (``hsx.queue.EXTRACT_TASK``): :func:`workers.extract.extract_batch`
+admits the message exactly as for extraction (the allow-list, the marker, run.json, cancel, the
+batch's plan, the worker's model) and hands a regenerate run's batch to :func:`regenerate_batch`.
+One task name for both kinds on purpose: every path that sends a batch again (the reclaimer of
+``workers/lease.py``, ``producer reconcile``, parked messages coming back) sends it by that one
+name, and the run's ``run.json`` says what the batch is. The worker loads the target once
+(``workers.target.get_target``) and serves both kinds with it.
+
+- **prompts**: the batch's conversations (``plan/regen/<batch>.jsonl``, in the plan's sample
+  order) rendered with the run's chat template and tokenised as the planner tokenises them
+  (``producer.masks.ChatTokeniser``: content's special-token strings as text, ``enable_thinking``),
+  with the generation prompt. ``--turns last``: the messages before the last assistant turn;
+  ``--turns all``: one round per assistant turn, each prompt holding the answers of the rounds before.
+- **answer**: under the GPU lock, by one of two engines (:func:`pick_engine`; the choice is logged
+  once per process and recorded in the marker's ``engine``):
+
+  - ``continuous_batching``: transformers' ``model.generate_batch`` (paged attention, continuous
+    batching), for greedy decoding (``--temperature 0``) of a target whose every layer is
+    attention (transformers 5.24's paged cache knows ``full_attention`` and ``sliding_attention``
+    layers only: ``generation/continuous_batching/cache.py`` ``group_layers_by_attn_type`` raises on
+    a Gated DeltaNet model's ``linear_attention``). It samples from one shared generator, so it is
+    not used with sampling: a per-answer seed could not be honoured.
+  - ``generate``: ``model.generate`` on the batch's prompts left-padded with an attention mask (left
+    padding needs the mask: docs/FACTS.md §2), greedy, with temperature / top-k / top-p as
+    transformers' own warpers and the sample drawn by the Gumbel-max trick from a generator per
+    answer (:class:`SeededGumbel`): ``argmax(logits + Gumbel noise)`` is a sample of
+    ``softmax(logits)``, and each answer's noise comes from its own seed
+    (:func:`hsx.regen.sample_seed`), whatever else shares its batch.
+
+  vLLM is not wired in (not installed where this was built; README, "Regenerating the responses").
+- **write / certify**: the shard (JSON lines, ``shards/<batch>-<attempt>.jsonl``) through the
+  store with the same waits for a full store, then a :class:`hsx.regen.RegenMarker` with the
+  conditional create; a lost race deletes our shard (``workers/extract.py`` does the same).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+
+import torch
+
+from hsx.access import ModelNotServed
+from hsx.errors import BadPlan, RunCancelled, StoreError
+from hsx.records import MarkerWorker, ShardRef
+from hsx.regen import (FINISHED, Answer, PlannedConversation, RegenConfig, RegeneratedConversation, RegenMarker,
+                       parse_lines, regen_plan_key, regen_shard_key, sample_seed)
+from settings import Settings
+from workers import faults
+
+log = logging.getLogger(__name__)
+
+#: Engine names, as logged and recorded in the marker.
+CONTINUOUS = "continuous_batching"
+GENERATE = "generate"
+#: Layer types transformers' paged cache serves (``continuous_batching/cache.py``).
+_PAGED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+_chats: dict[str, object] = {}
+_chats_lock = threading.Lock()
+_said_engine: set[tuple[str, str]] = set()
+
+
+class SeededGumbel:
+    """A logits processor (transformers' ``LogitsProcessor`` protocol) that adds Gumbel noise drawn
+    from one CPU generator per row, seeded with ``seeds[row]``.
+
+    After transformers' temperature / top-k / top-p warpers (filtered tokens at -inf), greedy
+    decoding of ``scores + noise`` samples each row from the warped softmax (the Gumbel-max
+    trick). A row draws ``vocab`` uniforms per step from its own generator, so its answer does not
+    depend on the other rows of the batch. ``scores``: float [B, V]; returns the same shape and dtype.
+    """
+
+    def __init__(self, seeds: list[int]):
+        self.generators = [torch.Generator(device="cpu").manual_seed(int(s)) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        V = scores.shape[-1]
+        u = torch.stack([torch.rand(V, generator=g, dtype=torch.float64) for g in self.generators])
+        gumbel = -torch.log(-torch.log(u.clamp(min=1e-300, max=1.0 - 1e-16)))
+        return scores + gumbel.to(device=scores.device, dtype=scores.dtype)
+
+
+def supports_continuous_batching(model) -> bool:
+    """True when transformers' paged cache can serve ``model``: every layer type is one it knows."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)()
+    types = getattr(config, "layer_types", None)
+    return hasattr(model, "generate_batch") and (types is None or set(types) <= _PAGED_LAYER_TYPES)
+
+
+def pick_engine(target, regen: RegenConfig, settings: Settings) -> tuple[str, str]:
+    """``(engine, why)``: ``continuous_batching`` when it can serve this target and these options,
+    else ``generate``. ``HSX_REGEN_ENGINE=generate`` (environment) forces the batched ``generate``."""
+    if os.environ.get("HSX_REGEN_ENGINE", "").strip() == GENERATE:
+        return GENERATE, "HSX_REGEN_ENGINE=generate"
+    if target.group is not None:
+        return GENERATE, "a tensor-parallel group runs the batched generate"
+    if not supports_continuous_batching(target.model):
+        types = sorted(set(getattr(getattr(target.model, "config", None), "layer_types", None) or []) - _PAGED_LAYER_TYPES)
+        return GENERATE, (f"transformers' continuous batching cannot serve this target (layer types {', '.join(types)}: "
+                          "its paged cache knows full and sliding attention only)")
+    if regen.temperature > 0:
+        return GENERATE, "sampling with a seed per answer (continuous batching samples from one shared generator)"
+    return CONTINUOUS, "greedy decoding of an attention-only target"
+
+
+def generate_left_padded(model, prompts: list[list[int]], seeds: list[int], regen: RegenConfig,
+                         eos_ids: list[int], pad_id: int) -> list[list[int]]:
+    """Answer ``prompts`` (token ids) in one ``model.generate`` call, left-padded with an attention
+    mask; returns each answer's generated ids, through its first end-of-turn / EOS id (the padding
+    after it removed), at most ``regen.max_new_tokens``."""
+    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    device = next(model.parameters()).device
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids_BL = torch.full((B, L), int(pad_id), dtype=torch.long)
+    mask_BL = torch.zeros((B, L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids_BL[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask_BL[i, L - len(p):] = 1
+    processors = LogitsProcessorList()
+    if regen.temperature > 0:  # transformers' own warpers, in the order its sampling applies them
+        processors.append(TemperatureLogitsWarper(regen.temperature))
+        if regen.top_k:
+            processors.append(TopKLogitsWarper(regen.top_k))
+        if regen.top_p < 1.0:
+            processors.append(TopPLogitsWarper(regen.top_p))
+        processors.append(SeededGumbel(seeds))
+    config = GenerationConfig(max_new_tokens=regen.max_new_tokens, do_sample=False, num_beams=1,
+                              eos_token_id=list(eos_ids), pad_token_id=int(pad_id))
+    out = model.generate(input_ids=ids_BL.to(device), attention_mask=mask_BL.to(device), generation_config=config,
+                         logits_processor=processors)
+    return [_through_eos(row.tolist(), eos_ids) for row in out[:, L:].cpu()]
+
+
+def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos_ids: list[int],
+                        pad_id: int) -> list[list[int]]:
+    """Answer ``prompts`` with transformers' continuous batching (``model.generate_batch``), greedy.
+
+    Raises RuntimeError when it did not return an answer for every prompt (``generate_batch`` logs
+    and swallows its own errors): the caller then answers with :func:`generate_left_padded`."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=regen.max_new_tokens, do_sample=False, eos_token_id=list(eos_ids),
+                              pad_token_id=int(pad_id))
+    results = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config, progress_bar=False)
+    outs = list(results.values())
+    if len(outs) != len(prompts):
+        raise RuntimeError(f"generate_batch returned {len(outs)} answers for {len(prompts)} prompts")
+    return [_through_eos(list(o.generated_tokens), eos_ids)[:regen.max_new_tokens] for o in outs]
+
+
+def _through_eos(ids: list[int], eos_ids) -> list[int]:
+    stops = set(int(i) for i in eos_ids)
+    for k, t in enumerate(ids):
+        if t in stops:
+            return ids[:k + 1]
+    return ids
+
+
+def chat_for(config, settings: Settings):
+    """The run's :class:`producer.masks.ChatTokeniser`, built once per run and process, as the planner
+    built it (same template, ``enable_thinking``, content modes). Raises BadPlan when the template
+    the worker gets is not the one planned (its sha256 in run.json)."""
+    from producer.tokenising import TokeniserSpec
+
+    key = config.run_id + config.identity_sha256()
+    with _chats_lock:
+        if key in _chats:
+            return _chats[key]
+        regen = RegenConfig.of(config)
+        spec = TokeniserSpec(model=settings.model or config.model_name, cache_dir=str(settings.cache_dir),
+                             trust_remote_code=settings.trust_remote_code, max_length=config.max_length,
+                             enable_thinking=config.tokenizer.enable_thinking,
+                             over_length=config.sample_policy.over_length or "truncate",
+                             special_tokens_in_content=config.special_tokens_in_content, allow_text=False,
+                             chat_template=regen.chat_template, added_tokens_in_content=config.added_tokens_in_content)
+        chat = spec.build()[1]
+        if chat.template_sha256 != config.tokenizer.chat_template_sha256:
+            raise BadPlan(f"run {config.run_id}: this worker's chat template (sha256 {chat.template_sha256[:12]}) is not "
+                          f"the one the run was planned with ({config.tokenizer.chat_template_sha256[:12]}): the "
+                          "tokenizer files differ between the planner and this worker; give both the same checkpoint")
+        _chats[key] = chat
+        return chat
+
+
+def prompt_ids(chat, record_id: str, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """Token ids of ``messages`` rendered with the generation prompt, tokenised as the planner
+    tokenises a render (``ChatTokeniser``'s escaping of content's special-token strings: its
+    ``_prepare`` / ``_render`` / ``_tokenise``, the same package's code). Raises BadRecord
+    ``template_error`` when the template fails."""
+    from producer.datasets import Conversation
+
+    prepared = chat._prepare(Conversation(record_id, tuple(messages), tuple(tools) if tools else None))
+    text = chat._render(record_id, prepared.messages, prepared.tools, add_generation_prompt=True)
+    ids, _ = chat._tokenise(text, with_offsets=False, esc=prepared.esc)
+    return [int(i) for i in ids]
+
+
+def answer_message(original: dict, text: str) -> dict:
+    """The assistant message of an answer: ``original`` (role, name...) with ``content`` the answer's
+    text; a ``<think>...</think>`` block at its start becomes ``reasoning_content`` (the Qwen3
+    templates' field). The original's ``tool_calls`` and ``reasoning_content`` are dropped: they
+    belonged to the replaced answer."""
+    out = {k: v for k, v in original.items() if k not in ("content", "tool_calls", "reasoning_content")}
+    if "</think>" in text:
+        reasoning, content = text.split("</think>", 1)
+        reasoning = reasoning.replace("<think>", "", 1).strip()
+        if reasoning:
+            out["reasoning_content"] = reasoning
+        text = content.lstrip("\n")
+    out["content"] = text
+    return out
+
+
+def finish(tokenizer, ids: list[int], eos_ids, regen: RegenConfig) -> tuple[str, str, int]:
+    """``(text, finish reason, completion tokens)`` of generated ``ids``: the text without its final
+    end-of-turn token, cut before the first ``--stop`` string (then the completion tokens are those of
+    the kept text)."""
+    stopped = bool(ids) and int(ids[-1]) in set(int(i) for i in eos_ids)
+    body = ids[:-1] if stopped else ids
+    text = tokenizer.decode(body, skip_special_tokens=False)
+    cuts = [text.find(s) for s in regen.stop if s in text]
+    if cuts:
+        text = text[:min(cuts)]
+        return text, "stop_string", len(tokenizer.encode(text, add_special_tokens=False))
+    if stopped:
+        return text, "stop", len(ids)
+    return text, ("length" if len(ids) >= regen.max_new_tokens else "stop"), len(ids)
+
+
+def answer_batch(target, chat, convs: list[PlannedConversation], regen: RegenConfig, max_length: int,
+                 settings: Settings, batch: str) -> tuple[list[RegeneratedConversation], str, dict]:
+    """Regenerate the assistant turns of ``convs`` (see the module docstring); returns the shard's
+    conversations, the engine that answered and ``{"rounds", "generate_s"}``."""
+    tokenizer = chat.tokenizer
+    eos_ids = sorted(int(i) for i in chat.end_of_turn_ids)
+    engine, why = pick_engine(target, regen, settings)
+    if (engine, why) not in _said_engine:
+        _said_engine.add((engine, why))
+        log.info("regenerate: engine %s (%s)", engine, why)
+    states = []
+    for c in convs:
+        assistant = [i for i, m in enumerate(c.messages) if m.get("role") == "assistant"]
+        state = {"conv": c, "messages": [dict(m) for m in c.messages], "turns": assistant, "answers": [],
+                 "stopped": False, "prompt": None}
+        if regen.turns == "last":
+            # The last assistant turn whose prompt fits in max_length (the planner truncated the
+            # conversation there too); the turns after it are dropped. None fits: the first, marked
+            # prompt_too_long below.
+            state["turns"] = assistant[:1]
+            for t in reversed(assistant):
+                ids = prompt_ids(chat, c.record_id, c.messages[:t], c.tools)
+                if len(ids) < max_length:
+                    state["turns"], state["prompt"] = [t], ids
+                    break
+        states.append(state)
+    rounds = max((len(s["turns"]) for s in states), default=0)
+    generate_s = 0.0
+    for k in range(rounds):
+        todo, prompts, seeds = [], [], []
+        for s in states:
+            if s["stopped"] or k >= len(s["turns"]):
+                continue
+            t = s["turns"][k]
+            ids = s["prompt"] if k == 0 and s["prompt"] is not None else \
+                prompt_ids(chat, s["conv"].record_id, s["messages"][:t], s["conv"].tools)
+            if len(ids) >= max_length:  # the prompt alone fills the run's max_length: later turns' would too
+                s["answers"].append(Answer(turn=t, finish_reason="prompt_too_long", prompt_tokens=len(ids),
+                                           completion_tokens=0))
+                s["stopped"] = True
+                continue
+            todo.append((s, t, len(ids)))
+            prompts.append(ids)
+            seeds.append(sample_seed(regen.seed, s["conv"].record_id, t))
+        if not todo:
+            continue
+        t0 = time.perf_counter()
+        with target.gpu_lock:
+            outs = None
+            if engine == CONTINUOUS:
+                try:
+                    outs = generate_continuous(target.model, prompts, regen, eos_ids, target.pad_token_id)
+                except Exception as exc:  # the engine failed on this target: the batched generate answers
+                    engine = GENERATE
+                    log.warning("batch %s: continuous batching failed (%s: %s); answering with the batched generate "
+                                "(left padding) instead", batch, exc.__class__.__name__, exc)
+            if outs is None:
+                outs = generate_left_padded(target.model, prompts, seeds, regen, eos_ids, target.pad_token_id)
+        generate_s += time.perf_counter() - t0
+        for (s, t, n_prompt), ids in zip(todo, outs):
+            text, reason, n = finish(tokenizer, ids, eos_ids, regen)
+            s["messages"][t] = answer_message(s["messages"][t], text)
+            s["answers"].append(Answer(turn=t, finish_reason=reason, prompt_tokens=n_prompt, completion_tokens=n))
+            if reason not in FINISHED:
+                s["stopped"] = True  # a cut answer is not fed to the next turn's prompt
+    out = []
+    for s in states:
+        last = s["answers"][-1].turn if s["answers"] else len(s["messages"]) - 1
+        answered = [a for a in s["answers"] if a.finish_reason != "prompt_too_long"]
+        if answered:
+            last = answered[-1].turn  # the messages through the last answer (a turn left unanswered is dropped)
+        out.append(RegeneratedConversation(
+            id=s["conv"].record_id, sample_index=s["conv"].sample_index, messages=s["messages"][:last + 1],
+            tools=s["conv"].tools, regenerated=s["answers"],
+            finished=bool(answered) and all(a.finish_reason in FINISHED for a in answered)))
+    return out, engine, {"rounds": rounds, "generate_s": round(generate_s, 4)}
+
+
+def regenerate_batch(admitted, settings: Settings, job) -> dict:
+    """The body of a regenerate run's task (``workers.extract.extract_batch`` admitted it): answer the
+    batch, store its shard, write its marker last. Same result and errors as the extraction body:
+    ``{"status": "done" | "lost_race", ...}``; BadPlan for a damaged plan, ModelNotServed for another
+    checkpoint, RunCancelled (``cancel --now``), StoreError."""
+    from workers.extract import _check_cancelled_now, _retry, until_room
+    from workers.target import get_target
+
+    t0 = time.perf_counter()
+    run_url, batch, store, config, plan = admitted.run_url, admitted.batch, admitted.store, admitted.config, admitted.plan
+    regen = RegenConfig.of(config)
+    job.phase("loading")
+    target = get_target(settings.model or config.model_name, settings)
+    job.heartbeat.device = target.engine.get("device")
+    differences = target.info.differences(config.model)
+    if differences:
+        raise ModelNotServed(f"batch {batch}: this worker's checkpoint is not the one run {config.run_id} was planned "
+                             f"for ({'; '.join(differences)}); re-plan the run or point the worker at the same checkpoint")
+    key = regen_plan_key(batch)
+    convs = parse_lines(_retry(settings, f"read {key}", lambda: store.read(key)), PlannedConversation,
+                        f"{key} of run {config.run_id}")
+    planned = [int(i) for i in plan.sample_index_N]
+    if [c.sample_index for c in convs] != planned:
+        raise BadPlan(f"{key} of run {config.run_id}: its samples {[c.sample_index for c in convs][:6]}... are not the "
+                      f"batch's {planned[:6]}...; the plan was damaged after planning: plan the run again into a new output")
+    chat = chat_for(config, settings)
+    _check_cancelled_now(job)
+    job.phase("forward")
+    answered, engine, timing = answer_batch(target, chat, convs, regen, config.max_length, settings, batch)
+    hooks = faults.hooks()  # the tests' pauses, at the points the extraction body has them (workers/faults.py)
+    hooks.pause("forward", batch)
+    _check_cancelled_now(job)
+    data = b"".join(c.to_line() for c in answered)
+    attempt = uuid.uuid4().hex[:12]
+    shard = regen_shard_key(batch, attempt)
+    job.phase("writing")
+    nbytes, sha256 = until_room(job, f"store shard {shard}",
+                                lambda: _retry(settings, f"store shard {shard}",
+                                               lambda: store.write_stream(shard, [memoryview(data)])), len(data))
+    hooks.pause("marker", batch)
+    prompt_tokens = sum(a.prompt_tokens for c in answered for a in c.regenerated)
+    completion = sum(a.completion_tokens for c in answered for a in c.regenerated)
+    marker = RegenMarker(
+        run_id=config.run_id, batch=batch, config_sha256=config.identity_sha256(),
+        shard=ShardRef(key=shard, bytes=nbytes, sha256=sha256), num_samples=len(answered),
+        num_tokens=prompt_tokens + completion, supervised_tokens=completion,
+        planned_samples=plan.num_samples, planned_tokens=plan.num_tokens, quarantined=[], num_quarantined=0,
+        worker=MarkerWorker(host=socket.gethostname(), pid=os.getpid(), device=target.engine["device"]),
+        model_revision=target.info.revision, forward_s=timing["generate_s"], forwards=timing["rounds"],
+        seconds=round(time.perf_counter() - t0, 4), engine=engine,
+        unfinished=sum(1 for c in answered if not c.finished),
+        finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), finished_unix=round(time.time(), 3))
+
+    def certify() -> bool:
+        # as workers/extract.py: a lost race is a settled one only
+        if marker.create(store):
+            return True
+        existing = RegenMarker.read(store, batch)
+        if existing is None:
+            raise StoreError(f"marker of batch {batch}: the conditional create found one, a read finds none; not settled",
+                             transient=True)
+        return existing.shard.key == shard
+
+    try:
+        _check_cancelled_now(job)
+    except RunCancelled:
+        _retry(settings, f"delete shard {shard}", lambda: store.delete(shard))
+        raise
+    job.phase("marker")
+    if not until_room(job, f"write the marker of batch {batch}",
+                      lambda: _retry(settings, f"write the marker of batch {batch}", certify), 1 << 20):
+        _retry(settings, f"delete shard {shard}", lambda: store.delete(shard))
+        log.info("batch %s: another worker wrote the marker first; removed our shard %s", batch, shard)
+        return {"status": "lost_race", "batch": batch}
+    log.info("batch done %s", json.dumps({"run": config.run_id, "batch": batch, "kind": "regenerate", "engine": engine,
+                                          "samples": len(answered), "completion_tokens": completion,
+                                          "unfinished": marker.unfinished, "seconds": marker.seconds,
+                                          "tok_s": round(completion / max(timing["generate_s"], 1e-9))}))
+    return {"status": "done", "batch": batch, "num_tokens": marker.num_tokens, "num_quarantined": 0,
+            "seconds": marker.seconds}
