@@ -13,7 +13,7 @@ from pathlib import Path
 from jobfixtures import WorkerProcess, clean_env, plan_samples, read_samples, wait_until
 
 from hsx.broker import EmbeddedBroker
-from hsx.records import done_batches
+from hsx.records import BatchSummary, done_batches
 from hsx.runconfig import load_run
 from hsx.store import open_store
 from settings import Settings
@@ -62,14 +62,14 @@ class Cluster:
             w.wait_ready()
         return w
 
-    def enqueue(self, run_store, batches: list[dict]) -> None:
+    def enqueue(self, run_store, batches: list[BatchSummary]) -> None:
         """Send one task per batch, as ``enqueue`` does."""
         from producer.reconcile import _enqueue
 
         _enqueue(run_store, run_store.url, load_run(run_store), batches, self.settings, self.broker.url)
 
     def enqueue_all(self, run_store) -> None:
-        self.enqueue(run_store, json.loads(run_store.read("plan/batches.json")))
+        self.enqueue(run_store, BatchSummary.read_list(run_store))
 
     def reconcile(self, run_store, **kw) -> dict:
         from producer.reconcile import reconcile_run

@@ -22,6 +22,7 @@ import pytest
 from smallrun import copy_run
 
 from hsx.broker import EmbeddedBroker, redis_client
+from hsx.records import BatchSummary
 from hsx.runconfig import load_run
 from hsx.store import open_store
 from producer.enqueue import enqueue_batches
@@ -56,7 +57,7 @@ def _fresh_run(small_run, tmp_path):
     for sub in ("markers", "shards", "workers", "failures"):
         shutil.rmtree(run_dir / sub, ignore_errors=True)
     store = open_store(str(run_dir))
-    batches = json.loads(store.read("plan/batches.json"))
+    batches = BatchSummary.read_list(store)
     planned = SimpleNamespace(run_store=store, batches=batches, config=load_run(store), run_url=store.url)
     return run_dir, store, planned
 

@@ -93,12 +93,12 @@ def test_a_live_worker_s_long_batch_keeps_its_lease(template, cluster, tmp_path)
     slow = cluster.worker("slow", faults="pause_forward=18", **LEASE)
     first = template.batches[0]
     cluster.enqueue(run_store, [first])
-    wait_log(slow, f"at forward of batch {first['batch']}")
+    wait_log(slow, f"at forward of batch {first.batch}")
     cluster.worker("other", **LEASE)  # started once slow holds the batch: a live worker that could reclaim it
-    wait_until(lambda: first["batch"] in done_batches(run_store), 60, "the long batch's marker")
+    wait_until(lambda: first.batch in done_batches(run_store), 60, "the long batch's marker")
     reclaims = _reclaims(run_store)
-    assert all(r["batch"] != first["batch"] and r["why"].startswith("lost:") for r in reclaims), reclaims
-    assert f"'batch': '{first['batch']}'" not in cluster.workers[1].log(), "the other worker ran the long batch"
+    assert all(r["batch"] != first.batch and r["why"].startswith("lost:") for r in reclaims), reclaims
+    assert f"'batch': '{first.batch}'" not in cluster.workers[1].log(), "the other worker ran the long batch"
 
 
 @pytest.mark.timeout(180)
@@ -414,10 +414,10 @@ def test_a_worker_killed_on_delivery_before_listing_the_message_has_it_put_back_
         wait_until(lambda: "killed by SIGKILL" in log_path.read_text(errors="replace"), 60, "the worker's death on delivery")
         died_at = time.monotonic()
         cluster.worker("rescuer", **long_lease)
-        wait_until(lambda: first["batch"] in done_batches(run_store), 60, "the batch done by the rescuer")
+        wait_until(lambda: first.batch in done_batches(run_store), 60, "the batch done by the rescuer")
         assert time.monotonic() - died_at < 60
         reclaims = _reclaims(run_store)
-        assert [(r["batch"], r["why"]) for r in reclaims] == [(first["batch"], "its worker died before listing it")], reclaims
+        assert [(r["batch"], r["why"]) for r in reclaims] == [(first.batch, "its worker died before listing it")], reclaims
         assert "put back at the head of the queue" in log_path.read_text(errors="replace")
     finally:
         _kill_tree(launcher)

@@ -136,11 +136,11 @@ def test_the_same_task_delivered_twice_at_once_to_two_workers_leaves_one_marker(
     a.wait_ready()
     twin = template.batches[0]
     cluster.enqueue(run_store, [twin, twin])
-    wait_log(a, f"at forward of batch {twin['batch']}")
-    wait_log(b, f"at forward of batch {twin['batch']}")
-    wait_until(lambda: twin["batch"] in done_batches(run_store), 60, "the twin batch's marker")
+    wait_log(a, f"at forward of batch {twin.batch}")
+    wait_log(b, f"at forward of batch {twin.batch}")
+    wait_until(lambda: twin.batch in done_batches(run_store), 60, "the twin batch's marker")
     wait_until(lambda: "another worker wrote the marker first" in a.log() + b.log(), 30, "the loser to remove its shard")
-    assert len(shards_of(run_store, twin["batch"])) == 1
+    assert len(shards_of(run_store, twin.batch)) == 1
     cluster.reconcile(run_store)  # the rest of the run
     wait_done(run_store)
     assert_complete(run_store)
@@ -155,16 +155,16 @@ def test_a_task_redelivered_after_its_visibility_timeout_leaves_one_marker(templ
     slow = cluster.worker("slow", faults="pause_upload=8", visibility_timeout_s=3)
     first = template.batches[0]
     cluster.enqueue(run_store, [first])
-    wait_log(slow, f"at upload of batch {first['batch']}")
+    wait_log(slow, f"at upload of batch {first.batch}")
     fast = cluster.worker("fast", visibility_timeout_s=3)
-    wait_until(lambda: first["batch"] in done_batches(run_store), 40, "the redelivered batch's marker")
+    wait_until(lambda: first.batch in done_batches(run_store), 40, "the redelivered batch's marker")
     received = [line for line in (slow.log() + fast.log()).splitlines()
                 if "Task hsx.extract_batch[" in line and line.rstrip().endswith("received")]
     assert len(received) >= 2, f"the batch was delivered again while its first delivery ran: {received}"
     # A later delivery loses the marker race (its shard removed), starts after the marker exists, or is
     # skipped by Celery as already succeeded (worker_deduplicate_successful_tasks): none leaves a second shard.
     time.sleep(10)  # the first delivery's 8 s pause, so that every delivery has ended
-    assert len(shards_of(run_store, first["batch"])) == 1
+    assert len(shards_of(run_store, first.batch)) == 1
     slow.kill()  # it would hold every later batch 8 s
     cluster.reconcile(run_store)
     wait_done(run_store)

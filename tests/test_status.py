@@ -76,7 +76,7 @@ def test_a_run_whose_every_worker_went_quiet_is_stalled_not_running(small_run, t
     ``stalled``, no ETA; once a worker reports again it is ``running``."""
     run_dir = copy_run(small_run, tmp_path)
     store = open_store(str(run_dir))
-    last = read_batch_list(store)[-1]["batch"]
+    last = read_batch_list(store)[-1].batch
     store.delete(marker_key(last))
     for key in store.list(WORKERS_PREFIX):  # the shared worker's own record may still be fresh
         store.delete(key)
@@ -94,7 +94,7 @@ def _stalled_run(small_run, tmp_path, *, idle: bool = False):
     """A copy of the small run with one batch left and its only worker quiet (or idle long ago)."""
     run_dir = copy_run(small_run, tmp_path)
     store = open_store(str(run_dir))
-    last = read_batch_list(store)[-1]["batch"]
+    last = read_batch_list(store)[-1].batch
     store.delete(marker_key(last))
     for key in store.list(WORKERS_PREFIX):
         store.delete(key)
@@ -233,7 +233,7 @@ def test_the_rate_window_is_the_time_the_markers_cover_not_the_full_window(small
     assert recent_window([(10.0, 100)], now=22.0) == (None, None)
     run_dir = copy_run(small_run, tmp_path)
     store = open_store(str(run_dir))
-    store.delete(marker_key(read_batch_list(store)[-1]["batch"]))
+    store.delete(marker_key(read_batch_list(store)[-1].batch))
     watch = RunWatch(store)
     first = watch.poll()
     ends = sorted(m["end"] for m in watch.markers.values())
