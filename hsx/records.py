@@ -55,7 +55,9 @@ from hsx.store import MissingKey, Store
 
 R = TypeVar("R", bound="Record")
 
-#: Worker states of a :class:`WorkerStatus` (``workers/heartbeat.py`` says what each means).
+#: Worker states of a :class:`WorkerStatus` (``workers/heartbeat.py`` says what each means). ``refusing``
+#: is read only: workers wrote it before they parked what they cannot serve (``hsx/fleet.py``); none
+#: writes it now, and a worker process keeps no refusal of its own.
 WorkerState = Literal["working", "paused", "idle", "refusing", "stopped"]
 
 
@@ -379,8 +381,6 @@ class WorkerStatus(Record):
     device: str | None = None
     """torch device of its model (``cpu``, ``NVIDIA H200``...), None before one is loaded."""
     state: WorkerState
-    refusing_reason: str | None = None
-    refusing_since: str | None = None
     paused_reason: str | None = None
     """Why extraction waits (spool backpressure), None when not paused."""
     paused_since: str | None = None
