@@ -18,6 +18,10 @@ clock) every ``HSX_HEARTBEAT_S`` and soon after a change; it
 never waits for a store write (a hung S3 request must not let a live batch's lease expire). The presence is what holds a batch's lease
 (``workers/lease.py``), what ``enqueue`` reads to learn the roots the fleet serves, and how a
 worker's state reaches ``status`` when the store cannot take a record (a full disk).
+
+The :class:`Heartbeat` is the process's one tracker of its batches: the records, the presence and
+the ``gpu_stats`` reply (``workers/monitor.py``: the batches running, those done, the recent
+tokens/s, :meth:`Heartbeat.activity`) are all read from it.
 """
 
 from __future__ import annotations
