@@ -196,16 +196,18 @@ class RegeneratedSource(Source):
                 raise DatasetChanged(f"regenerate run {self.config.run_id}: shard {shard.key} of batch {batch} is not the "
                                      "one its marker certifies (sha256 differs); `producer verify` the run")
             for conv in parse_lines(data, RegeneratedConversation, shard.key):
+                fallback_id = f"{self.config.run_id}:{conv.sample_index}"
+                # a record skipped here is yielded as its BadRecord: the planner counts it per window, by reason
                 if not any(a.finish_reason != "prompt_too_long" for a in conv.regenerated):
-                    skips.add(BadRecord(conv.id, "not_regenerated", "no assistant turn's prompt fits in the regenerate "
-                                        "run's max_length: nothing was answered"))
-                    continue
-                if self.options.drop_unfinished and not conv.finished:
+                    yield RawItem(fallback_id, BadRecord(conv.id, "not_regenerated", "no assistant turn's prompt fits "
+                                                         "in the regenerate run's max_length: nothing was answered"))
+                elif self.options.drop_unfinished and not conv.finished:
                     reasons = ",".join(a.finish_reason for a in conv.regenerated)
-                    skips.add(BadRecord(conv.id, "unfinished_answer", f"an answer was cut ({reasons}): --drop-unfinished"))
-                    continue
-                yield RawItem(f"{self.config.run_id}:{conv.sample_index}",
-                              {"id": conv.id, "messages": conv.messages, **({"tools": conv.tools} if conv.tools else {})})
+                    yield RawItem(fallback_id, BadRecord(conv.id, "unfinished_answer",
+                                                         f"an answer was cut ({reasons}): --drop-unfinished"))
+                else:
+                    yield RawItem(fallback_id, {"id": conv.id, "messages": conv.messages,
+                                                **({"tools": conv.tools} if conv.tools else {})})
             done += shard.bytes
             self.bytes_read = done
 

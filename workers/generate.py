@@ -102,8 +102,6 @@ def pick_engine(target, regen: RegenConfig, settings: Settings) -> tuple[str, st
     else ``generate``. ``HSX_REGEN_ENGINE=generate`` (environment) forces the batched ``generate``."""
     if os.environ.get("HSX_REGEN_ENGINE", "").strip() == GENERATE:
         return GENERATE, "HSX_REGEN_ENGINE=generate"
-    if target.group is not None:
-        return GENERATE, "a tensor-parallel group runs the batched generate"
     if not supports_continuous_batching(target.model):
         types = sorted(set(getattr(getattr(target.model, "config", None), "layer_types", None) or []) - _PAGED_LAYER_TYPES)
         return GENERATE, (f"transformers' continuous batching cannot serve this target (layer types {', '.join(types)}: "
@@ -151,10 +149,17 @@ def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos
     Raises RuntimeError when it did not return an answer for every prompt (``generate_batch`` logs
     and swallows its own errors): the caller then answers with :func:`generate_left_padded`."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(max_new_tokens=regen.max_new_tokens, do_sample=False, eos_token_id=list(eos_ids),
                               pad_token_id=int(pad_id))
-    results = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config, progress_bar=False)
+    # The paged cache sized for this batch's prompts and answers (pages of page_size tokens, one spare
+    # each): left to itself it sizes itself from the free memory, minutes of allocation on a CPU host.
+    sizing = ContinuousBatchingConfig()
+    pages = sum(-(-(len(p) + regen.max_new_tokens) // sizing.page_size) + 1 for p in prompts)
+    sizing = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=max(sum(len(p) for p in prompts), sizing.page_size))
+    results = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config,
+                                   continuous_batching_config=sizing, progress_bar=False, warmup=False)
     outs = list(results.values())
     if len(outs) != len(prompts):
         raise RuntimeError(f"generate_batch returned {len(outs)} answers for {len(prompts)} prompts")
@@ -332,6 +337,10 @@ def regenerate_batch(admitted, settings: Settings, job) -> dict:
     job.phase("loading")
     target = get_target(settings.model or config.model_name, settings)
     job.heartbeat.device = target.engine.get("device")
+    if target.group is not None:  # generate on rank 0 alone would wait forever in the followers' collectives
+        raise ModelNotServed(f"batch {batch} of regenerate run {config.run_id}: this worker leads a tensor-parallel group "
+                             f"of {target.group.size} ranks, and a group does not answer regenerate batches (not built); "
+                             "fix: run the regenerate stage on workers with --gpus-per-worker 1 (HSX_GPUS_PER_WORKER=1)")
     differences = target.info.differences(config.model)
     if differences:
         raise ModelNotServed(f"batch {batch}: this worker's checkpoint is not the one run {config.run_id} was planned "

@@ -1,0 +1,261 @@
+"""Regenerate runs (issue 23): ``producer run sharegpt --regenerate`` answers every planned prompt
+once with the target, the same seed gives the same text, each answer's sample depends on its own
+seed only, a Ctrl-C and the same command again resume, and the regenerated conversations are
+extracted as a dataset. The built-in ``tiny-qwen3.5`` (random weights: its answers are noise, and
+never end by themselves within 8 tokens) on real ShareGPT records, on the session's shared worker.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jobfixtures import ROOT, clean_env, cli_json
+
+from hsx.errors import BadDataset
+from hsx.regen import FINISH_REASONS, RegenConfig, RegeneratedConversation, parse_lines, sample_seed
+from hsx.records import SampleRow, done_batches, read_markers, read_windows
+from hsx.runconfig import load_run
+from hsx.store import open_store
+
+#: 50 records; 8 new tokens per answer keep the generation at a few seconds on a CPU.
+JOB = ["sharegpt", "--limit", "50", "--model", "tiny-qwen3.5", "--max-length", "384", "--batch-tokens", "1536",
+       "--store-dtype", "float32", "--regenerate", "--max-new-tokens", "8", "--temperature", "0.8", "--top-k", "50",
+       "--seed", "7"]
+
+
+def shard_conversations(run_store) -> dict[int, RegeneratedConversation]:
+    """Every regenerated conversation of a run, by sample index (a sample twice fails the test)."""
+    out: dict[int, RegeneratedConversation] = {}
+    for batch, marker in read_markers(run_store).items():
+        for conv in parse_lines(run_store.read(marker.shard.key), RegeneratedConversation, marker.shard.key):
+            assert conv.sample_index not in out, f"sample {conv.sample_index} answered twice (again in {batch})"
+            out[conv.sample_index] = conv
+    return out
+
+
+def planned_samples(run_store) -> dict[int, str]:
+    """``{sample_index: record id}`` of the run's plan."""
+    return {row.sample_index: str(row.record_id) for w in read_windows(run_store)
+            for row in SampleRow.read_window(run_store, w.name)}
+
+
+@pytest.fixture(scope="module")
+def both_stages(tmp_path_factory, tiny_cache, shared_worker):
+    """``producer run ... --regenerate`` on 50 ShareGPT records: the regenerate run, then its extraction."""
+    tmp = tmp_path_factory.mktemp("regenerate")
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp / "state", spool_dir=tmp / "spool")
+    report = cli_json(shared_worker.producer(["run", *JOB, "--output", str(tmp / "out"), "--json"], env))
+    from hsx.models import load_tokenizer
+
+    return {"tmp": tmp, "env": env, "report": report, "regen": open_store(report["regenerate"]["address"]),
+            "extract": open_store(report["extract"]["address"]), "tokenizer": load_tokenizer("tiny-qwen3.5", tiny_cache)}
+
+
+def test_every_planned_prompt_is_answered_exactly_once(both_stages):
+    """Each planned sample of the regenerate run has one conversation in the shards, under its record
+    id, whose last message is the target's answer with its finish reason and token counts."""
+    report, run_store = both_stages["report"]["regenerate"], both_stages["regen"]
+    assert report["batches_done"] == report["batches_total"] > 1
+    planned = planned_samples(run_store)
+    assert len(planned) == report["plan"]["samples"] >= 30
+    convs = shard_conversations(run_store)
+    assert {i: c.id for i, c in convs.items()} == planned
+    answered = [c for c in convs.values() if c.regenerated[-1].finish_reason != "prompt_too_long"]
+    assert len(answered) >= 20, "most prompts fit in --max-length 384"
+    for conv in answered:
+        answer = conv.regenerated[-1]
+        assert conv.messages[-1]["role"] == "assistant" and answer.turn == len(conv.messages) - 1
+        assert answer.finish_reason in FINISH_REASONS and answer.prompt_tokens > 0
+        assert 1 <= answer.completion_tokens <= 8
+        assert len(conv.regenerated) == 1, "--turns last answers one turn"
+    # random weights: nothing ends its turn within 8 tokens, so every answer is cut and marked so
+    assert all(c.regenerated[-1].finish_reason == "length" and not c.finished for c in answered)
+
+
+def test_the_run_records_its_generation_options_and_engine(both_stages):
+    """run.json holds the options (in the run id: the id differs from the extraction's of the same
+    dataset), the markers name the engine: tiny-qwen3.5's Gated DeltaNet layers are not served by
+    transformers' continuous batching, so the batched generate answers."""
+    run_store = both_stages["regen"]
+    config = load_run(run_store)
+    assert RegenConfig.of(config) == RegenConfig(max_new_tokens=8, temperature=0.8, top_k=50, seed=7)
+    assert config.run_id.startswith("sharegpt-regen-") and config.identity()["regenerate"]["seed"] == 7
+    markers = read_markers(run_store)
+    engines = {json.loads(run_store.read(f"markers/{b}.json"))["engine"] for b in markers}
+    assert engines == {"generate"}
+
+
+def test_the_extraction_reads_the_regenerated_conversations(both_stages):
+    """The second stage's dataset is the regenerate run: its samples are the answered conversations
+    (those whose regenerated answer is empty or blank are skipped as such, as any dataset's), and
+    the tokens it supervises are the regenerated answers, not the original ones."""
+    report, extract = both_stages["report"]["extract"], both_stages["extract"]
+    config = load_run(extract)
+    assert config.dataset["kind"] == "regenerate_run" and config.dataset["run_id"] == both_stages["report"]["regenerate"]["run_id"]
+    assert report["batches_done"] == report["batches_total"] >= 1
+    convs = shard_conversations(both_stages["regen"])
+    answered = [c for c in convs.values() if c.regenerated[-1].finish_reason != "prompt_too_long"]
+    not_answered = len(convs) - len(answered)
+    skipped = report["plan"]["skipped"]["counts"]
+    assert skipped.get("not_regenerated", 0) == not_answered
+    assert report["plan"]["samples"] + report["plan"]["skipped"]["total"] == len(convs)
+    from hsx.plan import read_batch
+
+    by_id = {c.id: c for c in answered}
+    rows = {row.sample_index: row for w in read_windows(extract) for row in SampleRow.read_window(extract, w.name)}
+    checked = 0
+    for batch in {row.batch for row in rows.values()}:
+        plan = read_batch(extract, batch)
+        for j, sample in enumerate(plan.sample_index_N.tolist()):
+            row = rows[sample]
+            if row.truncated:
+                continue
+            ids = plan.input_ids_T[plan.cu_seqlens_N1[j]:plan.cu_seqlens_N1[j + 1]]
+            text = both_stages["tokenizer"].decode(ids.tolist())
+            assert by_id[str(row.record_id)].messages[-1]["content"].strip() in text
+            checked += 1
+    assert checked >= 10
+
+
+def test_drop_unfinished_skips_the_answers_cut_at_max_new_tokens(both_stages, tiny_cache):
+    """--drop-unfinished on the regenerate run's address: every cut answer is skipped
+    (``unfinished_answer``); here they all were, so no record is usable and nothing is planned."""
+    from producer.planner import PlanOptions, prepare_plan
+    from settings import Settings
+
+    settings = Settings(_env_file=None, cache_dir=tiny_cache)
+    opts = PlanOptions(dataset=both_stages["report"]["regenerate"]["address"], model="tiny-qwen3.5",
+                       output=str(both_stages["tmp"] / "dropped"), max_length=384, batch_tokens=1536,
+                       drop_unfinished=True)
+    with pytest.raises(BadDataset, match="unfinished_answer"):
+        prepare_plan(opts, settings).run()
+    assert not (both_stages["tmp"] / "dropped").exists() or not any((both_stages["tmp"] / "dropped").iterdir())
+
+
+def test_the_same_seed_gives_the_same_text(both_stages, shared_worker):
+    """The same command into another store: the same run id and, sample by sample, the same answers."""
+    tmp, env = both_stages["tmp"], both_stages["env"]
+    again = cli_json(shared_worker.producer(["run", *JOB, "--output", str(tmp / "again"), "--json"], env))
+    assert again["regenerate"]["run_id"] == both_stages["report"]["regenerate"]["run_id"]
+    first, second = shard_conversations(both_stages["regen"]), shard_conversations(open_store(again["regenerate"]["address"]))
+    assert first.keys() == second.keys()
+    assert [c.messages for c in first.values()] == [second[i].messages for i in first]
+    assert any(c.messages[-1]["content"] for c in first.values()), "the answers must hold text to compare"
+
+
+class _Target:
+    """What :func:`workers.generate.answer_batch` uses of a loaded target."""
+
+    def __init__(self, model):
+        self.model, self.group, self.gpu_lock = model, None, threading.Lock()
+        self.pad_token_id = 151643
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_cache):
+    from hsx.models import load_tokenizer
+    from producer.masks import ChatTokeniser
+
+    return ChatTokeniser(load_tokenizer("tiny-qwen3.5", tiny_cache), max_length=384)
+
+
+def _answers(tiny_qwen35, chat, convs, seed):
+    from settings import Settings
+    from workers.generate import answer_batch
+
+    regen = RegenConfig(max_new_tokens=6, temperature=1.0, seed=seed)
+    out, engine, _ = answer_batch(_Target(tiny_qwen35), chat, convs, regen, 384, Settings(_env_file=None), "b000000")
+    assert engine == "generate"
+    return {c.id: c.messages[-1]["content"] for c in out}
+
+
+def test_each_answer_depends_on_its_own_seed_not_on_its_batch(tiny_qwen35, chat):
+    """An answer sampled alone equals the same answer sampled beside others (left padding, a generator
+    per answer: a retried batch, or one planned otherwise, regenerates the same text); another seed
+    gives another text."""
+    from hsx.regen import PlannedConversation
+
+    def conv(i, question):
+        return PlannedConversation(sample_index=i, record_id=f"r{i}", messages=[
+            {"role": "user", "content": question}, {"role": "assistant", "content": "original"}])
+
+    convs = [conv(0, "hi"), conv(1, "tell me a long story about the sea and its ships"), conv(2, "why?")]
+    together = _answers(tiny_qwen35, chat, convs, seed=1)
+    alone = _answers(tiny_qwen35, chat, convs[1:2], seed=1)
+    assert alone["r1"] == together["r1"] and together["r1"] != "original"
+    assert _answers(tiny_qwen35, chat, convs[1:2], seed=2)["r1"] != together["r1"]
+    assert sample_seed(1, "r1", 1) != sample_seed(1, "r1", 3) != sample_seed(2, "r1", 1)
+
+
+def test_ctrl_c_then_the_same_command_resumes(tmp_path, tiny_cache, shared_worker):
+    """Ctrl-C while the regenerate run's batches are answered: exit 130, the markers written are kept;
+    the same command again answers only the batches left, then extracts."""
+    job = [*JOB[:2], "8", *JOB[3:8], "384", *JOB[9:]]  # 8 records in batches of at most 384 tokens: several batches
+    out = tmp_path / "out"
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool",
+                    faults="pause_marker=1", worker_concurrency=1, max_pending_uploads=1)  # two task threads
+    err = open(tmp_path / "stderr", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "producer", "run", *job, "--output", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not list(out.glob("*-regen-*/markers/*.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(120) == 130, (tmp_path / "stderr").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run_dir = next(out.glob("*-regen-*"))
+    regen_store = open_store(str(run_dir))
+    kept = {b: m.shard.key for b, m in read_markers(regen_store).items()}
+    planned = {b.batch for w in read_windows(regen_store) for b in w.batches}
+    assert 1 <= len(kept) < len(planned), f"{len(kept)} of {len(planned)} batches done at the Ctrl-C"
+
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state2", spool_dir=tmp_path / "spool")
+    report = cli_json(shared_worker.producer(["run", *job, "--output", str(out), "--json"], env))
+    regen = report["regenerate"]
+    assert regen["run_id"] == run_dir.name and regen["batches_already_done"] == len(kept)
+    assert regen["batches_done"] == regen["batches_total"] == len(planned)
+    assert {b: m.shard.key for b, m in read_markers(regen_store).items() if b in kept} == kept, "done batches not redone"
+    assert done_batches(regen_store) == planned
+    assert {i: c.id for i, c in shard_conversations(regen_store).items()} == planned_samples(regen_store)
+    assert report["extract"]["batches_done"] == report["extract"]["batches_total"] >= 1
+
+
+def test_continuous_batching_answers_an_attention_only_target_as_generate_does():
+    """transformers' continuous batching (``generate_batch``, paged cache sized for the batch) serves a
+    greedy run of an attention-only target (tiny Qwen3-8B shape) and gives batched ``generate``'s
+    answers, prompt by prompt; sampling, or a Gated DeltaNet target, goes to ``generate``."""
+    from settings import Settings
+    from tinymodels import tiny_model
+    from workers.generate import CONTINUOUS, GENERATE, generate_continuous, generate_left_padded, pick_engine
+
+    model = tiny_model("qwen3").eval()
+    greedy = RegenConfig(max_new_tokens=6)
+    settings = Settings(_env_file=None)
+    assert pick_engine(_Target(model), greedy, settings)[0] == CONTINUOUS
+    assert pick_engine(_Target(model), RegenConfig(temperature=0.5), settings)[0] == GENERATE
+    prompts = [[1, 5, 9, 30, 44], [7, 8], [10, 20, 30, 40, 50, 60, 7]]
+    expected = generate_left_padded(model, prompts, [0, 0, 0], greedy, [2], 0)
+    assert generate_continuous(model, prompts, greedy, [2], 0) == expected
+    assert all(len(a) == 6 for a in expected)
+
+
+def test_a_gated_deltanet_target_is_answered_by_generate_saying_why(tiny_qwen35):
+    """tiny-qwen3.5's linear_attention layers are not served by the paged cache: ``generate``, and the
+    reason names the layer type."""
+    from settings import Settings
+    from workers.generate import GENERATE, pick_engine
+
+    engine, why = pick_engine(_Target(tiny_qwen35), RegenConfig(), Settings(_env_file=None))
+    assert engine == GENERATE and "linear_attention" in why
