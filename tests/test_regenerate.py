@@ -259,3 +259,33 @@ def test_a_gated_deltanet_target_is_answered_by_generate_saying_why(tiny_qwen35)
 
     engine, why = pick_engine(_Target(tiny_qwen35), RegenConfig(), Settings(_env_file=None))
     assert engine == GENERATE and "linear_attention" in why
+
+
+def test_turns_all_feeds_each_answer_into_the_next_prompt(tiny_qwen35, chat):
+    """--turns all: one answer per assistant turn, in order; the second prompt holds the first answer
+    (its prompt is longer than the original first reply would make it), and a --stop string cuts an
+    answer before it (finish reason stop_string)."""
+    from hsx.regen import PlannedConversation
+    from settings import Settings
+    from workers.generate import answer_batch, prompt_ids
+
+    long_reply = "an original reply that is much longer than six generated tokens could ever be " * 3
+    conv = PlannedConversation(sample_index=0, record_id="multi", messages=[
+        {"role": "user", "content": "first question"}, {"role": "assistant", "content": long_reply},
+        {"role": "user", "content": "second question"}, {"role": "assistant", "content": long_reply}])
+    regen = RegenConfig(max_new_tokens=6, turns="all")
+    (out,), _engine, timing = answer_batch(_Target(tiny_qwen35), chat, [conv], regen, 384, Settings(_env_file=None), "b0")
+    assert timing["rounds"] == 2 and [a.turn for a in out.regenerated] == [1]  # the first answer was cut: it stops there
+    assert out.messages[1]["content"] != long_reply and len(out.messages) == 2 and not out.finished
+
+    # a stop string the first answer holds (one of its characters): it ends there, and the second turn is answered
+    first = out.messages[1]["content"]
+    stop = next(ch for ch in first if not ch.isspace())
+    regen = RegenConfig(max_new_tokens=6, turns="all", stop=(stop,))
+    (out,), _engine, _ = answer_batch(_Target(tiny_qwen35), chat, [conv], regen, 384, Settings(_env_file=None), "b0")
+    assert [a.turn for a in out.regenerated] == [1, 3] and out.regenerated[0].finish_reason == "stop_string"
+    assert out.messages[1]["content"] == first[:first.index(stop)] and len(out.messages) == 4
+    assert out.messages[3]["content"] != long_reply
+    second_prompt = out.regenerated[1].prompt_tokens
+    assert second_prompt == len(prompt_ids(chat, "multi", out.messages[:3], None))
+    assert second_prompt < len(prompt_ids(chat, "multi", conv.messages[:3], None)), "the first answer, not the original"
