@@ -168,9 +168,11 @@ def repair_bad_batches(run_store: Store, settings: Settings | None = None) -> di
 
     Returns ``{batch: [problem kinds]}`` of the batches repaired (they now count as not done).
     """
+    from producer.regenerate import verify_regenerated
     from producer.verify import verify_run
 
-    report = verify_run(run_store, settings=settings)
+    # a regenerate run's shards are JSON lines: its own checks, with verify's problem kinds (producer/regenerate.py)
+    report = verify_regenerated(run_store) or verify_run(run_store, settings=settings)
     bad: dict[str, list[str]] = {}
     for p in report["problems"]:
         if p["kind"] in REPAIRABLE:

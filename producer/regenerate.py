@@ -275,10 +275,11 @@ def verify_regenerated(run_store) -> dict | None:
     """``producer verify`` of a regenerate run; None when the run at ``run_store`` is not one.
 
     Checks, per planned batch: its marker exists (else ``not_done``) and holds this run's identity
-    (``config_sha256``), its shard's bytes have the marker's size and sha256 (``shard_mismatch``) and
+    (``config_sha256``), its shard's bytes have the marker's size and sha256 (``shard_altered``) and
     parse as :class:`hsx.regen.RegeneratedConversation` lines (``shard_unreadable``), and the shard
-    answers exactly the batch's planned samples, each once, under their record ids (``samples``). The
-    report has ``producer.verify.verify_run``'s keys (``ok``: no problem).
+    answers exactly the batch's planned samples, each once, under their record ids (``missing_samples``). The
+    report has ``producer.verify.verify_run``'s keys (``ok``: no problem), and its problem kinds are
+    verify's, so that ``reconcile --repair`` redoes the batches concerned (``producer/reconcile.py``).
 
     Raises hsx.store.MissingKey when there is no run.json."""
     import time
@@ -318,7 +319,7 @@ def verify_regenerated(run_store) -> dict | None:
             continue
         hashed += len(data)
         if len(data) != marker.shard.bytes or hashlib.sha256(data).hexdigest() != marker.shard.sha256:
-            problems.append({"batch": name, "kind": "shard_mismatch", "detail": f"{marker.shard.key}: {len(data)} bytes, "
+            problems.append({"batch": name, "kind": "shard_altered", "detail": f"{marker.shard.key}: {len(data)} bytes, "
                              f"not the {marker.shard.bytes} bytes and sha256 its marker certifies"})
             continue
         try:
@@ -332,7 +333,7 @@ def verify_regenerated(run_store) -> dict | None:
         if sorted(answered) != expected:
             extra = sorted(set(answered) - set(expected))[:3]
             lost = sorted(set(expected) - set(answered))[:3]
-            problems.append({"batch": name, "kind": "samples", "detail": f"the shard answers {len(answered)} samples for "
+            problems.append({"batch": name, "kind": "missing_samples", "detail": f"the shard answers {len(answered)} samples for "
                              f"{len(expected)} planned (each once): not planned {extra}, not answered {lost}"})
     return {"run_id": config.run_id, "address": run_store.url, "kind": "regenerate", "batches_planned": len(names),
             "batches_done": done, "markers": done, "samples_planned": sum(len(v) for v in planned.values()),

@@ -289,3 +289,26 @@ def test_turns_all_feeds_each_answer_into_the_next_prompt(tiny_qwen35, chat):
     second_prompt = out.regenerated[1].prompt_tokens
     assert second_prompt == len(prompt_ids(chat, "multi", out.messages[:3], None))
     assert second_prompt < len(prompt_ids(chat, "multi", conv.messages[:3], None)), "the first answer, not the original"
+
+
+def test_verify_names_an_altered_shard_and_repair_redoes_only_that_batch(both_stages, tmp_path):
+    """A copy of the regenerate run with one shard's bytes changed: verify reports that batch only
+    (``shard_altered``), and ``reconcile --repair``'s step removes its marker and shard, no other."""
+    import shutil
+
+    from producer.reconcile import repair_bad_batches
+    from producer.regenerate import verify_regenerated
+
+    source = Path(both_stages["regen"].local_path("run.json")).parent
+    copy = tmp_path / source.name
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("workers"))
+    store = open_store(str(copy))
+    assert verify_regenerated(store)["ok"]
+    markers = read_markers(store)
+    victim = sorted(markers)[0]
+    path = copy / markers[victim].shard.key
+    path.write_bytes(path.read_bytes().replace(b'"finished": false', b'"finished": true ', 1))
+    report = verify_regenerated(store)
+    assert [(p["batch"], p["kind"]) for p in report["problems"]] == [(victim, "shard_altered")]
+    assert repair_bad_batches(store) == {victim: ["shard_altered"]}
+    assert done_batches(store) == set(markers) - {victim} and not path.exists()
