@@ -264,7 +264,7 @@ def _shown(field: str, value) -> str:
     if field in SECRET_FIELDS:
         return "***"
     if field in URL_FIELDS and isinstance(value, str):
-        from hsx.store import mask_url
+        from hsx.storeurl import mask_url
 
         return repr(mask_url(value))
     return repr(value)

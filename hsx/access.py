@@ -18,13 +18,10 @@ Comparison is of normalised, resolved roots, segment by segment:
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
-from urllib.parse import unquote, urlsplit
 
 from hsx.errors import BadConfig
-from hsx.store import mask_url
+from hsx.storeurl import StoreURL, mask_url, parse_store_url
 
 if TYPE_CHECKING:
     from settings import Settings
@@ -48,59 +45,18 @@ class ModelNotServed(NotServed):
     one it loaded for the run's model name): parked with cause ``model``."""
 
 
-@dataclass(frozen=True)
-class Root:
-    """A normalised store root: ``kind`` ``local`` (``path`` absolute, resolved) or ``s3`` (``bucket``,
-    ``segments`` of the prefix)."""
-
-    kind: str
-    path: str = ""
-    bucket: str = ""
-    segments: tuple[str, ...] = ()
-
-    def contains(self, other: "Root") -> bool:
-        """Whether ``other`` is this root or inside it (by whole path segments)."""
-        if self.kind != other.kind:
-            return False
-        if self.kind == "local":
-            return other.path == self.path or other.path.startswith(self.path.rstrip(os.sep) + os.sep)
-        return other.bucket == self.bucket and other.segments[:len(self.segments)] == self.segments
-
-    def __str__(self) -> str:
-        if self.kind == "local":
-            return self.path
-        return "s3://" + "/".join((self.bucket, *self.segments))
-
-
-def normalise(url: str) -> Root:
-    """The :class:`Root` of a store URL in any form ``open_store`` accepts (a path, ``file:///``,
-    ``s3://bucket[/prefix]``), without touching the filesystem beyond resolving symlinks.
+def normalise(url: str) -> StoreURL:
+    """The resolved :class:`hsx.storeurl.StoreURL` of a store URL in any form ``open_store`` accepts
+    (parsed by :func:`hsx.storeurl.parse_store_url`, with a local path's links followed), without
+    touching the filesystem beyond resolving symlinks.
 
     Raises:
-        BadConfig: an empty URL, another scheme, or an S3 prefix with an empty, ``.`` or ``..`` segment.
+        BadConfig: the URL breaks :func:`hsx.storeurl.parse_store_url`'s rules.
     """
-    if not isinstance(url, str) or not url.strip():
-        raise BadConfig(f"store URL {url!r} is empty")
-    url = url.strip()
-    if "://" in url:
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        if scheme == "s3":
-            if not parts.netloc or "@" in parts.netloc or parts.query or parts.fragment:
-                raise BadConfig(f"store URL {mask_url(url)!r} is not s3://BUCKET or s3://BUCKET/PREFIX")
-            segs = tuple(parts.path.strip("/").split("/")) if parts.path.strip("/") else ()
-            if any(s in ("", ".", "..") for s in segs):
-                raise BadConfig(f"store URL {url!r}: empty, '.' and '..' segments are not allowed in an S3 prefix")
-            return Root("s3", bucket=parts.netloc, segments=segs)
-        if scheme == "file":
-            if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
-                raise BadConfig(f"store URL {mask_url(url)!r} is not a local file URL: use file:///ABS/PATH")
-            return Root("local", path=os.path.realpath(unquote(parts.path)))
-        raise BadConfig(f"store URL {mask_url(url)!r} has unsupported scheme {scheme!r}")
-    return Root("local", path=os.path.realpath(os.path.expanduser(url)))
+    return parse_store_url(url).resolved()
 
 
-def allowed_roots(settings: "Settings") -> list[Root]:
+def allowed_roots(settings: "Settings") -> list[StoreURL]:
     """The roots a worker serves: ``HSX_STORE_URL`` and each entry of ``HSX_ALLOWED_STORES``
     (comma-separated), normalised. Raises BadConfig naming an entry that is not a store URL."""
     urls = [settings.store_url, *[u.strip() for u in (settings.allowed_stores or "").split(",") if u.strip()]]
@@ -139,4 +95,4 @@ def check_run_allowed(run_url: str, settings: "Settings") -> None:
             "(comma-separated) on the workers and restart them; nothing was read or created there")
 
 
-__all__ = ["Refused", "NotServed", "ModelNotServed", "Root", "normalise", "allowed_roots", "check_run_allowed"]
+__all__ = ["Refused", "NotServed", "ModelNotServed", "normalise", "allowed_roots", "check_run_allowed"]

@@ -309,7 +309,7 @@ class LiveHiddenStatesDataset(_IterableDataset):
 
         marker = self._marker(batch)
         key = marker.shard.key
-        check = self.verify if self.verify is not None else self.store.local_path(key) is None
+        check = self.verify if self.verify is not None else self.store.location.is_s3
         skip = quarantined_ids(marker)
         with local_shard(self.store, key, expect=marker.shard if check else None, tmp_dir=self.tmp_dir) as path:
             with safe_open(str(path), framework="pt") as f:

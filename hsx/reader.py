@@ -50,7 +50,6 @@ from typing import Iterator
 import numpy as np
 
 from hsx.errors import BadConfig, FidelityError
-from hsx.layout import RUN_JSON
 from hsx.records import Marker, ShardRef, read_markers
 from hsx.runconfig import RunConfig, load_run
 from hsx.shard import HIDDEN_STATES, Final, scale_name
@@ -241,8 +240,7 @@ class HiddenStatesDataset(_Dataset):
         store = _open_run(run, settings)
         self.dequant_dtype, self.raw = dequant_dtype, raw
         self.config = load_run(store)
-        probe = store.local_path(RUN_JSON)
-        if probe is None:
+        if not store.location.is_local:
             raise BadConfig(
                 f"{store.url} is not a local directory: the map-style HiddenStatesDataset memory-maps shards; "
                 "use IterableHiddenStatesDataset to stream from S3, or copy the run locally"
@@ -390,8 +388,7 @@ class IterableHiddenStatesDataset(_IterableDataset):
 
         marker = self.markers[batch]
         key = marker.shard.key
-        local = self.store.local_path(key) is not None
-        check = self.verify if self.verify is not None else not local
+        check = self.verify if self.verify is not None else self.store.location.is_s3
         skip = quarantined_ids(marker)
         with local_shard(self.store, key, expect=marker.shard if check else None, tmp_dir=self.tmp_dir) as path:
             with safe_open(str(path), framework="pt") as f:

@@ -615,8 +615,10 @@ def cmd_reconcile(args, settings: Settings) -> int:
 def _no_run_message(address: str, store) -> str:
     """The error for an address without run.json; on a local output directory, the runs inside it."""
     message = f"error: no run at {mask_url(address)} (no run.json); give <output>/<run_id>"
-    run_json = store.local_path(RUN_JSON)  # a local store: list the runs one level down
-    root = run_json.parent if run_json is not None else None
+    from pathlib import Path
+
+    # a local store: list the runs one level down
+    root = Path(store.location.path) if store.location.is_local else None
     runs = sorted(p.parent.name for p in root.glob(f"*/{RUN_JSON}")) if root is not None and root.is_dir() else []
     if runs:
         message += f". Runs in this directory: {', '.join(runs[:10])}" + (f" (+{len(runs) - 10} more)" if len(runs) > 10 else "")

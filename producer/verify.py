@@ -78,7 +78,7 @@ import numpy as np
 
 from hsx.errors import StoreError
 from hsx.fp8 import E4M3_REL_ERR
-from hsx.layout import (PLAN_WINDOWS_PREFIX, RUN_JSON, SAMPLES_JSONL, SHARDS_PREFIX, batch_plan_key, marker_key,
+from hsx.layout import (PLAN_WINDOWS_PREFIX, SAMPLES_JSONL, SHARDS_PREFIX, batch_plan_key, marker_key,
                         names_under, window_key, window_samples_key)
 from hsx.plan import (BatchPlan, batch_id, plan_complete, planning_failed, read_batch, read_batch_list,
                       read_planning_record, window_id)
@@ -724,7 +724,7 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
     config = load_run(run_store)
     config_sha = config.identity_sha256()
     if threads is None:
-        threads = S3_THREADS if run_store.local_path(RUN_JSON) is None else LOCAL_THREADS
+        threads = S3_THREADS if run_store.location.is_s3 else LOCAL_THREADS
     plan_check = check_plan(run_store, threads=threads, retry_s=retry_s)
     plan_seconds = round(time.perf_counter() - t0, 2)
     t_hash = time.perf_counter()

@@ -547,16 +547,31 @@ def test_download_rides_out_cut_off_range_reads_through_the_stores_retries(s3_bu
 # --- the interface's boundary ------------------------------------------------------------------
 
 #: the Store Protocol's members; anything else is a helper over them (hsx/store/helpers.py).
-PROTOCOL_MEMBERS = {"url", "read", "write", "create", "delete", "write_stream", "read_range", "sha256", "size",
-                    "local_path", "list", "list_modified", "remove_incomplete", "child", "check"}
+PROTOCOL_ATTRIBUTES = {"url", "location"}
+PROTOCOL_MEMBERS = PROTOCOL_ATTRIBUTES | {"read", "write", "create", "delete", "write_stream", "read_range", "sha256",
+                                          "size", "local_path", "list", "list_modified", "remove_incomplete", "child"}
 
 
 def test_the_store_protocol_has_only_its_documented_members_and_both_backends_have_them_all():
-    """The Protocol stays small: exactly PROTOCOL_MEMBERS; LocalStore and S3Store implement every one."""
+    """The Protocol holds what callers outside the package use: exactly PROTOCOL_MEMBERS (the probe, ``check``,
+    is only ``open_store``'s, on the backend it built); LocalStore and S3Store implement every one, and the probe."""
     members = {n for n in vars(Store) if not n.startswith("_")} | set(Store.__annotations__)
     assert members == PROTOCOL_MEMBERS, sorted(members ^ PROTOCOL_MEMBERS)
     for cls in (LocalStore, S3Store):
-        assert not [m for m in PROTOCOL_MEMBERS - {"url"} if not callable(getattr(cls, m, None))], cls
+        methods = PROTOCOL_MEMBERS - PROTOCOL_ATTRIBUTES | {"check"}
+        assert not [m for m in methods if not callable(getattr(cls, m, None))], cls
+
+
+def test_a_store_says_where_it_lives_typed_not_by_a_missing_local_path(tmp_path):
+    """``store.location``: local with its absolute path, or S3 with bucket and prefix; a child's is the child's."""
+    from hsx.store import StoreURL
+
+    local = LocalStore(tmp_path / "runs")
+    assert local.location == StoreURL("local", path=str(tmp_path / "runs")) and local.location.is_local
+    assert local.child("r1").location.path == str(tmp_path / "runs" / "r1")
+    s3 = S3Store(object(), "bucket", "runs/x")
+    assert s3.location == StoreURL("s3", bucket="bucket", prefix="runs/x") and s3.location.is_s3
+    assert s3.child("r1").location.prefix == "runs/x/r1" and str(s3.child("r1").location) == s3.child("r1").url
 
 
 def test_no_module_outside_the_store_imports_boto3_or_touches_a_raw_client():

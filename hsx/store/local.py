@@ -14,6 +14,7 @@ from typing import Iterable, Iterator
 from hsx.errors import StoreError, StoreFull
 from hsx.store.hashing import CHUNK_BYTES, Sha256Beside, sha256_file
 from hsx.store.protocol import DISK_FULL_ERRNOS, TMP_PREFIX, MissingKey, check_key, check_prefix
+from hsx.storeurl import LOCAL, StoreURL
 
 
 def _fsync_dir(path: Path) -> None:
@@ -39,6 +40,7 @@ class LocalStore:
 
     def __init__(self, root: Path):
         self.root = Path(os.path.abspath(root))
+        self.location = StoreURL(LOCAL, path=str(self.root))
         self.url = self.root.as_uri()
         # opened as an existing run (check(create=False)): a write never makes the root again
         self._root_must_exist = False

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Iterable, Protocol, runtime_checkable
 
 from hsx.errors import BadConfig
+from hsx.storeurl import StoreURL
 
 #: errnos of a full disk or quota: the store raises :class:`hsx.errors.StoreFull` for them.
 DISK_FULL_ERRNOS = frozenset({28, 122})  # ENOSPC, EDQUOT (Linux)
@@ -79,6 +80,10 @@ class Store(Protocol):
 
     url: str
     """Display URL (credentials masked): safe to log."""
+
+    location: StoreURL
+    """Where the store lives, typed: ``location.is_s3`` (objects in a bucket: no file to map, a
+    request per call) or ``location.is_local`` (files under ``location.path``)."""
 
     # --- whole objects ---------------------------------------------------------------------
 
@@ -169,11 +174,7 @@ class Store(Protocol):
         """A store rooted at ``root/prefix`` (a run is ``store.child(run_id)``)."""
         ...
 
-    def check(self, create: bool = True) -> None:
-        """Probe the backend once; raise :class:`~hsx.errors.StoreError` with the fix if unusable.
-
-        ``create=False``: a local root that does not exist is refused, not made (read-only opens)."""
-        ...
+    # Not a member: ``check`` (the probe), which only ``open_store`` calls, on the backend it built.
 
 
 # --- keys ---------------------------------------------------------------------------------------

@@ -14,12 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
-from urllib.parse import urlsplit
 
 from hsx.errors import BadConfig, FidelityError, StoreError, StoreFull
 from hsx.store.hashing import CHUNK_BYTES, Sha256Beside
 from hsx.store.protocol import S3_FULL_CODES, MissingKey, check_key, check_prefix
-from hsx.store.urls import mask_url
+from hsx.storeurl import S3, StoreURL, mask_url, parse_store_url
 
 if TYPE_CHECKING:
     from settings import Settings
@@ -106,32 +105,28 @@ class S3Store:
             check_key(self.prefix)
         self.endpoint = endpoint or getattr(getattr(client, "meta", None), "endpoint_url", None) or "AWS default"
         self._probe_client = probe_client
-        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.location = StoreURL(S3, bucket=bucket, prefix=self.prefix)
+        self.url = str(self.location)
 
     def __repr__(self) -> str:
         return f"S3Store({self.url} at {self.endpoint})"
 
     @classmethod
-    def from_url(cls, url: str, settings: "Settings | None" = None) -> "S3Store":
-        """Build (without probing) the store for ``s3://bucket[/prefix]``; BadConfig on a bad URL."""
+    def from_url(cls, url: "str | StoreURL", settings: "Settings | None" = None) -> "S3Store":
+        """Build (without probing) the store for ``s3://bucket[/prefix]``; BadConfig on a bad URL
+        (:func:`hsx.storeurl.parse_store_url`'s rules) or a URL of another kind."""
         import boto3
         from botocore.config import Config
 
-        parts = urlsplit(url)
-        if "@" in parts.netloc:
-            raise BadConfig(
-                f"store URL {mask_url(url)!r} carries credentials: put them in HSX_S3_ACCESS_KEY_ID / "
-                "HSX_S3_SECRET_ACCESS_KEY and use s3://BUCKET/PREFIX"
-            )
-        bucket = parts.netloc
-        if not bucket or parts.query or parts.fragment:
-            raise BadConfig(f"store URL {mask_url(url)!r} is not s3://BUCKET or s3://BUCKET/PREFIX")
-        prefix = parts.path.strip("/")
+        location = url if isinstance(url, StoreURL) else parse_store_url(url)
+        if not location.is_s3:
+            raise BadConfig(f"store URL {mask_url(str(url))!r} is not s3://BUCKET or s3://BUCKET/PREFIX")
+        bucket, prefix = location.bucket, location.prefix
         if prefix:
             try:
                 check_key(prefix)
             except BadConfig as e:
-                raise BadConfig(f"store URL {url!r}: bad prefix: {e}") from None
+                raise BadConfig(f"store URL {mask_url(str(location))!r}: bad prefix: {e}") from None
 
         endpoint = settings.s3_endpoint_url if settings else None
         kwargs: dict[str, Any] = {}
