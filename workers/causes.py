@@ -16,6 +16,7 @@ No error of one message, one run or one batch makes a worker stop taking the oth
 from __future__ import annotations
 
 import errno
+import sys
 
 from hsx.errors import (BadConfig, BadPlan, FidelityError, GroupBroken, RunCancelled, RunConflict, RunFormatError, RunGone, SpoolFull,
                         StoreError, StoreFull)
@@ -71,9 +72,17 @@ def classify(exc: BaseException) -> str:
         return PARK
     if _broker_error(exc) or disk_full(exc):
         return TRANSIENT
-    if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError: another process may hold the GPU
+    if _out_of_memory(exc):  # another process may hold the GPU
         return TRANSIENT
     return UNKNOWN
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's ``OutOfMemoryError`` (CUDA's is a subclass), by type. torch is not
+    imported for this: a process that never imported it raised none."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return oom is not None and isinstance(exc, oom)
 
 
 def retry_countdown(retries: int, base_s: float, max_s: float) -> float:
