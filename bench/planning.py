@@ -15,8 +15,7 @@ For each mode (``--modes``: ``1`` and ``all`` = ``os.sched_getaffinity`` cores b
 - ``ours``: the CLI above. Wall time from just before the subprocess starts to its exit;
   samples/s = planned samples (the ``--json`` report's ``plan.samples``) / that wall time;
   time to the first enqueued batch = the first poll (every 50 ms, from the start) that finds a
-  message in the broker's queue (``settings.queue`` and its kombu priority keys,
-  ``hsx.queue.queue_keys``); peak RSS of the producer's process tree (the CLI and its tokenising
+  message in the broker's queue (every priority step: ``hsx.brokerlayout.waiting``); peak RSS of the producer's process tree (the CLI and its tokenising
   processes, psutil every 0.2 s; also of the CLI process alone, and PSS of the tree every ~2 s);
   CPU seconds of the CLI process and of its children; padding waste of the plan
   (``plan/stats.json``, sorted within each window) against sorting the whole dataset at once
@@ -318,9 +317,8 @@ class Watch:
         self._threads = [threading.Thread(target=self._memory, daemon=True)]
         if broker_url is not None:
             from hsx.broker import redis_client
-            from hsx.queue import queue_keys
 
-            self._redis, self._keys = redis_client(broker_url), queue_keys(queue)
+            self._redis, self._queue_name = redis_client(broker_url), queue
             self._threads.append(threading.Thread(target=self._queue, daemon=True))
 
     def start(self) -> "Watch":
@@ -334,10 +332,9 @@ class Watch:
             t.join()
 
     def queue_length(self) -> int:
-        pipe = self._redis.pipeline(transaction=False)
-        for key in self._keys:
-            pipe.llen(key)
-        return sum(int(x) for x in pipe.execute())
+        from hsx.brokerlayout import waiting
+
+        return waiting(self._redis, self._queue_name)
 
     def _queue(self) -> None:
         last_series = -1.0

@@ -457,6 +457,7 @@ def fleet_soak(settings, tmp: Path, *, tasks: int, workers_n: int, duration_s: f
     from concurrent.futures import ThreadPoolExecutor
 
     from hsx.broker import EmbeddedBroker, redis_client
+    from hsx.brokerlayout import waiting
     from hsx.fleet import read_parked, read_presences
     from hsx.records import Marker, done_batches
     from producer.enqueue import enqueue_batches
@@ -513,7 +514,7 @@ def fleet_soak(settings, tmp: Path, *, tasks: int, workers_n: int, duration_s: f
             faults.stop()
             parked = read_parked(client, settings.queue)
             presences = read_presences(client, settings.queue)
-            queued_left = client.llen(settings.queue)
+            queued_left = waiting(client, settings.queue)
         finally:
             if faults is not None:
                 faults.stop()

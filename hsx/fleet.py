@@ -2,7 +2,7 @@
 messages they parked. One module owns this layout; producer and workers go through it.
 
 A broker serves many runs and many nodes (one queue, ``HSX_QUEUE``). Beside kombu's own keys
-(the queue lists, ``unacked``, ``unacked_index``: ``hsx/queue.py``), the fleet keeps, per queue:
+(its queue lists and claims, which ``hsx/brokerlayout.py`` alone reads), the fleet keeps, per queue:
 
 - ``hsx:<queue>:workers``: a hash, one field per worker process (``<host>-<pid>``), its
   :class:`Presence` as JSON, rewritten every ``HSX_HEARTBEAT_S``. A presence names the store
@@ -29,15 +29,9 @@ Everything here is JSON; nothing is unpickled.
 
 from __future__ import annotations
 
-import json
 from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
-
-#: kombu's Redis layout (``kombu/transport/redis.py``): the hash of delivered, unacknowledged
-#: messages (tag -> ``[message, exchange, routing key]``) and its index scored by delivery time.
-UNACKED_KEY = "unacked"
-UNACKED_INDEX_KEY = "unacked_index"
 
 
 def workers_key(queue: str) -> str:
@@ -252,115 +246,7 @@ def elect(client, queue: str, me: str, ttl_s: float) -> bool:
     return bool(client.set(healer_key(queue), me, nx=True, ex=max(1, int(ttl_s))))
 
 
-def queued_messages(client, queue: str) -> int:
-    """Messages waiting in the queue's lists (all priorities), by ``LLEN``: no message is read."""
-    from hsx.queue import queue_keys
-
-    pipe = client.pipeline(transaction=False)
-    for key in queue_keys(queue):
-        pipe.llen(key)
-    return int(sum(pipe.execute()))
-
-
-def _extraction_args(raw) -> tuple[str, str] | None:
-    """(run address, batch) of a queued extraction message; None for anything else (JSON only)."""
-    from hsx.queue import EXTRACT_TASK, decode_message
-
-    task, _task_id, args = decode_message(raw)
-    if task != EXTRACT_TASK or len(args) < 2:
-        return None
-    return str(args[0]), str(args[1])
-
-
-def _walk_queue(client, queue: str, chunk: int, visit) -> None:
-    """Read the queue's lists (all priorities) in chunks of ``LRANGE``; ``visit(key, raws)`` returns
-    how many of ``raws`` it removed from ``key``, so the next chunk starts where it should."""
-    from hsx.queue import queue_keys
-
-    for key in queue_keys(queue):
-        start = 0
-        while True:
-            raws = client.lrange(key, start, start + chunk - 1)
-            if not raws:
-                break
-            removed = visit(key, raws)
-            if len(raws) < chunk:
-                break
-            start += chunk - removed
-
-
-def queued_of(client, queue: str, run_url: str | None = None, chunk: int = 2000) -> dict[str, dict[str, int]]:
-    """``{run address: {batch: count}}`` of the extraction messages waiting in the queue (of
-    ``run_url`` only, if given); read in chunks of ``LRANGE``, JSON messages only."""
-    out: dict[str, dict[str, int]] = {}
-
-    def count(_key, raws) -> int:
-        for raw in raws:
-            found = _extraction_args(raw)
-            if found is not None and (run_url is None or found[0] == run_url):
-                per = out.setdefault(found[0], {})
-                per[found[1]] = per.get(found[1], 0) + 1
-        return 0
-
-    _walk_queue(client, queue, chunk, count)
-    return out
-
-
-def claims(client) -> list[dict]:
-    """Every delivered, unacknowledged extraction message (kombu's ``unacked`` hash):
-    ``[{"tag", "run_url", "batch", "task_id", "delivered_at"}]``; ``delivered_at`` is kombu's score
-    (the delivering worker's wall clock: shown, never compared across machines)."""
-    from hsx.queue import EXTRACT_TASK, decode_message, unacked_message
-
-    entries = client.hgetall(UNACKED_KEY)
-    if not entries:
-        return []
-    delivered = {_text(k): float(v) for k, v in client.zrange(UNACKED_INDEX_KEY, 0, -1, withscores=True)}
-    out = []
-    for tag, raw in entries.items():
-        tag = _text(tag)
-        message = unacked_message(raw)
-        if message is None:
-            continue
-        task, task_id, args = decode_message(json.dumps(message))
-        if task != EXTRACT_TASK or len(args) < 2:
-            continue
-        out.append({"tag": tag, "run_url": str(args[0]), "batch": str(args[1]), "task_id": task_id,
-                    "delivered_at": delivered.get(tag)})
-    return out
-
-
-def drop_claims(client, tags: Iterable[str]) -> None:
-    """Remove deliveries from kombu's ``unacked`` hash and index in one transaction (an ack does the same)."""
-    tags = list(tags)
-    if not tags:
-        return
-    pipe = client.pipeline()
-    for tag in tags:
-        pipe.hdel(UNACKED_KEY, tag)
-        pipe.zrem(UNACKED_INDEX_KEY, tag)
-    pipe.execute()
-
-
-def remove_queued(client, queue: str, run_url: str, chunk: int = 2000) -> int:
-    """Remove every waiting extraction message of ``run_url`` from the queue (``LREM`` of each one
-    found); returns how many. A message claimed meanwhile is not in the list any more and is left
-    to its worker (which checks ``cancelled.json``)."""
-    removed = 0
-
-    def drop(key, raws) -> int:
-        nonlocal removed
-        mine = [raw for raw in raws if (_extraction_args(raw) or ("",))[0] == run_url]
-        gone = sum(int(client.lrem(key, 1, raw)) for raw in mine)
-        removed += gone
-        return gone
-
-    _walk_queue(client, queue, chunk, drop)
-    return removed
-
-
 __all__ = ["Presence", "HeldTask", "Parked", "broker_time", "write_presence", "remove_presence", "read_presences",
            "live_presences", "prune_presences", "park", "read_parked", "take_parked", "register_runs", "known_runs",
-           "forget_run", "elect", "queued_messages", "queued_of", "claims", "drop_claims", "remove_queued",
-           "workers_key", "parked_key", "runs_key", "unaccounted_key", "healer_key", "batch_field",
-           "UNACKED_KEY", "UNACKED_INDEX_KEY"]
+           "forget_run", "elect", "workers_key", "parked_key", "runs_key", "unaccounted_key", "healer_key",
+           "batch_field"]

@@ -9,9 +9,6 @@ timeout far above the longest task, the same on every app that talks to the brok
 
 from __future__ import annotations
 
-import base64
-import json
-
 from celery import Celery
 
 from settings import Settings
@@ -64,43 +61,6 @@ def make_celery(settings: Settings, broker_url: str, name: str = "hsx") -> Celer
     app = Celery(name)
     app.conf.update(celery_config(settings, broker_url))
     return app
-
-
-def decode_message(raw: bytes | str) -> tuple[str | None, str | None, list]:
-    """(task name, task id, args) of a kombu Redis message; (None, None, []) if it is not JSON."""
-    try:
-        msg = json.loads(raw)
-        if msg.get("content-type") != "application/json":
-            return None, None, []  # never decode anything else (pickle would run code)
-        headers = msg.get("headers") or {}
-        body = msg.get("body") or ""
-        if (msg.get("properties") or {}).get("body_encoding") == "base64":
-            body = base64.b64decode(body)
-        payload = json.loads(body)
-        args = payload[0] if isinstance(payload, list) and payload else []
-        return headers.get("task"), headers.get("id"), list(args) if isinstance(args, (list, tuple)) else []
-    except (ValueError, TypeError, AttributeError):
-        return None, None, []
-
-
-#: Key separator kombu's Redis transport puts between a queue's name and a priority.
-PRIORITY_SEP = "\x06\x16"
-
-
-def queue_keys(queue: str) -> list[str]:
-    """The Redis lists kombu keeps for ``queue``: the queue itself and its priority steps 3, 6, 9
-    (kombu ``transport/redis.py``, ``PRIORITY_STEPS``)."""
-    return [queue] + [f"{queue}{PRIORITY_SEP}{p}" for p in (3, 6, 9)]
-
-
-def unacked_message(entry: bytes | str) -> dict | None:
-    """The message of a kombu ``unacked`` hash value (``[message, exchange, routing key]``, JSON);
-    None for anything else. Decode its task with :func:`decode_message` of ``json.dumps`` of it."""
-    try:
-        message = json.loads(entry)[0]
-    except (ValueError, TypeError, IndexError, KeyError):
-        return None
-    return message if isinstance(message, dict) else None
 
 
 def task_argsrepr(run_id: str, batch: str, num_samples=None, num_tokens=None) -> str:

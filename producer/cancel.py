@@ -7,12 +7,12 @@ In this order:
    is acknowledged and left undone (``workers/extract.py``); with ``--now`` (``now: true``) the
    workers also stop the batches they are running, before their marker (the shard written so
    far is deleted). Without it, running batches finish and keep their markers.
-2. The run's waiting messages are removed from the queue (:func:`hsx.fleet.remove_queued`), its
+2. The run's waiting messages are removed from the queue (:func:`hsx.brokerlayout.remove_queued`), its
    parked messages from the parked hash (:func:`hsx.fleet.take_parked`), and the run from the
    queue's set of runs (:func:`hsx.fleet.forget_run`: the healer of lost messages leaves it
    alone). A message claimed between the record and the removal finds the record.
 3. Deliveries of the run that no live worker holds (a dead worker's claim) are dropped from
-   kombu's ``unacked`` hash: they would only come back to be acknowledged unrun.
+   kombu's claims (:func:`hsx.brokerlayout.drop_claims`): they would only come back to be acknowledged unrun.
 
 ``status`` then says ``cancelled``; a ``producer run`` of the run on this machine sees the record
 and stops. ``producer run`` / ``producer enqueue`` of the same run (the same command gives the
@@ -29,7 +29,8 @@ import socket
 from datetime import datetime, timezone
 
 from hsx.broker import redis_client
-from hsx.fleet import claims, drop_claims, forget_run, read_parked, remove_queued, take_parked
+from hsx.brokerlayout import claims, drop_claims, remove_queued
+from hsx.fleet import forget_run, read_parked, take_parked
 from hsx.plan import planned_batches
 from hsx.records import Cancelled, done_batches
 from hsx.runconfig import load_run
@@ -88,7 +89,7 @@ def cancel_run(run_store: Store, settings: Settings, broker_url: str | None, *, 
     report["running"] = sorted(({"worker": p.node or p.worker, "batch": t.batch, "phase": t.phase}
                                 for p in live for t in p.tasks if t.run_url == url),
                                key=lambda r: (r["batch"], r["worker"]))
-    stale = [c["tag"] for c in claims(client) if c["run_url"] == url and c["task_id"] not in held]
+    stale = [c.tag for c in claims(client) if c.run_url == url and c.task_id not in held]
     drop_claims(client, stale)
     report["dropped_claims"] = len(stale)
     return report

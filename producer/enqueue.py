@@ -4,7 +4,7 @@ Messages carry ids only (the run's store URL and the batch name); the worker rea
 from the plan. A batch that is queued (a message of it waits in the broker's queue), running (a
 live worker's presence lists it: ``hsx/fleet.py``) or parked (a worker could not serve it) is not
 sent again, so a second ``enqueue`` of a run still in progress sends only what is lost
-(``producer/reconcile.py``'s ``broker_view`` decides). A duplicate that slips through a race (a
+(``producer/fleetview.py``'s ``broker_view`` decides). A duplicate that slips through a race (a
 message claimed between the looks) is still harmless: the second delivery finds the marker and
 does nothing.
 
@@ -114,11 +114,11 @@ def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None,
     :class:`producer.planner.PlanJob` with ``batches``: a window's) that has no marker and, with
     ``skip_in_flight``, is neither queued, running nor parked on the broker.
 
-    Reading the broker costs no wait: the queue's lists, the ``unacked`` hash and the workers'
+    Reading the broker costs no wait: the queue's messages, kombu's claims and the workers'
     presences (no ``inspect`` round trip). Raises whatever redis raises when the broker does not
     answer.
     """
-    from producer.reconcile import broker_view
+    from producer.fleetview import broker_view
 
     batches = planned.batches if batches is None else batches
     if not batches:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import dataclass, field
 
 from hsx.access import normalise
+from hsx.brokerlayout import claims, lengths, queued_of
 from hsx.errors import BadConfig
-from hsx.fleet import (UNACKED_KEY, Parked, Presence, broker_time, known_runs, queued_of, read_parked,
-                       read_presences)
+from hsx.fleet import Parked, Presence, broker_time, known_runs, read_parked, read_presences
 from hsx.processes import pid_alive
 from hsx.store import mask_url
 from producer.words import plural
@@ -73,7 +74,7 @@ def run_root(run_url: str) -> str:
         root = normalise(run_url)
     except BadConfig:
         return mask_url(run_url)
-    if root.kind == "s3":
+    if root.is_s3:
         return "s3://" + "/".join((root.bucket, *root.segments[:-1]))
     return root.path.rsplit("/", 1)[0] or "/"
 
@@ -124,17 +125,61 @@ def presence_row(p: Presence, now: float, live: bool) -> dict:
     return row
 
 
+@dataclass
+class BrokerView:
+    """What the broker knows about a run's batches (batch -> count or worker names)."""
+
+    queued: dict[str, int] = field(default_factory=dict)
+    """Messages waiting in the queue, per batch."""
+    running: dict[str, list[str]] = field(default_factory=dict)
+    """Live workers whose presence lists the batch (received, waiting for a retry, or in progress)."""
+    orphaned: dict[str, int] = field(default_factory=dict)
+    """Delivered, unacknowledged messages that no live worker holds (their worker died)."""
+    parked: dict[str, Parked] = field(default_factory=dict)
+    """Messages a worker parked (``hsx/fleet.py``): it could not serve them."""
+    workers: list[str] = field(default_factory=list)
+    """Live workers (their Celery node name, else ``<host>-<pid>``)."""
+    asked: bool = False
+    """Whether the broker's presences were read (False: nothing was left to look for)."""
+
+
+def broker_view(settings, broker_url: str, run_url: str) -> BrokerView:
+    """Read the run's messages in the queue, its unacknowledged deliveries, its parked messages,
+    and which batches live workers hold (their presences: :func:`alive_presences`).
+
+    Raises whatever redis raises when the broker does not answer.
+    """
+    from hsx.broker import redis_client
+
+    client = redis_client(broker_url)
+    view = BrokerView(asked=True)
+    view.queued = dict(queued_of(client, settings.queue, run_url).get(run_url, {}))
+    _now, live = alive_presences(client, settings.queue, settings.lease_s)
+    held: set[str] = set()  # task ids live workers hold
+    for p in live:
+        name = p.node or p.worker
+        view.workers.append(name)
+        for t in p.tasks:
+            held.add(t.task_id)
+            if t.run_url == run_url and t.batch:
+                view.running.setdefault(t.batch, []).append(name)
+    for c in claims(client):
+        if c.run_url == run_url and c.task_id not in held:
+            view.orphaned[c.batch] = view.orphaned.get(c.batch, 0) + 1
+    view.parked = {p.batch: p for p in read_parked(client, settings.queue, run_url)}
+    view.workers.sort()
+    return view
+
+
 def fleet_status(client, settings, broker_url: str) -> dict:
     """The fleet on the broker: ``broker`` (``url`` masked, ``queue_name``, ``queue``: ``waiting``,
-    ``unacked``), ``workers`` (:func:`presence_row`: the live ones, and those gone within
+    ``unacked``: claimed), ``workers`` (:func:`presence_row`: the live ones, and those gone within
     :data:`FLEET_FORGET_S`), ``runs`` (``[{"address", "queued", "held", "parked"}]``: messages
     waiting, held by live workers, parked), ``parked`` (``[{"run_url", "batches", "groups"}]``:
     :func:`parked_groups` per run) and ``at``.
 
     Reads the queue's lists once (every waiting message, in chunks) to count them per run.
     Raises whatever redis raises when the broker does not answer."""
-    from hsx.queue import queue_keys
-
     queue = settings.queue
     now, alive = alive_presences(client, queue, settings.lease_s)
     alive_ids = {p.worker for p in alive}
@@ -144,11 +189,7 @@ def fleet_status(client, settings, broker_url: str) -> dict:
     workers.sort(key=lambda r: (not r["live"], r["host"], r["pid"]))
     queued = queued_of(client, queue)
     parked = read_parked(client, queue)
-    pipe = client.pipeline(transaction=False)
-    for key in queue_keys(queue):
-        pipe.llen(key)
-    waiting = int(sum(pipe.execute()))
-    unacked = int(client.hlen(UNACKED_KEY))
+    counts = lengths(client, queue)
     held: dict[str, int] = {}
     for p in alive:
         for t in p.tasks:
@@ -161,7 +202,7 @@ def fleet_status(client, settings, broker_url: str) -> dict:
     runs = [{"address": a, "queued": sum(queued.get(a, {}).values()), "held": held.get(a, 0),
              "parked": len(by_run.get(a, []))} for a in addresses]
     return {
-        "broker": {"url": mask_url(broker_url), "queue_name": queue, "queue": {"waiting": waiting, "unacked": unacked}},
+        "broker": {"url": mask_url(broker_url), "queue_name": queue, "queue": {"waiting": counts.waiting, "unacked": counts.claimed}},
         "workers": workers,
         "runs": [r for r in runs if r["queued"] or r["held"] or r["parked"]] + [r for r in runs if not (
             r["queued"] or r["held"] or r["parked"])],
@@ -171,5 +212,5 @@ def fleet_status(client, settings, broker_url: str) -> dict:
     }
 
 
-__all__ = ["alive_presences", "gone_here", "serves", "same_store", "run_root", "parked_fix", "parked_groups", "parked_line",
+__all__ = ["BrokerView", "broker_view", "alive_presences", "gone_here", "serves", "same_store", "run_root", "parked_fix", "parked_groups", "parked_line",
            "presence_row", "fleet_status", "FLEET_FORGET_S"]

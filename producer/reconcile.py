@@ -5,7 +5,7 @@ either **queued** (a message waits in the broker's queue), **running** (a live w
 its presence on the broker, ``hsx/fleet.py``: prefetched, waiting for a retry, or in progress),
 **parked** (a worker could not serve it and put it aside with the reason), or **lost**: its
 message was acknowledged after a failure (the task raised; ``failures/<batch>.json`` says why),
-or it was claimed by a worker process that died (the message sits in kombu's ``unacked`` hash,
+or it was claimed by a worker process that died (the message sits among kombu's claims,
 and Redis would only hand it out again after the visibility timeout, hours later), or the broker
 lost it (a restart without AOF). Reconcile enqueues every lost batch again, and removes its
 failure record so that ``run`` and ``status`` wait for the new attempt; it puts the run's parked
@@ -28,8 +28,8 @@ malformed, wrong schema, wrong counts or tokens), deletes the marker and the sha
 batch is redone; a batch verify could not read (``unverified``: the store did not answer) is left
 as it is.
 
-Looking at the broker: the queue's Redis lists are read with ``LRANGE`` and the ``unacked`` hash
-with ``HGETALL``; message bodies are decoded only when their content type is JSON (never
+Looking at the broker: the queue's messages and kombu's claims are read through
+``hsx/brokerlayout.py``; message bodies are decoded only when their content type is JSON (never
 unpickled). A race (a message claimed between the looks, before its worker's presence lists it)
 can make reconcile enqueue a batch that is in fact running; that is harmless: the second delivery
 finds the marker, or loses the marker race and deletes its own shard.
@@ -47,15 +47,16 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from hsx.fleet import UNACKED_INDEX_KEY, UNACKED_KEY, Parked, claims, drop_claims, queued_of, read_parked, take_parked
+from hsx.brokerlayout import claims, drop_claims
+from hsx.fleet import read_parked, take_parked
 from hsx.layout import PLAN_WINDOWS_PREFIX, SHARDS_PREFIX, marker_key, names_under
 from hsx.plan import planned_batches, planning_failed, read_planning_record, window_id
 from hsx.records import BatchSummary, Cancelled, Failure, Marker, PlanWindow, done_batches, read_failures
 from hsx.runconfig import load_run
 from hsx.store import Store
+from producer.fleetview import BrokerView, broker_view
 from producer.words import plural
 from settings import Settings
 
@@ -74,76 +75,29 @@ REPAIRABLE = {"shard_altered", "shard_missing", "shard_unreadable", "schema", "c
               "config_mismatch", "recompute"}
 
 
-@dataclass
-class BrokerView:
-    """What the broker knows about a run's batches (batch -> count or worker names)."""
-
-    queued: dict[str, int] = field(default_factory=dict)
-    """Messages waiting in the queue, per batch."""
-    running: dict[str, list[str]] = field(default_factory=dict)
-    """Live workers whose presence lists the batch (received, waiting for a retry, or in progress)."""
-    orphaned: dict[str, int] = field(default_factory=dict)
-    """Delivered, unacknowledged messages that no live worker holds (their worker died)."""
-    parked: dict[str, Parked] = field(default_factory=dict)
-    """Messages a worker parked (``hsx/fleet.py``): it could not serve them."""
-    workers: list[str] = field(default_factory=list)
-    """Live workers (their Celery node name, else ``<host>-<pid>``)."""
-    asked: bool = False
-    """Whether the broker's presences were read (False: nothing was left to look for)."""
-
-
 def _is_connection_error(exc: BaseException) -> bool:
     import redis.exceptions
 
     return isinstance(exc, (ConnectionError, OSError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError))
 
 
-def broker_view(settings: Settings, broker_url: str, run_url: str) -> BrokerView:
-    """Read the run's messages in the queue, its unacknowledged deliveries, its parked messages,
-    and which batches live workers hold (their presences: ``producer/fleetview.py``).
-
-    Raises whatever redis raises when the broker does not answer.
-    """
-    from hsx.broker import redis_client
-    from producer.fleetview import alive_presences
-
-    client = redis_client(broker_url)
-    view = BrokerView(asked=True)
-    view.queued = dict(queued_of(client, settings.queue, run_url).get(run_url, {}))
-    _now, live = alive_presences(client, settings.queue, settings.lease_s)
-    held: set[str] = set()  # task ids live workers hold
-    for p in live:
-        name = p.node or p.worker
-        view.workers.append(name)
-        for t in p.tasks:
-            held.add(t.task_id)
-            if t.run_url == run_url and t.batch:
-                view.running.setdefault(t.batch, []).append(name)
-    for c in claims(client):
-        if c["run_url"] == run_url and c["task_id"] not in held:
-            view.orphaned[c["batch"]] = view.orphaned.get(c["batch"], 0) + 1
-    view.parked = {p.batch: p for p in read_parked(client, settings.queue, run_url)}
-    view.workers.sort()
-    return view
-
-
-def clear_finished_unacked(broker_url: str, run_url: str, done: set[str], *, dry_run: bool = False) -> list[str]:
-    """Remove from kombu's ``unacked`` hash and ``unacked_index`` set the deliveries of this run whose
+def clear_finished_claims(broker_url: str, run_url: str, done: set[str], *, dry_run: bool = False) -> list[str]:
+    """Drop kombu's claims (:func:`hsx.brokerlayout.drop_claims`) of the deliveries of this run whose
     batch has its marker; returns those batches (one entry per message, sorted).
 
     Such an entry is stale: a worker that died after the marker (or a message delivered twice)
     leaves it, and kombu would hand it out again after the visibility timeout only to find the
-    marker; meanwhile it inflates ``status``'s ``unacked``. Removing it is safe even if a live
-    worker still holds the message: its acknowledgement is the same ``HDEL`` / ``ZREM``, which
-    does nothing on a missing entry, and the batch is done either way.
+    marker; meanwhile it inflates ``status``'s count of claimed messages. Dropping it is safe even if
+    a live worker still holds the message: its acknowledgement is the same removal, which does
+    nothing on a missing entry, and the batch is done either way.
     """
     from hsx.broker import redis_client
 
     client = redis_client(broker_url)
-    stale = [c for c in claims(client) if c["run_url"] == run_url and c["batch"] in done]
+    stale = [c for c in claims(client) if c.run_url == run_url and c.batch in done]
     if stale and not dry_run:
-        drop_claims(client, [c["tag"] for c in stale])
-    return sorted(c["batch"] for c in stale)
+        drop_claims(client, [c.tag for c in stale])
+    return sorted(c.batch for c in stale)
 
 
 def _enqueue(run_store: Store, run_url: str, config, batches: list[BatchSummary], settings: Settings,
@@ -209,7 +163,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
     ``unparked`` (those put back on the queue; a parked batch that has its marker is only
     removed), ``cancelled`` (the run's ``cancelled.json`` as JSON, or None), ``cleared_unacked``
     (batches with a marker whose stale unacknowledged deliveries were removed from the broker, one
-    entry per message; :func:`clear_finished_unacked`), ``removed_shards``, ``removed_incomplete``,
+    entry per message; :func:`clear_finished_claims`), ``removed_shards``, ``removed_incomplete``,
     ``workers`` (live workers on the broker), ``workers_asked`` (whether presences were read),
     ``dry_run``, ``broker``, ``seconds``.
 
@@ -260,7 +214,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
             why[name] = "not queued, not running and not parked"
     cleared: list[str] = []
     if broker_url:
-        cleared = clear_finished_unacked(broker_url, run_url, done, dry_run=dry_run)
+        cleared = clear_finished_claims(broker_url, run_url, done, dry_run=dry_run)
     enqueued: list[str] = []
     unparked: list[str] = []
     by_name = {b.batch: b for b in batches}
@@ -407,5 +361,5 @@ def reconcile_broker(settings: Settings):
         broker.stop()
 
 
-__all__ = ["reconcile_run", "reconcile_broker", "RunReconciler", "broker_view", "clear_finished_unacked", "repair_bad_batches",
-           "BrokerView", "DEFAULT_GRACE_S", "UNACKED_KEY", "UNACKED_INDEX_KEY"]
+__all__ = ["reconcile_run", "reconcile_broker", "RunReconciler", "clear_finished_claims", "repair_bad_batches",
+           "DEFAULT_GRACE_S"]

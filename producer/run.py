@@ -8,7 +8,6 @@ nothing.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -19,7 +18,6 @@ from pathlib import Path
 
 from hsx.broker import EmbeddedBroker, check_broker
 from hsx.errors import RunCancelled, StoreError
-from hsx.fleet import UNACKED_KEY
 from hsx.records import BatchSummary, Cancelled, done_batches, read_failures
 from hsx.store import mask_url
 from hsx.layout import window_key
@@ -28,7 +26,7 @@ from hsx.store import exists
 from producer.enqueue import WindowSender
 from producer.reconcile import RunReconciler
 from producer.planner import PlanJob, PlanOptions, PlannedRun, prepare_plan
-from producer.status import recent_rate
+from producer.status import recent_rate, workers_log_path
 from producer.words import plural
 from settings import Settings
 
@@ -313,28 +311,15 @@ def drop_leftover_messages(broker_url: str, queue: str) -> dict[str, int]:
     dropped per run address (the task's first argument; ``"?"`` for a message that is not ours).
     """
     from hsx.broker import redis_client
-    from hsx.queue import decode_message, queue_keys, unacked_message
+    from hsx.brokerlayout import messages_by_run
 
     client = redis_client(broker_url)
     try:
-        raws = []
-        for key in queue_keys(queue):
-            raws += client.lrange(key, 0, -1)
-        raws += [json.dumps(unacked_message(entry)) for entry in client.hvals(UNACKED_KEY)]  # null: not ours
+        dropped = messages_by_run(client, queue)
         client.flushdb()
     finally:
         client.close()
-    dropped: dict[str, int] = {}
-    for raw in raws:
-        _task, _id, args = decode_message(raw)
-        run_url = str(args[0]) if args else "?"
-        dropped[run_url] = dropped.get(run_url, 0) + 1
     return dropped
-
-
-def workers_log_path(settings: Settings, run_id: str) -> Path:
-    """Where ``run`` logs the workers it starts for ``run_id`` (``status`` reads that it ran here)."""
-    return settings.broker_state_dir.parent / "logs" / f"workers-{run_id}.log"
 
 
 class PlanningInterrupted(KeyboardInterrupt):

@@ -54,6 +54,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
+from pathlib import Path
 
 from hsx.layout import PLAN_WINDOWS_PREFIX, names_under
 from hsx.processes import pid_alive, pid_namespace
@@ -114,24 +115,23 @@ def _iso(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds") if ts is not None else None
 
 
+def workers_log_path(settings, run_id: str) -> Path:
+    """Where ``producer run`` logs the workers it starts for ``run_id``: that file's presence tells
+    ``status`` that the run ran on this machine."""
+    return settings.broker_state_dir.parent / "logs" / f"workers-{run_id}.log"
+
+
 def queue_length(broker_url: str, queue: str, client=None) -> dict:
     """``{"waiting": n, "unacked": m}``: messages in ``queue`` on the broker, and messages claimed by a
-    worker and not yet acknowledged (every queue of the broker: kombu keeps one ``unacked`` hash).
+    worker and not yet acknowledged (on every queue of the broker: :class:`hsx.brokerlayout.Lengths`).
 
     Raises whatever redis raises when the broker does not answer.
     """
     from hsx.broker import redis_client
-    from hsx.fleet import UNACKED_KEY
-    from hsx.queue import queue_keys
+    from hsx.brokerlayout import lengths
 
-    client = client if client is not None else redis_client(broker_url)
-    keys = queue_keys(queue)
-    pipe = client.pipeline()
-    for k in keys:
-        pipe.llen(k)
-    pipe.hlen(UNACKED_KEY)
-    counts = pipe.execute()
-    return {"waiting": int(sum(counts[:-1])), "unacked": int(counts[-1])}
+    counts = lengths(client if client is not None else redis_client(broker_url), queue)
+    return {"waiting": counts.waiting, "unacked": counts.claimed}
 
 
 class BrokerProbe:
@@ -709,8 +709,6 @@ def run_broker(settings, run_id: str, broker_url: str | None) -> str | None:
 
     ``broker_url``: the one ``status`` resolved (:func:`producer.flower.resolve_broker_url`).
     """
-    from producer.run import workers_log_path
-
     if settings.broker_url:
         return mask_url(settings.broker_url)
     if (broker_url and broker_url.startswith("redis+socket://")) or workers_log_path(settings, run_id).exists():

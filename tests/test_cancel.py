@@ -22,7 +22,8 @@ from clusters import assert_complete, copy_plan, held_batch, shards_of, wait_don
 from jobfixtures import ROOT, clean_env, run_here, wait_until
 
 from hsx.broker import redis_client, running_embedded_broker
-from hsx.fleet import Parked, park, queued_of, read_parked, read_presences, runs_key
+from hsx.brokerlayout import queued_of
+from hsx.fleet import Parked, park, read_parked, read_presences, runs_key
 from hsx.queue import send_batches
 from hsx.records import Cancelled, done_batches
 from hsx.runconfig import load_run

@@ -26,7 +26,7 @@ from hsx.records import BatchSummary
 from hsx.runconfig import load_run
 from hsx.store import open_store
 from producer.enqueue import enqueue_batches
-from hsx.fleet import UNACKED_INDEX_KEY, UNACKED_KEY
+from hsx.brokerlayout import UNACKED_INDEX_KEY, UNACKED_KEY
 from producer.reconcile import reconcile_run
 from settings import Settings
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from hsx.broker import EmbeddedBroker, redis_client
-from hsx.fleet import (HeldTask, Parked, Presence, broker_time, elect, known_runs, live_presences, park, queued_messages,
-                       queued_of, read_parked, register_runs, remove_queued, take_parked, write_presence)
+from hsx.brokerlayout import queued_of, remove_queued, waiting
+from hsx.fleet import (HeldTask, Parked, Presence, broker_time, elect, known_runs, live_presences, park, read_parked,
+                       register_runs, take_parked, write_presence)
 from hsx.queue import send_batches
 from settings import Settings
 
@@ -75,7 +76,7 @@ def test_remove_queued_takes_only_the_run_s_waiting_messages(broker, client):
     settings = Settings(_env_file=None)
     send_batches(settings, broker.url, "/r/a", "a", [{"batch": f"b{i:06d}"} for i in range(5)])
     send_batches(settings, broker.url, "/r/b", "b", [{"batch": f"b{i:06d}"} for i in range(3)])
-    assert queued_messages(client, "gpu") == 8
+    assert waiting(client, "gpu") == 8
     assert sorted(queued_of(client, "gpu", "/r/a")["/r/a"]) == [f"b{i:06d}" for i in range(5)]
     assert remove_queued(client, "gpu", "/r/a", chunk=2) == 5
     assert queued_of(client, "gpu") == {"/r/b": {f"b{i:06d}": 1 for i in range(3)}}

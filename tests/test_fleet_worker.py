@@ -23,7 +23,8 @@ from clusters import assert_complete, copy_plan, wait_done, wait_log
 from jobfixtures import wait_until
 
 from hsx.broker import redis_client
-from hsx.fleet import live_presences, queued_messages, read_parked
+from hsx.brokerlayout import waiting
+from hsx.fleet import live_presences, read_parked
 from hsx.queue import send_batches
 from hsx.records import done_batches
 from hsx.runconfig import load_run
@@ -45,7 +46,7 @@ def _worker_name(cluster, worker) -> str:
 
 def _queue_drained(cluster) -> bool:
     client = redis_client(cluster.broker.url)
-    return queued_messages(client, "gpu") == 0 and client.hlen("unacked") == 0
+    return waiting(client, "gpu") == 0 and client.hlen("unacked") == 0
 
 
 @pytest.mark.timeout(150)

@@ -18,7 +18,8 @@ from clusters import HOLD_S, assert_complete, copy_plan, wait_done, wait_log
 from jobfixtures import wait_until
 
 from hsx.broker import EmbeddedBroker, redis_client
-from hsx.fleet import (Parked, batch_field, broker_time, healer_key, known_runs, park, queued_of, register_runs,
+from hsx.brokerlayout import queued_of
+from hsx.fleet import (Parked, batch_field, broker_time, healer_key, known_runs, park, register_runs,
                        unaccounted_key)
 from hsx.queue import send_batches
 from hsx.records import Cancelled, Failure, done_batches

@@ -191,10 +191,11 @@ def test_errors_are_sorted_by_cause():
 def test_a_claim_is_held_by_a_live_presence_that_lists_it_and_dead_with_only_stale_or_stopped_ones():
     """Held: a presence stamped within the lease (broker clock) lists the task id, or the run and batch.
     Dead: only stopped or stale presences list it. Unlisted: none does. No wall clock of a worker is read."""
+    from hsx.brokerlayout import Claim
     from hsx.fleet import HeldTask, Presence
 
     now = 1_000_000.0
-    claim = {"tag": "t", "run_url": "/r", "batch": "b1", "task_id": "id1"}
+    claim = Claim(tag="t", run_url="/r", batch="b1", task_id="id1", delivered_at=None)
 
     def pres(worker, age, state="working", task_id="id1", batch="b1"):
         return Presence(worker=worker, host="h", pid=1, state=state, stamp=now - age,
@@ -245,8 +246,9 @@ def test_a_reclaimed_batch_runs_next_not_behind_the_queue(tmp_path):
     nothing. (Reclaims that joined the back of the queue kept stranded batches waiting for the whole queue:
     325 s median in the fault soak.)"""
     from hsx.broker import EmbeddedBroker
+    from hsx.brokerlayout import decode_message
     from hsx.fleet import broker_time
-    from hsx.queue import EXTRACT_TASK, decode_message, make_celery
+    from hsx.queue import EXTRACT_TASK, make_celery
     from hsx.store import open_store
     from workers.lease import Reclaimer
 

@@ -106,13 +106,13 @@ def test_enqueue_sends_each_windows_batches_while_later_windows_are_tokenised(cl
     plan is not complete; after the plan, every batch once; the same command again sends nothing
     (every batch is queued already)."""
     from hsx.broker import redis_client
-    from hsx.queue import queue_keys
+    from hsx.brokerlayout import waiting
     from producer.enqueue import WindowSender
 
     client = redis_client(cluster.broker.url)
 
     def queued() -> int:
-        return sum(client.llen(k) for k in queue_keys(cluster.settings.queue))
+        return waiting(client, cluster.settings.queue)
 
     sender = WindowSender(cluster.settings, cluster.broker.url)
     looks = []

@@ -14,7 +14,8 @@ from clusters import assert_complete, copy_plan, wait_done, wait_log
 from jobfixtures import wait_until
 
 from hsx.broker import EmbeddedBroker, redis_client
-from hsx.fleet import Parked, park, queued_of, read_parked
+from hsx.brokerlayout import queued_of
+from hsx.fleet import Parked, park, read_parked
 from hsx.records import Cancelled
 from settings import Settings
 from workers.lease import Reclaimer

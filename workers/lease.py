@@ -11,7 +11,7 @@ clock is minutes ahead or behind reclaims nothing early and nothing late.
 (:class:`hsx.fleet.Presence`, ``hsx:<queue>:workers``): a worker lists a task from its delivery
 (``received``, a prefetched message or a retry waiting for its countdown) through every phase of
 its batch (``workers/heartbeat.py``), and rewrites its presence every ``HSX_HEARTBEAT_S``, stamped by
-the broker. The claims come from kombu's ``unacked`` hash (:func:`hsx.fleet.claims`); each look
+the broker. The claims are kombu's (:func:`hsx.brokerlayout.claims`); each look
 sorts each claim by who lists it (its task id, or its run and batch):
 
 - a **live** presence (not ``stopped``, stamped within ``HSX_LEASE_S`` of the broker's now): the
@@ -30,10 +30,10 @@ marker and before its ack: the stale claim is only dropped):
 
 1. creates ``<run>/reclaims/<batch>-<tag>.<n>.json`` with a conditional create (``Store.create``:
    S3 ``IfNoneMatch``, local ``O_EXCL``): of all the live workers, exactly one wins; no leader;
-2. puts the message back with kombu's own restore (``QoS.restore_by_tag``, the code its
-   visibility-timeout sweep runs): in one Redis transaction (``WATCH unacked``) the entry leaves
-   ``unacked`` / ``unacked_index`` and the same message is pushed onto the end of the queue that
-   workers take from next (``RPUSH``; producers ``LPUSH`` and consumers ``BRPOP``). A stranded
+2. puts the message back with kombu's own restore (:func:`hsx.brokerlayout.restore_claim`, the
+   code its visibility-timeout sweep runs): in one Redis transaction the entry leaves the claims
+   and the same message is pushed onto the end of the queue that workers take from next
+   (``RPUSH``; producers ``LPUSH`` and consumers ``BRPOP``). A stranded
    batch therefore runs next, not after the thousands queued behind it, and the message is never
    lost or doubled in between.
 
@@ -84,7 +84,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from hsx.fleet import UNACKED_KEY
+from hsx.brokerlayout import Claim, claims, declare_queue, drop_claims, queued_of, restore_claim, waiting
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,8 @@ def unlisted_confirm_s(settings) -> float:
     return max(3.0, 3 * MIN_WRITE_GAP_S)
 
 
-def lease_state(claim: dict, presences, now: float, lease_s: float) -> tuple[str, list]:
-    """Who holds ``claim`` (a :func:`hsx.fleet.claims` entry) at broker time ``now``.
+def lease_state(claim: Claim, presences, now: float, lease_s: float) -> tuple[str, list]:
+    """Who holds ``claim`` at broker time ``now``.
 
     Returns ``(state, presences)``: :data:`HELD` and the live presences that list it;
     :data:`DEAD` and the presences (stopped or stale) that list it, none of them live;
@@ -126,7 +126,7 @@ def lease_state(claim: dict, presences, now: float, lease_s: float) -> tuple[str
     or by its run and batch (another delivery of the same batch, held by a live worker, keeps it too).
     """
     listing = [p for p in presences
-               if p.holds(task_id=claim.get("task_id"), run_url=claim["run_url"], batch=claim["batch"])]
+               if p.holds(task_id=claim.task_id, run_url=claim.run_url, batch=claim.batch)]
     live = [p for p in listing if p.live(now, lease_s)]
     if live:
         return HELD, live
@@ -137,22 +137,6 @@ def lease_state(claim: dict, presences, now: float, lease_s: float) -> tuple[str
 
 def _iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
-
-
-def declare_queue(settings, broker_url: str) -> None:
-    """Declare the queue and its binding on the broker (kombu's ``_kombu.binding.<queue>`` set).
-
-    kombu's Redis transport routes a published message through that set; a broker that lost its
-    data has none, and kombu then drops what is sent into ``ae.undeliver`` (its dead-letter list)
-    instead of the queue, while a process that already declared it once does not declare it again
-    (kombu caches declarations per connection). Cheap (one ``SADD``); called before each send here.
-
-    Raises whatever kombu raises when the broker does not answer."""
-    from kombu import Connection, Exchange, Queue
-
-    with Connection(broker_url) as conn:
-        Queue(settings.queue, Exchange(settings.queue, type="direct"), routing_key=settings.queue)(
-            conn.default_channel).declare()
 
 
 @dataclass
@@ -222,7 +206,7 @@ class Reclaimer:
         from hsx.store import MissingKey
 
         root = normalise(run_url)
-        if root.kind == "local" and not os.path.isfile(os.path.join(root.path, "run.json")):
+        if root.is_local and not os.path.isfile(os.path.join(root.path, "run.json")):
             self._stores.pop(run_url, None)
             return None
         store = self._store(run_url)
@@ -271,8 +255,6 @@ class Reclaimer:
         doc), given the presences read at broker time ``now``. Returns the reclaims made.
 
         Raises whatever redis raises when the broker does not answer."""
-        from hsx.fleet import claims
-
         lease_s = self.settings.lease_s
         mono = self.clock()
         confirm_s = stale_confirm_s(self.settings)
@@ -307,19 +289,19 @@ class Reclaimer:
                 else:
                     continue  # stale on this look only: confirmed on a later one
             else:
-                first = self._unlisted.get(claim["tag"], mono)
-                unlisted_now[claim["tag"]] = first
+                first = self._unlisted.get(claim.tag, mono)
+                unlisted_now[claim.tag] = first
                 if mono - first < lease_s:
                     continue
                 why = f"lease expired (no worker listed it for {mono - first:.0f} s)"
             try:
                 result = self._reclaim(claim, now, why)
             except Exception as exc:  # one run's store down must not stop the others' reclaims
-                log.warning("reclaim of batch %s of %s failed: %s: %s", claim["batch"], claim["run_url"],
+                log.warning("reclaim of batch %s of %s failed: %s: %s", claim.batch, claim.run_url,
                             exc.__class__.__name__, exc)
                 continue
             if result is not None:
-                unlisted_now.pop(claim["tag"], None)
+                unlisted_now.pop(claim.tag, None)
                 done.append(result)
         self._unlisted = unlisted_now  # tags no longer claimed, or listed again, are forgotten
         return done
@@ -337,7 +319,7 @@ class Reclaimer:
 
         Raises whatever redis raises when the broker does not answer (the launcher logs it; the
         lease reclaims those batches later)."""
-        from hsx.fleet import broker_time, claims, read_presences, write_presence
+        from hsx.fleet import broker_time, read_presences, write_presence
 
         client = self.client()
         now = broker_time(client)
@@ -347,23 +329,23 @@ class Reclaimer:
         wanted = {(url, b) for url, bs in (batches or {}).items() for b in bs}
         done = []
         for claim in claims(client):
-            listed = (claim["run_url"], claim["batch"]) in wanted or (
-                dead is not None and dead.holds(task_id=claim.get("task_id"), run_url=claim["run_url"],
-                                                batch=claim["batch"]))
+            listed = (claim.run_url, claim.batch) in wanted or (
+                dead is not None and dead.holds(task_id=claim.task_id, run_url=claim.run_url,
+                                                batch=claim.batch))
             if not listed or lease_state(claim, others, now, self.settings.lease_s)[0] == HELD:
                 continue
             try:
                 result = self._reclaim(claim, now, "its worker died")
             except Exception as exc:
-                log.warning("reclaim of batch %s of %s (worker %s died) failed: %s: %s", claim["batch"],
-                            claim["run_url"], worker, exc.__class__.__name__, exc)
+                log.warning("reclaim of batch %s of %s (worker %s died) failed: %s: %s", claim.batch,
+                            claim.run_url, worker, exc.__class__.__name__, exc)
                 continue
             if result is not None:
                 done.append(result)
         if dead is not None and dead.state != "stopped":
             # Its tasks stay listed: what this call could not put back, any reclaimer takes at its next look.
             write_presence(client, self.settings.queue, dead.model_copy(update={"state": "stopped"}))
-        unlisted = {c["tag"] for c in claims(client) if lease_state(c, presences, now, self.settings.lease_s)[0] == UNLISTED}
+        unlisted = {c.tag for c in claims(client) if lease_state(c, presences, now, self.settings.lease_s)[0] == UNLISTED}
         if unlisted and confirm_unlisted_s is not None:
             time.sleep(confirm_unlisted_s)  # in the caller's thread: a launcher giving up next still does it
             done += self.reclaim_unlisted(unlisted)
@@ -379,20 +361,20 @@ class Reclaimer:
         later were the dead worker's (a live worker would have listed its own by then); a live
         worker whose presence could not be written for that long only loses a marker race.
         Returns the reclaims made; raises whatever redis raises when the broker does not answer."""
-        from hsx.fleet import broker_time, claims, read_presences
+        from hsx.fleet import broker_time, read_presences
 
         client = self.client()
         now = broker_time(client)
         presences = read_presences(client, self.settings.queue)
         done = []
         for claim in claims(client):
-            if claim["tag"] not in tags or lease_state(claim, presences, now, self.settings.lease_s)[0] != UNLISTED:
+            if claim.tag not in tags or lease_state(claim, presences, now, self.settings.lease_s)[0] != UNLISTED:
                 continue
             try:
                 result = self._reclaim(claim, now, "its worker died before listing it")
             except Exception as exc:
-                log.warning("reclaim of batch %s of %s (unlisted after a death) failed: %s: %s", claim["batch"],
-                            claim["run_url"], exc.__class__.__name__, exc)
+                log.warning("reclaim of batch %s of %s (unlisted after a death) failed: %s: %s", claim.batch,
+                            claim.run_url, exc.__class__.__name__, exc)
                 continue
             if result is not None:
                 done.append(result)
@@ -403,7 +385,7 @@ class Reclaimer:
         running, without waiting for a lease (unless a live worker lists them). Returns the reclaims made.
 
         Raises whatever redis raises when the broker does not answer."""
-        from hsx.fleet import broker_time, claims, read_presences
+        from hsx.fleet import broker_time, read_presences
 
         client = self.client()
         now = broker_time(client)
@@ -411,7 +393,7 @@ class Reclaimer:
         wanted = set(batches)
         done = []
         for claim in claims(client):
-            if claim["run_url"] != run_url or claim["batch"] not in wanted:
+            if claim.run_url != run_url or claim.batch not in wanted:
                 continue
             if lease_state(claim, presences, now, self.settings.lease_s)[0] == HELD:
                 continue
@@ -421,10 +403,9 @@ class Reclaimer:
         return done
 
     def _reclaim(self, claim: dict, now: float, why: str) -> dict | None:
-        from hsx.fleet import drop_claims
         from hsx.records import Marker, Reclaim
 
-        run_url, batch, tag = claim["run_url"], claim["batch"], claim["tag"]
+        run_url, batch, tag = claim.run_url, claim.batch, claim.tag
         if not self._serves(run_url):
             # Outside this worker's roots: opening that store would be what the allow-list forbids.
             # A worker that serves the run, or the lease of one that does, takes it.
@@ -437,8 +418,8 @@ class Reclaimer:
         attempt = self._attempt(store, batch, tag, now)
         if attempt is None:
             return None
-        body = Reclaim(batch=batch, delivery_tag=tag, task_id=claim.get("task_id"), attempt=attempt,
-                       claimed_at=_iso(claim.get("delivered_at")), by=self.me, why=why, host=socket.gethostname(),
+        body = Reclaim(batch=batch, delivery_tag=tag, task_id=claim.task_id, attempt=attempt,
+                       claimed_at=_iso(claim.delivered_at), by=self.me, why=why, host=socket.gethostname(),
                        at_unix=round(now, 3), at=_iso(now))
         if not body.create(store):
             return None  # another worker took it
@@ -448,18 +429,9 @@ class Reclaimer:
         return {"batch": batch, "run_url": run_url, "tag": tag, "attempt": attempt, "enqueued": restored, "why": why}
 
     def _restore(self, tag: str) -> bool:
-        """Put the unacknowledged message ``tag`` back where workers take from next, with kombu's own
-        ``QoS.restore_by_tag`` (atomic: see the module doc). False if it was no longer claimed."""
-        from kombu import Connection
-
-        declare_queue(self.settings, self.broker_url)  # restore routes through the binding too
-        with Connection(self.broker_url) as conn:
-            channel = conn.default_channel
-            client = channel.client
-            if not client.hexists(UNACKED_KEY, tag):
-                return False
-            channel.qos.restore_by_tag(tag, client=client, leftmost=False)
-            return True
+        """Put the claimed message ``tag`` back where workers take from next (atomic: see the module
+        doc). False if it was no longer claimed."""
+        return restore_claim(self.broker_url, self.settings.queue, tag)
 
     def _attempt(self, store, batch: str, tag: str, now: float) -> int | None:
         """The reclaim attempt to try for delivery ``tag`` at broker time ``now``: 1, or the next after
@@ -530,7 +502,7 @@ class Reclaimer:
             if not taken:
                 continue
             try:
-                declare_queue(self.settings, self.broker_url)
+                declare_queue(self.broker_url, self.settings.queue)
                 self._send(run_url, config.run_id, [e.batch for e in taken])
             except Exception as exc:  # keep them: parked again as they were
                 for e in taken:
@@ -572,25 +544,24 @@ class Reclaimer:
 
         Returns ``(elected, healed)``. Raises whatever redis raises when the broker does not answer;
         a run whose store fails is logged and skipped."""
-        from hsx.fleet import (broker_time, claims, elect, known_runs, prune_presences, queued_messages, queued_of,
-                               read_parked, read_presences, unaccounted_key)
+        from hsx.fleet import broker_time, elect, known_runs, prune_presences, read_parked, read_presences, unaccounted_key
 
         client, queue, lease_s = self.client(), self.settings.queue, self.settings.lease_s
         if not elect(client, queue, self.me, self.heal_every_s()):
             return False, []
         # presences of processes gone for a day: a long-lived broker's hash would grow with every restart
         prune_presences(client, queue, PRESENCE_KEEP_S)
-        waiting = queued_messages(client, queue)
-        if waiting > HEAL_SCAN_MAX:
+        queued = waiting(client, queue)
+        if queued > HEAL_SCAN_MAX:
             log.debug("lost batches not looked for: %d messages queued (more than %d): the fleet is busy",
-                      waiting, HEAL_SCAN_MAX)
+                      queued, HEAL_SCAN_MAX)
             return True, []
         # Read in the order a batch moves (queue, claim, then marker), so that one moving meanwhile is seen once at least.
         accounted: dict[str, set[str]] = {}
         for url, per in queued_of(client, queue).items():
             accounted.setdefault(url, set()).update(per)
         for c in claims(client):
-            accounted.setdefault(c["run_url"], set()).add(c["batch"])
+            accounted.setdefault(c.run_url, set()).add(c.batch)
         now = broker_time(client)
         presences = read_presences(client, queue)
         for p in presences:
@@ -668,7 +639,7 @@ class Reclaimer:
                 won.append((b, first, tag, attempt))
         if not won:
             return []
-        declare_queue(self.settings, self.broker_url)
+        declare_queue(self.broker_url, self.settings.queue)
         self._send(run_url, config.run_id, [b for b, *_ in won])
         client.hdel(key, *[batch_field(run_url, b) for b, *_ in won])
         log.warning("batches %s of %s enqueued again: lost (neither done, queued, claimed nor parked for %.0f s or more; "
