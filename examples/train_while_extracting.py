@@ -101,7 +101,7 @@ def draft_vocabulary(run_store, size: int, *, min_samples: int, wait_s: float, p
     deadline = time.monotonic() + wait_s
     while True:
         batches, complete = planned_batches(run_store)
-        samples = sum(b["num_samples"] for b in batches)
+        samples = sum(b.num_samples for b in batches)
         if complete or (min_samples and samples >= min_samples):
             break
         why = planning_failed(read_planning_record(run_store))
@@ -116,7 +116,7 @@ def draft_vocabulary(run_store, size: int, *, min_samples: int, wait_s: float, p
         time.sleep(poll_s)
     counts = collections.Counter()
     for b in batches:
-        plan = read_batch(run_store, b["batch"])
+        plan = read_batch(run_store, b.batch)
         counts.update(plan.input_ids_T[plan.loss_mask_T.astype(bool)].tolist())
     top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
     return torch.tensor(sorted(t for t, _ in top), dtype=torch.int64), samples

@@ -55,10 +55,10 @@ def _plan_with_draft_config(tmp_path, tiny_cache, draft: dict, **opts):
 def test_an_eagle3_draft_config_stores_the_final_state_as_the_eagle3_preset_does(tmp_path, tiny_cache):
     """EAGLE-3 ids (``eagle_aux_hidden_state_layer_ids``) without --final: the post-norm final state too, which
     the EAGLE-3 exports need; DFlash ids (``target_layer_ids``): no final state; --final given: kept."""
-    assert _plan_with_draft_config(tmp_path / "e", tiny_cache, {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]})["final"] == "postnorm"
-    assert _plan_with_draft_config(tmp_path / "d", tiny_cache, {"target_layer_ids": [1, 3, 6]})["final"] == "none"
+    assert _plan_with_draft_config(tmp_path / "e", tiny_cache, {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}).final == "postnorm"
+    assert _plan_with_draft_config(tmp_path / "d", tiny_cache, {"target_layer_ids": [1, 3, 6]}).final == "none"
     assert _plan_with_draft_config(tmp_path / "n", tiny_cache, {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]},
-                                   final="none")["final"] == "none"
+                                   final="none").final == "none"
 
 
 def test_draft_config_ids_out_of_range_name_the_config_file(tmp_path, tiny_cache):

@@ -173,7 +173,7 @@ def test_formats_refuse_runs_without_what_their_trainer_needs(small_run, tmp_pat
     config = load_run(open_store(small_run["address"]))
 
     def variant(**layers):
-        return dataclasses.replace(config, layers={**config.layers, **layers})
+        return dataclasses.replace(config, layers=type(config.layers).model_validate({**config.layers.model_dump(), **layers}))
 
     with pytest.raises(BadConfig, match="exactly the 3 EAGLE layers"):
         check_exportable(variant(layer_ids=[1, 2, 3, 4, 5]), "specforge-eagle3")
@@ -299,7 +299,7 @@ def test_new_formats_refuse_runs_without_the_post_norm_final_state(small_run):
     config = load_run(open_store(small_run["address"]))
 
     def variant(**layers):
-        return dataclasses.replace(config, layers={**config.layers, **layers})
+        return dataclasses.replace(config, layers=type(config.layers).model_validate({**config.layers.model_dump(), **layers}))
 
     for fmt in ("specforge-dspark", "eagle-ge-data", "modelopt"):
         with pytest.raises(BadConfig, match="AFTER the norm.*--final postnorm"):

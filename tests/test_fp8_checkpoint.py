@@ -134,7 +134,7 @@ def test_producer_run_extracts_an_fp8_checkpoint_on_the_cpu(tmp_path, tiny_cache
     assert report["batches_done"] == report["batches_total"] >= 1
     run_store = open_store(report["address"])
     recorded = load_run(run_store).model
-    assert recorded["quantization"]["quant_method"] == "fp8" and recorded["quantization"]["weight_block_size"] == [128, 128]
+    assert recorded.quantization["quant_method"] == "fp8" and recorded.quantization["weight_block_size"] == [128, 128]
     samples = read_samples(run_store)
     assert '"weights": "dequantized-fp32"' in next(iter(samples.values()))["meta"]["engine"]
 
