@@ -1,9 +1,10 @@
-"""Whether a local process is alive: for records that name a pid (spool files, planning records,
-the process that started the workers)."""
+"""Local processes: whether one is alive (for records that name a pid: spool files, planning records,
+the process that started the workers), and how a child ended (:func:`describe_exit`)."""
 
 from __future__ import annotations
 
 import os
+import signal
 
 
 def pid_alive(pid: int) -> bool:
@@ -26,3 +27,15 @@ def pid_namespace() -> str | None:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
+
+
+def describe_exit(returncode: int) -> str:
+    """How a child ended, from ``Popen.returncode``: ``killed by SIGKILL`` or ``exited with code 1``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        why = " (sent by a person, a supervisor or the kernel's OOM killer: see dmesg)" if -returncode == signal.SIGKILL else ""
+        return f"killed by {name}{why}"
+    return f"exited with code {returncode}"

@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 import time
 import uuid
@@ -46,7 +45,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from hsx.errors import FidelityError, NonFiniteBatch, RunCancelled, RunGone, StoreError, StoreFull
+from hsx.errors import FidelityError, NonFiniteBatch, RunCancelled, RunGone, StoreError
 from hsx.fp8 import SCALE_BYTES
 from hsx.layers import LayerSelection
 from hsx.layout import shard_key
@@ -55,11 +54,12 @@ from hsx.records import Cancelled, Failure, Marker, MarkerWorker, ShardRef
 from hsx.runconfig import load_run
 from hsx.shard import Final, StoreDtype, select_samples, serialize_shard, shard_metadata
 from hsx.access import ModelNotServed, Refused, check_run_allowed, normalise
-from hsx.store import MissingKey, open_store, retry_transient, write_file
+from hsx.store import MissingKey, open_store, write_file
 from settings import Settings
 from workers.capture import merge_captured, right_padded_rows, split_by_tokens
 from workers import faults
 from workers.heartbeat import process_heartbeat
+from workers.room import _check_cancelled_now, _retry, _room_before_forward, store_room, until_room
 from workers.spool import (is_disk_full, process_host_buffers, process_spool, spool_file_name, spool_full_error,
                            write_shard)
 from workers.target import get_target
@@ -90,8 +90,6 @@ def _run_config(run_url: str, run_store):
     return _configs[run_url]
 
 
-def _retry(settings: Settings, what: str, fn):
-    return retry_transient(fn, what, total_s=settings.store_retry_s)
 
 
 def shard_bytes_estimate(num_tokens: int, num_samples: int, states_per_token: int, hidden_size: int, itemsize: int,
@@ -587,109 +585,6 @@ def _marker(work: Prepared, forwarded: Forwarded, written: Written, job: _Job) -
         seconds=round(time.perf_counter() - job.started, 4),
         finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), finished_unix=round(time.time(), 3),
     )
-
-
-# --- a full store: the batch pauses with its buffer and lease in hand -----------------------------
-
-
-def store_room(run_store) -> tuple[str, int] | None:
-    """``(path, free bytes)`` of a local store's filesystem (what a non-root user may still write);
-    None for S3, whose room is known only when a write is refused."""
-    path = run_store.local_path("run.json")
-    if path is None:
-        return None
-    try:
-        return str(path.parent), shutil.disk_usage(path.parent).free
-    except OSError:
-        return None
-
-
-def _full_reason(run_store, exc: BaseException | None) -> str:
-    room = store_room(run_store)
-    if room is not None:
-        return f"store full at {room[0]} ({room[1] / 2**20:,.0f} MiB free)"
-    return f"store full at {run_store.url} ({str(exc)[:300] if exc else 'no room'})"
-
-
-def until_room(job: "_Job", what: str, fn, need_bytes: int):
-    """``fn()``, and while the store answers that it is full (:class:`hsx.errors.StoreFull`), a pause:
-    the worker holds the batch (its host buffer and lease: no retries burned, no forward run again),
-    says ``paused: store full at <path> (<free> free)`` in its presence and status records, and
-    calls ``fn`` again once ``need_bytes`` are free (a local store: checked every
-    ``HSX_HEARTBEAT_S``, at most 5 s) or every 30 s (S3: its room is only known by trying). Raises
-    RunCancelled if the run is cancelled with ``--now`` meanwhile."""
-    pause = _Pause(job, what, need_bytes)
-    try:
-        while True:
-            try:
-                return fn()
-            except StoreFull as exc:
-                pause.wait(exc)
-    finally:
-        pause.end()
-
-
-def _room_before_forward(job: "_Job", need_bytes: int) -> None:
-    """A local store without room for the shard pauses the worker before the forward runs."""
-    room = store_room(job.store)
-    if room is None or room[1] >= need_bytes:
-        return
-    pause = _Pause(job, "run the forward", need_bytes)
-    try:
-        pause.wait(None)
-    finally:
-        pause.end()
-
-
-class _Pause:
-    """One pause of a batch for room in a full store (:func:`until_room`)."""
-
-    def __init__(self, job: "_Job", what: str, need_bytes: int):
-        self.job, self.what, self.need = job, what, need_bytes
-        self.since: float | None = None
-
-    def wait(self, exc: BaseException | None) -> None:
-        """Pause until the store has the room needed (local), or for 30 s (S3)."""
-        job, settings = self.job, self.job.settings
-        if self.since is None:
-            self.since = time.monotonic()
-            log.error("batch %s: %s, before it could %s: this worker pauses until there is room (%s MiB needed); "
-                      "free space on the store, nothing needs restarting", job.batch, _full_reason(job.store, exc),
-                      self.what, f"{self.need / 2**20:,.0f}")
-        poll = max(0.5, min(settings.heartbeat_s, 5.0))
-        deadline = time.monotonic() + max(30.0, 6 * settings.heartbeat_s)
-        last_line = time.monotonic()
-        while True:
-            job.heartbeat.pause(_full_reason(job.store, exc))
-            job.phase("paused")
-            room = store_room(job.store)
-            if room is not None and room[1] >= self.need:
-                return
-            if room is None and time.monotonic() >= deadline:
-                return
-            if time.monotonic() - last_line >= 60:
-                last_line = time.monotonic()
-                log.warning("batch %s: still paused, %s (%.0f s so far)", job.batch, _full_reason(job.store, exc),
-                            time.monotonic() - self.since)
-            _check_cancelled_now(job)
-            time.sleep(poll)
-
-    def end(self) -> None:
-        if self.since is not None:
-            self.job.heartbeat.resume()
-            log.warning("batch %s: the store has room again; resumed after %.0f s paused", self.job.batch,
-                        time.monotonic() - self.since)
-
-
-def _check_cancelled_now(job: "_Job") -> None:
-    """Raise RunCancelled if the run was cancelled with ``--now`` (``producer cancel --now``)."""
-    try:
-        cancelled = Cancelled.read(job.store)
-    except Exception:  # a store that does not answer: the batch goes on
-        return
-    if cancelled is not None and cancelled.now:
-        raise RunCancelled(f"run at {job.run_url} was cancelled with --now ({cancelled.by}, {cancelled.at}): batch "
-                           f"{job.batch} stopped before its marker")
 
 
 # --- what the task asks after a failure ------------------------------------------------------------

@@ -328,7 +328,7 @@ def regenerate_batch(admitted, settings: Settings, job) -> dict:
     batch, store its shard, write its marker last. Same result and errors as the extraction body:
     ``{"status": "done" | "lost_race", ...}``; BadPlan for a damaged plan, ModelNotServed for another
     checkpoint, RunCancelled (``cancel --now``), StoreError."""
-    from workers.extract import _check_cancelled_now, _retry, until_room
+    from workers.room import _check_cancelled_now, _retry, until_room
     from workers.target import get_target
 
     t0 = time.perf_counter()

@@ -203,7 +203,7 @@ class Group:
     def _dead_follower(self, wait_s: float = 0.0) -> str | None:
         """How the first follower that exited ended, looking for up to ``wait_s`` seconds (a
         collective that fails on rank 0 usually means that a peer just died); None if all live."""
-        from workers.launcher import describe_exit
+        from hsx.processes import describe_exit
 
         deadline = time.monotonic() + wait_s
         while True:

@@ -51,7 +51,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from hsx.errors import BadConfig
-from hsx.processes import pid_alive
+from hsx.processes import describe_exit, pid_alive
 from settings import Settings, get_settings
 from workers.heartbeat import RUNS_DIR_ENV
 from workers.heartbeat import runs_dir as listed_runs_dir
@@ -166,18 +166,6 @@ def _scrub(exc: Exception, url: str) -> str:
     except ValueError:
         password = None
     return text.replace(password, "***") if password else text
-
-
-def describe_exit(returncode: int) -> str:
-    """How a child ended, from ``Popen.returncode``: ``killed by SIGKILL`` or ``exited with code 1``."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        why = " (sent by a person, a supervisor or the kernel's OOM killer: see dmesg)" if -returncode == signal.SIGKILL else ""
-        return f"killed by {name}{why}"
-    return f"exited with code {returncode}"
 
 
 def meminfo() -> dict[str, int]:

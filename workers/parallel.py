@@ -148,12 +148,12 @@ def lead_capture(model: torch.nn.Module, rows: Rows, selection: LayerSelection, 
 def lead_probe(model: torch.nn.Module) -> int | None:
     """Rank 0: measure the padded tokens per forward that fit the group's GPUs, all ranks at once.
 
-    Every rank runs ``workers.target.forward_tokens_that_fit`` (two bare forwards, the same on
+    Every rank runs ``workers.memory.forward_tokens_that_fit`` (two bare forwards, the same on
     each rank: their collectives match) and the group takes the smallest answer (an all-reduce
     MIN), since the rank with the least free memory bounds the forward. None on the CPU (no
     limit; no forward runs), or without a group.
     """
-    from workers.target import forward_tokens_that_fit
+    from workers.memory import forward_tokens_that_fit
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return forward_tokens_that_fit(model)
@@ -162,7 +162,7 @@ def lead_probe(model: torch.nn.Module) -> int | None:
 
 
 def _probe(model: torch.nn.Module) -> int | None:
-    from workers.target import forward_tokens_that_fit
+    from workers.memory import forward_tokens_that_fit
 
     fit = forward_tokens_that_fit(model)
     wire = torch.tensor([-1 if fit is None else fit], dtype=torch.int64, device=_wire_device())
