@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh dev
 . .venv/bin/activate
-exec python -m pytest -q -n "${HSX_TEST_PROCESSES:-4}" --dist loadfile "$@"
+exec python -m pytest -q -n "${HSX_TEST_PROCESSES:-4}" --dist loadfile --durations=15 "$@"  # the 15 slowest: where the suite's time goes
