@@ -244,9 +244,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
 def cmd_run(args, settings: Settings) -> int:
     from producer.run import run_job
 
-    if getattr(args, "regenerate", False):  # both stages: regenerate, then extract (producer/regenerate.py)
-        from producer.regenerate import cmd_run_regenerated
-
+    if getattr(args, "regenerate", False):  # both stages: regenerate, then extract (cmd_run_regenerated)
         return cmd_run_regenerated(args, settings)
 
     if args.output:  # the workers this starts serve the --output root (hsx/access.py: HSX_STORE_URL)
@@ -277,6 +275,39 @@ def cmd_run(args, settings: Settings) -> int:
         out.print(f"[red]failed[/] {batch}: {failure.get('error')}")
     if report.get("workers_log_tail"):
         out.print("[red]the workers exited early; last lines of their log:[/]\n" + report["workers_log_tail"])
+    return code
+
+
+def cmd_regenerate(args, settings: Settings) -> int:
+    """``python -m producer regenerate``: ``run``'s path (or, with ``--enqueue``, ``enqueue``'s) for a
+    regenerate run."""
+    from producer.regenerate import generation_options
+
+    args.regenerate_config = generation_options(args)
+    return cmd_enqueue(args, settings) if args.enqueue else cmd_run(args, settings)
+
+
+def cmd_run_regenerated(args, settings: Settings) -> int:
+    """``python -m producer run DATASET --regenerate ...``: both stages; prints both runs' tables."""
+    from producer.regenerate import generation_options
+    from producer.run import run_regenerated
+
+    if args.output:
+        settings = settings.model_copy(update={"store_url": args.output})
+    regen = generation_options(args)
+    opts = _options(args)
+    code, first, second = run_regenerated(opts, regen, settings, console, workers=args.workers,
+                                          progress_factory=progress_factory)
+    if args.json:
+        out.print_json(json.dumps({"regenerate": first, "extract": second}))
+        return code
+    out.print(_plan_table("regenerate", first))
+    if second is None:
+        out.print(f"the regenerate run did not finish ({first.get('batches_done', 0)}/{first['batches_total']} "
+                  "batches): nothing extracted; run the same command again to resume it")
+        return code
+    out.print(_plan_table("extract", second))
+    out.print(f"regenerated under {first['address']}; shards and markers under {second['address']}", soft_wrap=True)
     return code
 
 
@@ -756,8 +787,6 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
             return 2
         if args.command == "regenerate":
-            from producer.regenerate import cmd_regenerate
-
             return cmd_regenerate(args, settings)
         return {"enqueue": cmd_enqueue, "run": cmd_run, "status": cmd_status, "flower": cmd_flower, "verify": cmd_verify, "export": cmd_export,
                 "vocab-counts": cmd_vocab_counts, "reconcile": cmd_reconcile, "cancel": cmd_cancel}[args.command](args, settings)

@@ -37,7 +37,7 @@ in order, up to the last one picked.
 
 **A local dataset that changes while it is planned** is refused: each file's (size, mtime_ns) is
 taken when it is fingerprinted and checked again every :data:`CHECK_EVERY` records and at the end;
-a difference raises :class:`~producer.sources.DatasetChanged`. (The ``datasets`` library reads the
+a difference raises :class:`~producer.sourcebase.DatasetChanged`. (The ``datasets`` library reads the
 files itself, so the bytes are not checked block by block as ``producer/sources.py`` checks the
 files it reads.)
 """
@@ -58,8 +58,8 @@ import numpy as np
 from hsx.errors import BadConfig, BadDataset
 from producer.datasets import SHAREGPT, SUPPORTED_SUFFIXES, SkipCounter
 from producer.selection import choose_positions, describe_order
-from producer.sources import (BLOCK_BYTES, DatasetChanged, RawItem, Source, SourceOptions, _num_blocks,
-                              _read_block)
+from producer.sourcebase import (BLOCK_BYTES, DatasetChanged, RawItem, Source, SourceOptions, _num_blocks,
+                                 _read_block)
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ an unreachable store, a run id that exists with another config.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -35,12 +36,14 @@ from hsx.models import model_info
 from hsx.plan import (BatchPlan, batch_id, batch_key, fail_planning_record, plan_complete, read_batch_list,
                       read_windows, start_planning_record)
 from hsx.records import BatchSummary, Planning, PlanWindow, SampleRow, SkipCounts, Stats
+from hsx.regen import PlannedConversation, RegenConfig, regen_plan_key
 from hsx.runconfig import (DatasetOptions, LayersConfig, ModelConfig, RunConfig, SamplePolicy, TokenizerConfig, check_run,
                            check_run_id, claim_run)
 from hsx.shard import StoreDtype
 from hsx.store import Store, exists, open_store
 from producer.batching import cut_batches
-from producer.datasets import EXAMPLES_PER_REASON, SkipCounter, dataset_files, iter_conversations
+from producer.datasets import (EXAMPLES_PER_REASON, Conversation, SkipCounter, _normalise, dataset_files,
+                               iter_conversations, parse_raw)
 from producer.masks import (ADDED_TOKENS_IN_CONTENT, MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES,
                             SPECIAL_TOKENS_IN_CONTENT)
 from producer.sources import Source, SourceOptions, open_source
@@ -329,9 +332,7 @@ def prepare_plan(opts: PlanOptions, settings: Settings, progress=None) -> "PlanJ
 
     Raises what :func:`plan_run` raises before anything is written.
     """
-    if opts.regenerate is not None:  # a regenerate run: the same plan, its batches answered (producer/regenerate.py)
-        from producer.regenerate import prepare_regenerate
-
+    if opts.regenerate is not None:  # a regenerate run: the same plan, its batches answered (prepare_regenerate)
         return prepare_regenerate(opts, settings, progress)
     root = open_store(opts.output or settings.store_url, settings)
     if exists(root, RUN_JSON):
@@ -366,7 +367,7 @@ class PlanJob:
     """One run being planned: :func:`prepare_plan` makes it, :meth:`run` streams the windows."""
 
     #: Keep each sample's raw record in its window, for :meth:`write_window_extra` (a regenerate plan
-    #: stores the conversations themselves: ``producer/regenerate.py``).
+    #: stores the conversations themselves: :class:`RegenPlanJob`).
     keep_records = False
 
     def write_window_extra(self, store, window: "_Window", plans: list[BatchPlan]) -> None:
@@ -595,6 +596,58 @@ class PlanJob:
         stats = Stats.read(self.run_store)
         stats = {} if stats is None else stats.model_dump(exclude={"schema_version"})
         return PlannedRun(self.run_store, self.root, self.config, batches, stats, reused=True, run_url=self.run_url)
+
+
+# ------------------------------------------------------------------------------------------------
+# A regenerate run's plan (the rest of a regenerate run: ``producer/regenerate.py``)
+
+
+class RegenPlanJob(PlanJob):
+    """A regenerate run being planned: a :class:`PlanJob` keeping each sample's raw
+    record so that its window's conversations are stored beside its batches (``plan/regen/``)."""
+
+    keep_records = True
+
+    def write_window_extra(self, store, window, plans) -> None:
+        """Write ``plan/regen/<batch>.jsonl`` for each batch of the window: its samples' conversations,
+        normalised as the planner normalised them, in the batch's sample order.
+
+        Raises BadDataset for a pre-tokenised record (there is no conversation to answer)."""
+        for plan in plans:
+            lines = []
+            for sample_index in plan.sample_index_N.tolist():
+                fallback_id, raw = window.raws[int(sample_index) - window.first_sample]
+                record = _normalise(parse_raw(raw), fallback_id, set(), SkipCounter())
+                if not isinstance(record, Conversation):
+                    raise BadDataset(f"record {record.record_id}: a pre-tokenised record has no conversation to answer "
+                                     "again; regenerate a dataset of conversations (ShareGPT / OpenAI messages)")
+                lines.append(PlannedConversation(sample_index=int(sample_index), record_id=record.record_id,
+                                                 messages=list(record.messages),
+                                                 tools=list(record.tools) if record.tools else None).model_dump_json())
+            store.write(regen_plan_key(plan.batch), ("\n".join(lines) + "\n").encode())
+
+
+def prepare_regenerate(opts: PlanOptions, settings: Settings, progress=None) -> RegenPlanJob:
+    """:func:`prepare_plan` for a regenerate run (``opts.regenerate`` set): the same
+    checks and config, with ``regenerate`` in run.json and its identity, and a run id
+    ``<dataset>-regen-<hash>``. Writes nothing.
+
+    Raises BadConfig (an option, ``--allow-text``, ``--output`` a run), BadDataset, RunConflict, as prepare_plan."""
+    regen = RegenConfig.model_validate(opts.regenerate).check()
+    if opts.allow_text:
+        raise BadConfig("--allow-text: a plain-text record has no assistant turn to answer; regenerate conversations")
+    if opts.chat_template:  # the workers render the prompts with it: its text travels in run.json
+        regen = regen.model_copy(update={"chat_template": _chat_template_text(opts.chat_template)})
+    root = open_store(opts.output or settings.store_url, settings)
+    if exists(root, RUN_JSON):
+        raise BadConfig(f"--output {opts.output or settings.store_url!r} is a run (it holds run.json), not the store root "
+                        "that runs are written under. Fix: give its parent directory (e.g. --output ./out)")
+    config, (spec, chat), source = build_config(dataclasses.replace(opts, regenerate=None), settings, progress)
+    config.regenerate = regen.model_dump(mode="json")
+    config.run_id = opts.run_id or config.default_run_id(f"{source.name}-regen")
+    run_store = root.child(config.run_id)
+    check_run(run_store, config)
+    return RegenPlanJob(opts, settings, root, run_store, config, spec, chat, source)
 
 
 def _cut_window(window: _Window, config: RunConfig, records_read: int, last: bool) -> tuple[PlanWindow, list[BatchPlan], list[SampleRow]]:

@@ -1,42 +1,43 @@
-"""Regenerate runs (issue 23), the producer's side: plan, options, chaining into extraction.
+"""Regenerate runs (issue 23), the producer's side: the generation options, a regenerate run as a
+dataset, its verification.
 
 ``python -m producer regenerate DATASET --model M --output STORE`` plans the dataset exactly as an
 extraction run (``producer/planner.py``: the same reading, checks, chat template and tokenisation,
 token-budget batches in streamed windows; the full conversations' lengths size the batches), and
 writes beside each batch its conversations as the planner normalised them
-(``plan/regen/<batch>.jsonl``, ``hsx/regen.py``). The run's ``regenerate`` (:class:`hsx.regen.RegenConfig`)
-is in run.json and its identity: other generation options are another run. The batches go to the
-same queue as extraction batches and the same workers answer them (``workers/generate.py``); the
-broker, the workers, the progress, Ctrl-C and resume are ``producer run``'s (``--enqueue``: the
-fleet form, ``producer enqueue``'s).
+(``plan/regen/<batch>.jsonl``, ``hsx/regen.py``; :func:`producer.planner.prepare_regenerate`). The
+run's ``regenerate`` (:class:`hsx.regen.RegenConfig`) is in run.json and its identity: other generation
+options are another run. The batches go to the same queue as extraction batches and the same workers
+answer them (``workers/generate.py``); the broker, the workers, the progress, Ctrl-C and resume are
+``producer run``'s (``--enqueue``: the fleet form, ``producer enqueue``'s).
 
 A regenerate run's address is a dataset (:class:`RegeneratedSource`): ``enqueue`` / ``run`` of it
 extract the regenerated conversations, and ``--drop-unfinished`` skips those with an answer cut at
 ``--max-new-tokens``. ``python -m producer run DATASET --regenerate ...`` runs both stages, one after
-the other, on this machine (:func:`run_regenerated`).
+the other, on this machine (:func:`producer.run.run_regenerated`); the commands are
+``producer/cli.py``'s (``cmd_regenerate``, ``cmd_run_regenerated``).
+
+This module sits below those that plan, open sources, run and parse commands: it imports none of
+them (``producer/sources.py`` opens :class:`RegeneratedSource`, ``producer/cli.py`` adds the options,
+``producer/reconcile.py`` and ``verify`` call :func:`verify_regenerated`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
-from pathlib import Path
 from typing import Iterator
 
-from hsx.errors import BadConfig, BadDataset, BadRecord
+from hsx.errors import BadDataset, BadRecord
 from hsx.layout import RUN_JSON
 from hsx.plan import planned_batches
 from hsx.records import read_markers
-from hsx.regen import (TURNS, PlannedConversation, RegenConfig, RegeneratedConversation, is_regenerate, parse_lines,
-                       regen_plan_key)
-from hsx.runconfig import RunConfig, check_run
-from hsx.store import MissingKey, exists, open_store
-from producer.datasets import Conversation, SkipCounter, _normalise, parse_raw
-from producer.planner import PlanJob, PlanOptions, _chat_template_text, build_config
-from producer.sources import RawItem, Source, SourceOptions
-from settings import Settings
+from hsx.regen import TURNS, RegenConfig, RegeneratedConversation, is_regenerate, parse_lines
+from hsx.runconfig import RunConfig
+from hsx.store import MissingKey, open_store
+from producer.datasets import SkipCounter
+from producer.sourcebase import DatasetChanged, RawItem, Source, SourceOptions
 
 
 def add_generation_options(p, *, in_run: bool = False) -> None:
@@ -70,54 +71,6 @@ def generation_options(args) -> dict:
                         top_k=args.top_k, seed=args.seed if args.seed is not None else 0, stop=tuple(args.stop),
                         turns=args.turns)
     return regen.check().model_dump(mode="json")
-
-
-class RegenPlanJob(PlanJob):
-    """A regenerate run being planned: :class:`producer.planner.PlanJob`, keeping each sample's raw
-    record so that its window's conversations are stored beside its batches (``plan/regen/``)."""
-
-    keep_records = True
-
-    def write_window_extra(self, store, window, plans) -> None:
-        """Write ``plan/regen/<batch>.jsonl`` for each batch of the window: its samples' conversations,
-        normalised as the planner normalised them, in the batch's sample order.
-
-        Raises BadDataset for a pre-tokenised record (there is no conversation to answer)."""
-        for plan in plans:
-            lines = []
-            for sample_index in plan.sample_index_N.tolist():
-                fallback_id, raw = window.raws[int(sample_index) - window.first_sample]
-                record = _normalise(parse_raw(raw), fallback_id, set(), SkipCounter())
-                if not isinstance(record, Conversation):
-                    raise BadDataset(f"record {record.record_id}: a pre-tokenised record has no conversation to answer "
-                                     "again; regenerate a dataset of conversations (ShareGPT / OpenAI messages)")
-                lines.append(PlannedConversation(sample_index=int(sample_index), record_id=record.record_id,
-                                                 messages=list(record.messages),
-                                                 tools=list(record.tools) if record.tools else None).model_dump_json())
-            store.write(regen_plan_key(plan.batch), ("\n".join(lines) + "\n").encode())
-
-
-def prepare_regenerate(opts: PlanOptions, settings: Settings, progress=None) -> RegenPlanJob:
-    """:func:`producer.planner.prepare_plan` for a regenerate run (``opts.regenerate`` set): the same
-    checks and config, with ``regenerate`` in run.json and its identity, and a run id
-    ``<dataset>-regen-<hash>``. Writes nothing.
-
-    Raises BadConfig (an option, ``--allow-text``, ``--output`` a run), BadDataset, RunConflict, as prepare_plan."""
-    regen = RegenConfig.model_validate(opts.regenerate).check()
-    if opts.allow_text:
-        raise BadConfig("--allow-text: a plain-text record has no assistant turn to answer; regenerate conversations")
-    if opts.chat_template:  # the workers render the prompts with it: its text travels in run.json
-        regen = regen.model_copy(update={"chat_template": _chat_template_text(opts.chat_template)})
-    root = open_store(opts.output or settings.store_url, settings)
-    if exists(root, RUN_JSON):
-        raise BadConfig(f"--output {opts.output or settings.store_url!r} is a run (it holds run.json), not the store root "
-                        "that runs are written under. Fix: give its parent directory (e.g. --output ./out)")
-    config, (spec, chat), source = build_config(dataclasses.replace(opts, regenerate=None), settings, progress)
-    config.regenerate = regen.model_dump(mode="json")
-    config.run_id = opts.run_id or config.default_run_id(f"{source.name}-regen")
-    run_store = root.child(config.run_id)
-    check_run(run_store, config)
-    return RegenPlanJob(opts, settings, root, run_store, config, spec, chat, source)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,8 +144,6 @@ class RegeneratedSource(Source):
         for batch, shard in self._shards:
             data = self.store.read(shard.key)
             if hashlib.sha256(data).hexdigest() != shard.sha256:
-                from producer.sources import DatasetChanged
-
                 raise DatasetChanged(f"regenerate run {self.config.run_id}: shard {shard.key} of batch {batch} is not the "
                                      "one its marker certifies (sha256 differs); `producer verify` the run")
             for conv in parse_lines(data, RegeneratedConversation, shard.key):
@@ -210,61 +161,6 @@ class RegeneratedSource(Source):
                                                 **({"tools": conv.tools} if conv.tools else {})})
             done += shard.bytes
             self.bytes_read = done
-
-
-# ------------------------------------------------------------------------------------------------
-# Both stages in one command
-
-
-def run_regenerated(opts: PlanOptions, regen: dict, settings: Settings, console, *, workers=None,
-                    progress_factory=None) -> tuple[int, dict, dict | None]:
-    """``producer run DATASET --regenerate ...``: the regenerate run of ``opts`` with ``regen``, then,
-    once every one of its batches is done, the extraction of its conversations (``opts``' layers and
-    options; ``opts.drop_unfinished``). Returns ``(exit code, the regenerate run's report, the
-    extraction's report or None when the first stage did not finish)``. A Ctrl-C stops the stage
-    running; the same command resumes both (each is a run: its done batches keep their markers)."""
-    from producer.run import run_job
-
-    first = dataclasses.replace(opts, regenerate=regen, drop_unfinished=False, run_id=None)
-    code, report = run_job(first, settings, console, workers=workers, progress_factory=progress_factory)
-    if code != 0 or report.get("batches_done", report.get("batches_already_done")) != report.get("batches_total"):
-        return code or 1, report, None
-    second = dataclasses.replace(opts, dataset=report["address"], regenerate=None, limit=None, sample=None,
-                                 shuffle=False, seed=None, split=None, subset=None)
-    code, extracted = run_job(second, settings, console, workers=workers, progress_factory=progress_factory)
-    return code, report, extracted
-
-
-def cmd_regenerate(args, settings: Settings) -> int:
-    """``python -m producer regenerate``: ``run``'s path (or, with ``--enqueue``, ``enqueue``'s) for a
-    regenerate run."""
-    from producer import cli
-
-    args.regenerate_config = generation_options(args)
-    return cli.cmd_enqueue(args, settings) if args.enqueue else cli.cmd_run(args, settings)
-
-
-def cmd_run_regenerated(args, settings: Settings) -> int:
-    """``python -m producer run DATASET --regenerate ...``: both stages; prints both runs' tables."""
-    from producer import cli
-
-    if args.output:
-        settings = settings.model_copy(update={"store_url": args.output})
-    regen = generation_options(args)
-    opts = cli._options(args)
-    code, first, second = run_regenerated(opts, regen, settings, cli.console, workers=args.workers,
-                                          progress_factory=cli.progress_factory)
-    if args.json:
-        cli.out.print_json(json.dumps({"regenerate": first, "extract": second}))
-        return code
-    cli.out.print(cli._plan_table("regenerate", first))
-    if second is None:
-        cli.out.print(f"the regenerate run did not finish ({first.get('batches_done', 0)}/{first['batches_total']} "
-                      "batches): nothing extracted; run the same command again to resume it")
-        return code
-    cli.out.print(cli._plan_table("extract", second))
-    cli.out.print(f"regenerated under {first['address']}; shards and markers under {second['address']}", soft_wrap=True)
-    return code
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -522,6 +523,23 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         report["batches_done"] = len(done_batches(planned.run_store) & {b.batch for b in planned.batches})
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return code, report
+
+
+def run_regenerated(opts: PlanOptions, regen: dict, settings: Settings, console, *, workers=None,
+                    progress_factory=None) -> tuple[int, dict, dict | None]:
+    """``producer run DATASET --regenerate ...``: the regenerate run of ``opts`` with ``regen``, then,
+    once every one of its batches is done, the extraction of its conversations (``opts``' layers and
+    options; ``opts.drop_unfinished``). Returns ``(exit code, the regenerate run's report, the
+    extraction's report or None when the first stage did not finish)``. A Ctrl-C stops the stage
+    running; the same command resumes both (each is a run: its done batches keep their markers)."""
+    first = dataclasses.replace(opts, regenerate=regen, drop_unfinished=False, run_id=None)
+    code, report = run_job(first, settings, console, workers=workers, progress_factory=progress_factory)
+    if code != 0 or report.get("batches_done", report.get("batches_already_done")) != report.get("batches_total"):
+        return code or 1, report, None
+    second = dataclasses.replace(opts, dataset=report["address"], regenerate=None, limit=None, sample=None,
+                                 shuffle=False, seed=None, split=None, subset=None)
+    code, extracted = run_job(second, settings, console, workers=workers, progress_factory=progress_factory)
+    return code, report, extracted
 
 
 def _cancelled_while_planning(job: PlanJob, sender: WindowSender | None) -> dict:

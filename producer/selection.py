@@ -16,7 +16,7 @@ O(records) integers (20 bytes a JSON record), never the records themselves.
 
 **Reading back**: a JSON record is read with one ``pread`` of its byte range and its digest is
 compared with the index pass's, so a record reaches the planner only if its bytes are those that
-were checked against the fingerprint (:class:`~producer.sources.DatasetChanged` otherwise); a JSON
+were checked against the fingerprint (:class:`~producer.sourcebase.DatasetChanged` otherwise); a JSON
 line is then handed on as the streaming reader hands it, a :class:`~producer.datasets.RawLine`
 that the tokenising process parses (``parse_raw``: the same BadRecord for a line that is not UTF-8
 or not JSON), a JSON array element parsed as that reader parses it. Parquet rows are read per row group through the checked file, a
@@ -34,22 +34,20 @@ import json
 import os
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import numpy as np
 
 from hsx.errors import BadDataset
 from producer.datasets import MAX_RECORD_BYTES, READ_CHUNK_BYTES, RawLine, SkipCounter, _may_be_incomplete
-
-if TYPE_CHECKING:
-    from producer.sources import LocalFiles, RawItem, SourceOptions
+from producer.sourcebase import CheckedFiles, DatasetChanged, RawItem, SourceOptions
 
 #: Chosen records handled at a time when reading back (parquet rows of one chunk are held in memory).
 CHUNK_RECORDS = 4096
 _BOM = b"\xef\xbb\xbf"
 
 
-def choose_positions(total: int, options: "SourceOptions") -> np.ndarray | None:
+def choose_positions(total: int, options: SourceOptions) -> np.ndarray | None:
     """The positions (int64 [K], values in ``0 .. total-1``) to read, in reading order, or None for
     every record in dataset order (neither ``shuffle`` nor ``sample`` set).
 
@@ -69,7 +67,7 @@ def choose_positions(total: int, options: "SourceOptions") -> np.ndarray | None:
     return chosen if options.shuffle else np.sort(chosen)
 
 
-def describe_order(options: "SourceOptions") -> str | None:
+def describe_order(options: SourceOptions) -> str | None:
     """One line for run.json's ``dataset.order``: how the records were chosen and ordered (None: dataset order)."""
     if options.shuffle and options.sample is not None:
         return (f"a seeded random subset of {options.sample:,} records in a random order (numpy default_rng({options.seed})"
@@ -127,7 +125,7 @@ class _Ranges:
         return index
 
 
-def index_file(source: "LocalFiles", k: int, skips: SkipCounter) -> _FileIndex:
+def index_file(source: CheckedFiles, k: int, skips: SkipCounter) -> _FileIndex:
     """Index file ``k`` of ``source`` (read through its checked file object).
 
     The format is told as ``producer/datasets.py`` ``iter_raw_records`` tells it. Raises BadDataset
@@ -253,7 +251,7 @@ def _index_json_array(path, f, skips: SkipCounter) -> _FileIndex:
     return ranges.into(_FileIndex("array"))
 
 
-def _index_parquet(source: "LocalFiles", k: int) -> _FileIndex:
+def _index_parquet(source: CheckedFiles, k: int) -> _FileIndex:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -269,7 +267,7 @@ def _index_parquet(source: "LocalFiles", k: int) -> _FileIndex:
 class _Reader:
     """Reads chosen records back (see the module docstring); ``close`` releases the files."""
 
-    def __init__(self, source: "LocalFiles", indexes: list[_FileIndex]):
+    def __init__(self, source: CheckedFiles, indexes: list[_FileIndex]):
         self.source, self.indexes = source, indexes
         self._fds: dict[int, int] = {}
         self._parquet: dict[int, object] = {}
@@ -284,8 +282,6 @@ class _Reader:
         self._parquet.clear()
 
     def _changed(self, k: int, why: str):
-        from producer.sources import DatasetChanged
-
         return DatasetChanged(
             f"{self.source.files[k].path} changed while it was planned: {why}. The plan stopped before any record "
             "of the changed bytes was planned; run the same command again when the file no longer changes (a changed "
@@ -333,16 +329,14 @@ class _Reader:
         return out
 
 
-def selected_records(source: "LocalFiles", skips: SkipCounter) -> Iterator["RawItem"]:
+def selected_records(source: CheckedFiles, skips: SkipCounter) -> Iterator[RawItem]:
     """The records of ``source`` that ``source.options`` chooses (``--shuffle`` / ``--sample``), in
-    the chosen order, as :class:`~producer.sources.RawItem` (fallback id ``<file name>:<index>``).
+    the chosen order, as :class:`~producer.sourcebase.RawItem` (fallback id ``<file name>:<index>``).
 
     ``source.bytes_read`` (progress only) grows with the share of chosen records read. Raises
-    BadDataset (a file of no known format), :class:`~producer.sources.DatasetChanged` (a byte read
+    BadDataset (a file of no known format), :class:`~producer.sourcebase.DatasetChanged` (a byte read
     back is not the byte checked against the fingerprint).
     """
-    from producer.sources import RawItem
-
     source.fingerprint()  # the block hashes the index pass is checked against
     indexes = [index_file(source, k, skips) for k in range(len(source.files))]
     counts = np.array([ix.count for ix in indexes], dtype=np.int64)
