@@ -5,7 +5,9 @@ plan (token-budget batches of the dataset's conversations, streamed in windows),
 batch, the marker last with a conditional create, the same leases, status and Ctrl-C. What differs:
 
 - ``run.json`` has ``regenerate`` (:class:`RegenConfig` as a dict; ``None`` for extraction), which
-  is part of the run's identity, so other generation options give another run id;
+  is part of the run's identity, so other generation options give another run id (greedy decoding
+  leaves ``seed``, ``top_p`` and ``top_k`` out of it, and a regenerate run's identity leaves out the
+  extraction-only ``layers`` and ``store_dtype``: ``hsx.runconfig.regen_identity``);
 - beside each batch's plan file the planner writes ``plan/regen/<batch>.jsonl``
   (:func:`regen_plan_key`): one :class:`PlannedConversation` per sample of the batch, in the
   batch's sample order (the worker renders the prompts from them with the run's chat template);
@@ -54,7 +56,8 @@ def regen_shard_key(batch: str, attempt: str) -> str:
 
 
 class RegenConfig(BaseModel):
-    """``run.json`` ``regenerate``: how the answers are generated (all of it is in the run's identity).
+    """``run.json`` ``regenerate``: how the answers are generated (in the run's identity;
+    ``seed``, ``top_p`` and ``top_k`` only when sampling: ``hsx.runconfig.regen_identity``).
 
     ``temperature`` 0 is greedy decoding (``top_p``/``top_k`` unused); above 0, sampling from the
     softmax of ``logits / temperature`` restricted to the ``top_k`` most likely tokens (0: all) and

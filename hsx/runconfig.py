@@ -116,6 +116,23 @@ IDENTITY_FIELDS_UNLESS_DEFAULT: dict[str, object] = {"added_tokens_in_content": 
                                                     # None: an extraction run, as every run before it
                                                     "regenerate": None}
 
+#: Fields of a regenerate run's run.json that only decide hidden-state bytes (``--layers``,
+#: ``--preset``, ``--dflash-layers``, ``--draft-config``, ``--final``: ``layers``; ``--store-dtype``):
+#: recorded, never hashed into its identity, so the same dataset, model and generation options give
+#: one regenerate run whatever the extraction options (the extraction chained after it hashes them).
+REGEN_EXTRACTION_ONLY_FIELDS = ("layers", "store_dtype")
+#: Generation options that greedy decoding (``temperature`` 0) does not use: left out of a greedy
+#: regenerate run's identity.
+REGEN_SAMPLING_ONLY = ("seed", "top_p", "top_k")
+
+
+def regen_identity(regenerate: dict) -> dict:
+    """The hashed part of a regenerate run's ``regenerate`` (``hsx.regen.RegenConfig`` as a dict):
+    all of it but, when greedy (``temperature`` 0), :data:`REGEN_SAMPLING_ONLY`."""
+    if regenerate.get("temperature", 0.0) == 0:
+        return {k: v for k, v in regenerate.items() if k not in REGEN_SAMPLING_ONLY}
+    return dict(regenerate)
+
 
 P = TypeVar("P", bound="ConfigPart")
 
@@ -376,6 +393,10 @@ class RunConfig:
         out = {k: self._identity_value(k, version) for k in names if k not in absent}
         out.update({k: getattr(self, k) for k, default in IDENTITY_FIELDS_UNLESS_DEFAULT.items()
                     if getattr(self, k) != default})
+        if self.regenerate is not None:  # a regenerate run: no hidden states, and greedy uses no sampling option
+            for name in REGEN_EXTRACTION_ONLY_FIELDS:
+                out.pop(name, None)
+            out["regenerate"] = regen_identity(self.regenerate)
         if version >= 2:
             out["identity_version"] = version
         return out

@@ -312,3 +312,48 @@ def test_verify_names_an_altered_shard_and_repair_redoes_only_that_batch(both_st
     assert [(p["batch"], p["kind"]) for p in report["problems"]] == [(victim, "shard_altered")]
     assert repair_bad_batches(store) == {victim: ["shard_altered"]}
     assert done_batches(store) == set(markers) - {victim} and not path.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# The identity of a regenerate run (in process: no run is planned)
+
+
+def _regen_config(**changes):
+    """The run.json of tests/data/legacy-runs as a run of this code's identity version, with ``changes``."""
+    import dataclasses
+
+    from hsx.runconfig import IDENTITY_VERSION, RunConfig
+
+    base = RunConfig.from_json((ROOT / "tests" / "data" / "legacy-runs" / "run-v3-a4fd82d.json").read_bytes())
+    return dataclasses.replace(base, identity_version=IDENTITY_VERSION, **changes)
+
+
+def test_a_regenerate_run_id_ignores_the_extraction_only_options():
+    """--layers/--preset/--dflash-layers/--draft-config/--final (``layers``) and --store-dtype decide only
+    hidden-state bytes: the same regenerate run whatever they are; an extraction run still hashes them."""
+    import dataclasses
+
+    from hsx.runconfig import LayersConfig
+
+    regen = RegenConfig(temperature=0.8, seed=3).model_dump(mode="json")
+    a = _regen_config(regenerate=regen)
+    other_layers = LayersConfig.model_validate({**a.layers.as_dict(), "layer_ids": [0], "final": "none"})
+    b = dataclasses.replace(a, layers=other_layers, store_dtype="fp8" if a.store_dtype != "fp8" else "float32")
+    assert a.identity_sha256() == b.identity_sha256() and a.default_run_id("d-regen") == b.default_run_id("d-regen")
+    assert "layers" not in a.identity() and "store_dtype" not in a.identity()
+    extract_a, extract_b = dataclasses.replace(a, regenerate=None), dataclasses.replace(b, regenerate=None)
+    assert extract_a.identity_sha256() != extract_b.identity_sha256()
+    assert {"layers", "store_dtype"} <= set(extract_a.identity())
+    # what else a regenerate run uses still counts
+    assert dataclasses.replace(a, max_length=a.max_length + 1).identity_sha256() != a.identity_sha256()
+
+
+def test_greedy_decoding_ignores_seed_top_k_and_top_p_in_the_run_id():
+    greedy = [_regen_config(regenerate=RegenConfig(**o).model_dump(mode="json")).identity_sha256()
+              for o in ({}, {"seed": 5}, {"top_k": 40}, {"top_p": 0.5}, {"seed": 9, "top_k": 3, "top_p": 0.9})]
+    assert len(set(greedy)) == 1
+    sampled = [_regen_config(regenerate=RegenConfig(temperature=0.7, **o).model_dump(mode="json")).identity_sha256()
+               for o in ({}, {"seed": 5}, {"top_k": 40}, {"top_p": 0.5})]
+    assert len(set(sampled)) == 4 and greedy[0] not in sampled
+    other = _regen_config(regenerate=RegenConfig(max_new_tokens=9).model_dump(mode="json")).identity_sha256()
+    assert other != greedy[0]
