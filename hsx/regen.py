@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -84,10 +85,10 @@ class RegenConfig(BaseModel):
         """Return self; raises BadConfig naming the option, its value and the rule."""
         if self.max_new_tokens < 1:
             raise BadConfig(f"--max-new-tokens {self.max_new_tokens}: must be at least 1 token")
-        if self.temperature < 0:
-            raise BadConfig(f"--temperature {self.temperature}: must be >= 0 (0: greedy decoding)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise BadConfig(f"--top-p {self.top_p}: must be in (0, 1] (1: no nucleus cut)")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise BadConfig(f"--temperature {self.temperature}: must be a finite number >= 0 (0: greedy decoding)")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise BadConfig(f"--top-p {self.top_p}: must be a finite number in (0, 1] (1: no nucleus cut)")
         if self.top_k < 0:
             raise BadConfig(f"--top-k {self.top_k}: must be >= 0 (0: no top-k cut)")
         if self.seed < 0:

@@ -357,3 +357,16 @@ def test_greedy_decoding_ignores_seed_top_k_and_top_p_in_the_run_id():
     assert len(set(sampled)) == 4 and greedy[0] not in sampled
     other = _regen_config(regenerate=RegenConfig(max_new_tokens=9).model_dump(mode="json")).identity_sha256()
     assert other != greedy[0]
+
+
+@pytest.mark.parametrize("option,value", [("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "-inf"),
+                                          ("--top-p", "nan"), ("--top-p", "inf")])
+def test_nan_and_inf_generation_options_are_refused(option, value, capsys, tmp_path):
+    from producer.cli import main
+
+    code = main(["regenerate", str(tmp_path / "none.jsonl"), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"),
+                 f"{option}={value}"])
+    out = capsys.readouterr()
+    assert code == 2 and f"{option} " in out.out + out.err and "finite" in out.out + out.err
+    with pytest.raises(Exception, match="finite"):
+        RegenConfig(**{option[2:].replace("-", "_"): float(value)}).check()
