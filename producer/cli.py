@@ -109,7 +109,8 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", help="Hugging Face dataset: the split to read (default: train, or its only split)")
     p.add_argument("--subset", help="Hugging Face dataset: the subset (config name) to read")
     p.add_argument("--shuffle", action="store_true", help="read the records in a seeded random order (needs --seed)")
-    p.add_argument("--seed", type=int, help="seed of --shuffle and --sample (recorded in run.json and the run id)")
+    p.add_argument("--seed", type=int, help="seed of --shuffle and --sample, and of a regenerate run's sampling "
+                                            "(default 0 there) (recorded in run.json and the run id)")
     p.add_argument("--sample", type=_at_least_one, metavar="N",
                    help="a seeded random subset of N records (needs --seed); --limit takes the first N instead")
     p.add_argument("--chat-template", metavar="FILE",
@@ -212,6 +213,16 @@ def cmd_enqueue(args, settings: Settings) -> int:
     from producer.enqueue import WindowSender, check_output
     from producer.run import plan_or_interrupted
 
+    from producer.regenerate import given_generation_options
+
+    given = given_generation_options(args)
+    if given:
+        console.print(f"error: {', '.join(given)} {'is a generation option' if len(given) == 1 else 'are generation options'} "
+                      "of a regenerate run; enqueue extracts and would not use "
+                      f"{'it' if len(given) == 1 else 'them'}: to regenerate the answers on the fleet use "
+                      "`python -m producer regenerate DATASET --enqueue ...`, or leave "
+                      f"{'it' if len(given) == 1 else 'them'} out", highlight=False, soft_wrap=True)
+        return 2
     if not settings.broker_url:
         console.print("error: HSX_BROKER_URL is not set: enqueue needs the broker your workers listen on "
                       "(e.g. redis://:PASSWORD@HOST:6379/0); for one machine use 'python -m producer run'")
@@ -244,8 +255,16 @@ def cmd_enqueue(args, settings: Settings) -> int:
 def cmd_run(args, settings: Settings) -> int:
     from producer.run import run_job
 
+    from producer.regenerate import given_generation_options
+
     if getattr(args, "regenerate", False):  # both stages: regenerate, then extract (cmd_run_regenerated)
         return cmd_run_regenerated(args, settings)
+    given = given_generation_options(args)
+    if given:  # without --regenerate nothing is generated: refused, not ignored
+        console.print(f"error: {', '.join(given)} {'is a generation option: it applies' if len(given) == 1 else 'are generation options: they apply'} "
+                      "only with --regenerate (add --regenerate to answer the dataset's assistant turns with the target "
+                      f"first, or leave {'it' if len(given) == 1 else 'them'} out)", highlight=False, soft_wrap=True)
+        return 2
 
     if args.output:  # the workers this starts serve the --output root (hsx/access.py: HSX_STORE_URL)
         settings = settings.model_copy(update={"store_url": args.output})
@@ -697,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drop-unfinished", action="store_true",
                    help="DATASET is a regenerate run: skip the conversations with an answer cut at --max-new-tokens")
     from producer.regenerate import add_generation_options
+
+    add_generation_options(p, hidden=True)  # only to refuse them with the fix (cmd_enqueue)
 
     p = sub.add_parser("regenerate", help="answer the dataset's assistant turns again with the target (a run whose shards "
                                           "are the regenerated conversations; its address is a dataset for run/enqueue)")

@@ -40,24 +40,38 @@ from producer.datasets import SkipCounter
 from producer.sourcebase import DatasetChanged, RawItem, Source, SourceOptions
 
 
-def add_generation_options(p, *, in_run: bool = False) -> None:
+#: The generation options (``--seed`` is a plan option too: it also seeds --shuffle and --sample), by
+#: their argparse dest.
+GENERATION_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                      "top_k": "--top-k", "stop": "--stop", "turns": "--turns"}
+
+
+def add_generation_options(p, *, in_run: bool = False, hidden: bool = False) -> None:
     """The generation options of ``regenerate`` (and of ``run --regenerate``) on parser ``p``. The
-    plan options' ``--seed`` and ``--enable-thinking`` apply to the generation too."""
+    plan options' ``--seed`` and ``--enable-thinking`` apply to the generation too. They default to
+    None (:func:`generation_options` fills in :class:`RegenConfig`'s defaults), so that
+    :func:`given_generation_options` tells those given. ``hidden``: on ``enqueue``, which takes them
+    only to refuse them (:func:`given_generation_options`)."""
+    def helped(text: str) -> str:
+        import argparse
+
+        return argparse.SUPPRESS if hidden else text
+
     if in_run:
         p.add_argument("--regenerate", action="store_true",
                        help="first answer the dataset's assistant turns with the target (a regenerate run), then extract "
                             "the regenerated conversations; takes the generation options below")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="tokens an answer may have (default 512); an answer cut "
-                                                                    "there is marked unfinished (finish reason 'length')")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy decoding)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens reaching this "
-                                                             "probability (default 1: all)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="a string that ends an answer (cut before it); repeat for several")
-    p.add_argument("--turns", choices=TURNS, default="last",
-                   help="answer the last assistant turn of each conversation (default), or every one in order, each "
-                        "prompt holding the answers before it")
+    p.add_argument("--max-new-tokens", type=int, help=helped("tokens an answer may have (default 512); an answer cut "
+                                                               "there is marked unfinished (finish reason 'length')"))
+    p.add_argument("--temperature", type=float, help=helped("sampling temperature (default 0: greedy decoding)"))
+    p.add_argument("--top-p", type=float, help=helped("nucleus sampling: the smallest set of tokens reaching this "
+                                                        "probability (default 1: all)"))
+    p.add_argument("--top-k", type=int, help=helped("sample among the k most likely tokens (default 0: all)"))
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help=helped("a string that ends an answer (cut before it); repeat for several"))
+    p.add_argument("--turns", choices=TURNS,
+                   help=helped("answer the last assistant turn of each conversation (default), or every one in order, "
+                               "each prompt holding the answers before it"))
     if in_run:
         p.add_argument("--drop-unfinished", action="store_true",
                        help="with --regenerate (or a regenerate run's address as DATASET): skip the conversations with an "
@@ -67,10 +81,16 @@ def add_generation_options(p, *, in_run: bool = False) -> None:
 def generation_options(args) -> dict:
     """``run.json`` ``regenerate`` from parsed arguments (checked). Raises BadConfig. ``--seed``
     unset seeds the generation with 0."""
-    regen = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed if args.seed is not None else 0, stop=tuple(args.stop),
-                        turns=args.turns)
+    given = {name: getattr(args, name) for name in GENERATION_OPTIONS if getattr(args, name, None) is not None}
+    if "stop" in given:
+        given["stop"] = tuple(given["stop"])
+    regen = RegenConfig(**given, seed=args.seed if args.seed is not None else 0)
     return regen.check().model_dump(mode="json")
+
+
+def given_generation_options(args) -> list[str]:
+    """The generation options given on the command line (``--temperature``, ...), as typed."""
+    return [flag for name, flag in GENERATION_OPTIONS.items() if getattr(args, name, None) is not None]
 
 
 # ------------------------------------------------------------------------------------------------

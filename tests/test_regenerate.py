@@ -370,3 +370,33 @@ def test_nan_and_inf_generation_options_are_refused(option, value, capsys, tmp_p
     assert code == 2 and f"{option} " in out.out + out.err and "finite" in out.out + out.err
     with pytest.raises(Exception, match="finite"):
         RegenConfig(**{option[2:].replace("-", "_"): float(value)}).check()
+
+
+@pytest.mark.parametrize("command", ["run", "enqueue"])
+@pytest.mark.parametrize("option", [["--max-new-tokens", "8"], ["--temperature", "0.5"], ["--top-p", "0.9"],
+                                    ["--top-k", "5"], ["--stop", "x"], ["--turns", "all"]])
+def test_generation_options_without_regenerate_are_refused(command, option, capsys, tmp_path):
+    """Without --regenerate nothing is generated: run/enqueue refuse a generation option (exit 2) naming it
+    and the fix, before anything is read or planned; --seed (also --shuffle's and --sample's) is not one."""
+    from producer.cli import main
+
+    code = main([command, str(tmp_path / "none.jsonl"), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"), *option])
+    captured = capsys.readouterr()
+    text = " ".join((captured.out + captured.err).split())
+    assert code == 2 and f"error: {option[0]} is a generation option" in text
+    assert ("--regenerate" if command == "run" else "regenerate DATASET --enqueue") in text
+    assert not (tmp_path / "out").exists()
+
+
+def test_seed_is_not_a_generation_option_and_its_help_says_it_seeds_the_sampling(capsys):
+    from argparse import Namespace
+
+    from producer.cli import main
+    from producer.regenerate import generation_options, given_generation_options
+
+    args = Namespace(seed=4, max_new_tokens=None, temperature=None, top_p=None, top_k=None, stop=None, turns=None)
+    assert given_generation_options(args) == []
+    assert generation_options(args) == RegenConfig(seed=4).model_dump(mode="json")
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "of a regenerate run's sampling (default 0 there)" in " ".join(capsys.readouterr().out.split())
