@@ -51,6 +51,7 @@ import numpy as np
 
 from hsx.errors import BadConfig, FidelityError
 from hsx.records import Marker, ShardRef, read_markers
+from hsx.regen import refuse_regenerate_run
 from hsx.runconfig import RunConfig, load_run
 from hsx.shard import HIDDEN_STATES, Final, scale_name
 from hsx.store import Store, download, open_store
@@ -216,6 +217,11 @@ def _open_run(run: str | Path | Store, settings) -> Store:
 # --- map-style ------------------------------------------------------------------------------
 
 
+def _address(run: str | Path | Store, store: Store) -> str:
+    """The run's address as given (a path or URL), for messages; a Store's URL."""
+    return str(run) if isinstance(run, (str, Path)) else store.url
+
+
 class HiddenStatesDataset(_Dataset):
     """Map-style dataset over a local run: ``ds[i]`` is the i-th stored sample by ``sample_index``.
 
@@ -240,6 +246,7 @@ class HiddenStatesDataset(_Dataset):
         store = _open_run(run, settings)
         self.dequant_dtype, self.raw = dequant_dtype, raw
         self.config = load_run(store)
+        refuse_regenerate_run(self.config, _address(run, store))
         if not store.location.is_local:
             raise BadConfig(
                 f"{store.url} is not a local directory: the map-style HiddenStatesDataset memory-maps shards; "
@@ -352,6 +359,7 @@ class IterableHiddenStatesDataset(_IterableDataset):
             raise BadConfig(f"rank {rank} / world_size {world_size}: need 0 <= rank < world_size")
         self.store = _open_run(run, settings)
         self.config = load_run(self.store)
+        refuse_regenerate_run(self.config, _address(run, self.store))
         self.layer_ids: list[int] = list(self.config.layers.layer_ids)
         self.hidden_size = self.config.model.hidden_size
         self.finals = _final_names(self.config, finals)

@@ -117,6 +117,14 @@ def is_regenerate(config) -> bool:
     return getattr(config, "regenerate", None) is not None
 
 
+def refuse_regenerate_run(config, address: str) -> None:
+    """Raise BadConfig when ``config`` is a regenerate run's: what reads hidden states (``export``,
+    ``vocab-counts``, the readers) has none to read there."""
+    if is_regenerate(config):
+        raise BadConfig(f"{address} is a regenerate run (regenerated conversations, no hidden states): extract it "
+                        f"first with `python -m producer run {address} --model ...`")
+
+
 def sample_seed(seed: int, record_id: str, turn: int) -> int:
     """The generator seed of one answer: the first 8 bytes of sha256(``seed``, ``record_id``, ``turn``),
     as a non-negative int64. It depends on nothing else (not the batch, the worker or the attempt)."""

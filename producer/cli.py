@@ -476,8 +476,14 @@ def cmd_verify(args, settings: Settings) -> int:
         with progress_factory() as progress:
             from producer.regenerate import verify_regenerated
 
-            report = verify_regenerated(run_store) or verify_run(  # a regenerate run: its own checks (producer/regenerate.py)
-                run_store, recompute=args.recompute, seed=args.seed, rtol=args.rtol, settings=settings, progress=progress)
+            report = verify_regenerated(run_store)  # a regenerate run: its own checks (producer/regenerate.py)
+            if report is not None and args.recompute:
+                console.print(f"note: --recompute does not apply to a regenerate run (regenerated conversations, no "
+                              f"hidden states to recompute): {mask_url(args.run_address)} is checked without it",
+                              highlight=False, soft_wrap=True)
+            if report is None:
+                report = verify_run(run_store, recompute=args.recompute, seed=args.seed, rtol=args.rtol,
+                                    settings=settings, progress=progress)
     except MissingKey:
         console.print(_no_run_message(args.run_address, run_store), highlight=False)
         return 2
@@ -539,6 +545,7 @@ def cmd_export(args, settings: Settings) -> int:
                 shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
 
     try:
+        _refuse_regenerate_run(args.run_address, run_store)
         with progress_factory() as progress:
             report = export_run(run_store, args.format, target, group_size=args.group_size, partial=args.partial,
                                 settings=settings, progress=progress)
@@ -578,6 +585,7 @@ def cmd_vocab_counts(args, settings: Settings) -> int:
 
     run_store = open_store(args.run_address, settings, create=False)  # read-only: makes nothing
     try:
+        _refuse_regenerate_run(args.run_address, run_store)
         with progress_factory() as progress:
             counts, info = supervised_token_counts(run_store, partial=args.partial, progress=progress)
     except MissingKey:
@@ -660,6 +668,15 @@ def cmd_reconcile(args, settings: Settings) -> int:
             or report.get("cleared_unacked") or report.get("parked")):
         out.print("nothing to do")
     return 0
+
+
+def _refuse_regenerate_run(address: str, run_store) -> None:
+    """BadConfig (exit 2) when the run at ``run_store`` is a regenerate run: it holds no hidden states.
+    Raises MissingKey when there is no run.json."""
+    from hsx.regen import refuse_regenerate_run
+    from hsx.runconfig import load_run
+
+    refuse_regenerate_run(load_run(run_store), mask_url(address))
 
 
 def _no_run_message(address: str, store) -> str:

@@ -110,6 +110,7 @@ from hsx.layers import eagle3_layer_ids
 from hsx.plan import read_batch, read_batch_list
 from hsx.reader import IterableHiddenStatesDataset, certified_markers, quarantined_ids
 from hsx.records import SampleRow
+from hsx.regen import refuse_regenerate_run
 from hsx.runconfig import RunConfig, load_run
 from hsx.shard import FINAL_POSTNORM, FINAL_PRENORM, Final
 from hsx.store import Store
@@ -159,6 +160,7 @@ def supervised_token_counts(run_store: Store, config: RunConfig | None = None, *
         BadConfig: ``partial`` is False and some planned batch has no certified marker.
     """
     config = config or load_run(run_store)
+    refuse_regenerate_run(config, run_store.url)
     markers = certified_markers(run_store, config)
     planned = [b.batch for b in read_batch_list(run_store)]
     missing = [b for b in planned if b not in markers]
@@ -442,6 +444,7 @@ def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP
     """
     t0 = time.perf_counter()
     config = load_run(run_store)
+    refuse_regenerate_run(config, run_store.url)
     warnings = check_exportable(config, fmt)
     if group_size < 1:
         raise BadConfig(f"--group-size {group_size}: must be at least 1")

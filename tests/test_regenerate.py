@@ -400,3 +400,47 @@ def test_seed_is_not_a_generation_option_and_its_help_says_it_seeds_the_sampling
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     assert "of a regenerate run's sampling (default 0 there)" in " ".join(capsys.readouterr().out.split())
+
+
+def _fake_regenerate_run(tmp_path) -> Path:
+    """A directory holding a regenerate run's run.json (nothing else is read before the refusal)."""
+    run = tmp_path / "d-regen-000000000000"
+    run.mkdir()
+    (run / "run.json").write_bytes(_regen_config(regenerate=RegenConfig().model_dump(mode="json"),
+                                                 run_id=run.name).to_json())
+    return run
+
+
+@pytest.mark.parametrize("command", [["export", "{out}", "--format", "speculators"], ["vocab-counts"]])
+def test_export_and_vocab_counts_refuse_a_regenerate_run(command, tmp_path, capsys):
+    from producer.cli import main
+
+    run = _fake_regenerate_run(tmp_path)
+    code = main([command[0], str(run), *[c.format(out=tmp_path / "exported") for c in command[1:]]])
+    captured = capsys.readouterr()
+    text = "".join((captured.out + captured.err).split())  # the console wraps long lines
+    assert code == 2, text
+    assert "".join((f"error: {run} is a regenerate run (regenerated conversations, no hidden states): extract it first "
+                    f"with `python -m producer run {run} --model ...`").split()) in text
+    assert not (tmp_path / "exported").exists() and not (run / "vocab_counts.safetensors").exists()
+
+
+def test_the_readers_refuse_a_regenerate_run(tmp_path):
+    from hsx.errors import BadConfig
+    from hsx.reader import HiddenStatesDataset, IterableHiddenStatesDataset
+
+    run = _fake_regenerate_run(tmp_path)
+    for reader in (HiddenStatesDataset, IterableHiddenStatesDataset):
+        with pytest.raises(BadConfig, match=r"is a regenerate run \(regenerated conversations, no hidden states\): "
+                                            r"extract it first with `python -m producer run .* --model \.\.\.`"):
+            reader(str(run))
+
+
+def test_verify_recompute_says_it_does_not_apply_to_a_regenerate_run(both_stages, capsys):
+    from producer.cli import main
+
+    address = both_stages["report"]["regenerate"]["address"]
+    code = main(["verify", address, "--recompute", "2", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0 and "--recompute does not apply to a regenerate run" in " ".join(captured.err.split())
+    assert json.loads(captured.out)["ok"] and "recompute" not in json.loads(captured.out)
