@@ -444,3 +444,12 @@ def test_verify_recompute_says_it_does_not_apply_to_a_regenerate_run(both_stages
     captured = capsys.readouterr()
     assert code == 0 and "--recompute does not apply to a regenerate run" in " ".join(captured.err.split())
     assert json.loads(captured.out)["ok"] and "recompute" not in json.loads(captured.out)
+
+
+def test_the_readme_says_which_turns_are_the_targets_and_that_max_length_may_cut_an_answer():
+    text = (ROOT / "README.md").read_text()
+    section = " ".join(text[text.index("## Regenerating the responses"):].split("\n## ", 1)[0].split())
+    assert "the earlier assistant turns keep the dataset's original answers, and the extraction supervises them" in section
+    assert "Choose `--turns all` when every supervised token should be the target's" in section
+    assert "the chained extraction applies its own `--max-length`" in section and "truncated" in section
+    assert "are not part of a regenerate run's identity" in section
