@@ -286,7 +286,7 @@ def stopping_line(workers: bool, embedded_broker: bool) -> str:
     if workers:
         steps.append("the workers finish the batches they are running (Ctrl-C again to kill them now)")
     if embedded_broker:
-        steps.append("the embedded broker stops (queued batches stay in its AOF)")
+        steps.append("the embedded broker stops (the same command again enqueues every batch without a marker)")
     return "stopping: " + ("; then ".join(steps) if steps else "nothing was started yet")
 
 
