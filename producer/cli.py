@@ -303,7 +303,22 @@ def cmd_regenerate(args, settings: Settings) -> int:
     from producer.regenerate import generation_options
 
     args.regenerate_config = generation_options(args)
+    if not args.enqueue and _refuse_groups_for_regenerate(args, settings):
+        return 2
     return cmd_enqueue(args, settings) if args.enqueue else cmd_run(args, settings)
+
+
+def _refuse_groups_for_regenerate(args, settings: Settings) -> bool:
+    """True (and says why) when the workers this command would start are groups of K > 1 GPUs: such a
+    worker parks regenerate batches for a one-GPU worker (workers/generate.py), and none would come."""
+    k = args.gpus_per_worker or settings.gpus_per_worker
+    if k <= 1:
+        return False
+    console.print(f"error: --gpus-per-worker {k} (HSX_GPUS_PER_WORKER): a regenerate run is answered by workers of one "
+                  "GPU each; a worker of a group parks its batches. Regenerate with --gpus-per-worker 1, then extract "
+                  f"with `python -m producer run <regenerate run address> --gpus-per-worker {k} ...`. Nothing was started",
+                  highlight=False, soft_wrap=True)
+    return True
 
 
 def cmd_run_regenerated(args, settings: Settings) -> int:
@@ -311,6 +326,8 @@ def cmd_run_regenerated(args, settings: Settings) -> int:
     from producer.regenerate import generation_options
     from producer.run import run_regenerated
 
+    if _refuse_groups_for_regenerate(args, settings):
+        return 2
     if args.output:
         settings = settings.model_copy(update={"store_url": args.output})
     regen = generation_options(args)
@@ -742,9 +759,12 @@ def main(argv: list[str] | None = None) -> int:
     add_generation_options(p)
     p.add_argument("--enqueue", action="store_true", help="plan and enqueue on HSX_BROKER_URL for the fleet's workers "
                                                           "(as `enqueue`), instead of running it on this machine")
-    p.add_argument("--force", action="store_true", help="with --enqueue: as enqueue --force")
+    p.add_argument("--force", action="store_true",
+                   help="with --enqueue: enqueue even if no live worker on the broker serves --output (its messages then park)")
     p.add_argument("--workers", type=_at_least_one, help="worker processes to start (default: one per GPU, one on CPU)")
-    p.add_argument("--gpus-per-worker", type=_at_least_one, metavar="K", help="as run --gpus-per-worker")
+    p.add_argument("--gpus-per-worker", type=_at_least_one, metavar="K",
+                   help="GPUs per worker started here (HSX_GPUS_PER_WORKER, default 1); a worker of K > 1 GPUs parks "
+                        "regenerate batches for a one-GPU worker")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("run", help="the whole job on this machine: plan, start broker and workers, extract, stop")
     _add_plan_options(p)
@@ -780,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_address", help="<output>/<run_id>, a local directory or s3://bucket/prefix/<run_id>")
     p.add_argument("out", help="a new (or empty) local directory")
     p.add_argument("--format", required=True, choices=["specforge-eagle3", "specforge-dflash", "specforge-dspark", "speculators",
-                                                       "eagle-ge-data", "modelopt"])
+                                                       "eagle-ge-data", "modelopt"],
+                   help="the trainer's layout to write (README, Trainer compatibility)")
     p.add_argument("--group-size", type=int, default=2000,
                    help="SpecForge and eagle-ge-data: samples per rows_<a>-<b> folder (default 2000)")
     p.add_argument("--partial", action="store_true", help="export the batches that are done even if the run is not complete")

@@ -453,3 +453,17 @@ def test_the_readme_says_which_turns_are_the_targets_and_that_max_length_may_cut
     assert "Choose `--turns all` when every supervised token should be the target's" in section
     assert "the chained extraction applies its own `--max-length`" in section and "truncated" in section
     assert "are not part of a regenerate run's identity" in section
+
+
+@pytest.mark.parametrize("command", [["regenerate"], ["run", "--regenerate"]])
+def test_a_regenerate_run_on_workers_of_several_gpus_is_refused_before_anything_starts(command, capsys, tmp_path):
+    """A worker of a tensor-parallel group parks regenerate batches for a one-GPU worker: a command
+    that would start only such workers is refused (exit 2) with the two-step fix, nothing started."""
+    from producer.cli import main
+
+    code = main([command[0], str(tmp_path / "none.jsonl"), *command[1:], "--model", "tiny-qwen3.5", "--output",
+                 str(tmp_path / "out"), "--gpus-per-worker", "2"])
+    text = " ".join((lambda c: c.out + c.err)(capsys.readouterr()).split())
+    assert code == 2 and "error: --gpus-per-worker 2 (HSX_GPUS_PER_WORKER)" in text, text
+    assert "Regenerate with --gpus-per-worker 1, then extract" in text and "Nothing was started" in text
+    assert not (tmp_path / "out").exists()
