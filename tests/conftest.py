@@ -187,6 +187,41 @@ def small_run(tmp_path_factory, shared_worker, tiny_cache) -> dict:
     return {"dir": run_dir, "address": str(run_dir), "report": report, "env": env, "cache": tiny_cache}
 
 
+# --- an embedded broker of the broker-layout tests (test_brokerlayout, test_fleet_keys, test_enqueue) ---
+
+def embedded_broker():
+    """A started embedded valkey (:class:`hsx.broker.EmbeddedBroker`) in a temp state dir; stopped and
+    removed after the ``yield``."""
+    import shutil
+    import tempfile
+
+    from hsx.broker import EmbeddedBroker
+
+    state = Path(tempfile.mkdtemp(prefix="hsx-"))
+    b = EmbeddedBroker(state).start()
+    try:
+        yield b
+    finally:
+        b.stop()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def broker():
+    """One embedded broker per test module."""
+    yield from embedded_broker()
+
+
+@pytest.fixture
+def client(broker):
+    """A redis client of :func:`broker`, its database emptied first."""
+    from hsx.broker import redis_client
+
+    c = redis_client(broker.url)
+    c.flushdb()
+    return c
+
+
 # --- the recovery and lease tests' clusters (tests/clusters.py) ---
 
 @pytest.fixture(scope="module")

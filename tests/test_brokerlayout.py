@@ -4,16 +4,12 @@ kombu upgrade that moves a queue list, a priority key or the claims fails here, 
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
-from hsx.broker import EmbeddedBroker, redis_client
 from hsx.brokerlayout import (Claim, Lengths, claims, declare_queue, decode_message, drop_claims, is_claimed, lengths,
                               messages_by_run, queue_keys, queued_of, remove_queued, restore_claim, waiting)
 from hsx.queue import EXTRACT_TASK, make_celery, send_batches
@@ -32,22 +28,6 @@ with Connection(sys.argv[1]) as conn:
         print(q.get(timeout=10).headers["id"], flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # dies holding the deliveries, unacknowledged
 """
-
-
-@pytest.fixture(scope="module")
-def broker():
-    state = Path(tempfile.mkdtemp(prefix="hsx-"))
-    b = EmbeddedBroker(state).start()
-    yield b
-    b.stop()
-    shutil.rmtree(state, ignore_errors=True)
-
-
-@pytest.fixture
-def client(broker):
-    c = redis_client(broker.url)
-    c.flushdb()
-    return c
 
 
 @pytest.fixture

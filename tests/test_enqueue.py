@@ -13,15 +13,14 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from conftest import embedded_broker
 from smallrun import copy_run
 
-from hsx.broker import EmbeddedBroker, redis_client
+from hsx.broker import redis_client
 from hsx.records import BatchSummary
 from hsx.runconfig import load_run
 from hsx.store import open_store
@@ -45,11 +44,8 @@ with Connection(sys.argv[1]) as conn:
 
 @pytest.fixture
 def broker():
-    state = Path(tempfile.mkdtemp(prefix="hsx-"))
-    b = EmbeddedBroker(state).start()
-    yield b
-    b.stop()
-    shutil.rmtree(state, ignore_errors=True)
+    """A broker of this test's own (not the module's, tests/conftest.py)."""
+    yield from embedded_broker()
 
 
 def _fresh_run(small_run, tmp_path):

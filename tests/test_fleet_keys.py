@@ -4,36 +4,16 @@ removed without touching another run's (``hsx/fleet.py``)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from hsx.broker import EmbeddedBroker, redis_client
 from hsx.brokerlayout import queued_of, remove_queued, waiting
 from hsx.fleet import (HeldTask, Parked, Presence, broker_time, elect, known_runs, live_presences, park, read_parked,
                        register_runs, take_parked, write_presence)
 from hsx.queue import send_batches
 from settings import Settings
-
-
-@pytest.fixture(scope="module")
-def broker():
-    state = Path(tempfile.mkdtemp(prefix="hsx-"))
-    b = EmbeddedBroker(state).start()
-    yield b
-    b.stop()
-    shutil.rmtree(state, ignore_errors=True)
-
-
-@pytest.fixture
-def client(broker):
-    c = redis_client(broker.url)
-    c.flushdb()
-    return c
 
 
 def test_a_presence_is_stamped_and_judged_by_the_broker_s_clock_not_the_writer_s(client):
