@@ -343,3 +343,20 @@ def test_merge_captured_concatenates_ranges_and_shifts_nonfinite_positions_to_th
     merged = merge_captured([a, b], [0, 2])
     assert merged.states["hidden_states"].shape == (8, 2, 4) and merged.states["hidden_states"][3:].eq(1).all()
     assert merged.nonfinite == {1: ["5"], 2: ["1", "5"]}
+
+
+def test_the_packed_sequence_check_is_answered_without_a_sync_only_inside_our_forward():
+    """launch_capture answers transformers' packed-sequence check itself (our rows are never
+    packed, and the check's .all() would make the host wait for the previous batch's forward);
+    outside our forward, transformers' own function still finds packed sequences."""
+    import transformers.masking_utils as masking_utils
+
+    from workers import capture
+
+    capture._skip_packed_sequence_check()
+    capture._skip_packed_sequence_check()  # installed once: a second call does not wrap it again
+    check = masking_utils.find_packed_sequence_indices
+    assert check.hsx_unpacked_rows and not getattr(check.original, "hsx_unpacked_rows", False)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    assert check(packed).tolist() == [[0, 0, 0, 1, 1, 2]]
+    assert check(torch.arange(6)[None]) is None

@@ -50,6 +50,40 @@ class _StopForward(Exception):
     """Raised by the deepest hook when nothing later is needed: layers after it are not run."""
 
 
+_rows_unpacked = threading.local()
+
+
+def _skip_packed_sequence_check() -> None:
+    """Stop transformers' packed-sequence check from syncing the host in our forwards.
+
+    With ``attention_mask=None`` and no cache, transformers' ``create_causal_mask`` calls
+    ``masking_utils.find_packed_sequence_indices(position_ids)``, whose ``.all()`` on a device tensor
+    makes the host wait for every kernel queued before it (transformers 5.24, ``masking_utils.py``
+    l. 761): a batch's launch stalls at its first layer until the previous batch's forward has run,
+    and the GPU idles while the rest is launched (measured with torch's sync debug mode:
+    ``bench/forward_profile.py``). Our rows are never packed (each is one sample from position 0, the
+    positions the model builds itself), so the check's answer is known: None, "no packed sequences".
+    It is answered without a sync only inside :func:`launch_capture`'s forward on its own thread;
+    every other caller (the reference forward, generation) gets transformers' own function.
+    """
+    try:
+        import transformers.masking_utils as masking_utils
+    except ImportError:  # a transformers without it has no such check
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None or getattr(original, "hsx_unpacked_rows", False):
+        return
+
+    def find_packed_sequence_indices(position_ids):
+        if getattr(_rows_unpacked, "active", False):
+            return None
+        return original(position_ids)
+
+    find_packed_sequence_indices.hsx_unpacked_rows = True
+    find_packed_sequence_indices.original = original
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+
+
 def _check_model(decoder: Decoder, model: torch.nn.Module, selection: LayerSelection) -> None:
     if len(decoder.layers) != selection.num_layers:
         raise FidelityError(
@@ -246,11 +280,14 @@ def launch_capture(
     handles = [decoder.layers[i].register_forward_hook(layer_hook(i)) for i in hooked_ids]
     if final.has_postnorm:
         handles.append(decoder.norm.register_forward_hook(norm_hook))
+    _skip_packed_sequence_check()
+    _rows_unpacked.active = True
     try:
         decoder.module(input_ids=input_ids_BS, attention_mask=None, use_cache=False)
     except _StopForward:
         pass
     finally:
+        _rows_unpacked.active = False
         for handle in handles:
             handle.remove()
     if not keep_states:  # wait() still waits for the forward, which reads the pinned inputs
