@@ -27,8 +27,10 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from hsx.queue import EXTRACT_TASK
-
+#: the extraction task's name, which its messages carry (``headers["task"]``). Defined here, not in
+#: :mod:`hsx.queue` (the Celery wiring, which takes it from here): that module needs
+#: :func:`restore_options`, and this one needs no Celery.
+EXTRACT_TASK = "hsx.extract_batch"
 #: the hash of delivered, unacknowledged messages and its index scored by delivery time.
 UNACKED_KEY = "unacked"
 UNACKED_INDEX_KEY = "unacked_index"
@@ -36,6 +38,15 @@ UNACKED_INDEX_KEY = "unacked_index"
 #: (``PRIORITY_STEPS``; step 0 is the queue's own list).
 PRIORITY_SEP = "\x06\x16"
 PRIORITY_STEPS = (0, 3, 6, 9)
+
+
+def restore_options(visibility_timeout_s: int) -> dict:
+    """kombu's transport options for its sweep of the claims: how often a worker looks for claims
+    whose visibility timeout passed. kombu's default (every ~100 s) is right for hours-long
+    timeouts; a short timeout (tests) is swept every tenth of it, at least every second."""
+    if visibility_timeout_s >= 1000:
+        return {}
+    return {"unacked_restore_interval": max(1, visibility_timeout_s // 10), "unacked_restore_throttle": 1}
 
 
 def queue_keys(queue: str) -> list[str]:
@@ -270,5 +281,6 @@ def restore_claim(broker_url: str, queue: str, tag: str) -> bool:
 
 
 __all__ = ["Claim", "Lengths", "lengths", "waiting", "queued_of", "remove_queued", "messages_by_run", "claims",
-           "is_claimed", "drop_claims", "declare_queue", "restore_claim", "decode_message", "queue_keys",
+           "is_claimed", "drop_claims", "declare_queue", "restore_claim", "decode_message", "queue_keys", "restore_options",
+           "EXTRACT_TASK",
            "UNACKED_KEY", "UNACKED_INDEX_KEY", "PRIORITY_SEP", "PRIORITY_STEPS"]

@@ -11,18 +11,8 @@ from __future__ import annotations
 
 from celery import Celery
 
+from hsx.brokerlayout import EXTRACT_TASK, restore_options
 from settings import Settings
-
-EXTRACT_TASK = "hsx.extract_batch"
-
-
-def restore_options(visibility_timeout_s: int) -> dict:
-    """kombu's sweep of unacknowledged messages: how often a worker looks for messages whose
-    visibility timeout passed. kombu's default (every ~100 s) is right for hours-long timeouts;
-    a short timeout (tests) is swept every tenth of it, at least every second."""
-    if visibility_timeout_s >= 1000:
-        return {}
-    return {"unacked_restore_interval": max(1, visibility_timeout_s // 10), "unacked_restore_throttle": 1}
 
 
 def celery_config(settings: Settings, broker_url: str) -> dict:

@@ -670,9 +670,9 @@ def cmd_reconcile(args, settings: Settings) -> int:
         sent = args.dry_run or item["batch"] in report["enqueued"]
         held = "cancelled" if cancelled else "no broker" if not report["broker"] else "redone too often"
         out.print(f"{verb if sent else f'not enqueued ({held})'} {item['batch']}: {item['why']}", highlight=False)
-    if report.get("cleared_unacked"):
-        out.print(f"{'would clear' if args.dry_run else 'cleared'} {plural(len(report['cleared_unacked']), 'stale unacknowledged message')} "
-                  f"of finished batches: {', '.join(sorted(set(report['cleared_unacked']))[:20])}", highlight=False)
+    if report.get("cleared_claims"):
+        out.print(f"{'would clear' if args.dry_run else 'cleared'} {plural(len(report['cleared_claims']), 'stale unacknowledged message')} "
+                  f"of finished batches: {', '.join(sorted(set(report['cleared_claims']))[:20])}", highlight=False)
     if idle_embedded and (report["enqueued"] or report.get("unparked")) and not args.dry_run:
         out.print("no worker takes these now: no HSX_BROKER_URL is set and no `producer run` is running on this "
                   "machine's embedded broker. Run this run's `producer run` command again (it enqueues every batch "
@@ -682,7 +682,7 @@ def cmd_reconcile(args, settings: Settings) -> int:
     for key in report["removed_incomplete"]:
         out.print(f"removed unfinished upload {key}", highlight=False)
     if not (report["lost"] or report["removed_shards"] or report["removed_incomplete"] or report["repaired"]
-            or report.get("cleared_unacked") or report.get("parked")):
+            or report.get("cleared_claims") or report.get("parked")):
         out.print("nothing to do")
     return 0
 

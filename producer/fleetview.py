@@ -173,7 +173,7 @@ def broker_view(settings, broker_url: str, run_url: str) -> BrokerView:
 
 def fleet_status(client, settings, broker_url: str) -> dict:
     """The fleet on the broker: ``broker`` (``url`` masked, ``queue_name``, ``queue``: ``waiting``,
-    ``unacked``: claimed), ``workers`` (:func:`presence_row`: the live ones, and those gone within
+    ``claimed``: delivered, not acknowledged), ``workers`` (:func:`presence_row`: the live ones, and those gone within
     :data:`FLEET_FORGET_S`), ``runs`` (``[{"address", "queued", "held", "parked"}]``: messages
     waiting, held by live workers, parked), ``parked`` (``[{"run_url", "batches", "groups"}]``:
     :func:`parked_groups` per run) and ``at``.
@@ -202,7 +202,7 @@ def fleet_status(client, settings, broker_url: str) -> dict:
     runs = [{"address": a, "queued": sum(queued.get(a, {}).values()), "held": held.get(a, 0),
              "parked": len(by_run.get(a, []))} for a in addresses]
     return {
-        "broker": {"url": mask_url(broker_url), "queue_name": queue, "queue": {"waiting": counts.waiting, "unacked": counts.claimed}},
+        "broker": {"url": mask_url(broker_url), "queue_name": queue, "queue": {"waiting": counts.waiting, "claimed": counts.claimed}},
         "workers": workers,
         "runs": [r for r in runs if r["queued"] or r["held"] or r["parked"]] + [r for r in runs if not (
             r["queued"] or r["held"] or r["parked"])],

@@ -161,7 +161,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
     batches sent again; none without a broker, with ``dry_run`` or for a cancelled run),
     ``parked`` (``[{batch, reason, cause, refused_by}]``: the run's parked messages found),
     ``unparked`` (those put back on the queue; a parked batch that has its marker is only
-    removed), ``cancelled`` (the run's ``cancelled.json`` as JSON, or None), ``cleared_unacked``
+    removed), ``cancelled`` (the run's ``cancelled.json`` as JSON, or None), ``cleared_claims``
     (batches with a marker whose stale unacknowledged deliveries were removed from the broker, one
     entry per message; :func:`clear_finished_claims`), ``removed_shards``, ``removed_incomplete``,
     ``workers`` (live workers on the broker), ``workers_asked`` (whether presences were read),
@@ -275,7 +275,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
                    for p in view.parked.values()],
         "unparked": unparked,
         "cancelled": cancelled.model_dump(exclude={"schema_version"}) if cancelled is not None else None,
-        "cleared_unacked": cleared,
+        "cleared_claims": cleared,
         "removed_shards": removed_shards,
         "removed_incomplete": removed_incomplete,
         "workers": view.workers,

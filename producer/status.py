@@ -122,7 +122,7 @@ def workers_log_path(settings, run_id: str) -> Path:
 
 
 def queue_length(broker_url: str, queue: str, client=None) -> dict:
-    """``{"waiting": n, "unacked": m}``: messages in ``queue`` on the broker, and messages claimed by a
+    """``{"waiting": n, "claimed": m}``: messages in ``queue`` on the broker, and messages claimed by a
     worker and not yet acknowledged (on every queue of the broker: :class:`hsx.brokerlayout.Lengths`).
 
     Raises whatever redis raises when the broker does not answer.
@@ -131,7 +131,7 @@ def queue_length(broker_url: str, queue: str, client=None) -> dict:
     from hsx.brokerlayout import lengths
 
     counts = lengths(client if client is not None else redis_client(broker_url), queue)
-    return {"waiting": counts.waiting, "unacked": counts.claimed}
+    return {"waiting": counts.waiting, "claimed": counts.claimed}
 
 
 class BrokerProbe:

@@ -139,7 +139,7 @@ def progress_table(status: dict) -> Table:
             t.add_row("broker", Text(f"{broker['url']}: {broker['error']}", style="red"))
         else:
             q = broker.get("queue") or {}
-            t.add_row("queue", f"{q.get('waiting', 0):,} waiting, {q.get('unacked', 0):,} claimed on '{broker['queue_name']}' "
+            t.add_row("queue", f"{q.get('waiting', 0):,} waiting, {q.get('claimed', 0):,} claimed on '{broker['queue_name']}' "
                                f"(all runs on {broker['url']})")
     t.add_row("failures", Text(str(status["batches_failed"]), style="red" if status["batches_failed"] else ""))
     return t
@@ -230,7 +230,7 @@ def fleet_view(fleet: dict) -> RenderableType:
     live = [w for w in fleet["workers"] if w["live"]]
     head.add_row("workers", f"{len(live):,} live" + (f", {len(fleet['workers']) - len(live):,} gone in the last hour"
                                                    if len(fleet["workers"]) > len(live) else ""))
-    head.add_row("queue", f"{q.get('waiting', 0):,} waiting, {q.get('unacked', 0):,} claimed")
+    head.add_row("queue", f"{q.get('waiting', 0):,} waiting, {q.get('claimed', 0):,} claimed")
     parked_n = sum(p["batches"] for p in fleet["parked"])
     head.add_row("parked", Text(f"{plural(parked_n, 'batch')} of {plural(len(fleet['parked']), 'run')}",
                                 style="yellow" if parked_n else ""))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hsx.brokerlayout import (Claim, Lengths, claims, declare_queue, decode_message, drop_claims, is_claimed, lengths,
+from hsx.brokerlayout import (UNACKED_INDEX_KEY, Claim, Lengths, claims, declare_queue, decode_message, drop_claims, is_claimed, lengths,
                               messages_by_run, queue_keys, queued_of, remove_queued, restore_claim, waiting)
 from hsx.queue import EXTRACT_TASK, make_celery, send_batches
 from settings import Settings
@@ -121,7 +121,7 @@ def test_dropped_claims_are_forgotten_as_an_ack_would_and_not_queued_again(clien
     assert [c.tag for c in claims(client)] == tags[1:]
     drop_claims(client, [*tags, "no-such-tag"])  # a missing tag is nothing to do
     assert claims(client) == [] and lengths(client, QUEUE) == Lengths(waiting=1, claimed=0)
-    assert client.zcard("unacked_index") == 0, "the delivery-time index is emptied with the hash"
+    assert client.zcard(UNACKED_INDEX_KEY) == 0, "the delivery-time index is emptied with the hash"
 
 
 def test_a_restored_claim_is_the_next_message_taken_once_with_the_same_task_id(client, settings, broker):

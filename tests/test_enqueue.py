@@ -1,6 +1,6 @@
 """Idempotent enqueue on the embedded valkey broker: a batch queued already is not sent again, a
 batch whose delivery a dead consumer left unacknowledged is (it is lost), and once that batch has
-its marker, reconcile clears the stale delivery from kombu's ``unacked`` hash and index.
+its marker, reconcile clears the stale delivery from kombu's claims (``UNACKED_KEY`` and its index).
 
 The run is a copy of the shared small run (tests/smallrun.py) with its markers and shards removed:
 a planned run with nothing done. The dead consumer is a real kombu consumer in a child process that
@@ -60,7 +60,7 @@ def _fresh_run(small_run, tmp_path):
 
 def test_a_second_enqueue_sends_only_what_is_lost_and_reconcile_clears_stale_deliveries(small_run, tmp_path, broker):
     """enqueue twice: one message per batch. A consumer killed holding one: the next enqueue sends that batch alone.
-    With its marker written, reconcile removes the dead delivery from `unacked` and `unacked_index`."""
+    With its marker written, reconcile removes the dead delivery from ``UNACKED_KEY`` and ``UNACKED_INDEX_KEY``."""
     run_dir, store, planned = _fresh_run(small_run, tmp_path)
     settings = Settings(_env_file=None, broker_url=broker.url)
     names = sorted(b.batch for b in planned.batches)
@@ -90,9 +90,9 @@ def test_a_second_enqueue_sends_only_what_is_lost_and_reconcile_clears_stale_del
     shutil.copy(small_run["dir"] / "markers" / f"{held}.json", run_dir / "markers" / f"{held}.json")
 
     dry = reconcile_run(store, settings, broker.url, grace_s=None, dry_run=True)
-    assert dry["cleared_unacked"] == [held] and client.hlen(UNACKED_KEY) == 1, "a dry run changes nothing"
+    assert dry["cleared_claims"] == [held] and client.hlen(UNACKED_KEY) == 1, "a dry run changes nothing"
     report = reconcile_run(store, settings, broker.url, grace_s=None)
-    assert report["cleared_unacked"] == [held]
+    assert report["cleared_claims"] == [held]
     assert client.hlen(UNACKED_KEY) == 0 and client.zcard(UNACKED_INDEX_KEY) == 0
     assert report["enqueued"] == [], "every other batch is still queued"
 

@@ -23,7 +23,7 @@ from clusters import assert_complete, copy_plan, wait_done, wait_log
 from jobfixtures import wait_until
 
 from hsx.broker import redis_client
-from hsx.brokerlayout import waiting
+from hsx.brokerlayout import UNACKED_KEY, waiting
 from hsx.fleet import live_presences, read_parked
 from hsx.queue import send_batches
 from hsx.records import done_batches
@@ -46,7 +46,7 @@ def _worker_name(cluster, worker) -> str:
 
 def _queue_drained(cluster) -> bool:
     client = redis_client(cluster.broker.url)
-    return waiting(client, "gpu") == 0 and client.hlen("unacked") == 0
+    return waiting(client, "gpu") == 0 and client.hlen(UNACKED_KEY) == 0
 
 
 @pytest.mark.timeout(150)

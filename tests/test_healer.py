@@ -18,7 +18,7 @@ from clusters import HOLD_S, assert_complete, copy_plan, wait_done, wait_log
 from jobfixtures import wait_until
 
 from hsx.broker import EmbeddedBroker, redis_client
-from hsx.brokerlayout import queued_of
+from hsx.brokerlayout import UNACKED_KEY, queued_of
 from hsx.fleet import (Parked, batch_field, broker_time, healer_key, known_runs, park, register_runs,
                        unaccounted_key)
 from hsx.queue import send_batches
@@ -152,7 +152,7 @@ def test_a_wiped_broker_heals_with_no_command_every_batch_marked_once(template, 
     client.flushall()
     wiped_at = time.monotonic()
     assert waiting > 0, "the wipe came after every message was taken: nothing to lose"
-    assert client.hlen("unacked") == 0 and client.llen(QUEUE) == 0 and not client.smembers(f"hsx:{QUEUE}:runs")
+    assert client.hlen(UNACKED_KEY) == 0 and client.llen(QUEUE) == 0 and not client.smembers(f"hsx:{QUEUE}:runs")
     wait_done(run_store, 80)
     took = time.monotonic() - wiped_at
     assert_complete(run_store)

@@ -23,6 +23,7 @@ from jobfixtures import WorkerProcess, wait_until
 from clusters import HOLD_S, Cluster, assert_complete, copy_plan, held_batch, wait_done, wait_log
 
 from hsx.broker import redis_client
+from hsx.brokerlayout import UNACKED_INDEX_KEY, UNACKED_KEY
 from hsx.errors import FidelityError, SpoolFull, StoreError
 from hsx.records import done_batches
 from hsx.store import MissingKey
@@ -61,7 +62,7 @@ def test_a_sigkilled_worker_s_batch_is_reclaimed_by_a_live_worker_with_no_comman
     assert reclaims[0]["attempt"] == 1 and reclaims[0]["by"].endswith(str(cluster.workers[1].proc.pid))
     assert took >= LEASE["lease_s"] - 2, f"reclaimed after {took:.1f} s, before the lease expired"
     assert_complete(run_store)
-    wait_until(lambda: redis_client(cluster.broker.url).hlen("unacked") == 0, 10, "the stale claim to be removed")
+    wait_until(lambda: redis_client(cluster.broker.url).hlen(UNACKED_KEY) == 0, 10, "the stale claim to be removed")
     rows = {r["pid"]: r for r in RunWatch(run_store).poll()["workers"]}
     assert rows[doomed.proc.pid]["state"] == "lost" and rows[doomed.proc.pid]["online"] is False
 
@@ -127,7 +128,7 @@ def test_a_worker_with_a_wrong_s3_secret_parks_the_run_s_messages_and_a_healthy_
         assert "credentials refused" in line, line
         client = redis_client(c.broker.url)
         wait_until(lambda: client.hlen("hsx:gpu:parked") == len(template.batches) and client.llen("gpu") == 0
-                   and client.hlen("unacked") == 0, 30, "every message parked")
+                   and client.hlen(UNACKED_KEY) == 0, 30, "every message parked")
         assert bad.proc.poll() is None, "a worker that cannot read one run stays up for the others"
         assert not done_batches(run_store)
         name = f"{socket.gethostname()}-{bad.proc.pid}"
@@ -262,7 +263,7 @@ def test_a_reclaimed_batch_runs_next_not_behind_the_queue(tmp_path):
         app.close()
         assert _die_holding(broker.url, 1) == ["t0"], "the first one sent is the first one taken"
         client = redis_client(broker.url)
-        assert client.hlen("unacked") == 1 and client.llen("gpu") == 5
+        assert client.hlen(UNACKED_KEY) == 1 and client.llen("gpu") == 5
 
         clock = FakeClock()
         reclaimer = Reclaimer(settings, broker.url, me="rescuer", clock=clock)
@@ -272,7 +273,7 @@ def test_a_reclaimed_batch_runs_next_not_behind_the_queue(tmp_path):
         clock.t += 2
         [done] = reclaimer.once().reclaimed
         assert done["batch"] == "b000" and done["enqueued"] and done["why"].startswith("lease expired (no worker listed")
-        assert client.hlen("unacked") == 0 and client.zcard("unacked_index") == 0
+        assert client.hlen(UNACKED_KEY) == 0 and client.zcard(UNACKED_INDEX_KEY) == 0
         assert client.llen("gpu") == 6, "the message is back once, not twice"
         clock.t += 100
         assert reclaimer.once().reclaimed == []
@@ -328,7 +329,7 @@ def test_a_stopped_holder_s_claim_comes_back_at_once_a_stale_one_s_on_a_second_l
             write_presence(client, "gpu", presence("alive", "t0", state="working"))  # its heartbeat
             clock.t += 100
             assert reclaimer.once().reclaimed == [], "the live holder's claim was reclaimed"
-        assert client.hlen("unacked") == 1
+        assert client.hlen(UNACKED_KEY) == 1
 
 
 def _launcher(cluster, tmp_path, faults: str, lease: dict):

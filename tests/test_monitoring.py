@@ -173,7 +173,7 @@ def test_status_json_of_a_finished_job_counts_everything_done(flower_job):
     assert status["skipped"] == report["plan"]["skipped"]["counts"]
     assert status["failures"] == {} and status["batches_failed"] == 0
     assert status["overall_tokens_per_s"] > 0
-    assert status["broker"]["queue"] == {"waiting": 0, "unacked": 0}
+    assert status["broker"]["queue"] == {"waiting": 0, "claimed": 0}
     assert sum(w["batches_done"] for w in status["workers"]) == len(batches)
     assert sum(w["tokens_done"] for w in status["workers"]) == status["tokens_total"]
 

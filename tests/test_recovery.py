@@ -17,6 +17,7 @@ import pytest
 from clusters import HOLD_S, assert_complete, copy_plan, held_batch, shards_of, wait_done, wait_log
 from jobfixtures import clean_env, run_cli, wait_until
 
+from hsx.brokerlayout import UNACKED_KEY
 from hsx.records import Marker, done_batches
 from hsx.store import open_store
 
@@ -84,7 +85,7 @@ def test_the_broker_killed_and_restarted_mid_run_keeps_the_queue(template, clust
     from hsx.broker import redis_client
 
     client = redis_client(cluster.broker.url)
-    kept = client.llen("gpu") + client.hlen("unacked") + len(done_batches(run_store))
+    kept = client.llen("gpu") + client.hlen(UNACKED_KEY) + len(done_batches(run_store))
     assert kept >= len(template.batches), "the AOF kept every message not yet acknowledged"
     # Whatever the kill lost in flight (at most the batch being acknowledged) is found by reconcile.
     deadline = time.monotonic() + 90

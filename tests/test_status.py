@@ -156,7 +156,7 @@ def test_status_view_shows_gpu_readings_and_eta_of_a_running_run():
         "samples_stored": 1000, "samples_quarantined": 0, "tokens_total": 8_000_000, "tokens_done": 2_000_000,
         "skipped": {"too_long": 3}, "samples_skipped": 3, "tokens_per_s": 9000.0, "samples_per_s": 4.5,
         "overall_tokens_per_s": 8800.0, "rate_window_s": 600.0, "eta_s": 667.0,
-        "broker": {"url": "redis://:***@head:6379/0", "queue_name": "gpu", "queue": {"waiting": 148, "unacked": 2}},
+        "broker": {"url": "redis://:***@head:6379/0", "queue_name": "gpu", "queue": {"waiting": 148, "claimed": 2}},
         "failures": {},
         "workers": [{"name": "gpu0@node1", "host": "node1", "pid": 7, "device": "cuda:0", "state": "working",
                      "gpu": {"name": "NVIDIA H200", "utilization_pct": 97, "memory_used_bytes": 100 * 2**30,
