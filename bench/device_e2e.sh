@@ -29,7 +29,7 @@ for spec in "$@"; do
   [ -n "$layers" ] && extra=(--num-layers "$layers")
   timeout $((deadline + 30)) python3 bench/e2e_throughput.py --shape "$shape" "${extra[@]}" --dataset "$DATASET" \
     --limit "$limit" --stores "${stores:-disk:/root/hsx-store}" --checkpoint-dir "/dev/shm/hsx-ckpt-$name" --workdir "/tmp/hsx-e2e-$name" \
-    --timeout-s "$deadline" --deadline-s "$deadline" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    --timeout-s "$deadline" --deadline-s "$deadline" ${E2E_ARGS:-} --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "== $name rc=$?"; tail -4 "$OUT/$name.log"
   for d in /tmp/hsx-e2e-$name/cache-*; do cat "$d"/logs/workers-*.log > "$OUT/$name-${d##*cache-}-workers.log" 2>/dev/null; done
   rm -rf "/dev/shm/hsx-ckpt-$name" /root/hsx-store /root/hsx-weed

@@ -98,8 +98,9 @@ def measure(device, launch, wait, tokens: int, seconds: float, warm: int = 2) ->
     sync(device)
     wall = time.perf_counter() - t0
     gpu = [s.elapsed_time(e) / 1000 for s, e in events if s is not None]
-    return {"forwards": steps, "tok_s": round(steps * tokens / wall), "launch_s_median": round(statistics.median(launches), 4),
-            "gpu_s_median": round(statistics.median(gpu), 4) if gpu else None}
+    return {"forwards": steps, "tok_s": round(steps * tokens / wall), "wall_s_per_forward": round(wall / steps, 4),
+            "launch_s_median": round(statistics.median(launches), 4),
+            "gpu_s_median": round(statistics.median(gpu), 4) if gpu else None, "gpu_s_mean": round(statistics.mean(gpu), 4) if gpu else None}
 
 
 def host_syncs(device, launch_and_wait) -> dict | None:
@@ -178,8 +179,13 @@ def profile_shape(args, device) -> dict:
         result["plain"]["host_syncs"] = host_syncs(device, (plain_launch, lambda _: None))
     stop.remove()
 
+    # Two reused host buffers, as two task threads hold (workers/extract.py): a fresh pinned
+    # allocation per batch is not what a worker does.
+    buffers, turn = [capture.HostBuffer(), capture.HostBuffer()], [0]
+
     def ours_launch():
-        return capture.launch_capture(model, rows, selection, store_dtype=torch.bfloat16)
+        turn[0] ^= 1
+        return capture.launch_capture(model, rows, selection, store_dtype=torch.bfloat16, host_buffer=buffers[turn[0]])
 
     def ours_wait(pending):
         pending.wait()
