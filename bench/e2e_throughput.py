@@ -471,12 +471,14 @@ def run_timeout(args, bench_t0: float) -> float:
 
 
 def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, limit: int | None, view,
-                 device: torch.device, timeout_s: float, workdir: Path, keep: int = 2) -> dict:
-    """``python -m producer run`` as a user runs it; markers polled as they appear."""
-    cmd = [sys.executable, "-m", "producer", "run", str(dataset), "--model", str(checkpoint), "--output", store_url,
-           "--preset", "dflash", "--json"]
-    if limit:
-        cmd += ["--limit", str(limit)]
+                 device: torch.device, timeout_s: float, workdir: Path, keep: int = 2, cmd: list[str] | None = None) -> dict:
+    """``python -m producer run`` as a user runs it; markers polled as they appear. ``cmd``: another
+    ``producer`` command line (bench/generate.py's ``regenerate``) instead, with ``--json`` in it."""
+    if cmd is None:
+        cmd = [sys.executable, "-m", "producer", "run", str(dataset), "--model", str(checkpoint), "--output", store_url,
+               "--preset", "dflash", "--json"]
+        if limit:
+            cmd += ["--limit", str(limit)]
     out_path, err_path = workdir / "run.stdout", workdir / "run.stderr"
     t_start = time.time()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(out_path, "wb"), stderr=open(err_path, "wb"))

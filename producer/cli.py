@@ -215,7 +215,8 @@ def cmd_enqueue(args, settings: Settings) -> int:
 
     from producer.regenerate import given_generation_options
 
-    given = given_generation_options(args)
+    # `regenerate --enqueue` (cmd_regenerate) comes here with its options read: those are not refused
+    given = [] if getattr(args, "regenerate_config", None) is not None else given_generation_options(args)
     if given:
         console.print(f"error: {', '.join(given)} {'is a generation option' if len(given) == 1 else 'are generation options'} "
                       "of a regenerate run; enqueue extracts and would not use "
@@ -259,7 +260,8 @@ def cmd_run(args, settings: Settings) -> int:
 
     if getattr(args, "regenerate", False):  # both stages: regenerate, then extract (cmd_run_regenerated)
         return cmd_run_regenerated(args, settings)
-    given = given_generation_options(args)
+    # `regenerate` (cmd_regenerate) comes here with its options read: those are not refused
+    given = [] if getattr(args, "regenerate_config", None) is not None else given_generation_options(args)
     if given:  # without --regenerate nothing is generated: refused, not ignored
         console.print(f"error: {', '.join(given)} {'is a generation option: it applies' if len(given) == 1 else 'are generation options: they apply'} "
                       "only with --regenerate (add --regenerate to answer the dataset's assistant turns with the target "
