@@ -471,7 +471,8 @@ def run_timeout(args, bench_t0: float) -> float:
 
 
 def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, limit: int | None, view,
-                 device: torch.device, timeout_s: float, workdir: Path, keep: int = 2, cmd: list[str] | None = None) -> dict:
+                 device: torch.device, timeout_s: float, workdir: Path, keep: int = 2, cmd: list[str] | None = None,
+                 run_args: tuple[str, ...] = ()) -> dict:
     """``python -m producer run`` as a user runs it; markers polled as they appear. ``cmd``: another
     ``producer`` command line (bench/generate.py's ``regenerate``) instead, with ``--json`` in it."""
     if cmd is None:
@@ -479,6 +480,7 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
                "--preset", "dflash", "--json"]
         if limit:
             cmd += ["--limit", str(limit)]
+        cmd += list(run_args)
     out_path, err_path = workdir / "run.stdout", workdir / "run.stderr"
     t_start = time.time()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(out_path, "wb"), stderr=open(err_path, "wb"))
@@ -613,6 +615,8 @@ def main() -> None:
     ap.add_argument("--bandwidth-gb", type=float, default=8.0)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, 40 records; checks the output's fields")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "fp8"],
+                    help="producer run --store-dtype (fp8: half the store bytes, for shapes a disk cannot keep up with)")
     ap.add_argument("--make-dataset", type=Path)
     ap.add_argument("--skip", type=int, default=10000)
     ap.add_argument("--count", type=int, default=7000)
@@ -660,7 +664,9 @@ def main() -> None:
         dataset = unpack_dataset(args.dataset, workdir / "dataset.jsonl")
     else:
         dataset = "sharegpt"
-    bytes_per_token = len(selection.layer_ids) * hidden * 2 + 4 + 1  # bf16 states + input id + mask
+    # states (bf16: 2 bytes; fp8: 1 byte and a float32 scale per token and layer) + input id + mask
+    state_bytes = hidden * 2 if args.store_dtype == "bfloat16" else hidden + 4
+    bytes_per_token = len(selection.layer_ids) * state_bytes + 4 + 1
     rows_out = []
     for spec in args.stores.split(","):
         kind, _, where = spec.partition(":")
@@ -695,7 +701,8 @@ def main() -> None:
         print(f"store {store_desc}: plain write {bandwidth:.3f} GB/s (= {bandwidth * 1e9 / bytes_per_token:,.0f} tok/s)", flush=True)
         try:
             run = run_producer(dataset, ckpt, store_url, env, limit=args.limit, view=view, device=device,
-                               timeout_s=run_timeout(args, bench_t0), workdir=workdir)
+                               timeout_s=run_timeout(args, bench_t0), workdir=workdir,
+                               run_args=("--store-dtype", args.store_dtype))
             planned_batches = view.planned_batches()  # while the store (an S3 server) still runs
         finally:
             if server is not None:
@@ -734,6 +741,7 @@ def main() -> None:
             "ceiling_all_layers_tok_s": round(ceiling_all),
             "ceiling_rows": f"{rows} x {row_len}",
             "store_write_gb_s": round(bandwidth, 3),
+            "store_dtype": args.store_dtype,
             "store_limit_tok_s": round(store_tok_s),
             "ceiling_tok_s": round(ceiling),
             "limit": "store" if store_tok_s < ceiling_same else "forward",

@@ -208,7 +208,7 @@ def build(config_path: Path, dest: Path, *, layers: int | None, vocab: int | Non
     ``config_path`` (``text_config`` of a multimodal one), cut to ``layers`` decoder layers and a
     ``vocab``-token vocabulary when given; safetensors in 5 GB shards, as releases are.
 
-    ``fp8``: then quantised as the Qwen ``-FP8`` releases are (``tests/tinymodels.py``
+    ``fp8``: then quantised as the Qwen ``-FP8`` releases are (``bench/fp8_checkpoint.py``
     ``quantize_checkpoint_fp8``: float8_e4m3fn linear weights with bf16 128x128 ``weight_scale_inv``,
     ``quantization_config`` in config.json), one shard at a time, into ``dest``; the bf16 build is
     written to ``<dest>.bf16-build`` first and removed after. Both exist at once on the disk
@@ -242,7 +242,7 @@ def build(config_path: Path, dest: Path, *, layers: int | None, vocab: int | Non
     if fp8:
         import shutil
 
-        from tests.tinymodels import quantize_checkpoint_fp8
+        from bench.fp8_checkpoint import quantize_checkpoint_fp8
 
         del model
         done = quantize_checkpoint_fp8(out, dest)

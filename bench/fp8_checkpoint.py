@@ -1,0 +1,129 @@
+"""Checkpoints in the layout of the Qwen fine-grained FP8 releases, from a bf16 checkpoint.
+
+Used by ``bench/load.py --build --fp8`` (the H200 rows) and by the tests' tiny FP8 targets
+(``tests/tinymodels.py``). The layout is the released one (Qwen3-8B-FP8, Qwen3-Next-80B-A3B-*-FP8):
+float8_e4m3fn linear weights of the decoder layers with bf16 128x128 ``weight_scale_inv``, and
+``quantization_config`` in ``config.json``, which transformers reads as its ``FineGrainedFP8Config``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+#: The ``quantization_config`` of the Qwen fine-grained FP8 releases (Qwen3-8B-FP8's config.json).
+FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                           "weight_block_size": [128, 128]}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+#: Linear layers that the Qwen FP8 releases keep in bf16 (Qwen3-Next-80B-A3B-*-FP8's
+#: ``modules_to_not_convert``: the router, the shared expert's gate, the DeltaNet's ``in_proj_ba``, which
+#: Qwen3.5 / 3.6 split into ``in_proj_a`` and ``in_proj_b``);
+#: ``lm_head`` and the embeddings are never quantised.
+FP8_KEEP = ("lm_head", "mlp.gate", "shared_expert_gate", "linear_attn.in_proj_ba", "linear_attn.in_proj_a",
+            "linear_attn.in_proj_b")
+
+
+def fp8_block_quantize(w_NK: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] as the Qwen FP8 releases store it: ``weight`` float8_e4m3fn [N, K] and
+    ``weight_scale_inv`` bf16 [ceil(N/block), ceil(K/block)], with ``weight * scale`` per block
+    the dequantised weight (scale = the block's abs max / 448, rounded to bf16 first so that the
+    stored scale is the one used). A last partial block has its own scale.
+
+    Raises:
+        ValueError: a side longer than ``block`` and not a multiple of it: transformers'
+            dequantiser derives the block size from the scale grid (``integrations/finegrained_fp8.py``
+            l.1149-1154) and would read such a grid wrongly; the released models have none.
+    """
+    N, K = w_NK.shape
+    for side in (N, K):
+        if side > block and side % block:
+            raise ValueError(f"weight of shape {tuple(w_NK.shape)}: side {side} is longer than the block {block} and "
+                             "not a multiple of it; choose tiny sizes below 128 or multiples of 128")
+    bn, bk = -(-N // block), -(-K // block)
+    rn, rk = min(N, block), min(K, block)  # a side shorter than a block is one partial block
+    w = w_NK.float().reshape(bn, rn, bk, rk)
+    scale_nk = (w.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12).to(torch.bfloat16)
+    q = (w / scale_nk.float()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(N, K).contiguous(), scale_nk.contiguous()
+
+
+def fp8_dequantize(q_NK: torch.Tensor, scale_nk: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """The fp32 weight [N, K] that ``q_NK`` and its block scales stand for (the inverse of :func:`fp8_block_quantize`)."""
+    N, K = q_NK.shape
+    rn, rk = min(N, block), min(K, block)
+    full = q_NK.float().reshape(N // rn, rn, K // rk, rk) * scale_nk.float()[:, None, :, None]
+    return full.reshape(N, K)
+
+
+def _fp8_quantised(key: str, tensor: torch.Tensor) -> bool:
+    """Whether the Qwen FP8 releases store checkpoint tensor ``key`` in float8: the 2-D weight of a
+    linear layer inside a decoder layer (attention, DeltaNet, MLP, each expert), not :data:`FP8_KEEP`."""
+    if not (key.startswith("model.layers.") and key.endswith(".weight") and tensor.ndim == 2):
+        return False
+    module = key[: -len(".weight")]
+    if any(module.endswith(keep) for keep in FP8_KEEP):
+        return False
+    return "proj" in module.rsplit(".", 1)[-1] or module.rsplit(".", 1)[-1] in ("fc1", "fc2")
+
+
+def _blockable(tensor: torch.Tensor, block: int) -> bool:
+    """Each side at most one block or a whole number of blocks (:func:`fp8_block_quantize`)."""
+    return all(side <= block or side % block == 0 for side in tensor.shape)
+
+
+def quantize_checkpoint_fp8(src: Path, dest: Path, block: int = 128) -> dict:
+    """Write at ``dest`` the fine-grained FP8 version of the safetensors checkpoint at ``src``, in
+    the layout of the Qwen ``-FP8`` releases: each linear weight of a decoder layer float8_e4m3fn
+    with its ``<module>.weight_scale_inv`` (bf16, one per ``block`` x ``block`` block:
+    :func:`fp8_block_quantize`), everything else as it was (bf16), and ``quantization_config``
+    (:data:`FP8_QUANTIZATION_CONFIG`, ``modules_to_not_convert`` listing the kept linear layers)
+    in ``config.json``. One shard at a time (the bench builds large ones). Other files are copied.
+    A linear weight with a side longer than a block and not a multiple of it (only tiny models
+    have one: 192 = Qwen3-Next's tiny ``in_proj_qkvz``) is kept in bf16 and listed as not
+    converted, since transformers' dequantiser would read its scale grid wrongly.
+
+    Returns {"quantized": number of weights quantised, "kept": linear layers kept in bf16}.
+    """
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, dest = Path(src), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    quantized, kept = 0, set()
+    index = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        out = {}
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                if _fp8_quantised(key, t) and _blockable(t, block):
+                    out[key], out[key[: -len("weight")] + "weight_scale_inv"] = fp8_block_quantize(t, block)
+                    quantized += 1
+                else:
+                    out[key] = t
+                    module = key.rsplit(".", 1)[0]
+                    if t.ndim == 2 and (any(module.endswith(k) for k in FP8_KEEP) or _fp8_quantised(key, t)):
+                        kept.add(module)  # a released skip, or a tiny side no block grid describes
+        save_file(out, dest / shard.name, metadata={"format": "pt"})
+        index.update({k: shard.name for k in out})
+        del out
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copyfile(f, dest / f.name)
+    if (src / "model.safetensors.index.json").exists():
+        meta = json.loads((src / "model.safetensors.index.json").read_text())
+        meta["weight_map"] = dict(sorted(index.items()))
+        meta.setdefault("metadata", {})["total_size"] = sum((dest / n).stat().st_size for n in set(index.values()))
+        (dest / "model.safetensors.index.json").write_text(json.dumps(meta, indent=2))
+    config = json.loads((src / "config.json").read_text())
+    qc = dict(FP8_QUANTIZATION_CONFIG, weight_block_size=[block, block])
+    if kept:
+        qc["modules_to_not_convert"] = sorted(kept)
+    config["quantization_config"] = qc
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return {"quantized": quantized, "kept": sorted(kept)}
