@@ -22,6 +22,12 @@ job runs on a fresh clone with no hub and no GPU, not to train a useful draft mo
   Processes hashing the same file at once wait on a lock and hash it once;
 - a built-in model: its generated directory, as a local checkpoint.
 
+A local checkpoint directory (not a built-in model) also records ``files_revision``: the same kind
+of hash over its other files (:func:`other_files`: the tokenizer's, ``generation_config.json``, ...;
+not documentation). With both, the directory is named by its bytes and not by its path: the run
+identity (``hsx/runconfig.py`` ``ModelConfig.identity``) leaves its name out, and a worker serving
+the same bytes from another directory serves its runs (:meth:`ModelInfo.differences`).
+
 Runs of identity version 1 (``hsx/runconfig.py``) recorded ``local-<16 hex>`` for a local
 directory instead (a hash of the weight files' names and sizes and of ``config.json``: other
 weights of the same shapes kept it). :attr:`ModelInfo.legacy_revision` still computes it, so a
@@ -75,6 +81,8 @@ class ModelInfo:
     ``quantization``: how the checkpoint's weights are stored when they are quantised
     (:func:`quantization_of`: e.g. ``{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size":
     [128, 128], ...}`` from ``config.json``'s ``quantization_config``), None for an unquantised one.
+    ``files_revision``: ``sha256:<hex>`` of a local checkpoint directory's other files
+    (:func:`files_revision`); None for a hub id and a built-in model.
     """
 
     name: str
@@ -85,6 +93,7 @@ class ModelInfo:
     revision: str
     legacy_revision: str = field(default="", compare=False)
     quantization: dict | None = field(default=None, hash=False)
+    files_revision: str | None = None
 
     def as_dict(self) -> dict:
         """The ``model`` of ``run.json`` (``legacy_revision`` is not part of it).
@@ -103,6 +112,8 @@ class ModelInfo:
         }
         if self.quantization is not None:
             out["quantization"] = self.quantization
+        if self.files_revision is not None:
+            out["files_revision"] = self.files_revision
         return out
 
     def differences(self, recorded) -> list[str]:
@@ -112,12 +123,21 @@ class ModelInfo:
         A recorded revision that is not a content revision (``sha256:``) comes from identity
         version 1 (or a hub commit, where both agree): it is compared with
         :attr:`legacy_revision`, the way it was computed.
+
+        A recorded ``files_revision`` names a local checkpoint by its bytes: the names (paths) are
+        not compared, so the same checkpoint copied to another directory is the run's. A run planned
+        before ``files_revision`` was recorded is compared as then, by its name too.
         """
         recorded = recorded.as_dict()
         mine = self.as_dict()
         if (not str(recorded.get("revision", "")).startswith(CONTENT_REVISION_PREFIX)
                 and recorded.get("revision") == self.legacy_revision):
             mine["revision"] = self.legacy_revision
+        if "files_revision" in recorded:
+            recorded.pop("name", None)
+            mine.pop("name", None)
+        else:
+            mine.pop("files_revision", None)
         return [f"{k}: recorded {recorded.get(k)!r}, this checkpoint {mine.get(k)!r}"
                 for k in sorted(set(mine) | set(recorded)) if mine.get(k) != recorded.get(k)]
 
@@ -380,6 +400,41 @@ def content_revision(path: Path, cache_dir: Path) -> str:
     return CONTENT_REVISION_PREFIX + hashlib.sha256(manifest.encode()).hexdigest()
 
 
+#: Top-level files of a local checkpoint that :func:`other_files` leaves out (lower-cased names):
+#: documentation, and weights in formats it is not loaded from (with :data:`PICKLE_WEIGHTS`).
+OTHER_FILES_SKIPPED = ("*.md", "license*", "notice*", "*.safetensors", "*.index.json", "*.h5", "*.msgpack", "*.onnx",
+                       "*.gguf", "*.npz")
+
+
+def other_files(path: Path) -> list[Path]:
+    """The top-level files of a local checkpoint outside :func:`checkpoint_files`, in name order: its
+    tokenizer's (``tokenizer.json``, ``tokenizer_config.json``, the vocabulary, merges, ...),
+    ``generation_config.json``, its code and any other, but :data:`OTHER_FILES_SKIPPED`, the pickle
+    weights (:data:`PICKLE_WEIGHTS`) and hidden files."""
+    from fnmatch import fnmatchcase
+
+    decided = {f.name for f in checkpoint_files(path)}
+    skipped = OTHER_FILES_SKIPPED + PICKLE_WEIGHTS
+    return sorted((f for f in path.iterdir() if f.is_file() and not f.name.startswith(".") and f.name not in decided
+                   and not any(fnmatchcase(f.name.lower(), pattern) for pattern in skipped)), key=lambda f: f.name)
+
+
+def files_revision(path: Path) -> str:
+    """``sha256:<hex>`` of a local checkpoint's :func:`other_files`, one ``<file name>\t<sha256 of its
+    bytes>`` line per file, as :func:`content_revision`. They are small (a tokenizer is some MB): read
+    each time, not cached.
+
+    Raises:
+        BadConfig: a file cannot be read.
+    """
+    try:
+        manifest = "".join(f"{f.name}\t{hashlib.sha256(f.read_bytes()).hexdigest()}\n" for f in other_files(path))
+    except OSError as exc:
+        raise BadConfig(f"checkpoint {path}: cannot read {exc.filename or 'a file'} to compute its identity "
+                        f"({exc.strerror or exc}); check its permissions") from None
+    return CONTENT_REVISION_PREFIX + hashlib.sha256(manifest.encode()).hexdigest()
+
+
 def file_sha256(path: Path, cache_dir: Path) -> str:
     """Hex sha256 of a file's bytes, from the cache or by reading it.
 
@@ -519,6 +574,7 @@ def model_info(name: str, cache_dir: Path, *, trust_remote_code: bool = False) -
         revision=_revision(path, config, Path(cache_dir)),
         legacy_revision=_legacy_revision(path, config),
         quantization=quantization_of(config),
+        files_revision=files_revision(Path(path)) if Path(path).is_dir() and name not in BUILTIN_MODELS else None,
     )
 
 

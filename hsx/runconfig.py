@@ -18,7 +18,7 @@ Identity versions:
 | 1 | ``model``, ``model_name``, ``layers``, ``max_length``, ``batch_tokens``, ``max_batch_samples``, ``store_dtype``, ``tokenizer``, ``dataset_fingerprint``, ``limit``, ``sample_policy``, ``schema_version`` | what every run made before ``identity_version`` existed hashed (every field but ``run_id``, ``created_at``, ``dataset_source`` and ``stats``); a ``run.json`` without ``identity_version`` is version 1. ``identity_version`` itself is not hashed, so those runs keep their ids and their markers' ``config_sha256`` |
 | 3 | version 2's, ``plan_windows`` and ``dataset_options`` | the streamed plan (``producer/planner.py``): samples are sorted and cut into batches within windows of consecutive samples, whose sizes ``plan_windows`` gives (``[first, largest]``, each window twice the one before up to the largest), where versions 1 and 2 sorted the whole dataset (``plan_windows`` absent: ``None``); ``dataset_options`` says which records of the dataset are read and in which order (``shuffle``, ``seed``, ``sample``, and a hub dataset's ``subset`` and ``split``). ``dataset_fingerprint`` is computed over 8 MiB blocks (``producer/sources.py``), the hash that the reading pass checks |
 | 2 | version 1's, ``special_tokens_in_content`` and ``identity_version`` | special-token strings inside message content are tokenised as text (``text``) unless ``special`` is asked for (``producer/masks.py``); a version-1 run.json reads as ``special``, what its code did. And ``model.revision`` of a local checkpoint directory is ``sha256:<hex>``, a hash of its weight bytes (``hsx/models.py``), where version 1 recorded ``local-<16 hex>``, a hash of the weight files' names and sizes and of ``config.json``: two checkpoints with weights of the same shapes had one revision. A hub id's revision is its commit hash in both |
-| 4 | version 3's but ``model_name``; each typed part by its :meth:`ConfigPart.identity` | the parts (``model``, ``layers``, ``tokenizer``, ``sample_policy``, ``dataset_options``) are typed (:class:`ConfigPart`), and only their fields that decide the bytes are hashed: ``layers`` by its ids and final states, not its prose (``convention``, ``notes``), its derived ids or the ``--draft-config`` path the ids were read from (``source``); ``model`` by name, type, layer count, hidden size, revision and quantisation; ``tokenizer`` by all it holds; ``sample_policy`` by its three choices; ``dataset_options`` by the options set. ``model_name`` (a repeat of ``model.name``) is not hashed. Versions 1-3 hashed each part as run.json holds it, and still do for their runs, so those keep their ids and their markers' ``config_sha256`` |
+| 4 | version 3's but ``model_name``; each typed part by its :meth:`ConfigPart.identity` | the parts (``model``, ``layers``, ``tokenizer``, ``sample_policy``, ``dataset_options``) are typed (:class:`ConfigPart`), and only their fields that decide the bytes are hashed: ``layers`` by its ids and final states, not its prose (``convention``, ``notes``), its derived ids or the ``--draft-config`` path the ids were read from (``source``); ``model`` by name, type, layer count, hidden size, revision and quantisation (a local checkpoint directory planned by this code by its bytes, ``revision`` and ``files_revision``, not by its name, a path: the same checkpoint copied elsewhere is the same run; a hub id, a built-in model and a local run planned before ``files_revision`` was recorded by name, and keep their ids); ``tokenizer`` by all it holds; ``sample_policy`` by its three choices; ``dataset_options`` by the options set. ``model_name`` (a repeat of ``model.name``) is not hashed. Versions 1-3 hashed each part as run.json holds it, and still do for their runs, so those keep their ids and their markers' ``config_sha256`` |
 
 Why each version-1 field decides the bytes of the shards: ``model`` (name, type, layer count,
 hidden size, revision: which weights; and, for a quantised checkpoint only, ``quantization``:
@@ -180,7 +180,10 @@ class ModelConfig(ConfigPart):
     ``num_layers`` is the number of decoder layers N, ``hidden_size`` H; ``revision`` the checkpoint's
     identity (``hsx/models.py``: a hub commit, or ``sha256:<hex>`` of a local checkpoint's bytes;
     ``local-<16 hex>`` in identity-version-1 runs); ``quantization`` the checkpoint's
-    ``quantization_config`` (e.g. fine-grained FP8), absent for an unquantised one.
+    ``quantization_config`` (e.g. fine-grained FP8), absent for an unquantised one;
+    ``files_revision`` the same kind of hash of a local checkpoint directory's other files (its
+    tokenizer's, ``generation_config.json``: :func:`hsx.models.files_revision`), absent for a hub
+    id, a built-in model and a run planned before it was recorded.
     """
 
     name: str
@@ -190,6 +193,7 @@ class ModelConfig(ConfigPart):
     hidden_size: int
     revision: str
     quantization: dict | None = None
+    files_revision: str | None = None
 
     @classmethod
     def of(cls, info: "ModelInfo") -> "ModelConfig":
@@ -197,10 +201,18 @@ class ModelConfig(ConfigPart):
         return cls.model_validate(info.as_dict())
 
     def identity(self) -> dict:
-        # The name is hashed although a local checkpoint's is a path: the tokenizer is read from
-        # there and its files are in no other hash (the revision covers the weights and config.json).
-        out = {"name": self.name, "model_type": self.model_type, "num_layers": self.num_layers,
-               "hidden_size": self.hidden_size, "revision": self.revision}
+        # A local checkpoint directory is hashed by its bytes, not by its name (a path: the same
+        # checkpoint copied elsewhere is the same run): revision (config.json, weights) and
+        # files_revision (the tokenizer's files and the others). A hub id and a built-in model are
+        # hashed by name and revision, and so is a local checkpoint of a run planned before
+        # files_revision was recorded (its tokenizer files were in no hash but its path's): those
+        # runs keep their ids and their markers' config_sha256.
+        out = {"model_type": self.model_type, "num_layers": self.num_layers, "hidden_size": self.hidden_size,
+               "revision": self.revision}
+        if self.files_revision is None:
+            out["name"] = self.name
+        else:
+            out["files_revision"] = self.files_revision
         if self.quantization is not None:
             out["quantization"] = self.quantization
         return out
@@ -521,6 +533,9 @@ def check_run(run_store: Store, config: RunConfig) -> RunConfig | None:
 
 def _check_same(run_store: Store, stored: RunConfig, config: RunConfig) -> None:
     version = max(stored.identity_version, config.identity_version)
+    if stored.model.files_revision is None and config.model.files_revision is not None:
+        # a run planned before a local checkpoint was named by its bytes hashed its name: compared so
+        config = dataclasses.replace(config, model=config.model.model_copy(update={"files_revision": None}))
     differences = diff_identity(stored.identity(version), config.identity(version))
     if differences:
         raise RunConflict(

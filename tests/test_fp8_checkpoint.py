@@ -91,9 +91,10 @@ def test_the_quantisation_is_part_of_the_identity_and_unquantised_run_ids_are_un
     assert {k: quantised.quantization[k] for k in FP8_QUANTIZATION_CONFIG} == FP8_QUANTIZATION_CONFIG
     assert quantised.as_dict()["quantization"] == quantised.quantization
     # an unquantised model's record is what it was before the field existed: the same keys, the same run id
-    assert set(plain.as_dict()) == {"name", "model_type", "num_layers", "hidden_size", "revision"}
+    # (files_revision: a local checkpoint directory's other files, hsx.models.files_revision)
+    assert set(plain.as_dict()) == {"name", "model_type", "num_layers", "hidden_size", "revision", "files_revision"}
     before = ModelInfo(**{k: getattr(plain, k) for k in ("name", "path", "model_type", "num_layers", "hidden_size",
-                                                         "revision")})
+                                                         "revision", "files_revision")})
     assert _config(plain.as_dict()).default_run_id("chats") == _config(before.as_dict()).default_run_id("chats")
     # same model, same recorded name and revision: the quantisation alone tells the two runs apart
     same_bytes = dict(quantised.as_dict(), name=plain.name, revision=plain.revision)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 import hsx.models
 from hsx.errors import BadConfig, RunConflict
 from hsx.models import CONTENT_REVISION_PREFIX, checkpoint_files, file_sha256, model_info, resolve_model_path
-from hsx.runconfig import RunConfig, load_run
+from hsx.runconfig import ModelConfig, RunConfig, load_run
 from hsx.store import open_store
 from producer.planner import PlanOptions, plan_run
 from settings import Settings
@@ -270,6 +270,45 @@ def test_the_worker_checks_the_checkpoint_it_loaded_against_run_json(ckpt, tmp_p
     (difference,) = swapped.info.differences(recorded)
     assert difference.startswith(f"revision: recorded {recorded.revision!r}, this checkpoint 'sha256:")
     assert not torch.equal(next(swapped.model.parameters()), next(target.model.parameters()))
+
+
+def test_the_same_checkpoint_at_another_path_is_the_same_run_and_its_worker_serves_it(ckpt, tmp_path):
+    """The run identity names a local checkpoint by its bytes (revision, files_revision), not by its path:
+    a copy elsewhere plans the same run id (resumed), and a worker serving the copy (HSX_MODEL, as
+    `producer run` starts them) passes the check against run.json. Other weights, or another tokenizer
+    file, are another run; documentation is not part of it."""
+    from workers.target import load_target
+
+    copy = tmp_path / "elsewhere" / "copy-of-ckpt"
+    shutil.copytree(ckpt, copy)
+    first = _plan(ckpt, tmp_path)
+    assert first.config.model.files_revision.startswith(CONTENT_REVISION_PREFIX)
+    moved = _plan(copy, tmp_path)
+    assert moved.reused and moved.config.run_id == first.config.run_id
+    recorded = load_run(open_store(str(tmp_path / "out" / first.config.run_id))).model
+    assert recorded.name == str(ckpt), "run.json still records where it was planned from"
+    target = load_target(str(copy), Settings(_env_file=None, cache_dir=tmp_path / "cache", device="cpu"))
+    assert target.info.differences(recorded) == []
+    (copy / "README.md").write_text("a note about this copy\n")
+    assert _plan(copy, tmp_path).config.run_id == first.config.run_id
+    config_path = copy / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "model_max_length": 1234}))
+    retokenised = _plan(copy, tmp_path)
+    assert not retokenised.reused and retokenised.config.run_id != first.config.run_id
+    assert retokenised.config.model.revision == first.config.model.revision
+    _other_weights_of_the_same_shapes(ckpt)
+    reweighted = _plan(ckpt, tmp_path)
+    assert not reweighted.reused and reweighted.config.run_id not in (first.config.run_id, retokenised.config.run_id)
+
+
+def test_a_local_run_planned_before_files_revision_is_still_checked_by_its_path(ckpt, tmp_path):
+    """A run.json whose ``model`` has no files_revision (planned before it was recorded) hashed the path:
+    a worker compares the name too, as it did, and does not ask for the files_revision it lacks."""
+    info = model_info(str(ckpt), tmp_path / "cache")
+    recorded = ModelConfig.model_validate({k: v for k, v in info.as_dict().items() if k != "files_revision"})
+    assert info.files_revision and info.differences(recorded) == []
+    elsewhere = recorded.model_copy(update={"name": "/data/other/ckpt"})
+    assert info.differences(elsewhere) == [f"name: recorded '/data/other/ckpt', this checkpoint {str(ckpt)!r}"]
 
 
 def test_a_checkpoint_that_changes_while_a_worker_loads_it_is_refused(ckpt, tmp_path, monkeypatch):

@@ -456,6 +456,54 @@ def test_a_part_given_as_a_dict_is_refused():
         dataclasses.replace(_v3_run(), layers={"layer_ids": [1, 3, 7], "final": "postnorm"})
 
 
+# --- a local checkpoint is hashed by its bytes, not its path --------------------------------------
+
+#: What identity version 4 computed, before ``model.files_revision`` existed, for the version-3
+#: fixture planned by this code with a hub id (``Qwen/Qwen3-8B`` at a commit) and with a local
+#: checkpoint directory (``/data/ckpt``): both keep it.
+V4_HUB_SHA = "200d051c9d613927c7dda1d01b2293eb5a505cdfba48cce78efb073899255877"
+V4_LOCAL_BEFORE_FILES_SHA = "9d59169b196a630abfd46e3b17cc68d80ddd689e8ba3862a5e0f10a986d086a7"
+
+
+def _with_model(config: RunConfig, **model) -> RunConfig:
+    return dataclasses.replace(config, model=config.model.model_copy(update=model),
+                               model_name=model.get("name", config.model_name))
+
+
+def test_a_hub_id_and_a_local_run_planned_before_files_revision_keep_their_version_4_ids():
+    base = _as_v4(_v3_run())
+    hub = _with_model(base, name="Qwen/Qwen3-8B", revision="b968826d9c46dd6066d109eabc6255188de91218")
+    assert hub.identity_sha256() == V4_HUB_SHA and hub.identity()["model"]["name"] == "Qwen/Qwen3-8B"
+    before = _with_model(base, name="/data/ckpt")
+    assert before.identity_sha256() == V4_LOCAL_BEFORE_FILES_SHA, "hashed by its name, as when it was planned"
+    assert _with_model(base, name="/elsewhere/ckpt").identity_sha256() != V4_LOCAL_BEFORE_FILES_SHA
+
+
+def test_a_local_checkpoint_with_files_revision_is_hashed_by_its_bytes_not_its_path():
+    base = _with_model(_as_v4(_v3_run()), name="/data/ckpt", files_revision="sha256:" + "2" * 64)
+    moved = _with_model(base, name="/mnt/copy/ckpt")
+    assert "name" not in base.identity()["model"] and base.identity()["model"]["files_revision"] == "sha256:" + "2" * 64
+    assert moved.default_run_id("chats") == base.default_run_id("chats")
+    for other in (_with_model(base, revision="sha256:" + "1" * 64), _with_model(base, files_revision="sha256:" + "3" * 64)):
+        assert other.default_run_id("chats") != base.default_run_id("chats")
+    again = RunConfig.from_json(base.to_json())
+    assert again.model.files_revision == base.model.files_revision and again.identity_sha256() == base.identity_sha256()
+
+
+def test_a_local_run_planned_before_files_revision_is_resumed_under_its_run_id_from_the_same_path(tmp_path):
+    """Its run.json hashed the name: a request of this code (with files_revision) is compared by the name
+    as that run was, so the same path resumes it (run.json untouched) and another path is a conflict."""
+    before = dataclasses.replace(_with_model(_as_v4(_v3_run()), name="/data/ckpt"), run_id="local-run")
+    run_dir = tmp_path / "local-run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_bytes(before.to_json())
+    now = _with_model(before, files_revision="sha256:" + "2" * 64)
+    assert claim_run(open_store(str(run_dir)), now) is False
+    assert load_run(open_store(str(run_dir))).identity_sha256() == V4_LOCAL_BEFORE_FILES_SHA
+    with pytest.raises(RunConflict, match=r'model.name: stored "/data/ckpt" != requested "/mnt/copy/ckpt"'):
+        claim_run(open_store(str(run_dir)), _with_model(now, name="/mnt/copy/ckpt"))
+
+
 def test_the_planner_gives_one_run_id_for_one_draft_config_at_two_paths(tmp_path, tiny_cache):
     """The issue this version fixes, end to end: the same draft config copied elsewhere plans the same run."""
     from plans import plan_options, plan_settings
