@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from hsx.errors import BadConfig, BadDataset, BadRecord
-from hsx.layers import layer_ids_from_draft_config, parse_layer_ids, select_layers
+from hsx.layers import LayerSelection, layer_ids_from_draft_config, parse_layer_ids, select_layers
 from hsx.layout import RUN_JSON, window_samples_key
 from hsx.models import model_info
 from hsx.plan import (BatchPlan, batch_id, batch_key, fail_planning_record, plan_complete, read_batch_list,
@@ -39,7 +39,7 @@ from hsx.records import BatchSummary, Planning, PlanWindow, SampleRow, SkipCount
 from hsx.regen import PlannedConversation, RegenConfig, regen_plan_key
 from hsx.runconfig import (DatasetOptions, LayersConfig, ModelConfig, RunConfig, SamplePolicy, TokenizerConfig, check_run,
                            check_run_id, claim_run)
-from hsx.shard import StoreDtype
+from hsx.shard import Final, StoreDtype
 from hsx.store import Store, exists, open_store
 from producer.batching import cut_batches
 from producer.datasets import (EXAMPLES_PER_REASON, Conversation, SkipCounter, _normalise, dataset_files,
@@ -145,8 +145,11 @@ def window_samples(index: int, windows: tuple[int, int] | list[int] = PLAN_WINDO
     return min(largest, first << min(index, 40))
 
 
-def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[RunConfig, object, Source]:
+def build_config(opts: PlanOptions, settings: Settings, progress=None, *,
+                 capture: bool = True) -> tuple[RunConfig, object, Source]:
     """Validate the request and build the run config; returns it with the loaded ChatTokeniser and the source.
+    ``capture`` False (a regenerate run): no hidden states, so the layer options are neither checked
+    nor recorded (``layers`` is the empty selection).
 
     The dataset is fingerprinted here (one read of its bytes, in parallel blocks:
     ``producer/sources.py``); nothing is written.
@@ -193,23 +196,11 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
                             sample=opts.sample, drop_unfinished=opts.drop_unfinished)
     source = open_source(opts.dataset, options, cache_dir=settings.cache_dir)  # BadDataset early, before a model config
     info = model_info(opts.model, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
-    layer_ids = parse_layer_ids(opts.layers) if opts.layers is not None else None
-    layer_source = None
-    if opts.draft_config:
-        if layer_ids is not None or opts.preset:
-            raise BadConfig("--draft-config gives the layer ids: do not combine it with --layers or --preset")
-        layer_ids, layer_source = layer_ids_from_draft_config(opts.draft_config, convention=opts.draft_layer_convention)
-    final = opts.final
-    if final is None and layer_source and "aux_hidden_state_layer_ids" in layer_source.rsplit(": ", 1)[-1]:
-        final = "postnorm"  # an EAGLE-3 draft's ids: it trains on the final state too (the eagle3 preset's default)
-    try:
-        selection = select_layers(info.num_layers, layer_ids=layer_ids, preset=opts.preset, final=final,
-                                  dflash_layers=opts.dflash_layers)
-    except BadConfig as exc:
-        if layer_source:  # say where the ids came from
-            raise BadConfig(f"{exc} (ids read from {layer_source})") from None
-        raise
-    layers = LayersConfig.of(selection, source=layer_source)
+    # A regenerate run captures nothing: its layers are none, whatever the layer options say (the
+    # extraction chained after it checks them: check_extraction_layers), so no model is refused for them.
+    layers = _layers(opts, info.num_layers) if capture else LayersConfig.model_validate(
+        {**LayerSelection((), Final.NONE, None, info.num_layers).as_dict(),
+         "notes": ["a regenerate run captures no hidden states: the extraction of its conversations has the layers"]})
     spec = TokeniserSpec(model=opts.model, cache_dir=str(settings.cache_dir), trust_remote_code=settings.trust_remote_code,
                          max_length=max_length, enable_thinking=opts.enable_thinking, over_length=opts.over_length,
                          special_tokens_in_content=opts.special_tokens_in_content, allow_text=opts.allow_text,
@@ -249,6 +240,36 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None) -> tuple[
     config.run_id = opts.run_id or config.default_run_id(source.name)
     config.created_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return config, (spec, chat), source
+
+
+def _layers(opts: PlanOptions, num_layers: int) -> LayersConfig:
+    """The layers an extraction of ``opts`` captures on a model of ``num_layers`` decoder layers
+    (``--layers`` / ``--preset`` / ``--draft-config`` / ``--final``). Raises BadConfig."""
+    layer_ids = parse_layer_ids(opts.layers) if opts.layers is not None else None
+    layer_source = None
+    if opts.draft_config:
+        if layer_ids is not None or opts.preset:
+            raise BadConfig("--draft-config gives the layer ids: do not combine it with --layers or --preset")
+        layer_ids, layer_source = layer_ids_from_draft_config(opts.draft_config, convention=opts.draft_layer_convention)
+    final = opts.final
+    if final is None and layer_source and "aux_hidden_state_layer_ids" in layer_source.rsplit(": ", 1)[-1]:
+        final = "postnorm"  # an EAGLE-3 draft's ids: it trains on the final state too (the eagle3 preset's default)
+    try:
+        selection = select_layers(num_layers, layer_ids=layer_ids, preset=opts.preset, final=final,
+                                  dflash_layers=opts.dflash_layers)
+    except BadConfig as exc:
+        if layer_source:  # say where the ids came from
+            raise BadConfig(f"{exc} (ids read from {layer_source})") from None
+        raise
+    return LayersConfig.of(selection, source=layer_source)
+
+
+def check_extraction_layers(opts: PlanOptions, settings: Settings) -> LayersConfig:
+    """The layers the extraction of ``opts`` would capture, checked against the model's config
+    (reads the model's config only): ``run DATASET --regenerate`` calls it before its regenerate
+    stage, so that layer options the model cannot take are refused before any GPU work. Raises BadConfig."""
+    info = model_info(opts.model, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
+    return _layers(opts, info.num_layers)
 
 
 def _chat_template_text(path: str | None) -> str | None:
@@ -642,7 +663,8 @@ def prepare_regenerate(opts: PlanOptions, settings: Settings, progress=None) -> 
     if exists(root, RUN_JSON):
         raise BadConfig(f"--output {opts.output or settings.store_url!r} is a run (it holds run.json), not the store root "
                         "that runs are written under. Fix: give its parent directory (e.g. --output ./out)")
-    config, (spec, chat), source = build_config(dataclasses.replace(opts, regenerate=None), settings, progress)
+    config, (spec, chat), source = build_config(dataclasses.replace(opts, regenerate=None), settings, progress,
+                                                capture=False)
     config.regenerate = regen.model_dump(mode="json")
     config.run_id = opts.run_id or config.default_run_id(f"{source.name}-regen")
     run_store = root.child(config.run_id)

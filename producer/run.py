@@ -26,7 +26,7 @@ from hsx.plan import plan_complete
 from hsx.store import exists
 from producer.enqueue import WindowSender
 from producer.reconcile import RunReconciler
-from producer.planner import PlanJob, PlanOptions, PlannedRun, prepare_plan
+from producer.planner import PlanJob, PlanOptions, PlannedRun, check_extraction_layers, prepare_plan
 from producer.status import recent_rate, workers_log_path
 from producer.words import plural
 from settings import Settings
@@ -532,6 +532,9 @@ def run_regenerated(opts: PlanOptions, regen: dict, settings: Settings, console,
     options; ``opts.drop_unfinished``). Returns ``(exit code, the regenerate run's report, the
     extraction's report or None when the first stage did not finish)``. A Ctrl-C stops the stage
     running; the same command resumes both (each is a run: its done batches keep their markers)."""
+    # The regenerate stage captures nothing and checks no layer option: the extraction's layers are
+    # checked here, before any GPU work, not after the whole regenerate stage.
+    check_extraction_layers(opts, settings)
     first = dataclasses.replace(opts, regenerate=regen, drop_unfinished=False, run_id=None)
     code, report = run_job(first, settings, console, workers=workers, progress_factory=progress_factory)
     if code != 0 or report.get("batches_done", report.get("batches_already_done")) != report.get("batches_total"):

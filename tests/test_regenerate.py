@@ -467,3 +467,63 @@ def test_a_regenerate_run_on_workers_of_several_gpus_is_refused_before_anything_
     assert code == 2 and "error: --gpus-per-worker 2 (HSX_GPUS_PER_WORKER)" in text, text
     assert "Regenerate with --gpus-per-worker 1, then extract" in text and "Nothing was started" in text
     assert not (tmp_path / "out").exists()
+
+
+def _shallow_checkpoint(tiny_cache, dest: Path, num_layers: int) -> Path:
+    """tiny-qwen3.5's checkpoint with a config of ``num_layers`` decoder layers (planning reads the
+    config and hashes the files, it loads no weights)."""
+    import shutil
+
+    from hsx.models import resolve_model_path
+
+    shutil.copytree(resolve_model_path("tiny-qwen3.5", tiny_cache), dest)
+    config = json.loads((dest / "config.json").read_text())
+    config.update(num_hidden_layers=num_layers, layer_types=config["layer_types"][:num_layers])
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+@pytest.mark.parametrize("num_layers,refusal", [(6, r"gives ids \[1, 2, 2\], which repeat"), (2, "out of range")])
+def test_a_regenerate_run_does_not_refuse_a_model_too_shallow_for_the_layer_preset(num_layers, refusal, tiny_cache,
+                                                                                 tmp_path):
+    """A regenerate run captures no hidden states: the eagle3 preset that a 6- or 2-layer model cannot
+    take refuses its extraction, not its regenerate run (whose run.json records no layers)."""
+    from hsx.errors import BadConfig
+    from producer.planner import PlanOptions, prepare_plan
+    from settings import Settings
+
+    model = str(_shallow_checkpoint(tiny_cache, tmp_path / f"shallow-{num_layers}", num_layers))
+    settings = Settings(_env_file=None, cache_dir=tiny_cache)
+    opts = PlanOptions(dataset="sharegpt", model=model, output=str(tmp_path / "out"), max_length=384, limit=3)
+    with pytest.raises(BadConfig, match=refusal):
+        prepare_plan(opts, settings)
+    import dataclasses
+
+    job = prepare_plan(dataclasses.replace(opts, regenerate=RegenConfig(max_new_tokens=8).model_dump(mode="json")),
+                       settings)
+    assert job.config.model.num_layers == num_layers and list(job.config.layers.layer_ids) == []
+    assert job.config.layers.final.value == "none"
+
+
+def test_run_regenerate_checks_the_extraction_layers_before_the_regenerate_stage(tiny_cache, tmp_path, monkeypatch):
+    """``run --regenerate`` on a model the extraction's layers do not fit: refused before its regenerate
+    stage starts (no broker, worker or GPU work), not after every answer was generated."""
+    import producer.run as run_module
+    from hsx.errors import BadConfig
+    from producer.planner import PlanOptions
+    from settings import Settings
+
+    started = []
+    monkeypatch.setattr(run_module, "run_job", lambda *a, **k: started.append(a) or (1, {}))  # a first stage that failed
+    model = str(_shallow_checkpoint(tiny_cache, tmp_path / "shallow", 6))
+    opts = PlanOptions(dataset="sharegpt", model=model, output=str(tmp_path / "out"), max_length=384, limit=3)
+    with pytest.raises(BadConfig, match="which repeat"):
+        run_module.run_regenerated(opts, RegenConfig().model_dump(mode="json"), Settings(_env_file=None, cache_dir=tiny_cache),
+                                   console=None)
+    assert started == [] and not (tmp_path / "out").exists()
+    # layers the model takes pass the check, and the stages run
+    import dataclasses
+
+    run_module.run_regenerated(dataclasses.replace(opts, layers="1,3"), RegenConfig().model_dump(mode="json"),
+                               Settings(_env_file=None, cache_dir=tiny_cache), console=None)
+    assert len(started) == 1
