@@ -125,7 +125,13 @@ class Settings(BaseSettings):
     """Token budget of one batch, counted as rows x longest row (padding included)."""
     # who needs it: bounds rows per batch, and so the warm-up's compiles
     max_batch_samples: int = Field(default=256, ge=1)
-    """Upper bound on samples (rows) in one batch."""
+    """Upper bound on samples (rows) in one batch (of a regenerate run too: answers per generate call)."""
+    # who needs it: the default of ``--regen-batch-tokens``: a GPU's room for a regenerate batch's KV cache
+    regen_batch_tokens: int = Field(default=262144, ge=8)
+    """Token budget of one regenerate batch, counted as rows x (longest prompt + ``--max-new-tokens``):
+    what one generate call holds in its KV cache and activations (``producer/planner.py``
+    :class:`RegenPlanJob`). 262,144 tokens is 256 answers of 512 tokens to prompts of 512, about
+    36 GiB of Qwen3-8B's bf16 KV cache; lower it for a target with a larger cache per token."""
     # who needs it: the default of ``--num-proc`` on a machine shared with other jobs
     plan_num_proc: int | None = Field(default=None, ge=1)
     """Processes that tokenise the dataset (``--num-proc``); None: the machine's cores (one for a plan

@@ -110,7 +110,7 @@ def ensure_tokenizer(model: str, cache_dir: Path) -> bool:
 def regenerate_command(args, dataset, store: Path) -> list[str]:
     cmd = [sys.executable, "-m", "producer", "regenerate", str(dataset), "--model", str(args.model), "--output", str(store),
            "--max-new-tokens", str(args.max_new_tokens), "--json"]
-    for flag in ("limit", "temperature", "top_p", "top_k", "seed", "batch_tokens", "max_length"):
+    for flag in ("limit", "temperature", "top_p", "top_k", "seed", "regen_batch_tokens", "max_length"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -370,7 +370,7 @@ def main() -> None:
     ap.add_argument("--top-p", type=float)
     ap.add_argument("--top-k", type=int)
     ap.add_argument("--seed", type=int)
-    ap.add_argument("--batch-tokens", type=int, help="producer's --batch-tokens (default: its own)")
+    ap.add_argument("--regen-batch-tokens", type=int, help="producer regenerate's --regen-batch-tokens (default: its own)")
     ap.add_argument("--max-length", type=int, help="producer's --max-length (default: its own)")
     ap.add_argument("--ceilings", default=",".join(CEILINGS), help=f"comma list of {', '.join(CEILINGS)} (default: all)")
     ap.add_argument("--device", help="cuda (default when available) or cpu; the workers' HSX_DEVICE too")

@@ -166,6 +166,7 @@ def _options(args):
         split=args.split, subset=args.subset, shuffle=args.shuffle, seed=args.seed, sample=args.sample,
         chat_template=args.chat_template, num_proc=args.num_proc,
         regenerate=getattr(args, "regenerate_config", None), drop_unfinished=getattr(args, "drop_unfinished", False),
+        regen_batch_tokens=getattr(args, "regen_batch_tokens", None),
     )
 
 
@@ -305,6 +306,12 @@ def cmd_regenerate(args, settings: Settings) -> int:
     from producer.regenerate import generation_options
 
     args.regenerate_config = generation_options(args)
+    if args.batch_tokens is not None:  # the extraction's budget: a regenerate run's is another (refused, not ignored)
+        console.print(f"error: --batch-tokens {args.batch_tokens} sizes extraction batches (rows x longest row); a "
+                      "regenerate run's batches are sized for generation by --regen-batch-tokens (rows x (longest prompt "
+                      "+ --max-new-tokens); default HSX_REGEN_BATCH_TOKENS): give that instead. Nothing was started",
+                      highlight=False, soft_wrap=True)
+        return 2
     if not args.enqueue and _refuse_groups_for_regenerate(args, settings):
         return 2
     return cmd_enqueue(args, settings) if args.enqueue else cmd_run(args, settings)

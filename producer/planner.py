@@ -105,6 +105,9 @@ class PlanOptions:
     regenerate: dict | None = None
     #: The dataset is a regenerate run: skip its answers cut at max_new_tokens.
     drop_unfinished: bool = False
+    #: A regenerate run's batch budget, rows x (longest prompt + max_new_tokens) (``--regen-batch-tokens``;
+    #: None: the settings' ``regen_batch_tokens``). ``batch_tokens`` stays the extraction's.
+    regen_batch_tokens: int | None = None
 
 
 @dataclass
@@ -395,6 +398,11 @@ class PlanJob:
         """More files of a window, written after its batch files and before its record (so before any
         of its batches is enqueued). Nothing here; a regenerate plan writes its conversations."""
 
+    def batch_costs(self, window: "_Window") -> np.ndarray | None:
+        """What each sample of ``window`` costs in a batch's ``batch_tokens`` (int64 [N]); None: its
+        length (an extraction batch's rows x longest row). A regenerate plan counts prompt + answer."""
+        return None
+
     def __init__(self, opts, settings, root, run_store, config, spec, chat, source):
         self.opts, self.settings, self.root, self.run_store = opts, settings, root, run_store
         self.config, self.spec, self.chat, self.source = config, spec, chat, source
@@ -543,7 +551,8 @@ class PlanJob:
             self.claimed_run = True
         if self._record is None:
             self._record = start_planning_record(self.run_store, self.opts.command)
-        record, plans, rows = _cut_window(window, self.config, records_read, last)
+        record, plans, rows = _cut_window(window, self.config, records_read, last,
+                                          self.batch_costs(window) if window.ids else None)
         bytes_read = self.source.bytes_read or None  # read ahead of the window: progress only
         self.windows.append(record)  # numbering of the next window; written below before anyone reads it
 
@@ -625,9 +634,23 @@ class PlanJob:
 
 class RegenPlanJob(PlanJob):
     """A regenerate run being planned: a :class:`PlanJob` keeping each sample's raw
-    record so that its window's conversations are stored beside its batches (``plan/regen/``)."""
+    record so that its window's conversations are stored beside its batches (``plan/regen/``),
+    and whose batches are sized for generation (:meth:`batch_costs`): run.json's ``batch_tokens``
+    is then the budget of one generate call (``--regen-batch-tokens``), ``max_batch_samples`` its rows."""
 
     keep_records = True
+
+    def batch_costs(self, window) -> np.ndarray:
+        """Per sample, the tokens its answer's generate call holds: its prompt's length plus
+        ``max_new_tokens`` (the KV cache and activations of one row of a generate call). The prompt
+        is the conversation's tokens before its last supervised run: the last assistant turn the
+        planner kept within ``max_length``, the one ``--turns last`` answers (the worker's prompt to
+        within the few tokens that a template renders differently with the generation prompt;
+        ``--turns all``'s last round, with the dataset's answers for the earlier ones). A function of the
+        plan's tokens and of identity fields only (``max_new_tokens``, ``max_length``): the same
+        dataset and options give the same batches, and a resumed plan cuts its next windows as before."""
+        new = int(RegenConfig.of(self.config).max_new_tokens)
+        return np.array([prompt_tokens(m) + new for m in window.masks], dtype=np.int64)
 
     def write_window_extra(self, store, window, plans) -> None:
         """Write ``plan/regen/<batch>.jsonl`` for each batch of the window: its samples' conversations,
@@ -648,13 +671,28 @@ class RegenPlanJob(PlanJob):
             store.write(regen_plan_key(plan.batch), ("\n".join(lines) + "\n").encode())
 
 
+def prompt_tokens(mask_S: np.ndarray) -> int:
+    """Tokens of a sample before its last supervised run (the prompt of its last kept assistant
+    turn); the whole sample when nothing is supervised. ``mask_S``: uint8 [S]."""
+    starts = np.flatnonzero(np.diff(np.asarray(mask_S, dtype=np.int8), prepend=np.int8(0)) == 1)
+    return int(starts[-1]) if len(starts) else int(len(mask_S))
+
+
 def prepare_regenerate(opts: PlanOptions, settings: Settings, progress=None) -> RegenPlanJob:
     """:func:`prepare_plan` for a regenerate run (``opts.regenerate`` set): the same
     checks and config, with ``regenerate`` in run.json and its identity, and a run id
-    ``<dataset>-regen-<hash>``. Writes nothing.
+    ``<dataset>-regen-<hash>``; its batches sized for generation (:class:`RegenPlanJob`): ``batch_tokens``
+    is ``--regen-batch-tokens`` (``opts.batch_tokens``, the extraction's, is not used). Writes nothing.
 
-    Raises BadConfig (an option, ``--allow-text``, ``--output`` a run), BadDataset, RunConflict, as prepare_plan."""
+    Raises BadConfig (an option, ``--allow-text``, ``--output`` a run, a budget below one prompt and
+    its answer), BadDataset, RunConflict, as prepare_plan."""
     regen = RegenConfig.model_validate(opts.regenerate).check()
+    budget = settings.regen_batch_tokens if opts.regen_batch_tokens is None else opts.regen_batch_tokens
+    max_length = settings.max_length if opts.max_length is None else opts.max_length
+    if budget < max_length + regen.max_new_tokens:
+        raise BadConfig(f"--regen-batch-tokens {budget} is smaller than --max-length {max_length} + --max-new-tokens "
+                        f"{regen.max_new_tokens}: a regenerate batch must hold one prompt of up to --max-length tokens "
+                        "and its answer; raise --regen-batch-tokens (HSX_REGEN_BATCH_TOKENS) or lower the others")
     if opts.allow_text:
         raise BadConfig("--allow-text: a plain-text record has no assistant turn to answer; regenerate conversations")
     if opts.chat_template:  # the workers render the prompts with it: its text travels in run.json
@@ -663,8 +701,8 @@ def prepare_regenerate(opts: PlanOptions, settings: Settings, progress=None) -> 
     if exists(root, RUN_JSON):
         raise BadConfig(f"--output {opts.output or settings.store_url!r} is a run (it holds run.json), not the store root "
                         "that runs are written under. Fix: give its parent directory (e.g. --output ./out)")
-    config, (spec, chat), source = build_config(dataclasses.replace(opts, regenerate=None), settings, progress,
-                                                capture=False)
+    config, (spec, chat), source = build_config(dataclasses.replace(opts, regenerate=None, batch_tokens=budget), settings,
+                                                progress, capture=False)
     config.regenerate = regen.model_dump(mode="json")
     config.run_id = opts.run_id or config.default_run_id(f"{source.name}-regen")
     run_store = root.child(config.run_id)
@@ -672,10 +710,13 @@ def prepare_regenerate(opts: PlanOptions, settings: Settings, progress=None) -> 
     return RegenPlanJob(opts, settings, root, run_store, config, spec, chat, source)
 
 
-def _cut_window(window: _Window, config: RunConfig, records_read: int, last: bool) -> tuple[PlanWindow, list[BatchPlan], list[SampleRow]]:
-    """The window's batches (its samples sorted by length, ``producer/batching.py``), sample rows and record."""
+def _cut_window(window: _Window, config: RunConfig, records_read: int, last: bool,
+                costs_N: np.ndarray | None = None) -> tuple[PlanWindow, list[BatchPlan], list[SampleRow]]:
+    """The window's batches (its samples sorted by length, ``producer/batching.py``), sample rows and
+    record. ``costs_N``: what a sample costs in a batch's budget (int64 [N]; None: its length)."""
     lengths_N = np.array([len(x) for x in window.ids], dtype=np.int64)
-    groups = cut_batches(lengths_N, batch_tokens=config.batch_tokens, max_batch_samples=config.max_batch_samples) \
+    costs_N = lengths_N if costs_N is None else costs_N
+    groups = cut_batches(costs_N, batch_tokens=config.batch_tokens, max_batch_samples=config.max_batch_samples) \
         if len(lengths_N) else []
     batch_of = np.empty(len(lengths_N), dtype=np.int64)
     plans = []

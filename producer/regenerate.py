@@ -1,9 +1,10 @@
 """Regenerate runs (issue 23), the producer's side: the generation options, a regenerate run as a
 dataset, its verification.
 
-``python -m producer regenerate DATASET --model M --output STORE`` plans the dataset exactly as an
+``python -m producer regenerate DATASET --model M --output STORE`` plans the dataset as an
 extraction run (``producer/planner.py``: the same reading, checks, chat template and tokenisation,
-token-budget batches in streamed windows; the full conversations' lengths size the batches), and
+token-budget batches in streamed windows) but sizes its batches for generation (a row costs its
+prompt + ``--max-new-tokens``, within ``--regen-batch-tokens``: :class:`producer.planner.RegenPlanJob`), and
 writes beside each batch its conversations as the planner normalised them
 (``plan/regen/<batch>.jsonl``, ``hsx/regen.py``; :func:`producer.planner.prepare_regenerate`). The
 run's ``regenerate`` (:class:`hsx.regen.RegenConfig`) is in run.json and its identity: other generation
@@ -44,6 +45,9 @@ from producer.sourcebase import DatasetChanged, RawItem, Source, SourceOptions
 #: their argparse dest.
 GENERATION_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
                       "top_k": "--top-k", "stop": "--stop", "turns": "--turns"}
+#: Options of a regenerate run that size its plan, not its answers (:class:`producer.planner.PlanOptions`
+#: fields, not :class:`RegenConfig`'s): refused without --regenerate as the generation options are.
+REGENERATE_PLAN_OPTIONS = {"regen_batch_tokens": "--regen-batch-tokens"}
 
 
 def add_generation_options(p, *, in_run: bool = False, hidden: bool = False) -> None:
@@ -72,6 +76,10 @@ def add_generation_options(p, *, in_run: bool = False, hidden: bool = False) -> 
     p.add_argument("--turns", choices=TURNS,
                    help=helped("answer the last assistant turn of each conversation (default), or every one in order, "
                                "each prompt holding the answers before it"))
+    p.add_argument("--regen-batch-tokens", type=int, metavar="N",
+                   help=helped("token budget of a regenerate batch, rows x (longest prompt + --max-new-tokens): what one "
+                               "generate call holds (default HSX_REGEN_BATCH_TOKENS, 262144; at most HSX_MAX_BATCH_SAMPLES "
+                               "rows); --batch-tokens sizes the extraction's batches"))
     if in_run:
         p.add_argument("--drop-unfinished", action="store_true",
                        help="with --regenerate (or a regenerate run's address as DATASET): skip the conversations with an "
@@ -89,8 +97,9 @@ def generation_options(args) -> dict:
 
 
 def given_generation_options(args) -> list[str]:
-    """The generation options given on the command line (``--temperature``, ...), as typed."""
-    return [flag for name, flag in GENERATION_OPTIONS.items() if getattr(args, name, None) is not None]
+    """The generation options given on the command line (``--temperature``, ..., ``--regen-batch-tokens``), as typed."""
+    return [flag for name, flag in {**GENERATION_OPTIONS, **REGENERATE_PLAN_OPTIONS}.items()
+            if getattr(args, name, None) is not None]
 
 
 # ------------------------------------------------------------------------------------------------

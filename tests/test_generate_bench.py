@@ -44,7 +44,7 @@ def shard_completion_tokens(store_root: Path) -> int:
 def test_the_generate_bench_runs_producer_regenerate_and_the_ceilings(tmp_path, tiny_cache):
     out, work = tmp_path / "generate.json", tmp_path / "w"
     run_bench("generate.py", ["--model", "tiny-qwen3.5", "--device", "cpu", "--limit", "4", "--max-new-tokens", "3",
-                              "--max-length", "384", "--batch-tokens", "768", "--min-window-s", "0",
+                              "--max-length", "384", "--regen-batch-tokens", "768", "--min-window-s", "0",
                               "--workdir", str(work), "--json", str(out)], tiny_cache, timeout_s=230)
     (row,) = json.loads(out.read_text())["rows"]
     assert not [f for f in FIELDS if f not in row]

@@ -28,7 +28,7 @@ from hsx.store import open_store
 #: 50 records; 8 new tokens per answer keep the generation at a few seconds on a CPU.
 JOB = ["sharegpt", "--limit", "50", "--model", "tiny-qwen3.5", "--max-length", "384", "--batch-tokens", "1536",
        "--store-dtype", "float32", "--regenerate", "--max-new-tokens", "8", "--temperature", "0.8", "--top-k", "50",
-       "--seed", "7"]
+       "--seed", "7", "--regen-batch-tokens", "1536"]
 
 
 def shard_conversations(run_store) -> dict[int, RegeneratedConversation]:
@@ -198,7 +198,8 @@ def test_each_answer_depends_on_its_own_seed_not_on_its_batch(tiny_qwen35, chat)
 def test_ctrl_c_then_the_same_command_resumes(tmp_path, tiny_cache, shared_worker):
     """Ctrl-C while the regenerate run's batches are answered: exit 130, the markers written are kept;
     the same command again answers only the batches left, then extracts."""
-    job = [*JOB[:2], "8", *JOB[3:8], "384", *JOB[9:]]  # 8 records in batches of at most 384 tokens: several batches
+    job = [*JOB[:2], "8", *JOB[3:8], "384", *JOB[9:]]  # 8 records in batches of at most 392 tokens: several batches
+    job[job.index("--regen-batch-tokens") + 1] = "392"  # --max-length 384 + --max-new-tokens 8
     out = tmp_path / "out"
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool",
                     faults="pause_marker=1", worker_concurrency=1, max_pending_uploads=1)  # two task threads
@@ -374,7 +375,7 @@ def test_nan_and_inf_generation_options_are_refused(option, value, capsys, tmp_p
 
 @pytest.mark.parametrize("command", ["run", "enqueue"])
 @pytest.mark.parametrize("option", [["--max-new-tokens", "8"], ["--temperature", "0.5"], ["--top-p", "0.9"],
-                                    ["--top-k", "5"], ["--stop", "x"], ["--turns", "all"]])
+                                    ["--top-k", "5"], ["--stop", "x"], ["--turns", "all"], ["--regen-batch-tokens", "9000"]])
 def test_generation_options_without_regenerate_are_refused(command, option, capsys, tmp_path):
     """Without --regenerate nothing is generated: run/enqueue refuse a generation option (exit 2) naming it
     and the fix, before anything is read or planned; --seed (also --shuffle's and --sample's) is not one."""
@@ -527,3 +528,112 @@ def test_run_regenerate_checks_the_extraction_layers_before_the_regenerate_stage
     run_module.run_regenerated(dataclasses.replace(opts, layers="1,3"), RegenConfig().model_dump(mode="json"),
                                Settings(_env_file=None, cache_dir=tiny_cache), console=None)
     assert len(started) == 1
+
+
+
+def _regen_plan(tiny_cache, output, dataset="sharegpt", *, max_new_tokens=512, **options):
+    """A regenerate run planned (no worker) into ``output``: ``(config, [(rows' costs, rows' prompts)])`` per
+    batch in plan order, each row's cost as the plan counts it and its prompt's length as the worker renders it."""
+    import numpy as np
+
+    from hsx.plan import read_batch
+    from hsx.regen import PlannedConversation, regen_plan_key
+    from producer.planner import PlanOptions, prepare_plan, prompt_tokens
+    from settings import Settings
+    from workers.generate import prompt_ids
+
+    opts = PlanOptions(dataset=dataset, model="tiny-qwen3.5", output=str(output),
+                       regenerate=RegenConfig(max_new_tokens=max_new_tokens).model_dump(mode="json"), **options)
+    job = prepare_plan(opts, Settings(_env_file=None, cache_dir=tiny_cache))
+    planned = job.run()
+    batches = []
+    for summary in planned.batches:
+        plan = read_batch(planned.run_store, summary.batch)
+        convs = parse_lines(planned.run_store.read(regen_plan_key(summary.batch)), PlannedConversation, "plan")
+        prompts = []
+        for c in convs:  # --turns last: the last assistant turn whose prompt fits (workers/generate.py answer_batch)
+            for t in reversed([i for i, m in enumerate(c.messages) if m["role"] == "assistant"]):
+                n = len(prompt_ids(job.chat, c.record_id, c.messages[:t], c.tools))
+                if n < planned.config.max_length:
+                    break
+            prompts.append(n)
+        masks = np.split(plan.loss_mask_T, plan.cu_seqlens_N1[1:-1])
+        batches.append(([prompt_tokens(m) + max_new_tokens for m in masks], prompts))
+    return planned.config, batches
+
+
+def _cut_as_decoding_batches(batches, budget: int, rows_cap: int) -> None:
+    """Each batch (longest cost first, as the planner cuts one window) holds as many rows as fit
+    ``rows x its longest cost <= budget``, at most ``rows_cap``, the last one what is left."""
+    left = sum(len(costs) for costs, _p in batches)
+    for costs, _prompts in batches:
+        assert len(costs) == min(rows_cap, budget // max(costs), left), (len(costs), max(costs))
+        left -= len(costs)
+
+
+def test_regenerate_batches_are_sized_for_decoding_not_for_extraction(tiny_cache, tmp_path):
+    """At --max-length 4096 a regenerate batch is one generate call's worth of answers: rows x (longest
+    prompt + max_new_tokens) within HSX_REGEN_BATCH_TOKENS (262,144), at most HSX_MAX_BATCH_SAMPLES (256)
+    rows (extraction's 32,768 tokens, rows x longest conversation, held a few dozen); each row's prompt
+    is the one the worker renders (to within the 4 tokens a template renders differently before a
+    generation prompt)."""
+    config, batches = _regen_plan(tiny_cache, tmp_path / "out", max_length=4096, limit=1000)
+    assert (config.batch_tokens, config.max_batch_samples) == (262144, 256)
+    _cut_as_decoding_batches(batches, 262144, 256)
+    for costs, prompts in batches:
+        assert all(0 <= p - (c - 512) <= 4 for c, p in zip(costs, prompts)), "a row costs its prompt + max_new_tokens"
+    # even the longest prompts (up to 4,095 tokens) go 56 to a batch, where extraction's budget held 8 of them
+    assert min(len(costs) for costs, _p in batches) >= 262144 // (4095 + 512) and len(batches) < 12
+
+
+def test_a_regenerate_row_costs_its_prompt_and_max_new_tokens_not_its_whole_conversation(tiny_cache, tmp_path):
+    """Short questions with long original answers: the answers are regenerated, so their tokens cost
+    nothing in the plan; a batch holds budget // (longest prompt + max_new_tokens) rows, where the whole
+    conversations (about 1,200 tokens) would fit 3."""
+    data = tmp_path / "long-answers.jsonl"
+    words = " ".join(f"word{i}" for i in range(600))
+    data.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}?"},
+                                                                   {"role": "assistant", "content": words}]}) + "\n"
+                            for i in range(40)))
+    config, batches = _regen_plan(tiny_cache, tmp_path / "out", str(data), max_new_tokens=64, max_length=2048,
+                                  regen_batch_tokens=4224)
+    assert config.batch_tokens == 4224
+    _cut_as_decoding_batches(batches, 4224, 256)
+    for costs, prompts in batches:
+        assert costs == [p + 64 for p in prompts]
+    assert len(batches) <= 2 and max(len(costs) for costs, _p in batches) >= 20
+
+
+def test_a_regenerate_plan_is_the_same_for_the_same_options_and_its_id_names_what_sizes_it(tiny_cache, tmp_path):
+    """Same dataset and options: the same run id and the same batches (so a resume finds its plan);
+    another --max-new-tokens or --regen-batch-tokens: other batches and another run id."""
+    def plan(name, max_new_tokens=256, regen_batch_tokens=8192):
+        config, batches = _regen_plan(tiny_cache, tmp_path / name, max_length=1024, limit=120,
+                                      max_new_tokens=max_new_tokens, regen_batch_tokens=regen_batch_tokens)
+        return config.run_id, [costs for costs, _p in batches]
+
+    first = plan("a")
+    assert plan("b") == first
+    longer = plan("c", max_new_tokens=512)
+    assert longer[0] != first[0] and [len(c) for c in longer[1]] != [len(c) for c in first[1]]
+    bigger = plan("d", regen_batch_tokens=16384)
+    assert bigger[0] != first[0] and len(bigger[1]) < len(first[1])
+
+
+def test_a_regenerate_budget_below_one_prompt_and_its_answer_is_refused(tiny_cache, tmp_path):
+    from hsx.errors import BadConfig
+
+    with pytest.raises(BadConfig, match=r"--regen-batch-tokens 4000 is smaller than --max-length 4096 \+ --max-new-tokens 512"):
+        _regen_plan(tiny_cache, tmp_path / "out", limit=2, regen_batch_tokens=4000)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_producer_regenerate_refuses_batch_tokens_for_regen_batch_tokens(capsys, tmp_path):
+    """``regenerate --batch-tokens`` would size nothing (it is the extraction's budget): refused, naming the option that does."""
+    from producer.cli import main
+
+    code = main(["regenerate", str(tmp_path / "none.jsonl"), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"),
+                 "--batch-tokens", "65536"])
+    text = " ".join((lambda c: c.out + c.err)(capsys.readouterr()).split())
+    assert code == 2 and "--batch-tokens 65536 sizes extraction batches" in text and "--regen-batch-tokens" in text
+    assert not (tmp_path / "out").exists()
