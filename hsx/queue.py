@@ -9,9 +9,12 @@ timeout far above the longest task, the same on every app that talks to the brok
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from celery import Celery
 
 from hsx.brokerlayout import EXTRACT_TASK, restore_options
+from hsx.records import BatchSummary
 from settings import Settings
 
 
@@ -62,10 +65,11 @@ def task_argsrepr(run_id: str, batch: str, num_samples=None, num_tokens=None) ->
     return text
 
 
-def send_batches(settings: Settings, broker_url: str, run_url: str, run_id: str, batches: list[dict],
+def send_batches(settings: Settings, broker_url: str, run_url: str, run_id: str, batches: Iterable[BatchSummary],
                  on_sent=None) -> dict[str, str]:
-    """Send one extraction task per batch (``{"batch", "num_samples"?, "num_tokens"?}``) of the run
-    at ``run_url`` onto ``HSX_QUEUE``; returns ``{batch: task id}``. The task id is
+    """Send one extraction task per batch of the run at ``run_url`` (its plan's summaries: the
+    message carries the name, ``argsrepr`` the samples and tokens too) onto ``HSX_QUEUE``; returns
+    ``{batch: task id}``. The task id is
     ``<run_id>.<batch>.<8 hex>``: readable in Flower, new for every send. ``on_sent(batch)`` is
     called after each. Raises whatever kombu raises when the broker does not take a message."""
     import uuid
@@ -75,11 +79,11 @@ def send_batches(settings: Settings, broker_url: str, run_url: str, run_id: str,
     try:
         with app.producer_or_acquire() as producer:
             for b in batches:
-                batch = b["batch"]
+                batch = b.batch
                 task_id = f"{run_id}.{batch}.{uuid.uuid4().hex[:8]}"
                 app.send_task(EXTRACT_TASK, args=[run_url, batch], queue=settings.queue, task_id=task_id,
                               producer=producer, kwargsrepr="{}",
-                              argsrepr=task_argsrepr(run_id, batch, b.get("num_samples"), b.get("num_tokens")))
+                              argsrepr=task_argsrepr(run_id, batch, b.num_samples, b.num_tokens))
                 sent[batch] = task_id
                 if on_sent is not None:
                     on_sent(batch)

@@ -143,7 +143,7 @@ def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None,
         return result
     task = progress.add_task("enqueueing", total=len(todo)) if progress else None
     register_runs(redis_client(broker_url), settings.queue, [planned.run_url])
-    sent = send_batches(settings, broker_url, planned.run_url, planned.config.run_id, [by_name[b].model_dump() for b in todo],
+    sent = send_batches(settings, broker_url, planned.run_url, planned.config.run_id, [by_name[b] for b in todo],
                         on_sent=(lambda _b: progress.advance(task)) if progress else None)
     result.enqueued += list(sent)
     result.task_ids.update(sent)

@@ -13,6 +13,7 @@ import pytest
 from hsx.brokerlayout import (UNACKED_INDEX_KEY, Claim, Lengths, claims, declare_queue, decode_message, drop_claims, is_claimed, lengths,
                               messages_by_run, queue_keys, queued_of, remove_queued, restore_claim, waiting)
 from hsx.queue import EXTRACT_TASK, make_celery, send_batches
+from hsx.records import BatchSummary
 from settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,7 +37,8 @@ def settings(broker):
 
 
 def _send(settings, broker, run_url: str, batches: list[str]) -> dict[str, str]:
-    return send_batches(settings, broker.url, run_url, run_url.rsplit("/", 1)[-1], [{"batch": b} for b in batches])
+    summaries = [BatchSummary(batch=b, num_samples=1, num_tokens=8) for b in batches]
+    return send_batches(settings, broker.url, run_url, run_url.rsplit("/", 1)[-1], summaries)
 
 
 def _send_task(settings, broker, name: str, args: list, task_id: str, priority: int | None = None) -> None:

@@ -24,6 +24,7 @@ from jobfixtures import ROOT, clean_env, run_here, wait_until
 from hsx.broker import redis_client, running_embedded_broker
 from hsx.brokerlayout import queued_of
 from hsx.fleet import Parked, park, read_parked, read_presences, runs_key
+from hsx.plan import read_batch_list
 from hsx.queue import send_batches
 from hsx.records import Cancelled, done_batches
 from hsx.runconfig import load_run
@@ -47,8 +48,8 @@ def test_cancel_removes_the_runs_queued_and_parked_messages_and_the_same_enqueue
     out = tmp_path / "out"
     run_store = copy_plan(template, str(out), cluster.settings)
     other = copy_plan(template, str(tmp_path / "other"), cluster.settings)
-    batches = json.loads(run_store.read("plan/batches.json"))
-    names = sorted(b["batch"] for b in batches)
+    batches = read_batch_list(run_store)
+    names = sorted(b.batch for b in batches)
     client = redis_client(cluster.broker.url)
     send_batches(cluster.settings, cluster.broker.url, other.url, load_run(other).run_id, batches[:1])
     env = clean_env(broker_url=cluster.broker.url, cache_dir=cluster.cache, state_dir=tmp_path / "state")

@@ -13,6 +13,7 @@ from hsx.brokerlayout import queued_of, remove_queued, waiting
 from hsx.fleet import (HeldTask, Parked, Presence, broker_time, elect, known_runs, live_presences, park, read_parked,
                        register_runs, take_parked, write_presence)
 from hsx.queue import send_batches
+from hsx.records import BatchSummary
 from settings import Settings
 
 
@@ -54,8 +55,9 @@ def test_a_message_parked_twice_is_one_entry_with_both_refusers_and_exactly_one_
 
 def test_remove_queued_takes_only_the_run_s_waiting_messages(broker, client):
     settings = Settings(_env_file=None)
-    send_batches(settings, broker.url, "/r/a", "a", [{"batch": f"b{i:06d}"} for i in range(5)])
-    send_batches(settings, broker.url, "/r/b", "b", [{"batch": f"b{i:06d}"} for i in range(3)])
+    summaries = [BatchSummary(batch=f"b{i:06d}", num_samples=1, num_tokens=8) for i in range(5)]
+    send_batches(settings, broker.url, "/r/a", "a", summaries)
+    send_batches(settings, broker.url, "/r/b", "b", summaries[:3])
     assert waiting(client, "gpu") == 8
     assert sorted(queued_of(client, "gpu", "/r/a")["/r/a"]) == [f"b{i:06d}" for i in range(5)]
     assert remove_queued(client, "gpu", "/r/a", chunk=2) == 5

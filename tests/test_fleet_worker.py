@@ -25,6 +25,7 @@ from jobfixtures import wait_until
 from hsx.broker import redis_client
 from hsx.brokerlayout import UNACKED_KEY, waiting
 from hsx.fleet import live_presences, read_parked
+from hsx.plan import read_batch_list
 from hsx.queue import send_batches
 from hsx.records import done_batches
 from hsx.runconfig import load_run
@@ -34,9 +35,9 @@ FAST = dict(task_retry_base_s=0.3, task_retry_max_s=1, lease_s=30, reclaim_inter
 
 def _send_all(cluster, run_store) -> list[str]:
     """Enqueue every batch of the run the way producer enqueue does; returns the batch names."""
-    batches = json.loads(run_store.read("plan/batches.json"))
+    batches = read_batch_list(run_store)
     send_batches(cluster.settings, cluster.broker.url, run_store.url, load_run(run_store).run_id, batches)
-    return [b["batch"] for b in batches]
+    return [b.batch for b in batches]
 
 
 def _worker_name(cluster, worker) -> str:

@@ -22,7 +22,7 @@ from hsx.brokerlayout import UNACKED_KEY, queued_of
 from hsx.fleet import (Parked, batch_field, broker_time, healer_key, known_runs, park, register_runs,
                        unaccounted_key)
 from hsx.queue import send_batches
-from hsx.records import Cancelled, Failure, done_batches
+from hsx.records import BatchSummary, Cancelled, Failure, done_batches
 from settings import Settings
 from workers import lease
 from workers.lease import Reclaimer
@@ -60,6 +60,11 @@ def _noted(client, run_url) -> dict[str, float]:
     return {k.decode().split("\n", 1)[1]: float(v) for k, v in raw.items() if k.decode().startswith(run_url + "\n")}
 
 
+def _summary(batch: str) -> BatchSummary:
+    """A batch's summary as send_batches takes it (the message carries only the name)."""
+    return BatchSummary(batch=batch, num_samples=1, num_tokens=8)
+
+
 def _age(client, run_url, batches, seconds):
     """Make the healer's notes of ``batches`` ``seconds`` older (as if that much broker time had passed)."""
     for b in batches:
@@ -78,7 +83,7 @@ def test_a_batch_lost_for_the_lease_is_enqueued_again_once_with_a_record_and_acc
     assert _look(healer, client) == []
     assert set(_noted(client, url)) == set(batches), "every batch noted at first sight, none enqueued yet"
     queued, parked, failed = batches[0], batches[1], batches[2]
-    send_batches(settings, broker.url, url, "r", [{"batch": queued}])
+    send_batches(settings, broker.url, url, "r", [_summary(queued)])
     park(client, QUEUE, Parked(run_url=url, batch=parked, reason="test", refused_by=["w"]))
     Failure(batch=failed, error="FidelityError: test").write(run_store)
     _age(client, url, batches, LEASE_S + 1)
@@ -104,7 +109,7 @@ def test_a_batch_noted_once_and_accounted_since_is_not_enqueued(fleet):
     first = json.loads(run_store.read("plan/batches.json"))[0]["batch"]
     _look(healer, client)
     _age(client, url, [first], LEASE_S + 1)
-    send_batches(settings, broker.url, url, "r", [{"batch": first}])
+    send_batches(settings, broker.url, url, "r", [_summary(first)])
     healed = _look(healer, client)
     assert first not in {h["batch"] for h in healed} and first not in _noted(client, url)
     assert queued_of(client, QUEUE)[url][first] == 1, "still one message of it"
@@ -116,7 +121,7 @@ def test_one_healer_per_look_and_none_while_the_queue_is_long(fleet, monkeypatch
     settings, broker, client, run_store, healer = fleet
     other = Reclaimer(settings, broker.url, me="healer-2")
     monkeypatch.setattr(lease, "HEAL_SCAN_MAX", 2)
-    send_batches(settings, broker.url, "/elsewhere", "x", [{"batch": f"b{i}"} for i in range(3)])
+    send_batches(settings, broker.url, "/elsewhere", "x", [_summary(f"b{i}") for i in range(3)])
     assert [healer.heal()[0], other.heal()[0]] == [True, False]
     assert _noted(client, run_store.url) == {}
 

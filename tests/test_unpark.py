@@ -51,6 +51,23 @@ def test_a_parked_message_comes_back_from_a_worker_that_serves_it_and_only_from_
         assert {(p.run_url, p.batch) for p in read_parked(client, QUEUE)} == {(elsewhere, b[0])}
 
 
+def test_a_parked_message_of_a_batch_the_plan_lacks_is_dropped_not_sent(tmp_path, template, caplog):
+    """Messages are sent again from the plan's batch summaries: one naming a batch the run's plan does
+    not hold (no worker would run it) is dropped with a line, its neighbour of the plan comes back."""
+    with EmbeddedBroker(tmp_path / "broker") as broker:
+        settings = Settings(_env_file=None, broker_url=broker.url, store_url=str(tmp_path / "out"), **LEASE)
+        client = redis_client(broker.url)
+        good = copy_plan(template, str(tmp_path / "out" / "a"), settings)
+        first = json.loads(good.read("plan/batches.json"))[0]["batch"]
+        for batch in (first, "b999999"):
+            park(client, QUEUE, Parked(run_url=good.url, batch=batch, reason="NotServed: test", refused_by=["w-1"]))
+        with caplog.at_level("WARNING", logger="workers.lease"):
+            back = Reclaimer(settings, broker.url, me="me").unpark()
+        assert [x["batch"] for x in back] == [first]
+        assert queued_of(client, QUEUE) == {good.url: {first: 1}} and read_parked(client, QUEUE) == []
+        assert "parked batch b999999 of" in caplog.text and "the run's plan has no such batch" in caplog.text
+
+
 @pytest.mark.timeout(110)
 def test_a_message_parked_by_a_worker_that_does_not_serve_its_root_runs_when_one_that_does_starts(
         template, cluster, tmp_path):

@@ -85,6 +85,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from hsx.brokerlayout import Claim, claims, declare_queue, drop_claims, queued_of, restore_claim, waiting
+from hsx.records import BatchSummary
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ class Reclaimer:
         self._stores: dict[str, object] = {}
         self._unlisted: dict[str, float] = {}  # delivery tag -> monotonic time first seen unlisted
         self._stale: dict[str, tuple[float, float]] = {}  # worker -> (its stamp, monotonic time first seen stale)
-        self._plans: dict[str, list[str]] = {}  # run -> batch names of its complete plan (it never changes)
+        self._plans: dict[str, dict[str, BatchSummary]] = {}  # run -> its complete plan's batches (it never changes)
         self._finished: dict[str, float] = {}  # run -> monotonic time the healer found it finished
         self._unfit: set[str] = set()  # runs planned for another model than this worker's HSX_MODEL
         self._thread: threading.Thread | None = None
@@ -502,8 +503,9 @@ class Reclaimer:
             if not taken:
                 continue
             try:
+                planned = self._planned(run_url, store)
                 declare_queue(self.broker_url, self.settings.queue)
-                self._send(run_url, config.run_id, [e.batch for e in taken])
+                self._send(run_url, config.run_id, [planned[e.batch] for e in taken if e.batch in planned])
             except Exception as exc:  # keep them: parked again as they were
                 for e in taken:
                     park(client, queue, e)
@@ -511,6 +513,9 @@ class Reclaimer:
                             exc.__class__.__name__, exc)
                 continue
             for e in taken:
+                if e.batch not in planned:  # no worker would run it: the task refuses a batch the plan lacks
+                    log.warning("parked batch %s of %s dropped: the run's plan has no such batch", e.batch, run_url)
+                    continue
                 log.warning("batch %s of %s came back from parked (parked by %s: %s): this worker serves it",
                             e.batch, run_url, ", ".join(e.refused_by) or "?", e.reason[:300])
                 out.append({"batch": e.batch, "run_url": run_url, "parked_by": list(e.refused_by), "reason": e.reason})
@@ -528,10 +533,23 @@ class Reclaimer:
             log.debug("model of a parked run not compared: %s", exc)
             return False
 
-    def _send(self, run_url: str, run_id: str, batches: list[str]) -> None:
+    def _send(self, run_url: str, run_id: str, batches: list[BatchSummary]) -> None:
         from hsx.queue import send_batches
 
-        send_batches(self.settings, self.broker_url, run_url, run_id, [{"batch": b} for b in batches])
+        send_batches(self.settings, self.broker_url, run_url, run_id, batches)
+
+    def _planned(self, run_url: str, store) -> dict[str, BatchSummary]:
+        """The run's planned batches by name, in batch order (:func:`hsx.plan.planned_batches`); kept
+        once its plan is complete. Raises what the store raises."""
+        from hsx.plan import planned_batches
+
+        planned = self._plans.get(run_url)
+        if planned is None:
+            batches, complete = planned_batches(store)
+            planned = {b.batch: b for b in batches}
+            if complete:
+                self._plans[run_url] = planned
+        return planned
 
     # --- lost messages ------------------------------------------------------------------------
 
@@ -586,7 +604,6 @@ class Reclaimer:
 
     def _heal_run(self, run_url: str, accounted: set[str], unaccounted: dict[str, float], now: float) -> list[dict]:
         from hsx.fleet import batch_field, forget_run, unaccounted_key
-        from hsx.plan import planned_batches
         from hsx.records import Cancelled, Reclaim, done_batches, read_failures
 
         client, queue, lease_s = self.client(), self.settings.queue, self.settings.lease_s
@@ -598,12 +615,7 @@ class Reclaimer:
         store, config = opened
         if Cancelled.read(store) is not None:
             return []
-        planned = self._plans.get(run_url)
-        if planned is None:
-            batches, complete = planned_batches(store)
-            planned = [b.batch for b in batches]
-            if complete:
-                self._plans[run_url] = planned
+        planned = self._planned(run_url, store)
         done = done_batches(store)
         if run_url in self._plans and done.issuperset(planned):
             forget_run(client, queue, run_url)
@@ -640,7 +652,7 @@ class Reclaimer:
         if not won:
             return []
         declare_queue(self.broker_url, self.settings.queue)
-        self._send(run_url, config.run_id, [b for b, *_ in won])
+        self._send(run_url, config.run_id, [planned[b] for b, *_ in won])
         client.hdel(key, *[batch_field(run_url, b) for b, *_ in won])
         log.warning("batches %s of %s enqueued again: lost (neither done, queued, claimed nor parked for %.0f s or more; "
                     "a broker that lost its data, a message dropped)", ", ".join(b for b, *_ in won), run_url, lease_s)
