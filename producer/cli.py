@@ -77,13 +77,23 @@ def _progress() -> Progress:
 
 
 class _Progress(Progress):
-    """Progress whose tasks always have an ``info`` field (samples, tokens/s) for the shared column."""
+    """Progress whose tasks always have an ``info`` field (samples, tokens/s; a regenerate run's
+    generated answers, answers/s) for the shared column."""
 
     def add_task(self, description, *args, **fields):
         fields.setdefault("info", "")
         return super().add_task(description, *args, **fields)
 
     def update(self, task_id, **kwargs):
+        if "answers" in kwargs or "answers_s" in kwargs:  # a regenerate run: conversations answered (producer/run.py)
+            answers = kwargs.pop("answers", None)
+            rate = kwargs.pop("answers_s", None)
+            parts = []
+            if answers is not None:
+                parts.append(f"{plural(answers, 'answer')} generated")
+            if rate is not None:  # nan: too few markers yet
+                parts.append("measuring answers/s" if rate != rate else f"{rate:,.1f} answers/s now")
+            kwargs["info"] = "  ".join(parts)
         if "samples" in kwargs or "tok_s" in kwargs:
             samples = kwargs.pop("samples", None)
             tok_s = kwargs.pop("tok_s", None)

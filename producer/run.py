@@ -20,6 +20,7 @@ from pathlib import Path
 from hsx.broker import EmbeddedBroker, check_broker
 from hsx.errors import RunCancelled, StoreError
 from hsx.records import BatchSummary, Cancelled, done_batches, read_failures
+from hsx.regen import is_regenerate
 from hsx.store import mask_url
 from hsx.layout import window_key
 from hsx.plan import plan_complete
@@ -173,6 +174,11 @@ class PauseWatch:
             self.since = None
 
 
+def progress_label(config) -> str:
+    """The progress bar's name for a run's batches: ``regenerating`` for a regenerate run, else ``extracting``."""
+    return "regenerating" if is_regenerate(config) else "extracting"
+
+
 def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress=None, poll_s: float | None = None,
                      reconcile=None, reconcile_after_s: float = 300.0, task=None, pauses: PauseWatch | None = None,
                      deaths=None, clock=time.monotonic) -> dict:
@@ -180,7 +186,8 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
     died, or the run was cancelled (``producer cancel``: its ``cancelled.json``).
 
     ``task``: the progress task to show the markers on (``run``'s, shown since the first window);
-    None: a new ``extracting`` task. ``pauses``: a :class:`PauseWatch` checked as it waits;
+    None: a new ``extracting`` task (``regenerating`` for a regenerate run, whose bar counts the
+    answered conversations and their rate, :func:`progress_label`). ``pauses``: a :class:`PauseWatch` checked as it waits;
     ``deaths``: a :class:`producer.deaths.WorkerDeaths`, each worker death said as it is seen;
     ``clock``: seconds, monotonic (the recent rate's and the reconcile's times).
 
@@ -196,8 +203,9 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
         # Each poll lists markers/ (1,000 keys per S3 page): poll big runs less often.
         poll_s = min(10.0, 0.5 + len(by_name) / 20_000)
     seen: set[str] = set()
+    regen = is_regenerate(planned.config)
     if progress and task is None:
-        task = progress.add_task("extracting", total=len(by_name), samples=0, tokens=0)
+        task = progress.add_task(progress_label(planned.config), total=len(by_name), samples=0, tokens=0)
     elif progress:
         progress.update(task, total=len(by_name))
     tokens = samples = 0
@@ -230,8 +238,8 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
             # while the plan was written): when is not known here, so they count as done but not in the
             # rate. Stamped with this look's time they made "tok/s now" 2.5-3.5x the steady rate after
             # a resume (issue 22, item 7): the next markers' span counted their tokens too.
-            if not first_look:
-                arrivals.append((now, by_name[b].num_tokens))
+            if not first_look:  # a regenerate batch's planned tokens are not what it generated: its answers count
+                arrivals.append((now, by_name[b].num_samples if regen else by_name[b].num_tokens))
         first_look = False
         new_done = len(done - seen)
         seen |= done
@@ -241,7 +249,11 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
             # The rate of the last markers, not an average since the start: that would count planning,
             # the model load and the warm-up (producer/status.py recent_rate).
             rate = recent_rate(arrivals, now)
-            progress.update(task, completed=len(seen), samples=samples, tok_s=rate if rate is not None else float("nan"))
+            rate = rate if rate is not None else float("nan")
+            if regen:
+                progress.update(task, completed=len(seen), answers=samples, answers_s=rate)
+            else:
+                progress.update(task, completed=len(seen), samples=samples, tok_s=rate)
         remaining = set(by_name) - seen
         if not remaining:
             break
@@ -379,7 +391,7 @@ class _Launch:
         self.broker_url = settings.broker_url
         self.local: LocalWorkers | None = None
         self.sender: WindowSender | None = None
-        self.task = None  # "extracting": batches planned so far, and their markers
+        self.task = None  # "extracting" ("regenerating"): batches planned so far, and their markers
         self.planned = 0
         self.pauses: PauseWatch | None = None  # a full store, said while the plan is still written too
         self.deaths = None  # producer.deaths.WorkerDeaths: each worker death, said as it happens
@@ -392,8 +404,8 @@ class _Launch:
         self.tick(job)
 
     def tick(self, job: PlanJob) -> None:
-        """The ``extracting`` bar while the plan is written: markers of the batches planned so far
-        (the planner calls this every few seconds, and after each window)."""
+        """The ``extracting`` (``regenerating``) bar while the plan is written: markers of the batches
+        planned so far (the planner calls this every few seconds, and after each window)."""
         if self.pauses is not None:
             self.pauses.check()
         if self.deaths is not None:
@@ -401,7 +413,7 @@ class _Launch:
         if self.progress is None or self.sender is None:
             return
         if self.task is None:
-            self.task = self.progress.add_task("extracting", total=None, samples=0, tokens=0)
+            self.task = self.progress.add_task(progress_label(job.config), total=None, samples=0, tokens=0)
         try:
             done = len(done_batches(job.run_store))
         except Exception:  # only a progress figure: the store may be slow to list

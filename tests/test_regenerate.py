@@ -637,3 +637,66 @@ def test_producer_regenerate_refuses_batch_tokens_for_regen_batch_tokens(capsys,
     text = " ".join((lambda c: c.out + c.err)(capsys.readouterr()).split())
     assert code == 2 and "--batch-tokens 65536 sizes extraction batches" in text and "--regen-batch-tokens" in text
     assert not (tmp_path / "out").exists()
+
+
+class _Bar:
+    """The progress ``wait_for_markers`` draws on; each update certifies one more batch, 10 s later."""
+
+    def __init__(self, store, batches):
+        self.store, self.pending, self.t, self.tasks, self.updates = store, list(batches), 0.0, [], []
+
+    def add_task(self, description, **fields):
+        self.tasks.append(description)
+        return 0
+
+    def update(self, task, **fields):
+        self.updates.append(fields)
+        if self.pending:
+            from hsx.layout import marker_key
+
+            self.t += 10.0
+            self.store.write(marker_key(self.pending.pop(0).batch), b"{}")
+
+
+@pytest.mark.timeout(120)
+def test_a_regenerate_runs_progress_says_regenerating_and_counts_generated_answers(tiny_cache, tmp_path):
+    """``run``'s bar for a regenerate run is ``regenerating``, with the answers generated and their rate
+    (a regenerate batch's planned tokens are its conversations', not what was generated), never
+    "extracting ... tok/s"; an extraction run's keeps its name and tokens/s."""
+    from producer.cli import progress_factory
+    from producer.planner import PlanOptions, prepare_plan
+    from producer.run import _Launch, progress_label, wait_for_markers
+    from settings import Settings
+
+    settings = Settings(_env_file=None, cache_dir=tiny_cache)
+    opts = PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp_path / "out"), max_length=384, limit=12,
+                       regenerate=RegenConfig(max_new_tokens=8).model_dump(mode="json"), regen_batch_tokens=392)
+    job = prepare_plan(opts, settings)
+    planned = job.run()
+    assert len(planned.batches) >= 4
+    from hsx.layout import marker_key
+
+    planned.run_store.write(marker_key(planned.batches[0].batch), b"{}")  # done before: counted, not in the rate
+    bar = _Bar(planned.run_store, planned.batches[1:])
+    waited = wait_for_markers(planned, None, progress=bar, poll_s=0.01, clock=lambda: bar.t)
+    assert waited["done"] == len(planned.batches) and bar.tasks == ["regenerating"]
+    assert all("tok_s" not in u and "samples" not in u for u in bar.updates), bar.updates
+    assert bar.updates[-1]["answers"] == sum(b.num_samples for b in planned.batches)
+    rate = bar.updates[-1]["answers_s"]
+    later = planned.batches[1:]  # the first new marker opens the window (producer/status.py recent_rate)
+    assert rate == pytest.approx(sum(b.num_samples for b in later[1:]) / (10.0 * (len(later) - 1)))
+
+    launch = _Launch(settings, opts, None, None, None, bar)  # the bar shown while the plan is written
+    launch.sender = object()
+    launch.tick(job)
+    assert bar.tasks[-1] == "regenerating"
+    import dataclasses
+
+    assert progress_label(dataclasses.replace(planned.config, regenerate=None)) == "extracting"
+
+    progress = progress_factory()
+    task = progress.add_task("regenerating", total=3)
+    progress.update(task, completed=1, answers=5, answers_s=float("nan"))
+    assert progress.tasks[0].fields["info"] == "5 answers generated  measuring answers/s"
+    progress.update(task, completed=2, answers=9, answers_s=2.5)
+    assert progress.tasks[0].fields["info"] == "9 answers generated  2.5 answers/s now"
