@@ -571,7 +571,9 @@ def steady_window(arrivals: list[tuple[float, int, int]], min_window_s: float, s
 
 def arrivals_from_worker_log(log: Path) -> list[tuple[float, int, int]]:
     """(time, valid tokens, shard bytes) of every ``batch done`` line of a worker log (the line is
-    logged just after the marker is created; Celery's timestamps have milliseconds)."""
+    logged just after the marker is created; Celery's timestamps have milliseconds). A regenerate
+    batch's line (``workers/generate.py``: ``completion_tokens``, no ``tokens`` / ``bytes``) counts its
+    generated tokens and 0 bytes."""
     import datetime
     import re
 
@@ -581,7 +583,10 @@ def arrivals_from_worker_log(log: Path) -> list[tuple[float, int, int]]:
         if m:
             t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             d = json.loads(m.group(2))
-            out.append((t, int(d["tokens"]), int(d["bytes"])))
+            if "tokens" not in d and "completion_tokens" in d:  # a regenerate batch
+                out.append((t, int(d["completion_tokens"]), int(d.get("bytes", 0))))
+            else:
+                out.append((t, int(d["tokens"]), int(d["bytes"])))
     return sorted(out)
 
 

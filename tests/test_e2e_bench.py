@@ -33,3 +33,22 @@ def test_the_e2e_bench_runs_producer_run_and_reports_every_field(tmp_path):
     assert row["kept_shards_hash_ok"] is True, "the shards kept are the bytes their markers certify"
     assert row["ceiling_tok_s"] == min(row["ceiling_same_layers_tok_s"], row["store_limit_tok_s"])
     assert row["valid_tokens"] > 0 and row["steady_tok_s"] > 0 and (row["cold_start_s"] or row["warm_start_s"]) > 0
+
+
+def test_arrivals_from_worker_log_reads_extraction_and_regenerate_batch_lines(tmp_path):
+    """A worker that served both kinds: an extraction batch's line gives its tokens and shard bytes as
+    before; a regenerate batch's (``completion_tokens``, no ``tokens`` / ``bytes``) its generated tokens and 0 bytes."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from e2e_throughput import arrivals_from_worker_log
+
+    log = tmp_path / "workers.log"
+    extract = {"run": "r", "batch": "b000000", "samples": 3, "tokens": 900, "quarantined": 0, "seconds": 0.5,
+               "tok_s": 1800, "bytes": 123456, "write_path": "direct"}
+    regen = {"run": "q", "batch": "b000001", "kind": "regenerate", "engine": "generate", "samples": 4,
+             "completion_tokens": 32, "unfinished": 4, "seconds": 1.0, "tok_s": 40}
+    log.write_text(f"[2026-01-02 03:04:05,250: INFO/MainProcess] batch done {json.dumps(extract)}\n"
+                   "[2026-01-02 03:04:05,500: INFO/MainProcess] something else\n"
+                   f"[2026-01-02 03:04:06,750: INFO/MainProcess] batch done {json.dumps(regen)}\n")
+    (t0, tokens0, bytes0), (t1, tokens1, bytes1) = arrivals_from_worker_log(log)
+    assert (tokens0, bytes0) == (900, 123456) and (tokens1, bytes1) == (32, 0)
+    assert t1 - t0 == pytest.approx(1.5)
