@@ -21,7 +21,8 @@ ceilings doing the same work, in one call on one GPU (issue 23 item 5).
     on the CPU sized for the prompts, as the worker does). ``tok_s`` is over the whole call,
     ``in_engine_tok_s`` from the first request's start to the last one's end (its lifespans);
   - ``continuous_batching_per_batch``: ``workers.generate.generate_continuous`` on each planned batch
-    in turn: the worker's own call without the queue, store and process around it;
+    in turn, with the run's sizing (one manager kept for every batch, as a worker keeps it): the
+    worker's own call without the queue, store and process around it;
   - ``generate``: ``workers.generate.generate_left_padded`` on each planned batch (plain batched
     ``model.generate``, left padding, the batch size the worker uses), the fallback engine.
 
@@ -298,7 +299,8 @@ def run_ceilings(args, answers: dict, settings, names: list[str], budget, write)
     after each. Returns the row's ceiling fields."""
     import types
 
-    from workers.generate import CONTINUOUS, GENERATE, chat_for, generate_continuous, generate_left_padded, pick_engine
+    from workers.generate import (CONTINUOUS, GENERATE, chat_for, generate_continuous, generate_left_padded, pick_engine,
+                                  release_continuous_batching)
     from workers.target import load_target
 
     config, regen = answers["config"], answers["regen"]
@@ -324,8 +326,10 @@ def run_ceilings(args, answers: dict, settings, names: list[str], budget, write)
     def with_generate(prompts, seeds, warm_up=False):
         return generate_left_padded(model, prompts, seeds, short if warm_up else regen, eos_ids, pad)
 
+    capacity = (config.batch_tokens, config.max_batch_samples, config.max_length)  # the worker's: one manager per run
+
     def with_continuous(prompts, seeds, warm_up=False):
-        return generate_continuous(model, prompts, short if warm_up else regen, eos_ids, pad)
+        return generate_continuous(model, prompts, short if warm_up else regen, eos_ids, pad, capacity)
 
     todo = [n for n in CEILINGS if n in names]
     for i, name in enumerate(todo):
@@ -340,7 +344,10 @@ def run_ceilings(args, answers: dict, settings, names: list[str], budget, write)
                 if name == "generate":
                     result = per_batch_ceiling(name, with_generate, batches, device, limit)
                 elif name == "continuous_batching_per_batch":
-                    result = per_batch_ceiling(name, with_continuous, batches, device, limit)
+                    try:
+                        result = per_batch_ceiling(name, with_continuous, batches, device, limit)
+                    finally:  # the kept manager would serve the next generate_batch call with its own sizing
+                        release_continuous_batching(model)
                 else:
                     result = all_at_once_ceiling(model, batches, regen, eos_ids, pad, device, limit, rate_hint)
             except Exception as exc:  # the engine failed on this target (the worker would fall back to generate)

@@ -700,3 +700,53 @@ def test_a_regenerate_runs_progress_says_regenerating_and_counts_generated_answe
     assert progress.tasks[0].fields["info"] == "5 answers generated  measuring answers/s"
     progress.update(task, completed=2, answers=9, answers_s=2.5)
     assert progress.tasks[0].fields["info"] == "9 answers generated  2.5 answers/s now"
+
+
+def test_a_worker_keeps_one_continuous_batching_manager_per_run_and_the_answers_stay_the_same(monkeypatch):
+    """With the run's sizing (``capacity``) transformers' manager and paged cache are built once and kept
+    for the run's next batches: each batch gets batched ``generate``'s answers, a batch answered again
+    after another gets the same ones; another run's end ids build another manager; a failure, and an
+    extraction batch's forward on the same worker, drop it."""
+    import types
+
+    import workers.extract as extract
+    from tinymodels import tiny_model
+    from workers.generate import KEPT_MANAGER, generate_continuous, generate_left_padded, release_continuous_batching
+
+    model = tiny_model("qwen3").eval()
+    greedy = RegenConfig(max_new_tokens=6)
+    capacity = (512, 4, 64)  # the run's batch_tokens, max_batch_samples, max_length
+    a = [[1, 5, 9, 30, 44], [7, 8], [10, 20, 30, 40, 50, 60, 7]]
+    b = [[3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3], [99, 98]]
+    expected = {name: generate_left_padded(model, p, [0] * len(p), greedy, [2], 0) for name, p in (("a", a), ("b", b))}
+
+    assert generate_continuous(model, a, greedy, [2], 0, capacity) == expected["a"]
+    kept = model._cached_continuous_batching_manager
+    assert generate_continuous(model, b, greedy, [2], 0, capacity) == expected["b"]
+    assert generate_continuous(model, a, greedy, [2], 0, capacity) == expected["a"]
+    assert model._cached_continuous_batching_manager is kept, "one manager for the run's batches"
+    assert generate_continuous(model, a, greedy, [2], 0) == expected["a"]  # the per-batch manager agrees
+
+    other = generate_continuous(model, a, greedy, [2, 7], 0, capacity)  # another run: other end ids
+    assert model._cached_continuous_batching_manager is not kept
+    assert other == generate_left_padded(model, a, [0] * 3, greedy, [2, 7], 0)
+
+    def fails(**kwargs):
+        return {}
+
+    monkeypatch.setattr(model, "generate_batch", fails)
+    with pytest.raises(RuntimeError, match="returned 0 answers"):
+        generate_continuous(model, a, greedy, [2], 0, capacity)
+    assert not hasattr(model, "_cached_continuous_batching_manager") and KEPT_MANAGER not in model.__dict__
+    monkeypatch.undo()
+
+    generate_continuous(model, b, greedy, [2], 0, capacity)
+    assert KEPT_MANAGER in model.__dict__
+    for name in ("_room_before_forward", "_check_cancelled_now", "_take_host_buffer"):
+        monkeypatch.setattr(extract, name, lambda *args: None)
+    monkeypatch.setattr(extract, "_launch", lambda work, job: [types.SimpleNamespace(wait=lambda: "states")])
+    work = types.SimpleNamespace(target=types.SimpleNamespace(model=model, gpu_lock=threading.Lock()), expected_bytes=0,
+                                 ranges=[(0, 1)])
+    assert extract.forward(work, types.SimpleNamespace(phase=lambda name: None)).captured == "states"
+    assert not hasattr(model, "_cached_continuous_batching_manager") and KEPT_MANAGER not in model.__dict__
+    release_continuous_batching(model)  # nothing kept: a no-op

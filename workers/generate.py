@@ -21,7 +21,9 @@ name, and the run's ``run.json`` says what the batch is. The worker loads the ta
     attention (transformers 5.24's paged cache knows ``full_attention`` and ``sliding_attention``
     layers only: ``generation/continuous_batching/cache.py`` ``group_layers_by_attn_type`` raises on
     a Gated DeltaNet model's ``linear_attention``). It samples from one shared generator, so it is
-    not used with sampling: a per-answer seed could not be honoured.
+    not used with sampling: a per-answer seed could not be honoured. One manager (and paged cache),
+    sized for the run's batches, serves every batch of a run (:func:`generate_continuous`); an
+    extraction batch on the same worker drops it first (:func:`release_continuous_batching`).
   - ``generate``: ``model.generate`` on the batch's prompts left-padded with an attention mask (left
     padding needs the mask: docs/FACTS.md §2), greedy, with temperature / top-k / top-p as
     transformers' own warpers and the sample drawn by the Gumbel-max trick from a generator per
@@ -142,9 +144,47 @@ def generate_left_padded(model, prompts: list[list[int]], seeds: list[int], rege
     return [_through_eos(row.tolist(), eos_ids) for row in out[:, L:].cpu()]
 
 
+#: Attribute of a model whose continuous-batching manager transformers keeps between batches
+#: (``generate_batch(persistent_manager=True)``): the key of the run sizing it was built for.
+KEPT_MANAGER = "_hsx_kept_manager"
+
+
+class _NoKeptManagerWarning(logging.Filter):
+    """Drops transformers' warning, logged on every ``generate_batch(persistent_manager=True)``, that
+    a kept manager "was sized specifically for the requests passed": ours is sized for the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "persistent_manager=True" not in record.getMessage()
+
+
+_quiet = _NoKeptManagerWarning()
+
+
+def release_continuous_batching(model) -> None:
+    """Drop the continuous-batching manager ``model`` keeps (its paged cache back to torch's
+    allocator), if any. Call it under the GPU lock: before an extraction batch (whose forward limit
+    was measured without that cache), on a failure, for another run's sizing."""
+    destroy = getattr(model, "destroy_cached_continuous_batching_manager", None)
+    if destroy is not None:
+        destroy()
+    model.__dict__.pop(KEPT_MANAGER, None)
+
+
 def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos_ids: list[int],
-                        pad_id: int) -> list[list[int]]:
+                        pad_id: int, capacity: tuple[int, int, int] | None = None) -> list[list[int]]:
     """Answer ``prompts`` with transformers' continuous batching (``model.generate_batch``), greedy.
+
+    ``capacity``: ``(batch_tokens, max_batch_samples, max_length)`` of the run, whose batches are cut
+    so that rows x (longest prompt + max_new_tokens) fits ``batch_tokens`` (``producer/planner.py``
+    ``RegenPlanJob``). The manager and its paged cache are then sized for any batch of the run (every
+    choice that may change an answer explicit: the cache's pages, tokens per step, rows per step, pages
+    per request, no prefix sharing) and kept on the model for the next batch (transformers'
+    ``persistent_manager``), so that a worker builds one per run, not one per batch; an answer depends
+    on its batch only, never on what the worker answered before (its manager is reset between
+    batches, and without prefix sharing no page of an earlier batch is read). Another sizing or other
+    end ids (another run) build a new one; a failure, and an extraction batch
+    (``workers/extract.py``), drop it (:func:`release_continuous_batching`). None: a manager sized
+    for these prompts alone, dropped after them.
 
     Raises RuntimeError when it did not return an answer for every prompt (``generate_batch`` logs
     and swallows its own errors): the caller then answers with :func:`generate_left_padded`."""
@@ -153,16 +193,38 @@ def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos
 
     config = GenerationConfig(max_new_tokens=regen.max_new_tokens, do_sample=False, eos_token_id=list(eos_ids),
                               pad_token_id=int(pad_id))
-    # The paged cache sized for this batch's prompts and answers (pages of page_size tokens, one spare
-    # each): left to itself it sizes itself from the free memory, minutes of allocation on a CPU host.
-    sizing = ContinuousBatchingConfig()
-    pages = sum(-(-(len(p) + regen.max_new_tokens) // sizing.page_size) + 1 for p in prompts)
-    sizing = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=max(sum(len(p) for p in prompts), sizing.page_size))
-    results = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config,
-                                   continuous_batching_config=sizing, progress_bar=False, warmup=False)
-    outs = list(results.values())
-    if len(outs) != len(prompts):
-        raise RuntimeError(f"generate_batch returned {len(outs)} answers for {len(prompts)} prompts")
+    page = ContinuousBatchingConfig().page_size
+    key = None
+    if capacity is None:
+        # The paged cache sized for this batch's prompts and answers (pages of page_size tokens, one spare
+        # each): left to itself it sizes itself from the free memory, minutes of allocation on a CPU host.
+        pages = sum(-(-(len(p) + regen.max_new_tokens) // page) + 1 for p in prompts)
+        sizing = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=max(sum(len(p) for p in prompts), page))
+    else:
+        batch_tokens, rows, max_length = (int(v) for v in capacity)
+        # a request's pages: ceil((prompt + answer) / page) + 1 <= (prompt + answer) / page + 2, and a
+        # batch's (prompt + answer) sum to at most batch_tokens; per request, at most max_length + answer
+        per_request = -(-(max_length + regen.max_new_tokens) // page) + 1
+        sizing = ContinuousBatchingConfig(num_blocks=-(-batch_tokens // page) + 2 * rows,
+                                          max_batch_tokens=max(batch_tokens, page), max_requests_per_batch=rows,
+                                          max_blocks_per_request=per_request + per_request % 2, allow_block_sharing=False)
+        key = (tuple(int(i) for i in eos_ids), int(pad_id), batch_tokens, rows, max_length, int(regen.max_new_tokens))
+        if model.__dict__.get(KEPT_MANAGER, key) != key:
+            release_continuous_batching(model)  # another run's manager: its sizing and end ids are not these
+        logging.getLogger("ContinuousBatchingLogger").addFilter(_quiet)  # once: a set of filters
+    try:
+        results = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config,
+                                       continuous_batching_config=sizing, progress_bar=False, warmup=False,
+                                       persistent_manager=key is not None)
+        outs = list(results.values())
+        if len(outs) != len(prompts):
+            raise RuntimeError(f"generate_batch returned {len(outs)} answers for {len(prompts)} prompts")
+    except BaseException:
+        if key is not None:  # a manager in whatever state the failure left: never reused
+            release_continuous_batching(model)
+        raise
+    if key is not None:
+        model.__dict__[KEPT_MANAGER] = key
     return [_through_eos(list(o.generated_tokens), eos_ids)[:regen.max_new_tokens] for o in outs]
 
 
@@ -246,9 +308,12 @@ def finish(tokenizer, ids: list[int], eos_ids, regen: RegenConfig) -> tuple[str,
 
 
 def answer_batch(target, chat, convs: list[PlannedConversation], regen: RegenConfig, max_length: int,
-                 settings: Settings, batch: str) -> tuple[list[RegeneratedConversation], str, dict]:
+                 settings: Settings, batch: str,
+                 capacity: tuple[int, int, int] | None = None) -> tuple[list[RegeneratedConversation], str, dict]:
     """Regenerate the assistant turns of ``convs`` (see the module docstring); returns the shard's
-    conversations, the engine that answered and ``{"rounds", "generate_s"}``."""
+    conversations, the engine that answered and ``{"rounds", "generate_s"}``. ``capacity``: the run's
+    ``(batch_tokens, max_batch_samples, max_length)``, the continuous-batching manager then kept for
+    the run's next batches (:func:`generate_continuous`)."""
     tokenizer = chat.tokenizer
     eos_ids = sorted(int(i) for i in chat.end_of_turn_ids)
     engine, why = pick_engine(target, regen, settings)
@@ -296,7 +361,7 @@ def answer_batch(target, chat, convs: list[PlannedConversation], regen: RegenCon
             outs = None
             if engine == CONTINUOUS:
                 try:
-                    outs = generate_continuous(target.model, prompts, regen, eos_ids, target.pad_token_id)
+                    outs = generate_continuous(target.model, prompts, regen, eos_ids, target.pad_token_id, capacity)
                 except Exception as exc:  # the engine failed on this target: the batched generate answers
                     engine = GENERATE
                     log.warning("batch %s: continuous batching failed (%s: %s); answering with the batched generate "
@@ -355,7 +420,8 @@ def regenerate_batch(admitted, settings: Settings, job) -> dict:
     chat = chat_for(config, settings)
     _check_cancelled_now(job)
     job.phase("forward")
-    answered, engine, timing = answer_batch(target, chat, convs, regen, config.max_length, settings, batch)
+    answered, engine, timing = answer_batch(target, chat, convs, regen, config.max_length, settings, batch,
+                                            (config.batch_tokens, config.max_batch_samples, config.max_length))
     hooks = faults.hooks()  # the tests' pauses, at the points the extraction body has them (workers/faults.py)
     hooks.pause("forward", batch)
     _check_cancelled_now(job)
