@@ -14,6 +14,7 @@ passed explicitly.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import uuid
@@ -21,6 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# One torch thread per process, set before anything imports torch, and inherited by every process a
+# test starts (workers, ``producer`` commands, benches: their environments are copies of this one).
+# The suite runs four pytest-xdist processes and their workers on a 2-core machine: with torch's
+# default of one OpenMP thread per core, each thread spin-waits for the other at every operation
+# while other processes hold the cores, which tripled the CPU seconds of the tiny models' forwards
+# (tests/test_capture.py, four copies at once on 2 cores: 169 CPU s with 2 threads, 50 with 1).
+for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_threads, "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # tests import the project's top-level packages (hsx, settings...)
