@@ -87,6 +87,20 @@ def make_dataset(out: Path, skip: int, count: int) -> None:
     print(f"{len(rows)} records ({skip}..{skip + len(rows)}) -> {out} ({out.stat().st_size / 1e6:.1f} MB)")
 
 
+def add_dataset_options(ap) -> None:
+    """``--make-dataset OUT --skip N --count M``: write ShareGPT records N..N+M as parquet, and exit."""
+    ap.add_argument("--make-dataset", type=Path, help="write ShareGPT records --skip..--skip+--count as parquet, and exit")
+    ap.add_argument("--skip", type=int, default=10000)
+    ap.add_argument("--count", type=int, default=7000)
+
+
+def made_dataset(args) -> bool:
+    """Whether ``--make-dataset`` was given (and the dataset written: :func:`make_dataset`)."""
+    if args.make_dataset:
+        make_dataset(args.make_dataset, args.skip, args.count)
+    return bool(args.make_dataset)
+
+
 def unpack_dataset(parquet: Path, dest: Path) -> Path:
     """The parquet slice as a JSONL file of ShareGPT records (the form ``producer run`` reads)."""
     import pyarrow.parquet as pq
@@ -622,13 +636,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "fp8"],
                     help="producer run --store-dtype (fp8: half the store bytes, for shapes a disk cannot keep up with)")
-    ap.add_argument("--make-dataset", type=Path)
-    ap.add_argument("--skip", type=int, default=10000)
-    ap.add_argument("--count", type=int, default=7000)
+    add_dataset_options(ap)
     args = ap.parse_args()
     bench_t0 = time.monotonic()
-    if args.make_dataset:
-        make_dataset(args.make_dataset, args.skip, args.count)
+    if made_dataset(args):
         return
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")

@@ -163,7 +163,10 @@ def profile_shape(args, device) -> dict:
     B, S, _ = rows.shape
 
     ids_BS = torch.randint(0, min(text.vocab_size, 151_000), (B, S), device=device)
-    stop = decoder.layers[selection.deepest_layer].register_forward_hook(lambda *_: (_ for _ in ()).throw(_Stop()))
+    def stop_hook(*_):
+        raise _Stop  # the plain forward stops after the deepest captured layer, as ours does
+
+    stop = decoder.layers[selection.deepest_layer].register_forward_hook(stop_hook)
 
     def plain_launch():
         try:

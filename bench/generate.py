@@ -70,7 +70,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from e2e_throughput import (LocalRun, make_dataset, run_producer, steady_window, unpack_dataset,  # noqa: E402
+from e2e_throughput import (LocalRun, add_dataset_options, made_dataset, run_producer, steady_window, unpack_dataset,  # noqa: E402
                             worker_start_seconds)
 from gpu_throughput import sync  # noqa: E402
 
@@ -387,13 +387,10 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, help="wall budget of the whole bench from its start: ours is stopped at "
                     "half the time left, the ceilings measure what fits in the rest, and the row is still written")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--make-dataset", type=Path, help="write ShareGPT records --skip..--skip+--count as parquet, and exit")
-    ap.add_argument("--skip", type=int, default=10000)
-    ap.add_argument("--count", type=int, default=7000)
+    add_dataset_options(ap)
     args = ap.parse_args()
     bench_t0 = time.monotonic()
-    if args.make_dataset:
-        make_dataset(args.make_dataset, args.skip, args.count)
+    if made_dataset(args):
         return
     if not args.model:
         ap.error("--model is required")

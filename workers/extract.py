@@ -58,7 +58,7 @@ from hsx.store import MissingKey, open_store, write_file
 from settings import Settings
 from workers.capture import merge_captured, right_padded_rows, split_by_tokens
 from workers import faults
-from workers.generate import KEPT_MANAGER, release_continuous_batching
+from workers.generate import release_kept_manager
 from workers.heartbeat import process_heartbeat
 from workers.room import _check_cancelled_now, _retry, _room_before_forward, store_room, until_room
 from workers.spool import (is_disk_full, process_host_buffers, process_spool, spool_file_name, spool_full_error,
@@ -354,8 +354,7 @@ def forward(work: Prepared, job: _Job) -> Forwarded:
     _take_host_buffer(work, job)
     job.phase("waiting_gpu")
     with work.target.gpu_lock:
-        if KEPT_MANAGER in work.target.model.__dict__:  # a regenerate run's paged cache, not in the forward limit
-            release_continuous_batching(work.target.model)
+        release_kept_manager(work.target.model)  # a regenerate run's paged cache is not in the forward limit
         job.phase("forward")
         t_fwd = time.perf_counter()
         pending = _launch(work, job)

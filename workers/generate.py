@@ -170,6 +170,13 @@ def release_continuous_batching(model) -> None:
     model.__dict__.pop(KEPT_MANAGER, None)
 
 
+def release_kept_manager(model) -> None:
+    """:func:`release_continuous_batching` when ``model`` keeps a regenerate run's manager, else
+    nothing (a dict lookup: called before every extraction forward, ``workers/extract.py``)."""
+    if KEPT_MANAGER in model.__dict__:
+        release_continuous_batching(model)
+
+
 def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos_ids: list[int],
                         pad_id: int, capacity: tuple[int, int, int] | None = None) -> list[list[int]]:
     """Answer ``prompts`` with transformers' continuous batching (``model.generate_batch``), greedy.
