@@ -329,12 +329,22 @@ def test_a_checkpoint_that_changes_while_a_worker_loads_it_is_refused(ckpt, tmp_
         load_target(str(ckpt), Settings(_env_file=None, cache_dir=tmp_path / "cache", device="cpu"))
 
 
-def test_a_version_1_run_is_still_checked_the_way_its_revision_was_recorded(tiny_cache):
+def test_a_version_1_run_is_still_checked_the_way_its_revision_was_recorded(tiny_cache, tmp_path):
     """The legacy run recorded ``local-<16 hex>`` for tiny-qwen3.5: the same checkpoint now has a content
-    revision (so as_dict() differs) and still matches that record through its legacy revision."""
+    revision (so as_dict() differs) and still matches that record through its legacy revision.
+
+    Version 1 hashed ``config.json``'s bytes, which name the transformers that saved it: the run was made
+    with the checkpoint transformers 5.24.0 saved (tests/data/legacy-runs/SOURCE.md), so the checkpoint
+    checked here is the built one with that version in its config, whatever transformers is installed."""
     recorded = RunConfig.from_json((LEGACY / "chats-307617162427" / "run.json").read_bytes()).model
     assert recorded.revision.startswith("local-")
-    info = model_info("tiny-qwen3.5", tiny_cache)
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_cache, cache)
+    config_json = Path(resolve_model_path("tiny-qwen3.5", cache)) / "config.json"
+    saved_by = json.dumps(json.loads(config_json.read_text())["transformers_version"])
+    config_json.write_text(config_json.read_text().replace(f'"transformers_version": {saved_by}',
+                                                           '"transformers_version": "5.24.0"'))
+    info = model_info("tiny-qwen3.5", cache)
     assert info.as_dict() != recorded.as_dict()
     assert info.legacy_revision == recorded.revision and info.differences(recorded) == []
     assert info.differences(recorded.model_copy(update={"revision": "local-0000000000000000"})) != []
