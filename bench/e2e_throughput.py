@@ -83,6 +83,7 @@ def make_dataset(out: Path, skip: int, count: int) -> None:
         rows = [r for r in itertools.islice(iter_raw_records(path, SkipCounter()), skip, skip + count) if isinstance(r, dict)]
     table = pa.table({"id": [str(r.get("id", i)) for i, r in enumerate(rows)],
                       "conversations": [json.dumps(r["conversations"]) for r in rows]})
+    out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, out, compression="zstd")
     print(f"{len(rows)} records ({skip}..{skip + len(rows)}) -> {out} ({out.stat().st_size / 1e6:.1f} MB)")
 
