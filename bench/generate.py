@@ -252,6 +252,8 @@ def all_at_once_ceiling(model, batches: list[dict], regen, eos_ids: list[int], p
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    from workers.generate import flash_attention_installed, through_eos
+
     chosen, planned = [], 0
     for b in batches:
         expected = sum(b["ours"])
@@ -264,11 +266,13 @@ def all_at_once_ceiling(model, batches: list[dict], regen, eos_ids: list[int], p
     config = GenerationConfig(max_new_tokens=regen.max_new_tokens, do_sample=False, eos_token_id=list(eos_ids),
                               pad_token_id=int(pad_id))  # workers.generate.generate_continuous's
     if device.type == "cuda":
-        sizing, how = ContinuousBatchingConfig(), "cache sized by the engine from the free memory"
+        sizing = ContinuousBatchingConfig(auto_switch_to_flash=flash_attention_installed())  # as the worker's
+        how = "cache sized by the engine from the free memory"
     else:  # left to itself it sizes the cache from the host's memory: minutes of allocation (workers/generate.py)
         page = ContinuousBatchingConfig().page_size
         sizing = ContinuousBatchingConfig(num_blocks=sum(-(-(len(p) + regen.max_new_tokens) // page) + 1 for p in prompts),
-                                          max_batch_tokens=max(sum(len(p) for p in prompts), page))
+                                          max_batch_tokens=max(sum(len(p) for p in prompts), page),
+                                          auto_switch_to_flash=flash_attention_installed())
         how = "cache sized for the prompts (as the worker sizes it)"
     sync(device)
     t0 = time.perf_counter()
@@ -277,12 +281,11 @@ def all_at_once_ceiling(model, batches: list[dict], regen, eos_ids: list[int], p
     sync(device)
     seconds = time.perf_counter() - t0
     outs_raw = list(results.values())
-    if len(outs_raw) != len(prompts) or any(o.error for o in outs_raw):
+    failed = [o for o in outs_raw if o.error is not None or o.status.name != "FINISHED"]
+    if len(outs_raw) != len(prompts) or failed:
         raise RuntimeError(f"generate_batch returned {len(outs_raw)} answers for {len(prompts)} prompts "
-                           f"({sum(1 for o in outs_raw if o.error)} with an error)")
-    from workers.generate import _through_eos
-
-    outs = [_through_eos(list(o.generated_tokens), eos_ids)[:regen.max_new_tokens] for o in outs_raw]
+                           f"({len(failed)} failed: {failed[0].error if failed else ''})")
+    outs = [through_eos(list(o.generated_tokens), eos_ids)[:regen.max_new_tokens] for o in outs_raw]
     spans = [o.lifespan for o in outs_raw if o.lifespan[0] >= 0 and o.lifespan[1] >= 0]
     engine_s = max(s[1] for s in spans) - min(s[0] for s in spans) if spans else 0.0
     tokens, same = _counts(outs, ours)

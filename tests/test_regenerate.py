@@ -709,6 +709,8 @@ def test_a_worker_keeps_one_continuous_batching_manager_per_run_and_the_answers_
     extraction batch's forward on the same worker, drop it."""
     import types
 
+    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
     import workers.extract as extract
     from tinymodels import tiny_model
     from workers.generate import KEPT_MANAGER, generate_continuous, generate_left_padded, release_continuous_batching
@@ -738,6 +740,15 @@ def test_a_worker_keeps_one_continuous_batching_manager_per_run_and_the_answers_
     with pytest.raises(RuntimeError, match="returned 0 answers"):
         generate_continuous(model, a, greedy, [2], 0, capacity)
     assert not hasattr(model, "_cached_continuous_batching_manager") and KEPT_MANAGER not in model.__dict__
+
+    def fails_each_request(inputs, **kwargs):  # as transformers delivers a request whose batch raised (fail_and_deliver)
+        return {f"req_{i}": GenerationOutput(request_id=f"req_{i}", prompt_ids=p, status=RequestStatus.FAILED,
+                                             error="cannot reach the hub for kernels-community/flash-attn2")
+                for i, p in enumerate(inputs)}
+
+    monkeypatch.setattr(model, "generate_batch", fails_each_request)
+    with pytest.raises(RuntimeError, match="failed 3 of 3 requests .*FAILED.*flash-attn2"):
+        generate_continuous(model, a, greedy, [2], 0, capacity)  # never three empty answers
     monkeypatch.undo()
 
     generate_continuous(model, b, greedy, [2], 0, capacity)

@@ -141,7 +141,7 @@ def generate_left_padded(model, prompts: list[list[int]], seeds: list[int], rege
                               eos_token_id=list(eos_ids), pad_token_id=int(pad_id))
     out = model.generate(input_ids=ids_BL.to(device), attention_mask=mask_BL.to(device), generation_config=config,
                          logits_processor=processors)
-    return [_through_eos(row.tolist(), eos_ids) for row in out[:, L:].cpu()]
+    return [through_eos(row.tolist(), eos_ids) for row in out[:, L:].cpu()]
 
 
 #: Attribute of a model whose continuous-batching manager transformers keeps between batches
@@ -177,6 +177,18 @@ def release_kept_manager(model) -> None:
         release_continuous_batching(model)
 
 
+def flash_attention_installed() -> bool:
+    """True when a flash-attention package (FA3's ``flash_attn_interface`` or ``flash_attn`` >= 2.3.3)
+    is installed and CUDA is there: only then may continuous batching switch a bf16 target from sdpa
+    to flash attention (``ContinuousBatchingConfig.auto_switch_to_flash``). Transformers' own default
+    also switches when only the ``kernels`` package is there, fetching the kernel from the hub at the
+    first batch: on a node without network every request then fails (H200, 2026-12-03: 607 empty
+    answers), so that fallback is never taken."""
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    return bool(is_flash_attn_3_available() or is_flash_attn_2_available())
+
+
 def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos_ids: list[int],
                         pad_id: int, capacity: tuple[int, int, int] | None = None) -> list[list[int]]:
     """Answer ``prompts`` with transformers' continuous batching (``model.generate_batch``), greedy.
@@ -193,20 +205,23 @@ def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos
     (``workers/extract.py``), drop it (:func:`release_continuous_batching`). None: a manager sized
     for these prompts alone, dropped after them.
 
-    Raises RuntimeError when it did not return an answer for every prompt (``generate_batch`` logs
-    and swallows its own errors): the caller then answers with :func:`generate_left_padded`."""
+    Raises RuntimeError when it did not return a finished answer for every prompt (``generate_batch``
+    logs and swallows its own errors, and returns a failed request as an output with status FAILED,
+    its error and no tokens): the caller then answers with :func:`generate_left_padded`."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(max_new_tokens=regen.max_new_tokens, do_sample=False, eos_token_id=list(eos_ids),
                               pad_token_id=int(pad_id))
     page = ContinuousBatchingConfig().page_size
+    switch = flash_attention_installed()
     key = None
     if capacity is None:
         # The paged cache sized for this batch's prompts and answers (pages of page_size tokens, one spare
         # each): left to itself it sizes itself from the free memory, minutes of allocation on a CPU host.
         pages = sum(-(-(len(p) + regen.max_new_tokens) // page) + 1 for p in prompts)
-        sizing = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=max(sum(len(p) for p in prompts), page))
+        sizing = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=max(sum(len(p) for p in prompts), page),
+                                          auto_switch_to_flash=switch)
     else:
         batch_tokens, rows, max_length = (int(v) for v in capacity)
         # a request's pages: ceil((prompt + answer) / page) + 1 <= (prompt + answer) / page + 2, and a
@@ -214,7 +229,8 @@ def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos
         per_request = -(-(max_length + regen.max_new_tokens) // page) + 1
         sizing = ContinuousBatchingConfig(num_blocks=-(-batch_tokens // page) + 2 * rows,
                                           max_batch_tokens=max(batch_tokens, page), max_requests_per_batch=rows,
-                                          max_blocks_per_request=per_request + per_request % 2, allow_block_sharing=False)
+                                          max_blocks_per_request=per_request + per_request % 2, allow_block_sharing=False,
+                                          auto_switch_to_flash=switch)
         key = (tuple(int(i) for i in eos_ids), int(pad_id), batch_tokens, rows, max_length, int(regen.max_new_tokens))
         if model.__dict__.get(KEPT_MANAGER, key) != key:
             release_continuous_batching(model)  # another run's manager: its sizing and end ids are not these
@@ -226,16 +242,30 @@ def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos
         outs = list(results.values())
         if len(outs) != len(prompts):
             raise RuntimeError(f"generate_batch returned {len(outs)} answers for {len(prompts)} prompts")
+        # A request the engine failed comes back with status FAILED, its error as text and no tokens
+        # (transformers' continuous_api ``fail_and_deliver``): never an answer.
+        failed = [o for o in outs if o.error is not None or not _finished(o)]
+        if failed:
+            raise RuntimeError(f"generate_batch failed {len(failed)} of {len(prompts)} requests "
+                               f"(status {getattr(failed[0].status, 'name', failed[0].status)}): {failed[0].error}")
     except BaseException:
         if key is not None:  # a manager in whatever state the failure left: never reused
             release_continuous_batching(model)
         raise
     if key is not None:
         model.__dict__[KEPT_MANAGER] = key
-    return [_through_eos(list(o.generated_tokens), eos_ids)[:regen.max_new_tokens] for o in outs]
+    return [through_eos(list(o.generated_tokens), eos_ids)[:regen.max_new_tokens] for o in outs]
 
 
-def _through_eos(ids: list[int], eos_ids) -> list[int]:
+def _finished(output) -> bool:
+    """True for a ``GenerationOutput`` that finished generating (not FAILED, not still pending)."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    return output.status == RequestStatus.FINISHED
+
+
+def through_eos(ids: list[int], eos_ids) -> list[int]:
+    """``ids`` up to and including the first end id (all of them when none is there)."""
     stops = set(int(i) for i in eos_ids)
     for k, t in enumerate(ids):
         if t in stops:
