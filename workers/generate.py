@@ -177,13 +177,20 @@ def release_kept_manager(model) -> None:
         release_continuous_batching(model)
 
 
+#: Tokens per step of continuous batching (its ``max_batch_tokens``; a longer prompt is prefilled in
+#: chunks of it). Not the batch's token budget: transformers sizes per-step buffers and, with sdpa, a
+#: dense mask of step tokens x cache tokens from it; a regenerate batch's budget (65,536 tokens for the
+#: Qwen3-8B run) asked for 419 GB on the H200 and every request failed (2026-12-03). vLLM's scheduler
+#: takes a few thousand tokens per step the same way (``max_num_batched_tokens``).
+CB_STEP_TOKENS = 4096
+
+
 def flash_attention_installed() -> bool:
     """True when a flash-attention package (FA3's ``flash_attn_interface`` or ``flash_attn`` >= 2.3.3)
     is installed and CUDA is there: only then may continuous batching switch a bf16 target from sdpa
     to flash attention (``ContinuousBatchingConfig.auto_switch_to_flash``). Transformers' own default
     also switches when only the ``kernels`` package is there, fetching the kernel from the hub at the
-    first batch: on a node without network every request then fails (H200, 2026-12-03: 607 empty
-    answers), so that fallback is never taken."""
+    first batch, which a node without network cannot do: that fallback is not taken."""
     from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
     return bool(is_flash_attn_3_available() or is_flash_attn_2_available())
@@ -220,7 +227,8 @@ def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos
         # The paged cache sized for this batch's prompts and answers (pages of page_size tokens, one spare
         # each): left to itself it sizes itself from the free memory, minutes of allocation on a CPU host.
         pages = sum(-(-(len(p) + regen.max_new_tokens) // page) + 1 for p in prompts)
-        sizing = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=max(sum(len(p) for p in prompts), page),
+        step = max(min(sum(len(p) for p in prompts), CB_STEP_TOKENS), page)
+        sizing = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=step,
                                           auto_switch_to_flash=switch)
     else:
         batch_tokens, rows, max_length = (int(v) for v in capacity)
@@ -228,7 +236,8 @@ def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos
         # batch's (prompt + answer) sum to at most batch_tokens; per request, at most max_length + answer
         per_request = -(-(max_length + regen.max_new_tokens) // page) + 1
         sizing = ContinuousBatchingConfig(num_blocks=-(-batch_tokens // page) + 2 * rows,
-                                          max_batch_tokens=max(batch_tokens, page), max_requests_per_batch=rows,
+                                          max_batch_tokens=max(min(batch_tokens, CB_STEP_TOKENS), page),
+                                          max_requests_per_batch=rows,
                                           max_blocks_per_request=per_request + per_request % 2, allow_block_sharing=False,
                                           auto_switch_to_flash=switch)
         key = (tuple(int(i) for i in eos_ids), int(pad_id), batch_tokens, rows, max_length, int(regen.max_new_tokens))
