@@ -498,7 +498,10 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
         cmd += list(run_args)
     out_path, err_path = workdir / "run.stdout", workdir / "run.stderr"
     t_start = time.time()
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(out_path, "wb"), stderr=open(err_path, "wb"))
+    # its own process group: a run still stopping after the grace below is killed with its workers, which
+    # otherwise keep the GPU's memory while the ceilings load (H200, 2026-12-03: an OOM in the ceiling)
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(out_path, "wb"), stderr=open(err_path, "wb"),
+                            start_new_session=True)
     seen: dict[str, Marker] = {}
     kept: list[Marker] = []
     arrivals: list[tuple[float, int, int]] = []  # (marker time, valid tokens, shard bytes)
@@ -536,11 +539,16 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
                 break
             if time.time() - t_start > timeout_s:
                 stopped = True
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(signal.SIGINT)  # as Ctrl-C: the run stops its workers (their warm shutdown: 60 s)
                 try:
-                    proc.wait(60)
+                    proc.wait(120)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    pass
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # whatever of the run is left, workers included
+                except ProcessLookupError:
+                    pass
+                proc.wait()
                 break
             time.sleep(0.25)
     t_end = time.time()

@@ -296,6 +296,25 @@ def all_at_once_ceiling(model, batches: list[dict], regen, eos_ids: list[int], p
             "how": how}
 
 
+def wait_for_free_gpu(device, timeout_s: float = 180.0) -> float | None:
+    """Seconds waited until the CUDA device has at least 90% of its memory free (ours' workers, after a
+    stop, leave once their last batch is done: a ceiling loaded beside them runs out of memory); None
+    on a CPU. Raises RuntimeError naming the memory still held after ``timeout_s``."""
+    import torch
+
+    if not str(device or "").startswith("cuda") or not torch.cuda.is_available():
+        return None
+    t0 = time.monotonic()
+    while True:
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        if free >= 0.9 * total:
+            return round(time.monotonic() - t0, 1)
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"{(total - free) / 2**30:.1f} GiB of {device} still held by another process "
+                               f"after {timeout_s:.0f} s: the ceilings would not fit beside it")
+        time.sleep(1.0)
+
+
 def run_ceilings(args, answers: dict, settings, names: list[str], budget, write) -> dict:
     """Load the target as a worker does, then each ceiling of ``names`` (:data:`CEILINGS` order) on
     ours' prompts; ``budget(i)``: seconds for the i-th remaining (None: no limit); ``write(part)``
@@ -307,6 +326,7 @@ def run_ceilings(args, answers: dict, settings, names: list[str], budget, write)
     from workers.target import load_target
 
     config, regen = answers["config"], answers["regen"]
+    gpu_wait_s = wait_for_free_gpu(settings.device)
     t0 = time.perf_counter()
     target = load_target(str(args.model), settings)
     load_s = time.perf_counter() - t0
@@ -316,7 +336,7 @@ def run_ceilings(args, answers: dict, settings, names: list[str], budget, write)
     eos_ids = sorted(int(i) for i in chat.end_of_turn_ids)
     model, device, pad = target.model, target.device, target.pad_token_id
     engine, why = pick_engine(types.SimpleNamespace(model=model), regen, settings)
-    part = {"target_load_s": round(load_s, 1), "same_checkpoint_as_ours": not differences,
+    part = {"target_load_s": round(load_s, 1), "gpu_wait_s": gpu_wait_s, "same_checkpoint_as_ours": not differences,
             "prompts_as_ours": prompts_same, "eos_ids": eos_ids, "pad_id": pad,
             "attn_implementation": getattr(model.config, "_attn_implementation", None), "ceilings": {}}
     rate_hint = None

@@ -402,8 +402,8 @@ def answer_batch(target, chat, convs: list[PlannedConversation], regen: RegenCon
             seeds.append(sample_seed(regen.seed, s["conv"].record_id, t))
         if not todo:
             continue
-        t0 = time.perf_counter()
         with target.gpu_lock:
+            t0 = time.perf_counter()  # after the lock: generate_s is the engine's time, not another task's
             outs = None
             if engine == CONTINUOUS:
                 try:
