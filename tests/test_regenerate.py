@@ -761,3 +761,17 @@ def test_a_worker_keeps_one_continuous_batching_manager_per_run_and_the_answers_
     assert extract.forward(work, types.SimpleNamespace(phase=lambda name: None)).captured == "states"
     assert not hasattr(model, "_cached_continuous_batching_manager") and KEPT_MANAGER not in model.__dict__
     release_continuous_batching(model)  # nothing kept: a no-op
+
+
+def test_an_answer_without_an_end_id_shorter_than_max_new_tokens_is_refused_not_recorded_as_finished(chat):
+    """An answer ends with an end-of-turn id (``stop``) or at ``--max-new-tokens`` (``length``): anything
+    shorter is an engine's lost output (a failed request's empty token list), never a finished answer."""
+    from workers.generate import finish
+
+    regen = RegenConfig(max_new_tokens=4)
+    end = sorted(chat.end_of_turn_ids)[0]
+    assert finish(chat.tokenizer, [9707, end], [end], regen)[1:] == ("stop", 2)
+    assert finish(chat.tokenizer, [9707, 9707, 9707, 9707], [end], regen)[1:] == ("length", 4)
+    for cut in ([], [9707, 9707]):
+        with pytest.raises(RuntimeError, match=f"{len(cut)} tokens ends without an end-of-turn id"):
+            finish(chat.tokenizer, cut, [end], regen)

@@ -340,7 +340,11 @@ def answer_message(original: dict, text: str) -> dict:
 def finish(tokenizer, ids: list[int], eos_ids, regen: RegenConfig) -> tuple[str, str, int]:
     """``(text, finish reason, completion tokens)`` of generated ``ids``: the text without its final
     end-of-turn token, cut before the first ``--stop`` string (then the completion tokens are those of
-    the kept text)."""
+    the kept text).
+
+    Raises RuntimeError for ``ids`` that neither end with an end-of-turn id nor reach
+    ``max_new_tokens``: no engine stops there on its own (an empty list from a failed request was once
+    recorded as a finished answer)."""
     stopped = bool(ids) and int(ids[-1]) in set(int(i) for i in eos_ids)
     body = ids[:-1] if stopped else ids
     text = tokenizer.decode(body, skip_special_tokens=False)
@@ -350,7 +354,10 @@ def finish(tokenizer, ids: list[int], eos_ids, regen: RegenConfig) -> tuple[str,
         return text, "stop_string", len(tokenizer.encode(text, add_special_tokens=False))
     if stopped:
         return text, "stop", len(ids)
-    return text, ("length" if len(ids) >= regen.max_new_tokens else "stop"), len(ids)
+    if len(ids) < regen.max_new_tokens:  # neither an end id nor the limit: the engine lost the answer's end
+        raise RuntimeError(f"an answer of {len(ids)} tokens ends without an end-of-turn id before "
+                           f"--max-new-tokens {regen.max_new_tokens}: the engine's output is cut, not an answer")
+    return text, "length", len(ids)
 
 
 def answer_batch(target, chat, convs: list[PlannedConversation], regen: RegenConfig, max_length: int,
