@@ -26,7 +26,7 @@ import json
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hsx.errors import BadConfig, BadPlan
 from hsx.layout import SHARDS_PREFIX
@@ -154,6 +154,15 @@ class Answer(BaseModel):
     finish_reason: Literal["stop", "stop_string", "length", "prompt_too_long"]
     prompt_tokens: int
     completion_tokens: int
+
+    @model_validator(mode="after")
+    def _has_tokens(self) -> "Answer":
+        # "stop" counts its end-of-turn token and "length" its --max-new-tokens: never 0. Workers before
+        # 2026-12-03 recorded continuous batching's failed requests (no tokens) as "stop" answers.
+        if self.finish_reason in ("stop", "length") and self.completion_tokens < 1:
+            raise ValueError(f"turn {self.turn}: a '{self.finish_reason}' answer of {self.completion_tokens} tokens is "
+                             "an engine's failed request, not an answer ('producer reconcile --repair' redoes its batch)")
+        return self
 
 
 class RegeneratedConversation(BaseModel):

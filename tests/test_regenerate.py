@@ -19,7 +19,7 @@ import pytest
 
 from jobfixtures import ROOT, clean_env, cli_json
 
-from hsx.errors import BadDataset
+from hsx.errors import BadDataset, BadPlan
 from hsx.regen import FINISH_REASONS, RegenConfig, RegeneratedConversation, parse_lines, sample_seed
 from hsx.records import SampleRow, done_batches, read_markers, read_windows
 from hsx.runconfig import load_run
@@ -775,3 +775,19 @@ def test_an_answer_without_an_end_id_shorter_than_max_new_tokens_is_refused_not_
     for cut in ([], [9707, 9707]):
         with pytest.raises(RuntimeError, match=f"{len(cut)} tokens ends without an end-of-turn id"):
             finish(chat.tokenizer, cut, [end], regen)
+
+
+def test_a_shard_line_with_an_empty_stop_answer_is_unreadable_naming_the_failed_request():
+    """A ``stop`` or ``length`` answer of 0 tokens (what workers before 2026-12-03 wrote for a request
+    continuous batching had failed) does not read as an answer: verify then reports its batch
+    ``shard_unreadable``, which ``reconcile --repair`` redoes; a 0-token ``stop_string`` answer is one."""
+    def line(reason: str, tokens: int) -> bytes:
+        return json.dumps({"id": "r1", "sample_index": 0, "messages": [{"role": "user", "content": "hi"}], "finished": True,
+                           "regenerated": [{"turn": 1, "finish_reason": reason, "prompt_tokens": 9,
+                                            "completion_tokens": tokens}]}).encode()
+
+    assert parse_lines(line("stop", 3), RegeneratedConversation, "s")[0].regenerated[0].completion_tokens == 3
+    assert parse_lines(line("stop_string", 0), RegeneratedConversation, "s")[0].regenerated[0].finish_reason == "stop_string"
+    for reason in ("stop", "length"):
+        with pytest.raises(BadPlan, match=f"(?s)line 1 .*'{reason}' answer of 0 tokens is an engine's failed request"):
+            parse_lines(line(reason, 0), RegeneratedConversation, "shards/b.jsonl")
