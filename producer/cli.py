@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import sys
 
 from rich.console import Console
@@ -18,6 +17,7 @@ from hsx.errors import BadSettings, HsxError
 from hsx.layout import RUN_JSON
 from hsx.shard import Final, StoreDtype
 from hsx.store import MissingKey, mask_url, open_store
+from producer import interrupts
 from producer.words import fmt_bytes, noun, plural
 from settings import Settings, get_settings
 
@@ -849,13 +849,9 @@ def main(argv: list[str] | None = None) -> int:
     args.command_line = shlex.join(["python", "-m", "producer",
                                     *(mask_url(a) for a in (sys.argv[1:] if argv is None else argv))])
 
-    def on_sigterm(_signum, _frame):
-        # SIGTERM and SIGHUP (a closed terminal or SSH session) take the same path as Ctrl-C, so
-        # `run` stops the broker and workers it started.
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    signal.signal(signal.SIGHUP, on_sigterm)
+    # Ctrl-C, SIGTERM and SIGHUP raise KeyboardInterrupt and are noted: one whose KeyboardInterrupt
+    # was dropped (raised inside a finalizer) is raised again where `run` waits (producer/interrupts.py)
+    interrupts.install()
     try:
         try:
             settings = get_settings()
@@ -885,3 +881,5 @@ def main(argv: list[str] | None = None) -> int:
         else:
             console.print("interrupted: finished batches keep their markers; run the same command again to resume")
         return 130
+    finally:
+        interrupts.uninstall()

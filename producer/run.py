@@ -25,6 +25,7 @@ from hsx.store import mask_url
 from hsx.layout import window_key
 from hsx.plan import plan_complete
 from hsx.store import exists
+from producer import interrupts
 from producer.enqueue import WindowSender
 from producer.reconcile import RunReconciler
 from producer.planner import PlanJob, PlanOptions, PlannedRun, check_extraction_layers, prepare_plan
@@ -216,6 +217,7 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
     first_look = True
     store_down_since = None
     while True:
+        interrupts.check()  # a Ctrl-C whose KeyboardInterrupt a finalizer dropped stops the wait here
         try:
             done = done_batches(run_store) & set(by_name)
         except StoreError as exc:
@@ -397,6 +399,7 @@ class _Launch:
         self.deaths = None  # producer.deaths.WorkerDeaths: each worker death, said as it happens
 
     def __call__(self, job: PlanJob, batches: list[BatchSummary]) -> None:
+        interrupts.check()  # a Ctrl-C meanwhile starts nothing more, enqueues nothing more
         if self.sender is None:
             self._start(job)
         self.sender(job, batches)
@@ -406,6 +409,7 @@ class _Launch:
     def tick(self, job: PlanJob) -> None:
         """The ``extracting`` (``regenerating``) bar while the plan is written: markers of the batches
         planned so far (the planner calls this every few seconds, and after each window)."""
+        interrupts.check()
         if self.pauses is not None:
             self.pauses.check()
         if self.deaths is not None:
@@ -473,6 +477,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
 
                 check_group(opts.model, settings)
             job = prepare_plan(opts, settings)  # every refusal before anything starts
+            interrupts.check()  # a Ctrl-C while the dataset was opened (its KeyboardInterrupt dropped): start nothing
         except KeyboardInterrupt:
             raise PlanningInterrupted("interrupted before planning: nothing was written; "
                                       "run the same command again to start over") from None
@@ -551,6 +556,7 @@ def run_regenerated(opts: PlanOptions, regen: dict, settings: Settings, console,
     code, report = run_job(first, settings, console, workers=workers, progress_factory=progress_factory)
     if code != 0 or report.get("batches_done", report.get("batches_already_done")) != report.get("batches_total"):
         return code or 1, report, None
+    interrupts.check()  # a Ctrl-C as the first stage ended (its KeyboardInterrupt dropped): no second stage
     second = dataclasses.replace(opts, dataset=report["address"], regenerate=None, limit=None, sample=None,
                                  shuffle=False, seed=None, split=None, subset=None)
     code, extracted = run_job(second, settings, console, workers=workers, progress_factory=progress_factory)
