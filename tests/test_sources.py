@@ -547,7 +547,6 @@ def test_the_command_lines_source_options_reach_the_plan(tmp_path, settings, rec
         return 0
 
     monkeypatch.setattr(cli, "cmd_enqueue", fake_enqueue)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
     monkeypatch.setenv("HSX_CACHE_DIR", str(settings.cache_dir))
     saved = tmp_path / "dd"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(records[:20]),
