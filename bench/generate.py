@@ -29,7 +29,10 @@ ceilings doing the same work, in one call on one GPU (issue 23 item 5).
   A ceiling the target cannot have records ``reason`` instead of a number, as the worker decides
   (``workers.generate.pick_engine``: a Gated DeltaNet target, sampling, ``HSX_REGEN_ENGINE``), or
   the error it raised. ``ours_over`` is ours' ``steady_tok_s`` over each ceiling's ``tok_s``
-  (``ours_whole_run_over``: its ``whole_run_tok_s``, start-up and planning included).
+  (``ours_whole_run_over``: its ``whole_run_tok_s``, start-up and planning included), given only for a
+  ceiling that answered all of ours' batches (None otherwise: not the same work);
+  ``ours_in_engine_over_same_batches``: ours' tokens over its workers' generate seconds (the markers'
+  ``forward_s``) on exactly the batches a ceiling answered (``batch_names``), over that ceiling's ``tok_s``.
 
 With ``--deadline-s`` (a device call's time limit) ours is stopped (Ctrl-C) at half the time left
 and each ceiling measures as many of ours' finished batches as fit in its share of the rest (its
@@ -229,6 +232,7 @@ def per_batch_ceiling(name: str, call, batches: list[dict], device, budget_s: fl
     call(small["prompts"][:2], small["seeds"][:2], warm_up=True)
     tokens = matching = answers = done = 0
     seconds, last = 0.0, 0.0
+    names = []
     for b in batches:
         if budget_s is not None and done and seconds + last > budget_s:
             break
@@ -240,9 +244,10 @@ def per_batch_ceiling(name: str, call, batches: list[dict], device, budget_s: fl
         seconds += last
         n, same = _counts(outs, b["ours"])
         tokens, matching, answers, done = tokens + n, matching + same, answers + len(outs), done + 1
+        names.append(b["batch"])
     return {"tok_s": round(tokens / seconds, 1) if seconds > 0 else None, "seconds": round(seconds, 2),
             "generated_tokens": tokens, "answers": answers, "answers_as_long_as_ours": matching,
-            "batches": done, "batches_of_ours": len(batches)}
+            "batches": done, "batches_of_ours": len(batches), "batch_names": names}
 
 
 def all_at_once_ceiling(model, batches: list[dict], regen, eos_ids: list[int], pad_id: int, device,
@@ -293,6 +298,7 @@ def all_at_once_ceiling(model, batches: list[dict], regen, eos_ids: list[int], p
             "in_engine_tok_s": round(tokens / engine_s, 1) if engine_s > 0 else None,
             "seconds": round(seconds, 2), "in_engine_s": round(engine_s, 2), "generated_tokens": tokens,
             "answers": len(outs), "answers_as_long_as_ours": same, "batches": len(chosen), "batches_of_ours": len(batches),
+            "batch_names": [b["batch"] for b in chosen],
             "how": how}
 
 
@@ -458,12 +464,29 @@ def main() -> None:
     }
     out = {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}, "rows": [row]}
 
+    def engine_rate(names) -> float | None:
+        """Ours' generated tokens / its workers' generate seconds over the batches ``names``."""
+        done = {d["batch"]: d for d in (answers or {}).get("done", [])} if names else {}
+        picked = [done[b] for b in names or [] if b in done]
+        seconds = sum(d["marker"].forward_s or 0.0 for d in picked)
+        tokens = sum(a.completion_tokens for d in picked for c in d["shard"].values() for a in c.regenerated)
+        return tokens / seconds if picked and len(picked) == len(names) and seconds > 0 else None
+
+    answers = None
+
     def write(part: dict | None = None) -> None:
         if part:
             row.update(part)
         ours, ceilings = row.get("ours") or {}, row.get("ceilings") or {}
+        # A ratio only over the same work: ours' whole-run rates against a ceiling that answered every
+        # one of ours' batches; ours' in-engine rate (its workers' own seconds per batch, from the
+        # markers) against any ceiling, over the very batches that ceiling answered.
         for key, rate in (("ours_over", ours.get("steady_tok_s")), ("ours_whole_run_over", ours.get("whole_run_tok_s"))):
-            row[key] = {n: (round(rate / c["tok_s"], 3) if rate and c.get("tok_s") else None) for n, c in ceilings.items()}
+            row[key] = {n: (round(rate / c["tok_s"], 3) if rate and c.get("tok_s") and c.get("batches") == c.get(
+                "batches_of_ours") else None) for n, c in ceilings.items()}
+        row["ours_in_engine_over_same_batches"] = {
+            n: (round(r / c["tok_s"], 3) if (r := engine_rate(c.get("batch_names"))) and c.get("tok_s") else None)
+            for n, c in ceilings.items()}
         if args.json:  # after ours and after every ceiling: a later one that fails or runs out of time loses nothing
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(out, indent=1))

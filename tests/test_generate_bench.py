@@ -65,6 +65,7 @@ def test_the_generate_bench_runs_producer_regenerate_and_the_ceilings(tmp_path, 
         assert row["ceilings"][name]["tok_s"] is None and "linear_attention" in row["ceilings"][name]["reason"]
         assert row["ours_over"][name] is None
     assert row["ours_over"]["generate"] > 0 and row["ours_whole_run_over"]["generate"] > 0
+    assert len(plain["batch_names"]) == plain["batches"] and row["ours_in_engine_over_same_batches"]["generate"] > 0
 
 
 def test_the_continuous_batching_ceilings_answer_as_generate_does():
