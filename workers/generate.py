@@ -217,6 +217,7 @@ def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos
     its error and no tokens): the caller then answers with :func:`generate_left_padded`."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.requests import RequestStatus
 
     config = GenerationConfig(max_new_tokens=regen.max_new_tokens, do_sample=False, eos_token_id=list(eos_ids),
                               pad_token_id=int(pad_id))
@@ -253,7 +254,7 @@ def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos
             raise RuntimeError(f"generate_batch returned {len(outs)} answers for {len(prompts)} prompts")
         # A request the engine failed comes back with status FAILED, its error as text and no tokens
         # (transformers' continuous_api ``fail_and_deliver``): never an answer.
-        failed = [o for o in outs if o.error is not None or not _finished(o)]
+        failed = [o for o in outs if o.error is not None or o.status != RequestStatus.FINISHED]
         if failed:
             raise RuntimeError(f"generate_batch failed {len(failed)} of {len(prompts)} requests "
                                f"(status {getattr(failed[0].status, 'name', failed[0].status)}): {failed[0].error}")
@@ -264,13 +265,6 @@ def generate_continuous(model, prompts: list[list[int]], regen: RegenConfig, eos
     if key is not None:
         model.__dict__[KEPT_MANAGER] = key
     return [through_eos(list(o.generated_tokens), eos_ids)[:regen.max_new_tokens] for o in outs]
-
-
-def _finished(output) -> bool:
-    """True for a ``GenerationOutput`` that finished generating (not FAILED, not still pending)."""
-    from transformers.generation.continuous_batching.requests import RequestStatus
-
-    return output.status == RequestStatus.FINISHED
 
 
 def through_eos(ids: list[int], eos_ids) -> list[int]:
