@@ -498,8 +498,9 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
         cmd += list(run_args)
     out_path, err_path = workdir / "run.stdout", workdir / "run.stderr"
     t_start = time.time()
-    # its own process group: a run still stopping after the grace below is killed with its workers, which
-    # otherwise keep the GPU's memory while the ceilings load (H200, 2026-12-03: an OOM in the ceiling)
+    # its own process group: a run still stopping after the grace below is killed whole (its workers run in
+    # their own session and leave when it dies, --exit-with-parent; bench/generate.py waits for the GPU's
+    # memory before its ceilings: H200, 2026-12-03, a ceiling ran out of memory beside a stopping worker)
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(out_path, "wb"), stderr=open(err_path, "wb"),
                             start_new_session=True)
     seen: dict[str, Marker] = {}
@@ -545,7 +546,7 @@ def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, 
                 except subprocess.TimeoutExpired:
                     pass
                 try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # whatever of the run is left, workers included
+                    os.killpg(proc.pid, signal.SIGKILL)  # whatever of the producer's process group is left
                 except ProcessLookupError:
                     pass
                 proc.wait()
