@@ -26,9 +26,10 @@ ceilings doing the same work, in one call on one GPU (issue 23 item 5).
   - ``generate``: ``workers.generate.generate_left_padded`` on each planned batch (plain batched
     ``model.generate``, left padding, the batch size the worker uses), the fallback engine.
 
-  A ceiling the target cannot have records ``reason`` instead of a number, as the worker decides
-  (``workers.generate.pick_engine``: a Gated DeltaNet target, sampling, ``HSX_REGEN_ENGINE``), or
-  the error it raised. ``ours_over`` is ours' ``steady_tok_s`` over each ceiling's ``tok_s``
+  A ceiling the target cannot have records ``reason`` instead of a number
+  (``workers.generate.continuous_batching_refusal``: a Gated DeltaNet target, sampling), or the error
+  it raised; a continuous-batching ceiling is measured even where the worker picks ``generate`` for
+  speed (``pick_engine``: CUDA without flash attention), to show that choice. ``ours_over`` is ours' ``steady_tok_s`` over each ceiling's ``tok_s``
   (``ours_whole_run_over``: its ``whole_run_tok_s``, start-up and planning included), given only for a
   ceiling that answered all of ours' batches (None otherwise: not the same work);
   ``ours_in_engine_over_same_batches``: ours' tokens over its workers' generate seconds (the markers'
@@ -325,10 +326,8 @@ def run_ceilings(args, answers: dict, settings, names: list[str], budget, write)
     """Load the target as a worker does, then each ceiling of ``names`` (:data:`CEILINGS` order) on
     ours' prompts; ``budget(i)``: seconds for the i-th remaining (None: no limit); ``write(part)``
     after each. Returns the row's ceiling fields."""
-    import types
-
-    from workers.generate import (CONTINUOUS, GENERATE, chat_for, generate_continuous, generate_left_padded, pick_engine,
-                                  release_continuous_batching)
+    from workers.generate import (CONTINUOUS, GENERATE, chat_for, continuous_batching_refusal, generate_continuous,
+                                  generate_left_padded, release_continuous_batching)
     from workers.target import load_target
 
     config, regen = answers["config"], answers["regen"]
@@ -341,7 +340,7 @@ def run_ceilings(args, answers: dict, settings, names: list[str], budget, write)
     batches, prompts_same = ceiling_batches(answers, chat)
     eos_ids = sorted(int(i) for i in chat.end_of_turn_ids)
     model, device, pad = target.model, target.device, target.pad_token_id
-    engine, why = pick_engine(types.SimpleNamespace(model=model), regen, settings)
+    why = continuous_batching_refusal(model, regen)  # can it serve (the worker's choice may still be generate)
     part = {"target_load_s": round(load_s, 1), "gpu_wait_s": gpu_wait_s, "same_checkpoint_as_ours": not differences,
             "prompts_as_ours": prompts_same, "eos_ids": eos_ids, "pad_id": pad,
             "attn_implementation": getattr(model.config, "_attn_implementation", None), "ceilings": {}}
@@ -364,7 +363,7 @@ def run_ceilings(args, answers: dict, settings, names: list[str], budget, write)
     for i, name in enumerate(todo):
         if not batches:
             result = {"tok_s": None, "reason": "ours finished no batch with an answered prompt: nothing to compare"}
-        elif name != "generate" and engine != CONTINUOUS:
+        elif name != "generate" and why:
             result = {"tok_s": None, "reason": why}
         else:
             limit = budget(len(todo) - i)

@@ -252,6 +252,33 @@ def test_continuous_batching_answers_an_attention_only_target_as_generate_does()
     assert all(len(a) == 6 for a in expected)
 
 
+def test_on_cuda_without_flash_attention_generate_answers_unless_forced(monkeypatch):
+    """Continuous batching on CUDA without a flash-attention package runs sdpa without its decode fast
+    path (0.37 of batched generate on the H200, BENCHMARKS.md): ``generate`` answers there, saying why;
+    with flash attention, or forced by ``HSX_REGEN_ENGINE=continuous_batching``, continuous batching.
+    (No CUDA here: the target says it is on CUDA; nothing runs on it.)"""
+    import types
+
+    import torch
+
+    import workers.generate as generate
+    from settings import Settings
+    from tinymodels import tiny_model
+
+    on_cuda = types.SimpleNamespace(model=tiny_model("qwen3").eval(), device=torch.device("cuda", 0))
+    greedy, settings = RegenConfig(max_new_tokens=6), Settings(_env_file=None)
+    monkeypatch.delenv("HSX_REGEN_ENGINE", raising=False)
+    monkeypatch.setattr(generate, "flash_attention_installed", lambda: False)
+    engine, why = generate.pick_engine(on_cuda, greedy, settings)
+    assert engine == generate.GENERATE and "flash-attention" in why and "HSX_REGEN_ENGINE" in why
+    monkeypatch.setenv("HSX_REGEN_ENGINE", "continuous_batching")
+    assert generate.pick_engine(on_cuda, greedy, settings)[0] == generate.CONTINUOUS
+    assert generate.pick_engine(on_cuda, RegenConfig(temperature=0.7), settings)[0] == generate.GENERATE  # cannot serve
+    monkeypatch.delenv("HSX_REGEN_ENGINE")
+    monkeypatch.setattr(generate, "flash_attention_installed", lambda: True)
+    assert generate.pick_engine(on_cuda, greedy, settings)[0] == generate.CONTINUOUS
+
+
 def test_a_gated_deltanet_target_is_answered_by_generate_saying_why(tiny_qwen35):
     """tiny-qwen3.5's linear_attention layers are not served by the paged cache: ``generate``, and the
     reason names the layer type."""

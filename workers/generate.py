@@ -99,17 +99,41 @@ def supports_continuous_batching(model) -> bool:
     return hasattr(model, "generate_batch") and (types is None or set(types) <= _PAGED_LAYER_TYPES)
 
 
-def pick_engine(target, regen: RegenConfig, settings: Settings) -> tuple[str, str]:
-    """``(engine, why)``: ``continuous_batching`` when it can serve this target and these options,
-    else ``generate``. ``HSX_REGEN_ENGINE=generate`` (environment) forces the batched ``generate``."""
-    if os.environ.get("HSX_REGEN_ENGINE", "").strip() == GENERATE:
-        return GENERATE, "HSX_REGEN_ENGINE=generate"
-    if not supports_continuous_batching(target.model):
-        types = sorted(set(getattr(getattr(target.model, "config", None), "layer_types", None) or []) - _PAGED_LAYER_TYPES)
-        return GENERATE, (f"transformers' continuous batching cannot serve this target (layer types {', '.join(types)}: "
-                          "its paged cache knows full and sliding attention only)")
+def continuous_batching_refusal(model, regen: RegenConfig) -> str | None:
+    """Why transformers' continuous batching cannot answer this run on ``model`` (its paged cache does
+    not know a layer type; sampling, whose per-answer seeds it cannot honour), or None when it can."""
+    if not supports_continuous_batching(model):
+        types = sorted(set(getattr(getattr(model, "config", None), "layer_types", None) or []) - _PAGED_LAYER_TYPES)
+        return (f"transformers' continuous batching cannot serve this target (layer types {', '.join(types)}: "
+                "its paged cache knows full and sliding attention only)")
     if regen.temperature > 0:
-        return GENERATE, "sampling with a seed per answer (continuous batching samples from one shared generator)"
+        return "sampling with a seed per answer (continuous batching samples from one shared generator)"
+    return None
+
+
+def pick_engine(target, regen: RegenConfig, settings: Settings) -> tuple[str, str]:
+    """``(engine, why)``: ``continuous_batching`` when it can serve this target and these options and
+    is the faster of the two where the target runs, else ``generate``.
+
+    On CUDA without a flash-attention package, continuous batching runs sdpa with no decode fast path
+    (transformers says so) and answered at 0.37 of batched ``generate`` on the same prompts (Qwen3-8B
+    shape, H200, 149 against 403 generated tok/s, BENCHMARKS.md "Regenerate on the H200"): ``generate``
+    answers there. On the CPU, and on CUDA with flash attention, continuous batching answers.
+    ``HSX_REGEN_ENGINE`` (environment): ``generate`` forces the batched ``generate``;
+    ``continuous_batching`` forces continuous batching wherever it can serve the run."""
+    forced = os.environ.get("HSX_REGEN_ENGINE", "").strip()
+    if forced == GENERATE:
+        return GENERATE, "HSX_REGEN_ENGINE=generate"
+    refusal = continuous_batching_refusal(target.model, regen)
+    if refusal:
+        return GENERATE, refusal
+    if forced == CONTINUOUS:
+        return CONTINUOUS, "HSX_REGEN_ENGINE=continuous_batching"
+    device = getattr(target, "device", None) or next(target.model.parameters()).device
+    if torch.device(device).type == "cuda" and not flash_attention_installed():
+        return GENERATE, ("no flash-attention package on CUDA: continuous batching would run sdpa without its decode "
+                          "fast path, measured at 0.37 of the batched generate (HSX_REGEN_ENGINE=continuous_batching "
+                          "forces it)")
     return CONTINUOUS, "greedy decoding of an attention-only target"
 
 
