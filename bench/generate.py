@@ -29,9 +29,10 @@ ceilings doing the same work, in one call on one GPU (issue 23 item 5).
   A ceiling the target cannot have records ``reason`` instead of a number
   (``workers.generate.continuous_batching_refusal``: a Gated DeltaNet target, sampling), or the error
   it raised; a continuous-batching ceiling is measured even where the worker picks ``generate`` for
-  speed (``pick_engine``: CUDA without flash attention), to show that choice. ``ours_over`` is ours' ``steady_tok_s`` over each ceiling's ``tok_s``
-  (``ours_whole_run_over``: its ``whole_run_tok_s``, start-up and planning included), given only for a
-  ceiling that answered all of ours' batches (None otherwise: not the same work);
+  speed (``pick_engine``: CUDA without flash attention), to show that choice. ``ours_over`` is
+  ours' ``steady_tok_s`` over a per-batch ceiling's rate on exactly the batches of ours' steady window (``steady_batches``; None when the ceiling did not answer them all:
+  not the same work); ``ours_whole_run_over``: ours' ``whole_run_tok_s`` (start-up and planning
+  included) over a ceiling's ``tok_s``, given only for a ceiling that answered all of ours' batches;
   ``ours_in_engine_over_same_batches``: ours' tokens over its workers' generate seconds (the markers'
   ``forward_s``) on exactly the batches a ceiling answered (``batch_names``), over that ceiling's ``tok_s``.
 
@@ -148,8 +149,8 @@ def read_answers(store) -> dict:
 def summarise_ours(run: dict, answers: dict, min_window_s: float) -> dict:
     """The row's ``ours``: generated tokens from the shards and the markers, rates over the markers' times."""
     done = answers["done"]
-    arrivals = sorted((d["marker"].finished_unix or 0.0, int(d["marker"].supervised_tokens or 0), d["marker"].shard.bytes)
-                      for d in done)
+    arrivals = sorted((d["marker"].finished_unix or 0.0, int(d["marker"].supervised_tokens or 0), d["marker"].shard.bytes,
+                       d["batch"]) for d in done)
     in_shards = sum(a.completion_tokens for d in done for c in d["shard"].values() for a in c.regenerated)
     in_markers = sum(a[1] for a in arrivals)
     reasons: dict[str, int] = {}
@@ -164,6 +165,7 @@ def summarise_ours(run: dict, answers: dict, min_window_s: float) -> dict:
                 answered += a.finish_reason != "prompt_too_long"
         rows.append(answered)
     w0, w1, w_tokens, _ = steady_window(arrivals, min_window_s)
+    in_window = [a[3] for a in arrivals if w0 < a[0] <= w1]  # the batches whose work the window's seconds hold
     whole_s = run["t_end"] - run["t_start"]
     engine_s = sum(d["marker"].forward_s or 0.0 for d in done)
     return {
@@ -181,12 +183,13 @@ def summarise_ours(run: dict, answers: dict, min_window_s: float) -> dict:
         "rows_per_batch": {"mean": round(sum(rows) / len(rows), 1), "min": min(rows), "max": max(rows)} if rows else None,
         "steady_tok_s": round(w_tokens / (w1 - w0), 1) if w1 > w0 else None,
         "steady_window_s": round(w1 - w0, 2),
+        "steady_batches": in_window,
         "whole_run_tok_s": round(in_shards / whole_s, 1) if whole_s > 0 else None,
         "whole_run_s": round(whole_s, 1),
         "in_engine_tok_s": round(in_markers / engine_s, 1) if engine_s > 0 else None,
         "in_engine_s": round(engine_s, 2),
         "gpu_busy": run["gpu"].busy(w0, w1) if w1 > w0 else None,
-        "arrivals": [[round(t, 3), n] for t, n, _ in arrivals],
+        "arrivals": [[round(t, 3), n, name] for t, n, _, name in arrivals],
         "shards_hash_ok": run["kept_ok"],
         "run_report": {k: run["report"].get(k) for k in ("run_id", "batches_done", "batches_total", "failed", "seconds")},
         "stderr_tail": run["stderr_tail"][-2000:] if run["returncode"] else "",
@@ -233,7 +236,7 @@ def per_batch_ceiling(name: str, call, batches: list[dict], device, budget_s: fl
     call(small["prompts"][:2], small["seeds"][:2], warm_up=True)
     tokens = matching = answers = done = 0
     seconds, last = 0.0, 0.0
-    names = []
+    names, per_batch = [], {}
     for b in batches:
         if budget_s is not None and done and seconds + last > budget_s:
             break
@@ -246,9 +249,21 @@ def per_batch_ceiling(name: str, call, batches: list[dict], device, budget_s: fl
         n, same = _counts(outs, b["ours"])
         tokens, matching, answers, done = tokens + n, matching + same, answers + len(outs), done + 1
         names.append(b["batch"])
+        per_batch[b["batch"]] = [n, round(last, 3)]
     return {"tok_s": round(tokens / seconds, 1) if seconds > 0 else None, "seconds": round(seconds, 2),
             "generated_tokens": tokens, "answers": answers, "answers_as_long_as_ours": matching,
-            "batches": done, "batches_of_ours": len(batches), "batch_names": names}
+            "batches": done, "batches_of_ours": len(batches), "batch_names": names,
+            "per_batch": per_batch}  # name: [generated tokens, seconds]
+
+
+def ceiling_rate(ceiling: dict, names: list[str] | None) -> float | None:
+    """A per-batch ceiling's generated tokens/s over exactly the batches ``names`` (its ``per_batch``),
+    or None when it did not answer every one of them (or answered them in one call)."""
+    per_batch = ceiling.get("per_batch") or {}
+    if not names or any(n not in per_batch for n in names):
+        return None
+    tokens, seconds = sum(per_batch[n][0] for n in names), sum(per_batch[n][1] for n in names)
+    return tokens / seconds if seconds > 0 else None
 
 
 def all_at_once_ceiling(model, batches: list[dict], regen, eos_ids: list[int], pad_id: int, device,
@@ -480,9 +495,14 @@ def main() -> None:
         # A ratio only over the same work: ours' whole-run rates against a ceiling that answered every
         # one of ours' batches; ours' in-engine rate (its workers' own seconds per batch, from the
         # markers) against any ceiling, over the very batches that ceiling answered.
-        for key, rate in (("ours_over", ours.get("steady_tok_s")), ("ours_whole_run_over", ours.get("whole_run_tok_s"))):
-            row[key] = {n: (round(rate / c["tok_s"], 3) if rate and c.get("tok_s") and c.get("batches") == c.get(
-                "batches_of_ours") else None) for n, c in ceilings.items()}
+        # ours' steady rate against the ceiling's over the batches the steady window holds (a window
+        # that leaves out a fast batch is not compared with a ceiling rate that includes it).
+        rate = ours.get("steady_tok_s")
+        row["ours_over"] = {n: (round(rate / r, 3) if rate and (r := ceiling_rate(c, ours.get("steady_batches")))
+                                else None) for n, c in ceilings.items()}
+        rate = ours.get("whole_run_tok_s")
+        row["ours_whole_run_over"] = {n: (round(rate / c["tok_s"], 3) if rate and c.get("tok_s") and c.get("batches") == c.get(
+            "batches_of_ours") else None) for n, c in ceilings.items()}
         row["ours_in_engine_over_same_batches"] = {
             n: (round(r / c["tok_s"], 3) if (r := engine_rate(c.get("batch_names"))) and c.get("tok_s") else None)
             for n, c in ceilings.items()}

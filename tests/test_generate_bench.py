@@ -66,6 +66,7 @@ def test_the_generate_bench_runs_producer_regenerate_and_the_ceilings(tmp_path, 
         assert row["ours_over"][name] is None
     assert row["ours_over"]["generate"] > 0 and row["ours_whole_run_over"]["generate"] > 0
     assert len(plain["batch_names"]) == plain["batches"] and row["ours_in_engine_over_same_batches"]["generate"] > 0
+    assert ours["steady_batches"] and set(ours["steady_batches"]) <= set(plain["per_batch"])
 
 
 def test_the_continuous_batching_ceilings_answer_as_generate_does():
@@ -97,6 +98,12 @@ def test_the_continuous_batching_ceilings_answer_as_generate_does():
     assert a["answers_as_long_as_ours"] == b["answers_as_long_as_ours"] == c["answers_as_long_as_ours"]
     assert c["tok_s"] > 0 and c["in_engine_tok_s"] > 0
     assert bench.per_batch_ceiling("generate", plain, batches, cpu, 0.0)["batches"] == 1
+    # ours' steady window is compared with a ceiling over the window's batches only, never over others
+    assert set(a["per_batch"]) == {"b0", "b1"}
+    tokens, seconds = a["per_batch"]["b1"]
+    assert bench.ceiling_rate(a, ["b1"]) == tokens / seconds
+    assert bench.ceiling_rate(bench.per_batch_ceiling("generate", plain, batches, cpu, 0.0), ["b0", "b1"]) is None
+    assert bench.ceiling_rate(c, ["b0"]) is None and bench.ceiling_rate(a, []) is None
 
 
 def test_a_checkpoint_without_a_tokenizer_gets_the_bundled_one(tmp_path):

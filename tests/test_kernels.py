@@ -117,3 +117,26 @@ def test_a_gdn_model_patched_to_run_rows_as_sequences_gives_the_same_hidden_stat
     assert len(seen) == layer_types.count("linear_attention") > 0
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"hidden state {i}")
+
+
+def test_the_decode_warm_up_runs_the_gated_deltanet_recurrent_step_for_each_row_count(tiny_qwen35, monkeypatch, caplog):
+    """A regenerate batch's decode steps run the recurrent gated delta rule, which no capture forward
+    runs: the warm-up's two-token generate runs it once per row count of DECODE_WARM_UP_ROWS (on CUDA
+    that compiles fla's kernel before the first batch; here the torch one runs), and logs no failure."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    from workers.target import DECODE_WARM_UP_ROWS, _warm_up_decode
+
+    rows_seen = []
+    recurrent = m.torch_recurrent_gated_delta_rule
+
+    def counting(query, *args, **kwargs):
+        rows_seen.append(query.shape[0])
+        return recurrent(query, *args, **kwargs)
+
+    monkeypatch.setattr(m, "torch_recurrent_gated_delta_rule", counting)
+    with caplog.at_level("WARNING", logger="workers.target"):
+        _warm_up_decode(tiny_qwen35, pad=0)
+    assert "decode warm-up failed" not in caplog.text
+    per_layer = tiny_qwen35.config.get_text_config().layer_types.count("linear_attention")
+    assert sorted(set(rows_seen)) == sorted(DECODE_WARM_UP_ROWS) and len(rows_seen) == per_layer * len(DECODE_WARM_UP_ROWS)

@@ -361,12 +361,13 @@ def load_target(name: str, settings: Settings) -> Target:
     t1 = time.perf_counter()
     shared = compile_cache.for_worker(settings, device)
     if shared is None:
-        _warm_up(model, info, pad, settings.max_batch_samples, launch=launch)
+        _warm_up(model, info, pad, settings.max_batch_samples, launch=launch, decode=group is None)
         cache_record = None
     else:  # Triton's kernels from the store before the warm-up, stored after it if the store had none
         store, key, cache_dir = shared
         cache_record = compile_cache.around_warm_up(
-            store, key, cache_dir, lambda: _warm_up(model, info, pad, settings.max_batch_samples, launch=launch))
+            store, key, cache_dir, lambda: _warm_up(model, info, pad, settings.max_batch_samples, launch=launch,
+                                                    decode=group is None))
     warmup_s = time.perf_counter() - t1
     max_forward = settings.max_forward_tokens or (group.probe(model) if group is not None else forward_tokens_that_fit(model))
     log.info("target %s loaded on %s in %.1f s, warm-up %.1f s, kernels %s, at most %s padded tokens per forward%s",
@@ -383,9 +384,11 @@ def load_target(name: str, settings: Settings) -> Target:
 WARM_UP_LENGTHS = ((32, 16), (33,), (80, 47, 5), (1024,), (1041, 700))
 
 
-def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256, launch=launch_capture) -> None:
+def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256, launch=launch_capture,
+             decode: bool = False) -> None:
     # Small padded batches through every layer: JIT-compiles kernels before the first real task.
     # ``launch``: launch_capture, or a group's lead (every rank must run every forward).
+    # ``decode``: also the Gated DeltaNet decode kernels a regenerate batch runs (_warm_up_decode).
     from hsx.layers import select_layers
     from hsx.shard import Final
 
@@ -398,6 +401,8 @@ def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256, launch
         ids_T = torch.arange(1, 1 + int(cu[-1]), dtype=torch.long) % 1000
         rows = right_padded_rows(ids_T, cu, pad_token_id=pad, pin=on_cuda)
         launch(model, rows, selection, store_dtype=torch.float32).wait()
+    if decode and on_cuda and is_gdn(model.config):
+        _warm_up_decode(model, pad)
     if not rows_as_sequences_active(model):
         if launch is not launch_capture:  # a bare module call on rank 0 alone would leave the followers behind
             if on_cuda:
@@ -405,6 +410,37 @@ def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256, launch
                             "count compiles on first use")
             return
         _warm_up_row_counts(model, max_rows)  # only the batched kernels compile per row count
+
+
+#: Row counts of the decode warm-up: Triton specialises an integer argument on being 1 and on being
+#: a multiple of 16, so 1, 2 and 16 rows compile each variant a batch of any size meets.
+DECODE_WARM_UP_ROWS = (1, 2, 16)
+
+
+@torch.inference_mode()
+def _warm_up_decode(model: torch.nn.Module, pad: int) -> None:
+    """A two-token ``model.generate`` on 1, 2 and 16 short left-padded rows (CUDA, Gated DeltaNet).
+
+    A regenerate batch's decode steps run fla's recurrent kernel (one token per step with the cached
+    state), which the capture forward never runs: without this its first batch on a node compiled it
+    inside its generate (the Qwen3.5-27B shape's first batch on the H200 ran at 0.58 of the same
+    batch's ``generate`` in a warm process, 2026-12-04). Here it is compiled at the warm-up, so the
+    compile cache in the store (``workers/compile_cache.py``) carries it too. A failure is logged,
+    never raised: the batch then compiles on first use as before."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    config = GenerationConfig(max_new_tokens=2, min_new_tokens=2, do_sample=False, num_beams=1, pad_token_id=int(pad))
+    try:
+        for rows in DECODE_WARM_UP_ROWS:
+            ids_BL = (torch.arange(rows * 24, dtype=torch.long).view(rows, 24) % 1000 + 1).to(device)
+            mask_BL = torch.ones_like(ids_BL)
+            mask_BL[1:, :5] = 0  # left padding on all rows but the first, as a batch of prompts has
+            ids_BL[mask_BL == 0] = int(pad)
+            model.generate(input_ids=ids_BL, attention_mask=mask_BL, generation_config=config)
+    except Exception as exc:  # a warm-up: the worker still serves extraction and generate compiles on first use
+        log.warning("decode warm-up failed (%s: %s): a regenerate batch compiles its decode kernels on first use",
+                    exc.__class__.__name__, exc)
 
 
 def linear_attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
