@@ -114,6 +114,7 @@ from hsx.regen import refuse_regenerate_run
 from hsx.runconfig import RunConfig, load_run
 from hsx.shard import FINAL_POSTNORM, FINAL_PRENORM, Final
 from hsx.store import Store
+from producer import interrupts
 from producer.words import fmt_bytes
 
 FORMATS = ("specforge-eagle3", "specforge-dflash", "specforge-dspark", "speculators", "eagle-ge-data", "modelopt")
@@ -487,6 +488,7 @@ def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP
                     if isinstance(writer, _SpeculatorsWriter):
                         writer.add_row(sample)
                     pending.append(pool.submit(writer.write, i, sample))
+                    interrupts.check()  # a Ctrl-C whose KeyboardInterrupt a finalizer dropped stops the export here
                     while len(pending) >= IO_QUEUE:
                         written_bytes += pending.pop(0).result()
                         if task is not None:
@@ -497,6 +499,7 @@ def export_run(run_store: Store, fmt: str, out: Path, *, group_size: int = GROUP
                 if task is not None:
                     progress.update(task, advance=1)
             pending.clear()
+        interrupts.check()  # ... or here, after the last write, before the export is closed as complete
         writer.close(counts)
     except BaseException:
         if isinstance(writer, _SpeculatorsWriter):

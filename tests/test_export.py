@@ -359,3 +359,31 @@ def test_ctrl_c_during_export_says_that_nothing_of_it_is_left(small_run, tmp_pat
     assert "interrupted: the export was stopped and nothing of it is left" in said and "markers" not in said, said
     assert (target.is_dir() and not any(target.iterdir())) if existing else not target.exists()
     assert sorted(p.relative_to(small_run["dir"]) for p in small_run["dir"].rglob("*")) == before
+
+
+def test_a_ctrl_c_whose_keyboard_interrupt_was_dropped_still_stops_the_export(small_run, tmp_path, monkeypatch):
+    """CPython may raise a signal's KeyboardInterrupt inside a finalizer, which prints and drops it
+    (producer/interrupts.py): the export still stops (exit 130, nothing of it left), as for a Ctrl-C
+    that raised. The drop is made here by swallowing the handler's KeyboardInterrupt in a writer."""
+    import signal as signals
+
+    from producer import interrupts
+
+    target = tmp_path / "eagle3-data"
+    real_save = torch.save
+    dropped = threading.Event()
+
+    def save_then_drop_a_ctrl_c(*args, **kwargs):
+        real_save(*args, **kwargs)
+        if not dropped.is_set():
+            dropped.set()
+            try:
+                interrupts._on_signal(signals.SIGINT, None)  # what main's handler does on a Ctrl-C
+            except KeyboardInterrupt:
+                pass  # ... and a finalizer drops what it raised
+
+    monkeypatch.setattr(torch, "save", save_then_drop_a_ctrl_c)
+    proc = run_here(["export", str(small_run["dir"]), "--format", "specforge-eagle3", str(target)], small_run["env"])
+    said = " ".join(proc.stderr.split() + proc.stdout.split())
+    assert dropped.is_set() and proc.returncode == 130, said
+    assert "interrupted: the export was stopped" in said and not target.exists()
