@@ -147,7 +147,9 @@ def test_a_wiped_broker_heals_with_no_command_every_batch_marked_once(template, 
     run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
     fast = dict(lease_s=LEASE_S, reclaim_interval_s=1)  # the cluster sets HSX_HEARTBEAT_S=1
     holder = cluster.worker("holder", wait=False, faults="pause_forward=8", **fast)
-    other = cluster.worker("other", wait=False, **fast)
+    # one batch a second: the queue still holds messages when the holder is seen holding its batch
+    # (unpaused, "other" drained a small run's queue before that on a loaded machine)
+    other = cluster.worker("other", wait=False, faults="pause_forward=1", **fast)
     holder.wait_ready()
     other.wait_ready()
     client = redis_client(cluster.broker.url)
