@@ -205,10 +205,12 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
         poll_s = min(10.0, 0.5 + len(by_name) / 20_000)
     seen: set[str] = set()
     regen = is_regenerate(planned.config)
+    # The plan is written: not "while planning" any more until the first marker (minutes, on a 27B).
+    waiting = "waiting for the first batch to finish"
     if progress and task is None:
-        task = progress.add_task(progress_label(planned.config), total=len(by_name), samples=0, tokens=0)
+        task = progress.add_task(progress_label(planned.config), total=len(by_name), samples=0, tokens=0, info=waiting)
     elif progress:
-        progress.update(task, total=len(by_name))
+        progress.update(task, total=len(by_name), info=waiting)
     tokens = samples = 0
     failed: dict = {}
     last_fail_check = 0.0

@@ -202,7 +202,9 @@ def test_ctrl_c_then_the_same_command_resumes(tmp_path, tiny_cache, shared_worke
     job[job.index("--regen-batch-tokens") + 1] = "392"  # --max-length 384 + --max-new-tokens 8
     out = tmp_path / "out"
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool",
-                    faults="pause_marker=1", worker_concurrency=1, max_pending_uploads=1)  # two task threads
+                    faults="pause_marker=3", worker_concurrency=1, max_pending_uploads=1)  # two task threads
+    # 3 s per batch: the Ctrl-C below lands while batches are left that no thread has started (at
+    # 1 s, on a loaded machine, the two threads finished every batch before `run` took the signal)
     err = open(tmp_path / "stderr", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "producer", "run", *job, "--output", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
