@@ -16,23 +16,32 @@ from plans import plan_files as _plan_files, plan_options as _opts, plan_setting
 ROOT = Path(__file__).resolve().parents[1]
 
 
-_KILL_AFTER_WINDOWS = """
+#: Windows of 128 samples, then 4,096 (the planner's are 1,024 then 32,768): two windows from 400
+#: records, not 1,800 to tokenise three times.
+SMALL_WINDOWS = (128, 4096)
+
+_KILL_AFTER_WINDOWS = f"""
 import os, signal, sys
+from producer import planner
 from producer.planner import PlanOptions, plan_run
 from settings import Settings
+planner.PLAN_WINDOWS = {SMALL_WINDOWS!r}
 seen = []
 def on_window(job, batches):
     seen.append(1)
     if len(seen) == int(sys.argv[3]):
         os.kill(os.getpid(), signal.SIGKILL)  # between two windows: no Python cleanup runs
-plan_run(PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=sys.argv[1], limit=1800, max_length=256,
+plan_run(PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=sys.argv[1], limit=400, max_length=256,
                      num_proc=1), Settings(_env_file=None, cache_dir=sys.argv[2]), on_window=on_window)
 """
 
 
-def test_a_plan_killed_between_windows_resumes_after_them_and_plans_every_sample_once(tmp_path, tiny_cache):
+def test_a_plan_killed_between_windows_resumes_after_them_and_plans_every_sample_once(tmp_path, tiny_cache, monkeypatch):
     """SIGKILL after the first window: the same plan later resumes with that window as it is
     (handed over first, for enqueue to send what is missing) and ends with the plan of one uninterrupted pass."""
+    from producer import planner
+
+    monkeypatch.setattr(planner, "PLAN_WINDOWS", SMALL_WINDOWS)  # as the killed planner's
     out = tmp_path / "killed"
     proc = subprocess.run([sys.executable, "-c", _KILL_AFTER_WINDOWS, str(out), str(tiny_cache), "1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -48,13 +57,13 @@ def test_a_plan_killed_between_windows_resumes_after_them_and_plans_every_sample
         handed.append([b.batch for b in batches])
         records.append(Planning.read(store))
 
-    resumed = plan_run(_opts(out, limit=1800, num_proc=1, max_length=256), _settings(tiny_cache), on_window=on_window)
+    resumed = plan_run(_opts(out, limit=400, num_proc=1, max_length=256), _settings(tiny_cache), on_window=on_window)
     assert records[0].state == "planning" and records[0].pid == os.getpid(), "status sees the resume at once"
     before = [b.batch for b in read_windows(store)[0].batches]
     assert handed[0] == before, "the windows already written are handed over first, as they are"
     assert resumed.config.run_id == run_dir.name and plan_complete(store)
 
-    whole = plan_run(_opts(tmp_path / "whole", limit=1800, num_proc=1, max_length=256), _settings(tiny_cache))
+    whole = plan_run(_opts(tmp_path / "whole", limit=400, num_proc=1, max_length=256), _settings(tiny_cache))
     assert whole.config.run_id == resumed.config.run_id
     assert _plan_files(run_dir) == _plan_files(tmp_path / "whole" / whole.config.run_id)
     ids = [r.record_id for r in SampleRow.read_all(store)]

@@ -14,6 +14,19 @@ from producer.planner import PLAN_WINDOWS, plan_run, prepare_plan, window_sample
 from producer.sources import BLOCK_BYTES, DatasetChanged
 from plans import plan_options as _opts, plan_settings as _settings
 
+#: Windows of 128 samples, then doubling up to 4,096 (the planner's start at 1,024): the tests that
+#: need two windows of real records tokenise 300 of them, not 2,600.
+SMALL_WINDOWS = (128, 4096)
+
+
+@pytest.fixture
+def small_windows(monkeypatch):
+    from producer import planner
+
+    monkeypatch.setattr(planner, "PLAN_WINDOWS", SMALL_WINDOWS)
+    return SMALL_WINDOWS[0]
+
+
 def _chats(n: int, words: int = 8, start: int = 0) -> str:
     return "".join(json.dumps({"id": f"c{i}", "conversations": [
         {"from": "human", "value": f"question {i} " + "word " * words},
@@ -27,7 +40,8 @@ def test_window_sizes_start_small_and_double_up_to_the_largest():
     assert all(b in (2 * a, largest) for a, b in zip(sizes, sizes[1:]))
 
 
-def test_each_window_is_handed_over_once_its_files_are_in_the_store_while_later_ones_are_tokenised(tmp_path, tiny_cache):
+def test_each_window_is_handed_over_once_its_files_are_in_the_store_while_later_ones_are_tokenised(tmp_path, tiny_cache,
+                                                                                                      small_windows):
     """on_window (enqueue's and run's hook) sees a window's batches only when their plan files exist,
     and before the plan is complete: the first batches reach the queue long before the last record is read."""
     seen = []
@@ -40,10 +54,11 @@ def test_each_window_is_handed_over_once_its_files_are_in_the_store_while_later_
             assert plan.num_samples == b.num_samples and plan.num_tokens == b.num_tokens
         seen.append([b.batch for b in batches])
 
-    planned = plan_run(_opts(tmp_path / "out", limit=2600, num_proc=1), _settings(tiny_cache), on_window=on_window)
+    planned = plan_run(_opts(tmp_path / "out", limit=300, num_proc=1), _settings(tiny_cache), on_window=on_window)
     assert len(seen) == 2 and [b for part in seen for b in part] == [b.batch for b in planned.batches]
     windows = read_windows(planned.run_store)
-    assert [w.num_samples for w in windows] == [1024, planned.stats["samples"] - 1024, 0][:len(windows)]
+    first = small_windows
+    assert [w.num_samples for w in windows] == [first, planned.stats["samples"] - first, 0][:len(windows)]
     assert windows[-1].last and not Planning.read(planned.run_store)
     # each window sorted longest first on its own; batches and samples follow each other
     for w in windows:
@@ -101,7 +116,7 @@ def test_bad_plan_options_are_refused_before_anything_is_read(tmp_path, tiny_cac
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
-def test_enqueue_sends_each_windows_batches_while_later_windows_are_tokenised(cluster, tmp_path):
+def test_enqueue_sends_each_windows_batches_while_later_windows_are_tokenised(cluster, tmp_path, small_windows):
     """Through the real broker: after the first window the queue holds exactly its batches and the
     plan is not complete; after the plan, every batch once; the same command again sends nothing
     (every batch is queued already)."""
@@ -121,14 +136,14 @@ def test_enqueue_sends_each_windows_batches_while_later_windows_are_tokenised(cl
         sender(job, batches)
         looks.append((queued(), len(sender.result.enqueued), plan_complete(job.run_store)))
 
-    planned = plan_run(_opts(tmp_path / "out", limit=2600, num_proc=1, max_length=128), cluster.settings,
+    planned = plan_run(_opts(tmp_path / "out", limit=300, num_proc=1, max_length=128), cluster.settings,
                        on_window=on_window)
     first_window = len(read_windows(planned.run_store)[0].batches)
     assert looks[0] == (first_window, first_window, False)
     assert queued() == len(sender.result.enqueued) == len(planned.batches)
 
     again = WindowSender(cluster.settings, cluster.broker.url)
-    plan_run(_opts(tmp_path / "out", limit=2600, num_proc=1, max_length=128), cluster.settings, on_window=again)
+    plan_run(_opts(tmp_path / "out", limit=300, num_proc=1, max_length=128), cluster.settings, on_window=again)
     assert again.result.enqueued == [] and len(again.result.in_flight) == len(planned.batches)
     assert queued() == len(planned.batches)
     client.close()
