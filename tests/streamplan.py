@@ -2,8 +2,10 @@
 (``status``, ``verify``, ``reconcile``, the live reader: tests/test_streamed_plan_readers.py).
 
 :func:`plan_options` is the plan of those tests: real ShareGPT records, the tiny-qwen3.5 target,
-one tokenising process. With ``limit=1500`` it has three windows: 1,024 samples (59 batches), the
-rest of the records (the ``--limit`` is reached there), and the empty last window.
+one tokenising process, windows of :data:`FIRST_WINDOW` samples and then doubling
+(:func:`small_windows`; the planner's own start at 1,024: a test would tokenise 1,500 records per
+plan). With ``limit=600`` it has three windows: 256 samples, the rest of the records (the
+``--limit`` is reached there), and the empty last window.
 
 Run as a script it is a planner process that a test can watch, pause and kill::
 
@@ -27,6 +29,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+#: The first window's samples in these tests' plans (then doubling up to 4,096).
+FIRST_WINDOW = 256
+
+
+def small_windows() -> tuple[int, int]:
+    """Set the planner's window schedule (``producer.planner.PLAN_WINDOWS``) to the tests' in this
+    process; returns the one it replaces."""
+    from producer import planner
+
+    before, planner.PLAN_WINDOWS = planner.PLAN_WINDOWS, (FIRST_WINDOW, 4096)
+    return before
 
 
 def plan_options(output: Path, limit: int):
@@ -56,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from producer.planner import plan_run
 
+    small_windows()
     seen = []
 
     def on_window(job, batches: list[dict]) -> None:

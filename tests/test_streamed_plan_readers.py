@@ -1,6 +1,6 @@
 """What reads a run whose plan is still being written: ``producer status``, ``verify``, ``reconcile``
 and the live reader, on real streamed plans (tests/streamplan.py: ShareGPT records, the tiny
-target, windows of 1,024 samples and then the rest).
+target, windows of 256 samples and then the rest).
 
 The plan is streamed: ``plan/windows/w000000.json`` (after its batch files and sample rows), then
 the next window..., ``plan/batches.json`` last (hsx/plan.py). A planner process paused between two
@@ -27,7 +27,7 @@ import pytest
 from rich.console import Console
 
 from jobfixtures import ROOT, clean_env, run_here, wait_until
-from streamplan import plan_options, plan_settings
+from streamplan import FIRST_WINDOW, plan_options, plan_settings, small_windows
 
 from hsx.errors import HsxError
 from hsx.layout import window_key, window_samples_key
@@ -41,7 +41,7 @@ from producer.status import PLANNING_STALL_GRACE_S, RunWatch, planning_progress
 from producer.statusview import status_view
 from producer.verify import verify_run
 
-LIMIT = 1500
+LIMIT = 600
 WORLD = 8
 POLL_S = 0.1
 PLAN_KINDS = {"plan_mismatch", "plan_unreadable", "plan_missing", "plan_incomplete"}
@@ -114,12 +114,22 @@ class PausedPlanner:
             self.proc.wait(30)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _small_windows():
+    """Every plan of this file (here and in tests/streamplan.py's process) has windows of 256 samples."""
+    from producer import planner
+
+    before = small_windows()
+    yield
+    planner.PLAN_WINDOWS = before
+
+
 @pytest.fixture(scope="module")
 def complete_plan(tmp_path_factory, tiny_cache) -> Path:
-    """A complete streamed plan (three windows: 1,024 samples, the rest, the empty last one); no extraction."""
+    """A complete streamed plan (three windows: 256 samples, the rest, the empty last one); no extraction."""
     out = tmp_path_factory.mktemp("complete-plan")
     planned = plan_run(plan_options(out, LIMIT), plan_settings(tiny_cache))
-    assert planned.stats["windows"] == 3 and planned.stats["batches"] == len(planned.batches) > 45, planned.stats
+    assert planned.stats["windows"] == 3 and planned.stats["batches"] == len(planned.batches) > 15, planned.stats
     return out / planned.config.run_id
 
 
@@ -142,20 +152,20 @@ def test_status_verify_reconcile_and_the_live_reader_follow_a_plan_while_it_is_w
         assert status["plan_error"] is None and status["planner"]["pid"] == planner.proc.pid == first["pid"]
         p = status["planning"]
         assert p["windows"] == 1 and p["batches"] == p["batches_enqueued"] == status["batches_total"] == len(first["batches"])
-        assert p["samples"] == status["samples_total"] == 1024 and p["tokens"] == status["tokens_total"] > 0
-        assert p["records_total"] == LIMIT and 1024 <= p["records_read"] < LIMIT
+        assert p["samples"] == status["samples_total"] == FIRST_WINDOW and p["tokens"] == status["tokens_total"] > 0
+        assert p["records_total"] == LIMIT and FIRST_WINDOW <= p["records_read"] < LIMIT
         assert 0 < p["percent"] < 100 and p["records_per_s"] > 0 and p["num_proc"] == 1
         assert p["eta_s"] is not None and p["tokens_estimated"] > p["tokens"]
         assert status["eta_s"] is None, "no extraction rate yet: no ETA"
         text = _render(status)
-        for expected in ("planning", "1 window written: 1,024 samples in", f"/ {LIMIT:,} records", "planning eta",
+        for expected in ("planning", f"1 window written: {FIRST_WINDOW} samples in", f"/ {LIMIT:,} records", "planning eta",
                          f"0 / {len(first['batches'])} batches planned so far", f"pid {planner.proc.pid}"):
             assert expected in text, f"{expected!r} not in the view:\n{text}"
 
         report = verify_run(run_store)
         kinds = _kinds(report)
         assert set(kinds) == {"plan_incomplete", "not_done"}, report["problems"]
-        assert "1 window written so far (1,024 samples" in kinds["plan_incomplete"][0]["detail"]
+        assert f"1 window written so far ({FIRST_WINDOW} samples" in kinds["plan_incomplete"][0]["detail"]
         assert "still writing it" in kinds["plan_incomplete"][0]["detail"]
         assert not report["plan_complete"] and report["windows"] == 1 and report["batches_planned"] == len(first["batches"])
 
@@ -257,7 +267,7 @@ def test_a_plan_stopped_after_its_first_window_is_plan_failed_and_its_batches_ar
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state")
     status = json.loads(run_here(["status", str(run_dir), "--json", "--no-broker"], env).stdout)
     assert status["state"] == "plan_failed" and "interrupted" in status["plan_error"]
-    assert status["planning"]["windows"] == 1 and status["planning"]["samples"] == 1024
+    assert status["planning"]["windows"] == 1 and status["planning"]["samples"] == FIRST_WINDOW
     assert status["batches_total"] == len(first) and status["eta_s"] is None
     text = _render(status)
     assert "1 window written before it stopped" in text and "it resumes after the 1 window written" in text, text
@@ -369,7 +379,7 @@ def test_a_complete_streamed_plan_passes_verify_and_every_tampering_is_named(com
     (run_dir / window_key("w000001")).write_text(json.dumps({**record, "first_sample": record["first_sample"] + 1}))
     kinds = _kinds(verify_run(copy))
     details = [p["detail"] for p in kinds["plan_mismatch"] if p["window"] == "w000001"]
-    assert any("starts at sample 1025, the windows before end at sample 1024" in d for d in details), details
+    assert any(f"starts at sample {FIRST_WINDOW + 1}, the windows before end at sample {FIRST_WINDOW}" in d for d in details), details
     assert any(window_samples_key("w000001") in d and "outside the window" in d for d in details), details
     assert any("starts at sample" in p["detail"] for p in kinds["plan_mismatch"] if p["window"] == "w000002")
 
