@@ -96,9 +96,14 @@ class FaultProxy:
                     return
                 conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
                 try:
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
+                    try:
+                        conn.request(self.command, self.path, body=body, headers=headers)
+                        resp = conn.getresponse()
+                        data = resp.read()
+                    except OSError:  # the server is down (a test stopped it): the client's connection drops, as
+                        self.close_connection = True  # before, without socketserver's traceback on the suite's output
+                        self.connection.close()
+                        return
                     self.send_response(resp.status, resp.reason)
                     for k, v in resp.getheaders():
                         if k.lower() not in ("transfer-encoding", "content-length", "connection"):
