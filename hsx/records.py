@@ -270,8 +270,10 @@ def done_batches(store: Store) -> set[str]:
 MARKER_READ_THREADS = 16
 
 
-def read_markers(store: Store, batches: list[str] | None = None) -> dict[str, "Marker | Exception"]:
-    """Every marker of the run (or those of ``batches``), keyed by the batch its key names.
+def read_markers(store: Store, batches: list[str] | None = None, record: type | None = None
+                 ) -> dict[str, "Marker | Exception"]:
+    """Every marker of the run (or those of ``batches``), keyed by the batch its key names, read as
+    ``record`` (default :class:`Marker`; a regenerate run's :class:`hsx.regen.RegenMarker`).
 
     Values are the :class:`Marker`, or the exception reading it raised (a :class:`RecordFormatError`,
     a :class:`~hsx.errors.StoreError`, :class:`MissingKey` for one of ``batches`` that has none), so
@@ -281,7 +283,7 @@ def read_markers(store: Store, batches: list[str] | None = None) -> dict[str, "M
 
     def load(batch: str) -> Marker | Exception:
         try:
-            return Marker.from_json(store.read(layout.marker_key(batch)), layout.marker_key(batch))
+            return (record or Marker).from_json(store.read(layout.marker_key(batch)), layout.marker_key(batch))
         except Exception as exc:  # reported per marker by the caller
             return exc
 

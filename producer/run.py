@@ -19,8 +19,8 @@ from pathlib import Path
 
 from hsx.broker import EmbeddedBroker, check_broker
 from hsx.errors import RunCancelled, StoreError
-from hsx.records import BatchSummary, Cancelled, done_batches, read_failures
-from hsx.regen import is_regenerate
+from hsx.records import BatchSummary, Cancelled, done_batches, read_failures, read_markers
+from hsx.regen import RegenMarker, is_regenerate
 from hsx.store import mask_url
 from hsx.layout import window_key
 from hsx.plan import plan_complete
@@ -540,8 +540,29 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         _stop_started(launch.local if launch is not None else None, broker, console)
     if planned is not None:
         report["batches_done"] = len(done_batches(planned.run_store) & {b.batch for b in planned.batches})
+        if is_regenerate(planned.config):
+            report["answers"] = regenerated_answers(planned.run_store, [b.batch for b in planned.batches])
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return code, report
+
+
+def regenerated_answers(run_store, batches: list[str]) -> dict:
+    """What the target generated in a regenerate run's done batches, from their markers
+    (:class:`hsx.regen.RegenMarker`): ``{"batches", "conversations", "completion_tokens", "unfinished",
+    "engines": {engine: batches}}``; ``unfinished``: conversations with an answer cut at
+    ``--max-new-tokens`` or a prompt too long (``--drop-unfinished`` skips them downstream)."""
+    out = {"batches": 0, "conversations": 0, "completion_tokens": 0, "unfinished": 0, "engines": {}}
+    done = done_batches(run_store) & set(batches)
+    for marker in read_markers(run_store, sorted(done), record=RegenMarker).values():
+        if isinstance(marker, Exception):  # `verify` names it; a summary line does not stop for it
+            continue
+        out["batches"] += 1
+        out["conversations"] += int(marker.num_samples or 0)
+        out["completion_tokens"] += int(marker.supervised_tokens or 0)
+        out["unfinished"] += int(marker.unfinished or 0)
+        engine = marker.engine or "unknown"
+        out["engines"][engine] = out["engines"].get(engine, 0) + 1
+    return out
 
 
 def run_regenerated(opts: PlanOptions, regen: dict, settings: Settings, console, *, workers=None,

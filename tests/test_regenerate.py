@@ -229,6 +229,11 @@ def test_ctrl_c_then_the_same_command_resumes(tmp_path, tiny_cache, shared_worke
     regen = report["regenerate"]
     assert regen["run_id"] == run_dir.name and regen["batches_already_done"] == len(kept)
     assert regen["batches_done"] == regen["batches_total"] == len(planned)
+    answered = [a for c in shard_conversations(regen_store).values() for a in c.regenerated]
+    assert regen["answers"]["batches"] == len(planned) and regen["answers"]["engines"] == {"generate": len(planned)}
+    assert regen["answers"]["completion_tokens"] == sum(a.completion_tokens for a in answered) > 0
+    assert regen["answers"]["conversations"] == len(planned_samples(regen_store))
+    assert regen["answers"]["unfinished"] == sum(not c.finished for c in shard_conversations(regen_store).values())
     assert {b: m.shard.key for b, m in read_markers(regen_store).items() if b in kept} == kept, "done batches not redone"
     assert done_batches(regen_store) == planned
     assert {i: c.id for i, c in shard_conversations(regen_store).items()} == planned_samples(regen_store)
