@@ -30,8 +30,8 @@ ceilings doing the same work, in one call on one GPU (issue 23 item 5).
   (``workers.generate.continuous_batching_refusal``: a Gated DeltaNet target, sampling), or the error
   it raised; a continuous-batching ceiling is measured even where the worker picks ``generate`` for
   speed (``pick_engine``: CUDA without flash attention), to show that choice. ``ours_over`` is
-  ours' ``steady_tok_s`` over a per-batch ceiling's rate on exactly the batches of ours' steady window (``steady_batches``; None when the ceiling did not answer them all:
-  not the same work); ``ours_whole_run_over``: ours' ``whole_run_tok_s`` (start-up and planning
+  ours' ``steady_tok_s`` over a per-batch ceiling's rate on exactly the batches of ours' steady
+  window (``steady_batches``; None when the ceiling did not answer them all: not the same work); ``ours_whole_run_over``: ours' ``whole_run_tok_s`` (start-up and planning
   included) over a ceiling's ``tok_s``, given only for a ceiling that answered all of ours' batches;
   ``ours_in_engine_over_same_batches``: ours' tokens over its workers' generate seconds (the markers'
   ``forward_s``) on exactly the batches a ceiling answered (``batch_names``), over that ceiling's ``tok_s``.
@@ -166,6 +166,8 @@ def summarise_ours(run: dict, answers: dict, min_window_s: float) -> dict:
         rows.append(answered)
     w0, w1, w_tokens, _ = steady_window(arrivals, min_window_s)
     in_window = [a[3] for a in arrivals if w0 < a[0] <= w1]  # the batches whose work the window's seconds hold
+    if sum(a[1] for a in arrivals if w0 < a[0] <= w1) != w_tokens:  # markers at the same instant as the window's
+        in_window = None  # edge: which of them the window holds is not known, so no same-work ratio
     whole_s = run["t_end"] - run["t_start"]
     engine_s = sum(d["marker"].forward_s or 0.0 for d in done)
     return {

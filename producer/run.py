@@ -539,20 +539,20 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
     finally:
         _stop_started(launch.local if launch is not None else None, broker, console)
     if planned is not None:
-        report["batches_done"] = len(done_batches(planned.run_store) & {b.batch for b in planned.batches})
+        done = done_batches(planned.run_store) & {b.batch for b in planned.batches}
+        report["batches_done"] = len(done)
         if is_regenerate(planned.config):
-            report["answers"] = regenerated_answers(planned.run_store, [b.batch for b in planned.batches])
+            report["answers"] = regenerated_answers(planned.run_store, done)
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return code, report
 
 
-def regenerated_answers(run_store, batches: list[str]) -> dict:
-    """What the target generated in a regenerate run's done batches, from their markers
+def regenerated_answers(run_store, done: set[str]) -> dict:
+    """What the target generated in a regenerate run's done batches ``done``, from their markers
     (:class:`hsx.regen.RegenMarker`): ``{"batches", "conversations", "completion_tokens", "unfinished",
     "engines": {engine: batches}}``; ``unfinished``: conversations with an answer cut at
     ``--max-new-tokens`` or a prompt too long (``--drop-unfinished`` skips them downstream)."""
     out = {"batches": 0, "conversations": 0, "completion_tokens": 0, "unfinished": 0, "engines": {}}
-    done = done_batches(run_store) & set(batches)
     for marker in read_markers(run_store, sorted(done), record=RegenMarker).values():
         if isinstance(marker, Exception):  # `verify` names it; a summary line does not stop for it
             continue
