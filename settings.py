@@ -157,6 +157,14 @@ class Settings(BaseSettings):
     """Threads that copy the checkpoint's tensors to the device while a worker loads its target
     (transformers' loading pool, ``core_model_loading.GLOBAL_WORKERS``, 4 by default upstream), at
     most the host's CPUs. ``bench/load.py`` measures the load's GB/s with each."""
+    # who needs it: a checkpoint our loader cannot read (it then loads as transformers does it)
+    fast_load: bool = True
+    """On CUDA, read the checkpoint's safetensors files with ``os.preadv`` into pinned host buffers
+    and copy them to the GPU asynchronously (``workers/loading.py``), handing the tensors to
+    transformers' ``from_pretrained`` as a ``state_dict``; off: transformers' own loader (a memory
+    map per file, a copy per tensor from pageable memory; 2-3x slower on the H200, BENCHMARKS.md
+    "Loading a target"). Remote-code models and non-safetensors checkpoints always load as
+    transformers does it."""
     # who needs it: off where the store must hold no compiled code
     compile_cache: bool = True
     """Share Triton's compile cache (``TRITON_CACHE_DIR``) through the store: the first CUDA worker

@@ -15,7 +15,10 @@ memory figures are the loading process's own:
   process start, as the kernel stamped it, to the target ready for its first task).
 
 Loaders: ``worker`` is the path users run (``workers.target.load_target``: hash, load straight to
-the device, warm-up, memory probe); ``plain`` is the load without a device map followed by
+the device through pinned buffers (``workers/loading.py``), warm-up, memory probe);
+``worker_transformers`` the same with ``HSX_FAST_LOAD=false`` (transformers' own loader: a memory
+map per file, a copy per tensor); ``files`` and ``instanttensor`` are the ceilings of the same
+bytes to the same device with no model (our reader alone; InstantTensor, when installed); ``plain`` is the load without a device map followed by
 ``model.to(device)`` (what the worker did before issue 20: the whole model in host memory first);
 ``read`` is ``from_pretrained(disable_mmap=True)``, which reads every file into host memory
 (a loader that holds a full second copy: the control of the memory figure).
@@ -58,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-LOADERS = ("worker", "plain", "read")
+LOADERS = ("worker", "worker_transformers", "plain", "read", "files", "instanttensor")
 
 
 def proc_status() -> dict[str, int]:
@@ -136,13 +139,18 @@ def child(args) -> dict:
     import_s = time.time() - process_start_epoch()  # interpreter start and imports, before any model work
     with AnonPeak() as anon:
         t0 = time.perf_counter()
-        if args.loader == "worker":
+        if args.loader in ("files", "instanttensor"):
+            model, device = _files_to_device(path, args.loader, settings)
+            record["load_s"] = round(time.perf_counter() - t0, 3)
+        elif args.loader in ("worker", "worker_transformers"):
             from hsx.models import model_info
             from workers.target import load_target
 
             t = time.perf_counter()
             model_info(str(path), settings.cache_dir)
             record["identity_s"] = round(time.perf_counter() - t, 3)
+            if args.loader == "worker_transformers":
+                settings = settings.model_copy(update={"fast_load": False})
             target = load_target(str(path), settings)
             model, device = target.model, target.device
             record.update(load_s=round(target.load_s, 3), warmup_s=round(target.warmup_s, 3),
@@ -161,6 +169,8 @@ def child(args) -> dict:
             _sync(device)
             record["load_s"] = round(time.perf_counter() - t0, 3)
     status = proc_status()
+    if args.loader.startswith("worker"):
+        record["file_check"] = check_against_files(model, path, every=args.check_every)
     params = [p for p in model.parameters()]
     record.update(
         device=str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
@@ -178,11 +188,71 @@ def child(args) -> dict:
     return record
 
 
+def _files_to_device(path: Path, loader: str, settings):
+    """The ceilings of a load: every tensor of the checkpoint's files on the device, no model.
+    ``files``: our reader (``workers.loading.StreamedCheckpoint``) in ``HSX_LOAD_THREADS`` threads,
+    what ``worker`` does minus transformers; ``instanttensor``: InstantTensor's ``safe_open`` over
+    all the files at once (https://github.com/scitix/InstantTensor), when it is installed.
+    Returns (a module holding the tensors as buffers, the device)."""
+    import torch
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workers.loading import StreamedCheckpoint, checkpoint_files
+    from workers.target import pick_device
+
+    device = pick_device(settings)
+    files = checkpoint_files(path)
+    holder = torch.nn.Module()
+    tensors = {}
+    if loader == "instanttensor":
+        import instanttensor
+
+        with instanttensor.safe_open([str(f) for f in files], framework="pt", device=device.index or 0) as f:
+            for name, tensor in f.tensors():
+                tensors[name] = tensor
+    else:
+        with StreamedCheckpoint(files, device) as ckpt, ThreadPoolExecutor(settings.load_threads) as pool:
+            names = list(ckpt.tensors)
+            for name, tensor in zip(names, pool.map(lambda n: ckpt.tensors[n][...], names)):
+                tensors[name] = tensor
+    _sync(device)
+    for i, tensor in enumerate(tensors.values()):
+        holder.register_parameter(f"t{i}", torch.nn.Parameter(tensor, requires_grad=False))
+    return holder, device
+
+
+def check_against_files(model, path: Path, every: int = 8) -> dict:
+    """Every ``every``-th tensor of the checkpoint's files that is a parameter of ``model`` under
+    the same name, read again by safetensors itself and compared with the loaded parameter (cast
+    to its dtype): ``{"checked": n, "mismatched": [names]}``."""
+    import torch
+    from safetensors import safe_open
+
+    from workers.loading import checkpoint_files
+
+    params = dict(model.named_parameters())
+    checked, bad, i = 0, [], 0
+    for f in checkpoint_files(path):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                if name not in params:
+                    continue
+                i += 1
+                if i % every:
+                    continue
+                p = params[name]
+                ref = fh.get_tensor(name).to(device=p.device, dtype=p.dtype)
+                checked += 1
+                if not torch.equal(ref, p):
+                    bad.append(name)
+    return {"checked": checked, "mismatched": bad}
+
+
 def run_child(checkpoint: Path, loader: str, *, cache_dir: Path, device: str | None, store: str | None = None,
-              env: dict | None = None, timeout_s: float = 3600) -> dict:
+              env: dict | None = None, timeout_s: float = 3600, check_every: int = 8) -> dict:
     """:func:`child` in a fresh process; returns its record. Raises RuntimeError with its stderr if it fails."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "child", str(checkpoint), "--loader", loader,
-           "--cache-dir", str(cache_dir)] + (["--device", device] if device else []) + (["--store", store] if store else [])
+           "--cache-dir", str(cache_dir), "--check-every", str(check_every)] + (["--device", device] if device else []) + (["--store", store] if store else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env or dict(os.environ), cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{loader} load of {checkpoint} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -272,10 +342,12 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def cold_start(checkpoint: Path, *, cache_dir: Path, device: str | None, store: str, work: Path) -> dict:
-    """The three children of ``--cold-start`` (module docstring); returns ``{case: record}``."""
+def cold_start(checkpoint: Path, *, cache_dir: Path, device: str | None, store: str, work: Path,
+               cases: tuple[str, ...] = ("first", "from_store", "no_store")) -> dict:
+    """The children of ``--cold-start`` (module docstring), those of ``cases`` in that order;
+    returns ``{case: record}``."""
     out = {}
-    for case in ("first", "from_store", "no_store"):
+    for case in cases:
         env = dict(os.environ, TRITON_CACHE_DIR=str(Path(tempfile.mkdtemp(prefix=f"triton-{case}-", dir=work))))
         env.pop("HSX_COMPILE_CACHE", None)
         if case == "no_store":
@@ -293,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=None, help="HSX cache dir of the children (default: a fresh one beside --json)")
     parser.add_argument("--store", default=None, help="the workers' store root (HSX_STORE_URL) for --cold-start")
     parser.add_argument("--cold-start", action="store_true", help="measure cold starts with and without the compile cache")
+    parser.add_argument("--check-every", type=int, default=8, help="compare every Nth loaded parameter with "
+                        "safetensors' own read of the file (worker loaders)")
+    parser.add_argument("--cases", default="first,from_store,no_store", help="--cold-start: which of its children")
     parser.add_argument("--cold", action="store_true", help="do not read the files into the page cache first")
     parser.add_argument("--json", default=None, help="write the result here (default: stdout only)")
     parser.add_argument("--build", default=None, metavar="CONFIG", help="build a random checkpoint from this config.json")
@@ -332,9 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         result["read_files_s"] = round(read_files(checkpoint), 2)
     if args.cold_start:
         store = args.store or str(work / "store")
-        result["cold_start"] = cold_start(checkpoint, cache_dir=cache_dir, device=args.device, store=store, work=work)
+        result["cold_start"] = cold_start(checkpoint, cache_dir=cache_dir, device=args.device, store=store, work=work,
+                                          cases=tuple(args.cases.split(",")))
     else:
-        result["loads"] = {loader: run_child(checkpoint, loader, cache_dir=cache_dir, device=args.device)
+        result["loads"] = {loader: run_child(checkpoint, loader, cache_dir=cache_dir, device=args.device,
+                                             check_every=args.check_every)
                            for loader in args.loader.split(",")}
     text = json.dumps(result, indent=2)
     if args.json:

@@ -65,3 +65,99 @@ def test_a_loading_worker_holds_no_second_copy_of_the_weights_in_host_memory(che
     assert worker["params_on_device"] and worker["param_bytes"] >= size - 1e6
     assert worker["anon_peak_bytes"] < 0.3 * size, worker
     assert read["anon_peak_bytes"] > 1.0 * size, read  # the figure does see a full second copy
+
+
+# --- the streamed loader (workers/loading.py): what the GPU worker runs, checked here on the CPU ---
+
+sys.path.insert(0, str(ROOT / "tests"))
+from tinymodels import MODELS, tiny_fp8_checkpoint, tiny_model  # noqa: E402
+
+
+def _state(model) -> dict:
+    return {k: v for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_streamed_loader_gives_the_model_transformers_loads_from_a_sharded_checkpoint(name, tmp_path):
+    """Dense, Gated DeltaNet and MoE shapes (the MoE experts fused by transformers' own converters),
+    saved in several shards: every parameter and buffer equals ``from_pretrained``'s."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.loading import checkpoint_files, load_streamed
+
+    tiny_model(name).save_pretrained(tmp_path, max_shard_size="200KB")
+    assert len(checkpoint_files(tmp_path)) > 3
+    want = _state(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32))
+    got = _state(load_streamed(str(tmp_path), device=torch.device("cpu"), dtype=torch.float32,
+                               device_map={"": torch.device("cpu")}))
+    assert got.keys() == want.keys()
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+
+
+def test_the_streamed_loader_reads_a_multimodal_qwen3_5_checkpoint_as_its_text_model(tmp_path):
+    """A Qwen3.5 / 3.6 release is saved as ``Qwen3_5ForConditionalGeneration`` (its weights under
+    ``model.language_model.``); the worker runs the text model, as ``AutoModelForCausalLM`` picks it."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    from workers.loading import load_streamed
+
+    full = json.loads((ROOT / "tests" / "data" / "configs" / "qwen3.5-27b.json").read_text())
+    text = tiny_model("qwen3.5").config.to_dict()
+    full["text_config"] = {k: v for k, v in text.items() if k not in ("architectures", "transformers_version")}
+    full["vision_config"].update(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    full.pop("transformers_version", None)
+    torch.manual_seed(0)
+    Qwen3_5ForConditionalGeneration(AutoConfig.for_model(**full)).save_pretrained(tmp_path)
+    want = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    got = load_streamed(str(tmp_path), device=torch.device("cpu"), dtype=torch.float32,
+                        device_map={"": torch.device("cpu")})
+    assert type(got) is type(want)
+    a, b = _state(want), _state(got)
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_the_streamed_loader_dequantises_an_fp8_checkpoint_as_transformers_does(tmp_path):
+    """A fine-grained FP8 checkpoint (float8 weights, block scales) with ``dequantize=True``, the CPU
+    worker's form: the same fp32 weights as transformers' own loader makes."""
+    from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config
+
+    from workers.loading import load_streamed
+
+    _, fp8 = tiny_fp8_checkpoint("qwen3-next", tmp_path)
+    block = AutoConfig.from_pretrained(fp8).quantization_config["weight_block_size"]
+
+    def qc():
+        return FineGrainedFP8Config(dequantize=True, weight_block_size=block)
+
+    a = _state(AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.float32, quantization_config=qc()))
+    b = _state(load_streamed(str(fp8), device=torch.device("cpu"), dtype=torch.float32,
+                             device_map={"": torch.device("cpu")}, quantization_config=qc()))
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_a_truncated_checkpoint_file_is_refused_naming_the_file_and_the_tensor(tmp_path):
+    from hsx.errors import BadConfig
+    from workers.loading import StreamedCheckpoint, checkpoint_files
+
+    tiny_model("qwen3").save_pretrained(tmp_path)
+    (f,) = checkpoint_files(tmp_path)
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size - 10)
+    with pytest.raises(BadConfig, match=r"model\.safetensors: tensor .* past the file's"):
+        StreamedCheckpoint([f], torch.device("cpu"))
+
+
+def test_the_worker_streams_only_local_safetensors_on_cuda(tmp_path):
+    """The CPU keeps transformers' loader (a checkpoint in fp32 stays mapped from its file); remote
+    code and a directory without safetensors go to transformers too."""
+    from workers.loading import can_stream
+
+    tiny_model("qwen3").save_pretrained(tmp_path / "ckpt")
+    cuda = torch.device("cuda", 0)
+    assert can_stream(str(tmp_path / "ckpt"), cuda, trust_remote_code=False)
+    assert not can_stream(str(tmp_path / "ckpt"), torch.device("cpu"), trust_remote_code=False)
+    assert not can_stream(str(tmp_path / "ckpt"), cuda, trust_remote_code=True)
+    (tmp_path / "empty").mkdir()
+    assert not can_stream(str(tmp_path / "empty"), cuda, trust_remote_code=False)

@@ -19,7 +19,7 @@ from hsx.decoder import decoder_of
 from hsx.errors import BadConfig
 from hsx.models import hub_kwargs, model_info, resolve_model_path, safetensors_only
 from settings import Settings
-from workers import compile_cache, faults, quantized
+from workers import compile_cache, faults, loading, quantized
 from workers.capture import PendingCapture, Rows, launch_capture, right_padded_rows
 from workers.memory import forward_tokens_that_fit
 
@@ -329,15 +329,21 @@ def load_target(name: str, settings: Settings) -> Target:
                                      trust_remote_code=settings.trust_remote_code)
         device = next(model.parameters()).device
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=dtype,
-            use_safetensors=use_safetensors,
-            trust_remote_code=settings.trust_remote_code,
-            device_map=load_device_map(device),  # straight to the device, one tensor at a time (load_device_map)
-            **hub_kwargs(path),  # a hub id: its cache, read alone when the hub cannot be reached (no retries)
-            **quantized.load_kwargs(info, device, path),  # FP8 on the CPU: dequantised while loading (workers/quantized.py)
-        )
+        local = loading.local_dir(path) if settings.fast_load and device.type == "cuda" else path
+        if settings.fast_load and loading.can_stream(local, device, trust_remote_code=settings.trust_remote_code):
+            # pread into pinned buffers, asynchronous copies to the GPU (workers/loading.py), not transformers' mmap
+            model = loading.load_streamed(local, device=device, dtype=dtype, device_map=load_device_map(device),
+                                          **quantized.load_kwargs(info, device, path))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=dtype,
+                use_safetensors=use_safetensors,
+                trust_remote_code=settings.trust_remote_code,
+                device_map=load_device_map(device),  # straight to the device, one tensor at a time (load_device_map)
+                **hub_kwargs(path),  # a hub id: its cache, read alone when the hub cannot be reached (no retries)
+                **quantized.load_kwargs(info, device, path),  # FP8 on the CPU: dequantised while loading
+            )
     faults.hooks().at_load()  # HSX_FAULTS=die_load (tests): dies here, as the OOM killer kills a loading worker
     after = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     if after.revision != info.revision:

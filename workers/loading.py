@@ -1,0 +1,268 @@
+"""A target's weights from its safetensors files to the GPU through pinned host buffers.
+
+transformers' own path (``from_pretrained`` with a device map, ``workers.target.load_device_map``)
+maps each file and copies every tensor from the mapped pages to the device (``tensor[...]`` then
+``.to(device)``, ``core_model_loading.py`` ``_materialize_copy``, transformers 5.24): each 4 KiB
+page is faulted in on first touch and the host-to-device copy is from pageable memory, so a 52 GB
+checkpoint loaded at 2.0-2.4 GB/s on the H200 however many threads ran it (BENCHMARKS.md,
+"Loading a target").
+
+Here each tensor is read with ``os.preadv`` (no page faults, no map) into one of two pinned
+buffers that the loading thread reuses, and copied from it to the device with an asynchronous
+copy on the thread's own CUDA stream while the next chunk is read into the other buffer. The
+tensors are handed to transformers as a lazy ``state_dict`` (``from_pretrained(None, config=...,
+state_dict=...)``, its public argument for weights that do not come from its own files): every
+step after reading a tensor (key renaming, fusing MoE experts, FP8 scales, tied weights, the
+device map, the dtype) is still transformers', run by its own pool of loading threads
+(``GLOBAL_WORKERS``, ``HSX_LOAD_THREADS``). Host memory holds the pinned buffers (two of
+:data:`CHUNK_BYTES` per loading thread), never a copy of the weights, and not the file's pages in
+this process's RSS either.
+
+The format (safetensors): 8 bytes little-endian header length N, N bytes of JSON
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": ...}``), then the data,
+each tensor's bytes at ``8 + N + begin``, C order, little endian
+(https://github.com/huggingface/safetensors, "Format").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+from pathlib import Path
+
+import torch
+
+from hsx.errors import BadConfig
+
+log = logging.getLogger(__name__)
+
+#: Bytes of one pinned buffer: one ``preadv`` and one host-to-device copy. Two per loading thread
+#: (16 threads: 1 GiB of pinned host memory while loading, freed after).
+CHUNK_BYTES = 32 << 20
+
+#: safetensors' dtype names (its ``Dtype`` enum) and torch's.
+DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of the local checkpoint directory ``path``: those its
+    ``model.safetensors.index.json`` names (a sharded save), else ``model.safetensors``; [] when it
+    has neither (another layout, which :func:`can_stream` leaves to transformers)."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [p / n for n in names]
+    single = p / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def local_dir(path: str) -> str:
+    """The local directory of the checkpoint ``path``: itself when it is one; for a hub id, its
+    snapshot in the hub cache (``huggingface_hub.snapshot_download`` of its config, weights and
+    tokenizer files, downloading what the cache lacks unless the hub is not to be asked:
+    ``hsx.models.hub_local_only``), as ``from_pretrained`` would have fetched them.
+
+    Raises:
+        BadConfig: what ``hub_local_only`` raises (not in the cache, the hub unreachable).
+    """
+    if Path(path).is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    from hsx.models import hub_kwargs
+
+    kw = hub_kwargs(path)
+    return snapshot_download(path, cache_dir=kw["cache_dir"], local_files_only=kw["local_files_only"],
+                             allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+
+
+def can_stream(path: str, device: torch.device, *, trust_remote_code: bool) -> bool:
+    """True when :func:`load_streamed` can load the checkpoint at ``path`` onto ``device``: a CUDA
+    device, a local directory with safetensors files, and no remote code (whose classes
+    transformers resolves from the checkpoint's path, which the ``state_dict`` form does not take)."""
+    return device.type == "cuda" and not trust_remote_code and Path(path).is_dir() and bool(checkpoint_files(path))
+
+
+class FileTensor:
+    """One tensor of a safetensors file, read when indexed: the lazy slice transformers expects in
+    a ``state_dict`` (the interface of safetensors' ``PySafeSlice``: ``get_dtype``, ``get_shape``,
+    ``tensor[...]``, which ``core_model_loading._materialize_copy`` and the quantisers call)."""
+
+    __slots__ = ("reader", "name", "dtype", "shape", "offset", "nbytes", "_fd")
+
+    def __init__(self, reader: "StreamedCheckpoint", fd: int, name: str, dtype: str, shape: list[int],
+                 offset: int, nbytes: int):
+        self.reader, self._fd, self.name, self.dtype, self.shape = reader, fd, name, dtype, shape
+        self.offset, self.nbytes = offset, nbytes
+
+    def get_dtype(self) -> str:
+        return self.dtype
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        tensor = self.reader.read(self)
+        return tensor if index is Ellipsis else tensor[index]
+
+
+class StreamedCheckpoint:
+    """The tensors of a checkpoint's safetensors files, each read to ``device`` when transformers
+    asks for it (:class:`FileTensor`); a context manager that closes the files and frees the pinned
+    buffers on exit.
+
+    Args:
+        files: the checkpoint's ``*.safetensors`` files.
+        device: where the tensors are made (CUDA: through pinned buffers; CPU: read straight into
+            the tensor, which the tests use to check the reading against safetensors' own).
+
+    Raises:
+        BadConfig: a file is not safetensors (its header cannot be read, or a tensor's bytes lie
+            beyond the file's end), or holds a dtype this loader does not know.
+    """
+
+    def __init__(self, files: list[Path], device: torch.device):
+        self.device = device
+        self._fds: list[int] = []
+        self._buffers: dict[int, tuple] = {}
+        self._lock = threading.Lock()
+        self.tensors: dict[str, FileTensor] = {}
+        self.bytes_read = 0
+        for f in files:
+            self._index(Path(f))
+
+    def _index(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        self._fds.append(fd)
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (size,)
+        if n + 8 > size:
+            raise BadConfig(f"{path}: not a safetensors file (header of {n} bytes in a file of {size})")
+        try:
+            header = json.loads(os.pread(fd, n, 8))
+        except ValueError as e:
+            raise BadConfig(f"{path}: not a safetensors file (its header is not JSON: {e})") from None
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] not in DTYPES:
+                raise BadConfig(f"{path}: tensor {name} has dtype {entry['dtype']}, which this loader does not read; "
+                                "set HSX_FAST_LOAD=false to load with transformers' own loader")
+            begin, end = entry["data_offsets"]
+            if 8 + n + end > size:
+                raise BadConfig(f"{path}: tensor {name} ends at byte {8 + n + end}, past the file's {size} bytes "
+                                "(a truncated file)")
+            self.tensors[name] = FileTensor(self, fd, name, entry["dtype"], entry["shape"], 8 + n + begin, end - begin)
+
+    def _thread_buffers(self):
+        """This thread's two pinned buffers, their events and its CUDA stream (made on first use)."""
+        key = threading.get_ident()
+        with self._lock:
+            got = self._buffers.get(key)
+        if got is None:
+            bufs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            got = (bufs, [b.numpy() for b in bufs], [None, None], torch.cuda.Stream(self.device))
+            with self._lock:
+                self._buffers[key] = got
+        return got
+
+    def read(self, t: FileTensor) -> torch.Tensor:
+        """The tensor ``t`` on :attr:`device`, with the file's bytes (a new tensor each call).
+
+        Raises:
+            BadConfig: the file ended before the tensor's last byte (changed while loading).
+        """
+        dtype = DTYPES[t.dtype]
+        if self.device.type != "cuda":
+            out = torch.empty(t.shape, dtype=dtype)
+            self._pread_into(t, memoryview(out.view(-1).view(torch.uint8).numpy()), t.offset)
+        else:
+            out = torch.empty(t.nbytes, dtype=torch.uint8, device=self.device)
+            bufs, views, events, stream = self._thread_buffers()
+            # the new block may have been freed by work still queued on the default stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            done, i = 0, 0
+            while done < t.nbytes:
+                n = min(CHUNK_BYTES, t.nbytes - done)
+                if events[i] is not None:
+                    events[i].synchronize()  # its previous copy out of this buffer is done
+                self._pread_into(t, memoryview(views[i][:n]), t.offset + done)
+                with torch.cuda.stream(stream):
+                    out[done:done + n].copy_(bufs[i][:n], non_blocking=True)
+                    events[i] = torch.cuda.Event()
+                    events[i].record(stream)
+                done += n
+                i ^= 1
+            stream.synchronize()
+            out = out.view(dtype).view(t.shape) if t.nbytes else torch.empty(t.shape, dtype=dtype, device=self.device)
+        with self._lock:
+            self.bytes_read += t.nbytes
+        return out
+
+    def _pread_into(self, t: FileTensor, view: memoryview, offset: int) -> None:
+        got = 0
+        while got < len(view):
+            n = os.preadv(t._fd, [view[got:]], offset + got)
+            if n == 0:
+                raise BadConfig(f"tensor {t.name}: its file ended at byte {offset + got} while it was read (the "
+                                "checkpoint changed while this worker loaded it)")
+            got += n
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+        with self._lock:
+            self._buffers.clear()
+
+    def __enter__(self) -> "StreamedCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device_map: dict,
+                  trust_remote_code: bool = False, **kwargs) -> torch.nn.Module:
+    """``AutoModelForCausalLM`` of the local checkpoint ``path`` with its weights read by
+    :class:`StreamedCheckpoint` onto ``device`` (module docstring); the rest as ``from_pretrained``
+    does it: the config, the generation config and ``kwargs`` (e.g. a ``quantization_config``)
+    from the same directory.
+
+    Returns:
+        the model in eval mode, every parameter on the device map's devices.
+
+    Raises:
+        BadConfig: what :class:`StreamedCheckpoint` raises.
+    """
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    # the class and config AutoModelForCausalLM picks (the auto class itself needs a path): a multimodal
+    # release's text model with its text config, the parent's quantization_config copied onto it
+    # (transformers 5.24, models/auto/auto_factory.py, _BaseAutoModelClass.from_pretrained l. 456-468)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    text_config_class = getattr(config, "sub_configs", {}).get("text_config")
+    if text_config_class is not None and getattr(model_class, "config_class", None) == text_config_class:
+        parent, config = config, config.get_text_config()
+        if getattr(parent, "quantization_config", None) is not None:
+            config.quantization_config = parent.quantization_config
+    with StreamedCheckpoint(checkpoint_files(path), device) as ckpt:
+        model = model_class.from_pretrained(None, config=config, state_dict=dict(ckpt.tensors), dtype=dtype,
+                                            device_map=device_map, **kwargs)
+    model.config.name_or_path = str(path)
+    if (Path(path) / "generation_config.json").is_file() and model.can_generate():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
