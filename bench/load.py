@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-LOADERS = ("worker", "worker_transformers", "plain", "read", "files", "instanttensor")
+LOADERS = ("worker", "worker_transformers", "streamed", "plain", "read", "files", "instanttensor")
 
 
 def proc_status() -> dict[str, int]:
@@ -104,6 +104,37 @@ class AnonPeak:
         return self.peak - self.base
 
 
+class StackSampler:
+    """Where this process's threads are while the ``with`` block runs: every ``every_s`` seconds,
+    the innermost frame of each thread but the sampler's (file:line function), counted; a
+    diagnostic of a load's waits (a thread blocked in a call shows that call's line)."""
+
+    def __init__(self, every_s: float = 0.002):
+        from collections import Counter
+
+        self.every_s, self.counts, self._stop = every_s, Counter(), threading.Event()
+
+    def __enter__(self) -> "StackSampler":
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.is_set():
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    self.counts[f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"] += 1
+            time.sleep(self.every_s)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def top(self, n: int) -> list[tuple[str, int]]:
+        return self.counts.most_common(n)
+
+
 def checkpoint_bytes(path: Path) -> int:
     """Bytes of the files that decide the checkpoint (``hsx.models.checkpoint_files``)."""
     from hsx.models import checkpoint_files
@@ -139,7 +170,19 @@ def child(args) -> dict:
     import_s = time.time() - process_start_epoch()  # interpreter start and imports, before any model work
     with AnonPeak() as anon:
         t0 = time.perf_counter()
-        if args.loader in ("files", "instanttensor"):
+        if args.loader == "streamed":  # workers.loading.load_streamed alone: no identity, no warm-up
+            from workers import loading
+            from workers.target import _set_load_threads, load_device_map, pick_device
+
+            device = pick_device(settings)
+            _set_load_threads(settings.load_threads)
+            with StackSampler() as sampler:
+                model = loading.load_streamed(str(path), device=device, dtype=torch.bfloat16,
+                                              device_map=load_device_map(device))
+            _sync(device)
+            record.update(load_s=round(time.perf_counter() - t0, 3), streamed=dict(loading.last_load),
+                          where_threads_were=sampler.top(20))
+        elif args.loader in ("files", "instanttensor"):
             model, device = _files_to_device(path, args.loader, settings)
             record["load_s"] = round(time.perf_counter() - t0, 3)
         elif args.loader in ("worker", "worker_transformers"):
@@ -153,6 +196,9 @@ def child(args) -> dict:
                 settings = settings.model_copy(update={"fast_load": False})
             target = load_target(str(path), settings)
             model, device = target.model, target.device
+            from workers import loading
+
+            record["streamed"] = dict(loading.last_load) or None
             record.update(load_s=round(target.load_s, 3), warmup_s=round(target.warmup_s, 3),
                           compile_cache=getattr(target, "compile_cache", None))
             record["ready_s"] = round(time.time() - process_start_epoch(), 3)
@@ -169,7 +215,7 @@ def child(args) -> dict:
             _sync(device)
             record["load_s"] = round(time.perf_counter() - t0, 3)
     status = proc_status()
-    if args.loader.startswith("worker"):
+    if args.loader.startswith("worker") or args.loader == "streamed":
         record["file_check"] = check_against_files(model, path, every=args.check_every)
     params = [p for p in model.parameters()]
     record.update(

@@ -7,14 +7,16 @@ page is faulted in on first touch and the host-to-device copy is from pageable m
 checkpoint loaded at 2.0-2.4 GB/s on the H200 however many threads ran it (BENCHMARKS.md,
 "Loading a target").
 
-Here each tensor is read with ``os.preadv`` (no page faults, no map) into one of two pinned
-buffers that the loading thread reuses, and copied from it to the device with an asynchronous
-copy on the thread's own CUDA stream while the next chunk is read into the other buffer. The
+Here each tensor is read with ``os.preadv`` (no page faults, no map) into one of the pinned slots
+that the loading thread uses in turn, and copied from it to the device asynchronously while the
+thread reads on: it waits for a copy only when it comes back to that copy's slot, never per tensor
+(a wait per tensor made a 54 GB checkpoint of 24,600 MoE expert tensors load at 2.0 GB/s on the
+H200, against 25.6 GB/s for a dense one of 1,000 tensors: BENCHMARKS.md, "Loading a target"). The
 tensors are handed to transformers as a lazy ``state_dict`` (``from_pretrained(None, config=...,
 state_dict=...)``, its public argument for weights that do not come from its own files): every
 step after reading a tensor (key renaming, fusing MoE experts, FP8 scales, tied weights, the
 device map, the dtype) is still transformers', run by its own pool of loading threads
-(``GLOBAL_WORKERS``, ``HSX_LOAD_THREADS``). Host memory holds the pinned buffers (two of
+(``GLOBAL_WORKERS``, ``HSX_LOAD_THREADS``). Host memory holds the pinned slots (:data:`SLOTS` of
 :data:`CHUNK_BYTES` per loading thread), never a copy of the weights, and not the file's pages in
 this process's RSS either.
 
@@ -31,6 +33,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -39,9 +42,11 @@ from hsx.errors import BadConfig
 
 log = logging.getLogger(__name__)
 
-#: Bytes of one pinned buffer: one ``preadv`` and one host-to-device copy. Two per loading thread
-#: (16 threads: 1 GiB of pinned host memory while loading, freed after).
-CHUNK_BYTES = 32 << 20
+#: Bytes of one pinned slot: one ``preadv`` and one host-to-device copy at most.
+CHUNK_BYTES = 8 << 20
+#: Pinned slots per loading thread, used in turn (16 threads: 1 GiB of pinned host memory while
+#: loading, freed after): a thread waits for a copy only when it comes back to that copy's slot.
+SLOTS = 8
 
 #: safetensors' dtype names (its ``Dtype`` enum) and torch's.
 DTYPES = {
@@ -139,6 +144,8 @@ class StreamedCheckpoint:
         self._lock = threading.Lock()
         self.tensors: dict[str, FileTensor] = {}
         self.bytes_read = 0
+        self.first_read: float | None = None  # perf_counter of the first read's start, of the last one's end
+        self.last_read: float | None = None
         for f in files:
             self._index(Path(f))
 
@@ -166,49 +173,58 @@ class StreamedCheckpoint:
                                 "(a truncated file)")
             self.tensors[name] = FileTensor(self, fd, name, entry["dtype"], entry["shape"], 8 + n + begin, end - begin)
 
-    def _thread_buffers(self):
-        """This thread's two pinned buffers, their events and its CUDA stream (made on first use)."""
+    def _thread_ring(self) -> list:
+        """This thread's :data:`SLOTS` pinned slots, each with the event of its last copy (made on first use)."""
         key = threading.get_ident()
         with self._lock:
-            got = self._buffers.get(key)
-        if got is None:
-            bufs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            got = (bufs, [b.numpy() for b in bufs], [None, None], torch.cuda.Stream(self.device))
+            ring = self._buffers.get(key)
+        if ring is None:
+            pinned = torch.empty(SLOTS * CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+            ring = [[pinned[k * CHUNK_BYTES:(k + 1) * CHUNK_BYTES], None, torch.cuda.Event()] for k in range(SLOTS)]
+            for slot in ring:
+                slot[1] = slot[0].numpy()
+            ring.append(0)  # the next slot
             with self._lock:
-                self._buffers[key] = got
-        return got
+                self._buffers[key] = ring
+        return ring
 
     def read(self, t: FileTensor) -> torch.Tensor:
         """The tensor ``t`` on :attr:`device`, with the file's bytes (a new tensor each call).
+
+        On CUDA the copies are queued on the thread's current stream (the default stream, on which
+        transformers uses the tensor next: ordered after them) and not waited for; a pinned slot is
+        reused once its last copy is done (its event). :meth:`close` waits for all of them.
 
         Raises:
             BadConfig: the file ended before the tensor's last byte (changed while loading).
         """
         dtype = DTYPES[t.dtype]
+        start = time.perf_counter()
         if self.device.type != "cuda":
             out = torch.empty(t.shape, dtype=dtype)
             self._pread_into(t, memoryview(out.view(-1).view(torch.uint8).numpy()), t.offset)
+        elif t.nbytes == 0:
+            out = torch.empty(t.shape, dtype=dtype, device=self.device)
         else:
-            out = torch.empty(t.nbytes, dtype=torch.uint8, device=self.device)
-            bufs, views, events, stream = self._thread_buffers()
-            # the new block may have been freed by work still queued on the default stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            done, i = 0, 0
+            flat = torch.empty(t.nbytes, dtype=torch.uint8, device=self.device)
+            ring = self._thread_ring()
+            stream = torch.cuda.current_stream(self.device)
+            done = 0
             while done < t.nbytes:
                 n = min(CHUNK_BYTES, t.nbytes - done)
-                if events[i] is not None:
-                    events[i].synchronize()  # its previous copy out of this buffer is done
-                self._pread_into(t, memoryview(views[i][:n]), t.offset + done)
-                with torch.cuda.stream(stream):
-                    out[done:done + n].copy_(bufs[i][:n], non_blocking=True)
-                    events[i] = torch.cuda.Event()
-                    events[i].record(stream)
+                k = ring[-1]
+                ring[-1] = (k + 1) % SLOTS
+                pinned, view, event = ring[k]
+                event.synchronize()  # the slot's previous copy is done (returns at once if none was queued)
+                self._pread_into(t, memoryview(view[:n]), t.offset + done)
+                flat[done:done + n].copy_(pinned[:n], non_blocking=True)
+                event.record(stream)
                 done += n
-                i ^= 1
-            stream.synchronize()
-            out = out.view(dtype).view(t.shape) if t.nbytes else torch.empty(t.shape, dtype=dtype, device=self.device)
+            out = flat.view(dtype).view(t.shape)
         with self._lock:
             self.bytes_read += t.nbytes
+            self.first_read = start if self.first_read is None else min(self.first_read, start)
+            self.last_read = max(self.last_read or 0.0, time.perf_counter())
         return out
 
     def _pread_into(self, t: FileTensor, view: memoryview, offset: int) -> None:
@@ -221,6 +237,8 @@ class StreamedCheckpoint:
             got += n
 
     def close(self) -> None:
+        if self.device.type == "cuda" and self._buffers:
+            torch.cuda.synchronize(self.device)  # every queued copy done before its slot is freed
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
@@ -232,6 +250,11 @@ class StreamedCheckpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+#: What the last :func:`load_streamed` of this process measured (bytes read, seconds of reading and of
+#: ``from_pretrained``, before the first read and after the last): logged, and read by ``bench/load.py``.
+last_load: dict = {}
 
 
 def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device_map: dict,
@@ -259,9 +282,19 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
         parent, config = config, config.get_text_config()
         if getattr(parent, "quantization_config", None) is not None:
             config.quantization_config = parent.quantization_config
+    t0 = time.perf_counter()
     with StreamedCheckpoint(checkpoint_files(path), device) as ckpt:
         model = model_class.from_pretrained(None, config=config, state_dict=dict(ckpt.tensors), dtype=dtype,
                                             device_map=device_map, **kwargs)
+    t1 = time.perf_counter()
+    read_s = (ckpt.last_read - ckpt.first_read) if ckpt.first_read is not None else 0.0
+    last_load.clear()
+    last_load.update(bytes=ckpt.bytes_read, from_pretrained_s=round(t1 - t0, 3), read_s=round(read_s, 3),
+                     before_first_read_s=round((ckpt.first_read or t1) - t0, 3),
+                     after_last_read_s=round(t1 - (ckpt.last_read or t1), 3))
+    log.info("read %.1f GB of safetensors in %.1f s (%.1f GB/s), within from_pretrained's %.1f s (%.1f s before the "
+             "first read, %.1f s after the last)", ckpt.bytes_read / 1e9, read_s, ckpt.bytes_read / 1e9 / max(read_s, 1e-9),
+             t1 - t0, last_load["before_first_read_s"], last_load["after_last_read_s"])
     model.config.name_or_path = str(path)
     if (Path(path) / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(path)
