@@ -272,6 +272,7 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
     """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, GenerationConfig
 
+    t_config = time.perf_counter()
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     # the class and config AutoModelForCausalLM picks (the auto class itself needs a path): a multimodal
     # release's text model with its text config, the parent's quantization_config copied onto it
@@ -282,19 +283,21 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
         parent, config = config, config.get_text_config()
         if getattr(parent, "quantization_config", None) is not None:
             config.quantization_config = parent.quantization_config
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # the model's code imported (its kernels' packages: fla, triton) from here on
     with StreamedCheckpoint(checkpoint_files(path), device) as ckpt:
         model = model_class.from_pretrained(None, config=config, state_dict=dict(ckpt.tensors), dtype=dtype,
                                             device_map=device_map, **kwargs)
     t1 = time.perf_counter()
     read_s = (ckpt.last_read - ckpt.first_read) if ckpt.first_read is not None else 0.0
     last_load.clear()
-    last_load.update(bytes=ckpt.bytes_read, from_pretrained_s=round(t1 - t0, 3), read_s=round(read_s, 3),
+    last_load.update(bytes=ckpt.bytes_read, config_and_import_s=round(t0 - t_config, 3),
+                     from_pretrained_s=round(t1 - t0, 3), read_s=round(read_s, 3),
                      before_first_read_s=round((ckpt.first_read or t1) - t0, 3),
                      after_last_read_s=round(t1 - (ckpt.last_read or t1), 3))
     log.info("read %.1f GB of safetensors in %.1f s (%.1f GB/s), within from_pretrained's %.1f s (%.1f s before the "
-             "first read, %.1f s after the last)", ckpt.bytes_read / 1e9, read_s, ckpt.bytes_read / 1e9 / max(read_s, 1e-9),
-             t1 - t0, last_load["before_first_read_s"], last_load["after_last_read_s"])
+             "first read, %.1f s after the last), after %.1f s reading the config and importing the model's code",
+             ckpt.bytes_read / 1e9, read_s, ckpt.bytes_read / 1e9 / max(read_s, 1e-9), t1 - t0,
+             last_load["before_first_read_s"], last_load["after_last_read_s"], t0 - t_config)
     model.config.name_or_path = str(path)
     if (Path(path) / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(path)
