@@ -160,3 +160,77 @@ def _dequantised_copy(model: torch.nn.Module, fp8_dir: Path) -> torch.nn.Module:
                 replaced += 1
     assert replaced > 10
     return out.eval()
+
+
+# --- FP8 matmuls in plain torch (workers/quantized.py), for a GPU whose transformers kernel cannot be fetched ---
+
+
+@pytest.fixture(scope="module")
+def fp8_next(tmp_path_factory):
+    """The tiny Qwen3-Next (Gated DeltaNet + MoE) as an FP8 checkpoint; its float8 model (transformers'
+    FP8Linear and FP8Experts, built on the CPU as on a GPU) and its dequantised fp32 model (the CPU
+    worker's form)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config
+    from transformers.quantizers import quantizer_finegrained_fp8 as fp8_quantizer
+
+    _, fp8 = tiny_fp8_checkpoint("qwen3-next", tmp_path_factory.mktemp("fp8-next"))
+    block = AutoConfig.from_pretrained(fp8).quantization_config["weight_block_size"]
+    dequantized = AutoModelForCausalLM.from_pretrained(
+        fp8, dtype=torch.float32, quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=block))
+    # transformers dequantises whenever no GPU is visible; skipping its environment check builds the float8 layers
+    check = fp8_quantizer.FineGrainedFP8HfQuantizer.validate_environment
+    fp8_quantizer.FineGrainedFP8HfQuantizer.validate_environment = lambda self, *a, **k: None
+    try:
+        float8 = AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.float32, device_map={"": "cpu"})
+    finally:
+        fp8_quantizer.FineGrainedFP8HfQuantizer.validate_environment = check
+    kinds = {type(m).__name__ for m in float8.modules()}
+    assert {"FP8Linear", "FP8Experts"} <= kinds and float8.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    return float8.eval(), dequantized.eval()
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("budget", [1 << 30, 1])
+def test_the_torch_fp8_matmuls_give_the_dequantised_models_states_through_transformers_fp8_layers(
+        fp8_next, experts, budget, monkeypatch):
+    """Every hidden state of the float8 model, run through transformers' own FP8Linear and
+    FP8Experts (both expert paths) with the plain-torch matmuls, equals the dequantised model's;
+    ``budget`` 1 byte takes the experts one at a time."""
+    from workers import quantized
+
+    float8, dequantized = fp8_next
+    monkeypatch.setattr(quantized, "DEQUANT_BUDGET_BYTES", budget)
+    import transformers.integrations.finegrained_fp8 as upstream
+
+    monkeypatch.setattr(upstream, "_FINEGRAINED_FP8", None)
+    quantized.use_torch_fp8_kernel()
+    float8.set_experts_implementation(experts)
+    ids = torch.randint(0, 100, (3, 41), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = dequantized(ids, output_hidden_states=True).hidden_states
+        got = float8(ids, output_hidden_states=True).hidden_states
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (i, float((a - b).abs().max()))
+
+
+def test_a_gpu_worker_without_transformers_fp8_kernel_runs_the_torch_matmuls_and_says_so(monkeypatch, caplog):
+    """Where ``kernels-community/finegrained-fp8`` cannot be loaded (no ``kernels`` package, no hub),
+    the worker's check installs the plain-torch matmuls, warns with the cause and the fix, and names
+    the mode for the shards' metadata. (No GPU here: the GPU's answer is given.)"""
+    import transformers.integrations.finegrained_fp8 as upstream
+
+    from workers import quantized
+
+    def unreachable():
+        raise ImportError("finegrained-fp8 kernel unavailable: the hub cannot be reached")
+
+    monkeypatch.setattr(quantized, "fp8_mode", lambda info, device: "fp8")
+    monkeypatch.setattr(upstream, "load_finegrained_fp8_kernel", unreachable)
+    monkeypatch.setattr(upstream, "_FINEGRAINED_FP8", None)
+    info = ModelInfo.__new__(ModelInfo)
+    object.__setattr__(info, "name", "Qwen/Qwen3-Next-80B-A3B-Instruct-FP8")
+    object.__setattr__(info, "quantization", {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with caplog.at_level("WARNING"):
+        assert quantized.check_fp8_kernels(info, torch.device("cuda", 0)) == "fp8-torch-dequant"
+    assert upstream._FINEGRAINED_FP8.matmul is quantized.fp8_matmul
+    assert "the hub cannot be reached" in caplog.text and "pip install 'kernels" in caplog.text

@@ -305,8 +305,9 @@ def load_target(name: str, settings: Settings) -> Target:
     Raises:
         hsx.errors.BadConfig: the model or its config cannot be read, its weights are pickle
             files and ``HSX_ALLOW_PICKLE_CHECKPOINTS`` is off (refused before any weight file is
-            read), the checkpoint's files changed while they were loaded, or an FP8 checkpoint's
-            kernels cannot be loaded on CUDA (``workers.quantized.check_fp8_kernels``).
+            read), or the checkpoint's files changed while they were loaded. An FP8 checkpoint whose
+            transformers kernel cannot be loaded on CUDA runs with plain-torch FP8 matmuls, with a
+            warning (``workers.quantized.check_fp8_kernels``).
     """
     from transformers import AutoModelForCausalLM
 
@@ -354,13 +355,13 @@ def load_target(name: str, settings: Settings) -> Target:
     model.eval()
     model.requires_grad_(False)
     check_kernels(model, device, settings)
-    quantized.check_fp8_kernels(info, device)  # FP8 on CUDA: its matmul kernels loaded now, before any batch
+    fp8_weights = quantized.check_fp8_kernels(info, device)  # FP8 on CUDA: its matmul kernels loaded now
     run_rows_as_sequences(model)
     load_s = time.perf_counter() - t0
     pad = _pad_id(model)
     engine = _engine(model, device, dtype)
     if info.quantization:  # shard metadata: how the weights ran (the states are bf16 / fp32 either way)
-        engine["weights"] = quantized.fp8_mode(info, device) or info.quantization.get("quant_method")
+        engine["weights"] = fp8_weights or info.quantization.get("quant_method")
     if group is not None:
         engine["tensor_parallel"] = group.size  # shard metadata: K ranks made these states
     launch = group.lead if group is not None else launch_capture
