@@ -35,7 +35,6 @@ import logging
 
 import torch
 
-from hsx.errors import BadConfig
 
 log = logging.getLogger(__name__)
 
