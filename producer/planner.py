@@ -358,7 +358,9 @@ def prepare_plan(opts: PlanOptions, settings: Settings, progress=None) -> "PlanJ
     """
     if opts.regenerate is not None:  # a regenerate run: the same plan, its batches answered (prepare_regenerate)
         return prepare_regenerate(opts, settings, progress)
-    root = open_store(opts.output or settings.store_url, settings)
+    url = opts.output or settings.store_url
+    made_root = _new_local_dir(url)
+    root = open_store(url, settings)
     if exists(root, RUN_JSON):
         # --output takes the store root that holds runs; README examples write runs as ./out/<run_id>.
         raise BadConfig(f"--output {opts.output or settings.store_url!r} is a run (it holds run.json), not the store root "
@@ -367,7 +369,35 @@ def prepare_plan(opts: PlanOptions, settings: Settings, progress=None) -> "PlanJ
     config, (spec, chat), source = build_config(opts, settings, progress)
     run_store = root.child(config.run_id)
     check_run(run_store, config)  # RunConflict before any work
-    return PlanJob(opts, settings, root, run_store, config, spec, chat, source)
+    job = PlanJob(opts, settings, root, run_store, config, spec, chat, source)
+    job.made_root = made_root
+    return job
+
+
+def _remove_empty_dirs(top: Path) -> None:
+    """Remove ``top`` and the directories under it if none of them holds a file (else leave all)."""
+    import os
+
+    try:
+        if any(files for _, _, files in os.walk(top)):
+            return
+        for dirpath, _, _ in sorted(os.walk(top), key=lambda d: -len(d[0])):
+            os.rmdir(dirpath)
+    except OSError:
+        pass
+
+
+def _new_local_dir(url: str) -> Path | None:
+    """The directory of a local store ``url`` that does not exist yet (opening the store makes it,
+    and a plan that fails before writing anything removes it again: no empty output folder is
+    left); None for S3 or an existing directory."""
+    from hsx.storeurl import parse_store_url
+
+    try:
+        where = parse_store_url(url)
+    except Exception:  # refused with its reason by open_store
+        return None
+    return Path(where.path) if where.is_local and not Path(where.path).exists() else None
 
 
 @dataclass
@@ -412,6 +442,9 @@ class PlanJob:
         self.written = 0  # how many of self.windows are in the store
         self._record: Planning | None = None
         self.claimed_run = False
+        #: the local output directory this plan's store made (prepare_plan); removed if the plan fails
+        #: with nothing written in it
+        self.made_root: Path | None = None
 
     # ------------------------------------------------------------------------------------------
 
@@ -439,6 +472,8 @@ class PlanJob:
         except BaseException as exc:
             if self._record is not None:  # our plan is half written: say why it is not complete
                 fail_planning_record(store, self._record, _describe(exc))
+            elif self.made_root is not None and not self.claimed_run:
+                _remove_empty_dirs(self.made_root)
             raise
 
     def _stream(self, progress, on_window, t0: float) -> None:

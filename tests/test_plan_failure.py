@@ -131,7 +131,11 @@ def test_a_dataset_with_no_usable_record_leaves_no_run_behind(tmp_path, settings
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"{bad}: no usable record: all 2 records were skipped")
     assert "no_turns 1" in message and "malformed_json 1" in message
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists(), "the output folder this plan made is removed again (nothing was written in it)"
+    out.mkdir()
+    with pytest.raises(BadDataset):
+        plan_run(_opts(out, bad), settings)
+    assert out.is_dir(), "a folder that was there before is left as it was"
 
 
 def test_an_empty_dataset_file_is_one_line_naming_the_file(tmp_path, tiny_cache):
@@ -144,7 +148,7 @@ def test_an_empty_dataset_file_is_one_line_naming_the_file(tmp_path, tiny_cache)
     text = "".join(line.strip() for line in lines)  # rich wraps long lines (and a long path) at the terminal width
     assert text.replace(" ", "") == f"error: {empty}: no usable record: the file is empty (0 bytes)".replace(" ", ""), proc.stderr
     assert len(lines) <= 3, "one message, wrapped at most"
-    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").iterdir())
+    assert not (tmp_path / "store").exists()
 
 
 def test_status_watch_stops_on_a_failed_plan(tmp_path, settings, monkeypatch, tiny_cache):
