@@ -161,3 +161,36 @@ def test_the_worker_streams_only_local_safetensors_on_cuda(tmp_path):
     assert not can_stream(str(tmp_path / "ckpt"), cuda, trust_remote_code=True)
     (tmp_path / "empty").mkdir()
     assert not can_stream(str(tmp_path / "empty"), cuda, trust_remote_code=False)
+
+
+def test_small_neighbouring_tensors_are_read_together_and_each_comes_back_once_in_any_order(tmp_path):
+    """Odd sizes (a 1-byte dtype before a 2-byte one, so offsets not a multiple of the dtype's size),
+    small tensors grouped in spans, a large one alone; 8 threads asking in a shuffled order, some
+    names twice: every tensor equals safetensors' own read, in its own storage."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import save_file
+
+    from workers import loading
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i in range(40):
+        tensors[f"a.{i}.u8"] = torch.randint(0, 255, (7 + i,), dtype=torch.uint8, generator=gen)
+        tensors[f"a.{i}.bf16"] = torch.randn(3, 5 + i, generator=gen).to(torch.bfloat16)
+        tensors[f"a.{i}.f8"] = torch.randn(11, generator=gen).to(torch.float8_e4m3fn)
+    tensors["big"] = torch.randn(loading.SMALL_BYTES // 4 + 3, generator=gen)  # fp32, over SMALL_BYTES
+    save_file(tensors, tmp_path / "model.safetensors")
+    want = load_file(tmp_path / "model.safetensors")
+    with loading.StreamedCheckpoint([tmp_path / "model.safetensors"], torch.device("cpu")) as ckpt:
+        spans = {id(t.span) for t in ckpt.tensors.values() if t.span is not None}
+        assert spans and ckpt.tensors["big"].span is None
+        names = list(want) + ["a.3.bf16", "a.17.f8"]
+        random.Random(1).shuffle(names)
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda n: (n, ckpt.tensors[n][...]), names))
+    for name, tensor in got:
+        assert tensor.dtype == want[name].dtype and torch.equal(tensor.view(torch.uint8), want[name].view(torch.uint8)), name
+    sizes = {name: t.untyped_storage().nbytes() for name, t in got}
+    assert all(sizes[n] == want[n].numel() * want[n].element_size() for n in sizes), "each in its own storage"

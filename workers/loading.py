@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 
 #: Bytes of one pinned slot: one ``preadv`` and one host-to-device copy at most.
 CHUNK_BYTES = 8 << 20
+#: Tensors of at most this many bytes are read together with their small neighbours (:class:`Span`):
+#: one read and one host-to-device copy for several, where a copy call per tensor was the cost of an
+#: MoE checkpoint's thousands of small expert tensors (BENCHMARKS.md, "Loading a target").
+SMALL_BYTES = 4 << 20
 #: Pinned slots per loading thread, used in turn (16 threads: 1 GiB of pinned host memory while
 #: loading, freed after): a thread waits for a copy only when it comes back to that copy's slot.
 SLOTS = 8
@@ -104,12 +108,13 @@ class FileTensor:
     a ``state_dict`` (the interface of safetensors' ``PySafeSlice``: ``get_dtype``, ``get_shape``,
     ``tensor[...]``, which ``core_model_loading._materialize_copy`` and the quantisers call)."""
 
-    __slots__ = ("reader", "name", "dtype", "shape", "offset", "nbytes", "_fd")
+    __slots__ = ("reader", "name", "dtype", "shape", "offset", "nbytes", "_fd", "span")
 
     def __init__(self, reader: "StreamedCheckpoint", fd: int, name: str, dtype: str, shape: list[int],
                  offset: int, nbytes: int):
         self.reader, self._fd, self.name, self.dtype, self.shape = reader, fd, name, dtype, shape
         self.offset, self.nbytes = offset, nbytes
+        self.span: Span | None = None  # the run of small neighbours it is read with (StreamedCheckpoint._index)
 
     def get_dtype(self) -> str:
         return self.dtype
@@ -120,6 +125,21 @@ class FileTensor:
     def __getitem__(self, index) -> torch.Tensor:
         tensor = self.reader.read(self)
         return tensor if index is Ellipsis else tensor[index]
+
+
+class Span:
+    """Neighbouring small tensors of one file (each at most :data:`SMALL_BYTES`, together at most
+    :data:`CHUNK_BYTES`), read with one ``preadv`` and one host-to-device copy when the first of
+    them is asked for; the others wait in :attr:`ready` until transformers asks for them."""
+
+    __slots__ = ("members", "offset", "nbytes", "lock", "ready")
+
+    def __init__(self, members: list[FileTensor]):
+        self.members = members
+        self.offset = members[0].offset
+        self.nbytes = members[-1].offset + members[-1].nbytes - self.offset
+        self.lock = threading.Lock()
+        self.ready: dict[str, torch.Tensor] | None = None
 
 
 class StreamedCheckpoint:
@@ -172,6 +192,28 @@ class StreamedCheckpoint:
                 raise BadConfig(f"{path}: tensor {name} ends at byte {8 + n + end}, past the file's {size} bytes "
                                 "(a truncated file)")
             self.tensors[name] = FileTensor(self, fd, name, entry["dtype"], entry["shape"], 8 + n + begin, end - begin)
+        self._make_spans(sorted((t for t in self.tensors.values() if t._fd == fd), key=lambda t: t.offset))
+
+    @staticmethod
+    def _make_spans(by_offset: list[FileTensor]) -> None:
+        """Group runs of adjacent small tensors of one file (sorted by offset) into :class:`Span` s."""
+        run: list[FileTensor] = []
+
+        def close():
+            if len(run) > 1:
+                span = Span(list(run))
+                for t in run:
+                    t.span = span
+            run.clear()
+
+        for t in by_offset:
+            small = 0 < t.nbytes <= SMALL_BYTES
+            if run and (not small or run[-1].offset + run[-1].nbytes != t.offset
+                        or t.offset + t.nbytes - run[0].offset > CHUNK_BYTES):
+                close()
+            if small:
+                run.append(t)
+        close()
 
     def _thread_ring(self) -> list:
         """This thread's :data:`SLOTS` pinned slots, each with the event of its last copy (made on first use)."""
@@ -198,6 +240,8 @@ class StreamedCheckpoint:
         Raises:
             BadConfig: the file ended before the tensor's last byte (changed while loading).
         """
+        if t.span is not None:
+            return self._read_from_span(t)
         dtype = DTYPES[t.dtype]
         start = time.perf_counter()
         if self.device.type != "cuda":
@@ -221,10 +265,50 @@ class StreamedCheckpoint:
                 event.record(stream)
                 done += n
             out = flat.view(dtype).view(t.shape)
+        self._count(t.nbytes, start)
+        return out
+
+    def _count(self, nbytes: int, start: float) -> None:
         with self._lock:
-            self.bytes_read += t.nbytes
+            self.bytes_read += nbytes
             self.first_read = start if self.first_read is None else min(self.first_read, start)
             self.last_read = max(self.last_read or 0.0, time.perf_counter())
+
+    def _read_from_span(self, t: FileTensor) -> torch.Tensor:
+        """``t`` from its span: the whole span read and copied once (by the first thread to ask for
+        one of its tensors), each tensor then cloned out of it on the device into its own storage
+        (so that a kept tensor does not hold its neighbours' bytes), handed out once."""
+        span = t.span
+        with span.lock:
+            if span.ready is None:
+                span.ready = self._read_span(span)
+            out = span.ready.pop(t.name, None)
+        if out is None:  # asked for twice: read on its own
+            return self.read(FileTensor(self, t._fd, t.name, t.dtype, t.shape, t.offset, t.nbytes))
+        return out
+
+    def _read_span(self, span: Span) -> dict[str, torch.Tensor]:
+        start = time.perf_counter()
+        probe = FileTensor(self, span.members[0]._fd, span.members[0].name, "U8", [span.nbytes], span.offset, span.nbytes)
+        if self.device.type != "cuda":
+            flat = torch.empty(span.nbytes, dtype=torch.uint8)
+            self._pread_into(probe, memoryview(flat.numpy()), span.offset)
+        else:
+            ring = self._thread_ring()
+            k = ring[-1]
+            ring[-1] = (k + 1) % SLOTS
+            pinned, view, event = ring[k]
+            event.synchronize()
+            self._pread_into(probe, memoryview(view[:span.nbytes]), span.offset)
+            flat = torch.empty(span.nbytes, dtype=torch.uint8, device=self.device)
+            flat.copy_(pinned[:span.nbytes], non_blocking=True)
+            event.record(torch.cuda.current_stream(self.device))
+        out = {}
+        for m in span.members:
+            a = m.offset - span.offset
+            # clone the bytes first: a tensor's offset in the span need not be a multiple of its dtype's size
+            out[m.name] = flat[a:a + m.nbytes].clone().view(DTYPES[m.dtype]).view(m.shape)
+        self._count(span.nbytes, start)
         return out
 
     def _pread_into(self, t: FileTensor, view: memoryview, offset: int) -> None:

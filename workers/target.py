@@ -331,11 +331,19 @@ def load_target(name: str, settings: Settings) -> Target:
         device = next(model.parameters()).device
     else:
         local = loading.local_dir(path) if settings.fast_load and device.type == "cuda" else path
+        model = None
         if settings.fast_load and loading.can_stream(local, device, trust_remote_code=settings.trust_remote_code):
             # pread into pinned buffers, asynchronous copies to the GPU (workers/loading.py), not transformers' mmap
-            model = loading.load_streamed(local, device=device, dtype=dtype, device_map=load_device_map(device),
-                                          **quantized.load_kwargs(info, device, path))
-        else:
+            try:
+                model = loading.load_streamed(local, device=device, dtype=dtype, device_map=load_device_map(device),
+                                              **quantized.load_kwargs(info, device, path))
+            except (BadConfig, torch.cuda.OutOfMemoryError):
+                raise
+            except Exception:  # our loader's own failure: the user's run goes on with transformers' loader
+                log.exception("the streamed loader (workers/loading.py) failed on %s; loading it with transformers' "
+                              "own loader instead (HSX_FAST_LOAD=false skips the streamed loader)", local)
+                torch.cuda.empty_cache()
+        if model is None:
             model = AutoModelForCausalLM.from_pretrained(
                 path,
                 dtype=dtype,
