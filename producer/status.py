@@ -291,6 +291,8 @@ class RunWatch:
             "quarantined": m.num_quarantined or 0,
             "tokens": m.num_tokens,
             "planned_tokens": m.num_tokens if m.planned_tokens is None else m.planned_tokens,
+            # a regenerate batch's marker counts the tokens the target generated here (hsx.regen.RegenMarker)
+            "supervised": m.supervised_tokens or 0,
             "seconds": seconds,
             "bytes": m.shard.bytes,
             "end": end,
@@ -383,6 +385,7 @@ class RunWatch:
             state = "failed" if left and left <= set(failures) else "running"
             eta = round(remaining_tokens / rate["tokens_per_s"], 1) if rate["tokens_per_s"] else None
 
+        generated = self._generated(now, finished=self.plan_complete and len(done) == total) if self.regenerate else {}
         broker = self.probe.poll(store.url) if self.probe is not None else None
         workers = self._workers(now, broker)
         parked = None
@@ -449,6 +452,8 @@ class RunWatch:
             "batch_seconds_max": round(max((m["seconds"] for m in self.markers.values()), default=0.0), 3),
             "bytes_stored": sum(m["bytes"] for m in self.markers.values()),
             **rate,
+            "regenerate": self.regenerate,
+            **generated,
             "eta_s": eta,
             "workers": workers,
             "broker": None if broker is None else {k: v for k, v in broker.items()
@@ -576,6 +581,29 @@ class RunWatch:
         out["rate_window_s"] = round(window, 1) if window is not None else None
         return out
 
+    @property
+    def regenerate(self) -> bool:
+        """A regenerate run: its batches answer conversations (their tokens as planned are the
+        conversations as given; what the target generated is in the markers)."""
+        from hsx.regen import is_regenerate
+
+        return is_regenerate(self.config)
+
+    def _generated(self, now: float, finished: bool) -> dict:
+        """A regenerate run's generated tokens: done, per second over the recent window (at the last
+        marker once ``finished``) and first batch to last."""
+        timed = [m for m in self.markers.values() if m["end"] is not None]
+        out = {"tokens_generated": sum(m["supervised"] for m in self.markers.values()),
+               "generated_tokens_per_s": None, "overall_generated_tokens_per_s": None}
+        if timed:
+            span = max(max(m["end"] for m in timed) - min(m["start"] for m in timed), 1.0)
+            out["overall_generated_tokens_per_s"] = round(sum(m["supervised"] for m in timed) / span, 1)
+            at = max(m["end"] for m in timed) if finished else now
+            recent, _ = recent_window([(m["end"], m["supervised"]) for m in timed], at)
+            out["generated_tokens_per_s"] = (out["overall_generated_tokens_per_s"] if finished
+                                             else round(recent, 1) if recent is not None else None)
+        return out
+
     def _workers(self, now: float, broker: dict | None) -> list[dict]:
         """One row per worker process, merged by (host, pid) from markers, heartbeat files, presences
         and gpu_stats replies."""
@@ -608,6 +636,9 @@ class RunWatch:
             # (its state and heartbeat age say that it stopped); the run's rate is the one that decays.
             rate = recent_rate([(m["end"], m["planned_tokens"]) for m in ms], max(m["end"] for m in ms))
             rows[key]["tokens_per_s"] = round(rate, 1) if rate is not None else None
+            if self.regenerate:
+                gen = recent_rate([(m["end"], m["supervised"]) for m in ms], max(m["end"] for m in ms))
+                rows[key]["generated_tokens_per_s"] = round(gen, 1) if gen is not None else None
 
         for h in read_heartbeats(self.run_store):  # workers/heartbeat.py writes them
             r = row(h.host, h.pid)
