@@ -253,7 +253,8 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
             # The rate of the last markers, not an average since the start: that would count planning,
             # the model load and the warm-up (producer/status.py recent_rate).
             rate = recent_rate(arrivals, now)
-            rate = rate if rate is not None else float("nan")
+            # nan: "measuring" while more are to come; with none left a rate is never measured: none shown
+            rate = rate if rate is not None else (float("nan") if set(by_name) - seen else None)
             if regen:
                 progress.update(task, completed=len(seen), answers=samples, answers_s=rate)
             else:

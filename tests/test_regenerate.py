@@ -846,3 +846,22 @@ def test_a_shard_line_with_an_empty_stop_answer_is_unreadable_naming_the_failed_
     for reason in ("stop", "length"):
         with pytest.raises(BadPlan, match=f"(?s)line 1 .*'{reason}' answer of 0 tokens is an engine's failed request"):
             parse_lines(line(reason, 0), RegeneratedConversation, "shards/b.jsonl")
+
+
+def test_a_run_whose_only_batch_is_done_shows_no_rate_rather_than_measuring(tiny_cache, tmp_path):
+    """One marker gives no rate: while batches are left the bar says "measuring"; when the last one
+    is done (here the only one) it shows the samples and no rate, not a "measuring" that never ends."""
+    from hsx.layout import marker_key
+    from producer.planner import PlanOptions, prepare_plan
+    from producer.run import wait_for_markers
+    from settings import Settings
+
+    settings = Settings(_env_file=None, cache_dir=tiny_cache)
+    opts = PlanOptions(dataset="sharegpt", model="tiny-qwen3.5", output=str(tmp_path / "out"), max_length=384, limit=3)
+    planned = prepare_plan(opts, settings).run()
+    assert len(planned.batches) == 1
+    planned.run_store.write(marker_key(planned.batches[0].batch), b"{}")
+    bar = _Bar(planned.run_store, [])
+    waited = wait_for_markers(planned, None, progress=bar, poll_s=0.01, clock=lambda: bar.t)
+    assert waited["done"] == 1 and bar.tasks == ["extracting"]
+    assert bar.updates[-1]["samples"] == planned.batches[0].num_samples and bar.updates[-1]["tok_s"] is None
