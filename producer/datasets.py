@@ -123,6 +123,15 @@ class Conversation:
     record_id: str
     messages: tuple[dict, ...]
     tools: tuple[dict, ...] | None = None
+    supervised_turns: frozenset[int] | None = None
+    """Indices into ``messages`` of the assistant turns the loss mask covers; None: every assistant
+    turn. From the record's :data:`SUPERVISED_TURNS_KEY` (a regenerate run's extraction: only the
+    target's answers, ``producer/regenerate.py``)."""
+
+
+#: A record's optional list of the indices (into its turn list, 0-based) of the assistant turns to
+#: supervise; the other assistant turns are context only (loss mask 0).
+SUPERVISED_TURNS_KEY = "hsx_supervised_turns"
 
 
 @dataclass(frozen=True, eq=False)
@@ -517,11 +526,27 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *
     if not any(m["role"] == "assistant" for m in messages[drop:]):
         raise BadRecord(rid, "no_assistant_turn",
                         f"{len(messages)} turns, roles {_role_summary(messages)}")
+    supervised = _supervised_turns(rid, raw.get(SUPERVISED_TURNS_KEY), messages)
     _claim_id(rid, seen)
     if drop > first:
         del messages[first:drop]
         skips.fix("leading_assistant_dropped")
-    return Conversation(record_id=rid, messages=tuple(messages), tools=tools)
+        if supervised is not None:  # indices after the dropped turns move down
+            supervised = frozenset(i - (drop - first) if i >= drop else i for i in supervised if not first <= i < drop)
+    return Conversation(record_id=rid, messages=tuple(messages), tools=tools, supervised_turns=supervised)
+
+
+def _supervised_turns(rid: str, value: Any, messages: list[dict]) -> frozenset[int] | None:
+    """The record's :data:`SUPERVISED_TURNS_KEY`, checked: indices of assistant turns, at least one."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise BadRecord(rid, "bad_turn", f"{SUPERVISED_TURNS_KEY} is not a list of turn indices")
+    wrong = [i for i in value if not 0 <= i < len(messages) or messages[i]["role"] != "assistant"]
+    if wrong or not value:
+        raise BadRecord(rid, "bad_turn", f"{SUPERVISED_TURNS_KEY} {value} names no assistant turn" if not value else
+                        f"{SUPERVISED_TURNS_KEY}: turn {wrong[0]} is not an assistant turn of the {len(messages)}")
+    return frozenset(value)
 
 
 def _claim_id(rid: str, seen: set[str]) -> None:

@@ -339,7 +339,7 @@ class ChatTokeniser:
 
         prev_end = -1
         for i, msg in enumerate(messages):
-            if msg["role"] != "assistant":
+            if msg["role"] != "assistant" or (conv.supervised is not None and i not in conv.supervised):
                 continue
             prompt = self._render(rid, messages[:i], conv.tools, add_generation_prompt=True)
             if ends is not None and full.startswith(prompt):
@@ -435,7 +435,7 @@ class ChatTokeniser:
                 messages = [{k: (v if k == "role" else self._escape(v, esc)) for k, v in m.items()} for m in messages]
                 tools = self._escape(tools, esc)
         full = self._render(conv.record_id, messages, tools, add_generation_prompt=False)
-        return _Prepared(conv.record_id, messages, tools, esc, full)
+        return _Prepared(conv.record_id, messages, tools, esc, full, conv.supervised_turns)
 
     def _escape(self, value: Any, esc: "_ContentEscape") -> Any:
         """``value`` with each special-token string in its strings (dict keys too) replaced by its placeholder."""
@@ -604,6 +604,7 @@ class _Prepared:
     tools: list | None
     esc: "_ContentEscape | None"
     full: str
+    supervised: frozenset[int] | None = None  # Conversation.supervised_turns
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from hsx.records import read_markers
 from hsx.regen import TURNS, RegenConfig, RegeneratedConversation, is_regenerate, parse_lines
 from hsx.runconfig import RunConfig
 from hsx.store import MissingKey, open_store
-from producer.datasets import SkipCounter
+from producer.datasets import SUPERVISED_TURNS_KEY, SkipCounter
 from producer.sourcebase import DatasetChanged, RawItem, Source, SourceOptions
 
 
@@ -157,7 +157,8 @@ class RegeneratedSource(Source):
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(json.dumps({"run": self.config.identity_sha256(), "drop_unfinished": self.options.drop_unfinished,
-                                       "shards": [[b, s.sha256] for b, s in self._shards]}, sort_keys=True).encode())
+                                       "shards": [[b, s.sha256] for b, s in self._shards],
+                                       "supervised": "regenerated_turns"}, sort_keys=True).encode())
         return h.hexdigest()
 
     def describe(self) -> dict:
@@ -186,7 +187,10 @@ class RegeneratedSource(Source):
                     yield RawItem(fallback_id, BadRecord(conv.id, "unfinished_answer",
                                                          f"an answer was cut ({reasons}): --drop-unfinished"))
                 else:
-                    yield RawItem(fallback_id, {"id": conv.id, "messages": conv.messages,
+                    # only the target's answers are supervised: the earlier turns of --turns last are the
+                    # dataset's own answers, context for the draft model, not what it learns to predict
+                    answered = sorted(a.turn for a in conv.regenerated if a.finish_reason != "prompt_too_long")
+                    yield RawItem(fallback_id, {"id": conv.id, "messages": conv.messages, SUPERVISED_TURNS_KEY: answered,
                                                 **({"tools": conv.tools} if conv.tools else {})})
             done += shard.bytes
             self.bytes_read = done

@@ -576,3 +576,26 @@ def test_a_20000_token_conversation_is_truncated_to_4096_or_dropped_and_counted_
     assert skips.counts == {"too_long": 1}
     assert skips.examples["too_long"] == [f"long: {full.num_tokens} tokens > max_length=4096 (dropped: "
                                           "over_length='drop'; the default truncates)"]
+
+
+def test_a_record_naming_its_supervised_turns_has_only_those_masked_and_the_same_ids(tmp_path, chat, qwen3_tokenizer):
+    """``hsx_supervised_turns`` (what a regenerate run's extraction gives: the target's answers) keeps
+    the other assistant turns as context: the same ids, the mask over the named turns only. A list
+    naming a turn that is not the assistant's is a skipped record with its reason."""
+    turns = [{"role": r, "content": c} for r, c in SYSTEM_3_TURNS]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "all", "messages": turns},
+        {"id": "last", "messages": turns, "hsx_supervised_turns": [6]},
+        {"id": "two", "messages": turns, "hsx_supervised_turns": [2, 6]},
+        {"id": "bad", "messages": turns, "hsx_supervised_turns": [1]},
+    ]) + "\n")
+    skips = SkipCounter()
+    convs = {c.record_id: c for c in iter_conversations(path, skips)}
+    assert set(convs) == {"all", "last", "two"} and skips.counts == {"bad_turn": 1}
+    every, last, two = (chat.encode(convs[k]) for k in ("all", "last", "two"))
+    assert np.array_equal(every.input_ids, last.input_ids) and np.array_equal(every.input_ids, two.input_ids)
+    texts = _span_texts(qwen3_tokenizer, every)
+    assert len(texts) == 3
+    assert _span_texts(qwen3_tokenizer, last) == texts[2:]
+    assert _span_texts(qwen3_tokenizer, two) == [texts[0], texts[2]]

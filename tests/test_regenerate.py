@@ -132,7 +132,7 @@ def test_the_extraction_reads_the_regenerated_conversations(both_stages):
 
     by_id = {c.id: c for c in answered}
     rows = {row.sample_index: row for w in read_windows(extract) for row in SampleRow.read_window(extract, w.name)}
-    checked = 0
+    checked = earlier = 0
     for batch in {row.batch for row in rows.values()}:
         plan = read_batch(extract, batch)
         for j, sample in enumerate(plan.sample_index_N.tolist()):
@@ -140,10 +140,18 @@ def test_the_extraction_reads_the_regenerated_conversations(both_stages):
             if row.truncated:
                 continue
             ids = plan.input_ids_T[plan.cu_seqlens_N1[j]:plan.cu_seqlens_N1[j + 1]]
-            text = both_stages["tokenizer"].decode(ids.tolist())
-            assert by_id[str(row.record_id)].messages[-1]["content"].strip() in text
+            mask = plan.loss_mask_T[plan.cu_seqlens_N1[j]:plan.cu_seqlens_N1[j + 1]]
+            tok = both_stages["tokenizer"]
+            conv = by_id[str(row.record_id)]
+            assert conv.messages[-1]["content"].strip() in tok.decode(ids.tolist())
+            supervised = tok.decode(ids[mask == 1].tolist())
+            assert conv.messages[-1]["content"].strip() in supervised
+            for k, m in enumerate(conv.messages[:-1]):  # --turns last: the dataset's own earlier answers
+                if m["role"] == "assistant" and len(m["content"].strip()) > 20:
+                    assert m["content"].strip() not in supervised, (conv.id, k)
+                    earlier += 1
             checked += 1
-    assert checked >= 10
+    assert checked >= 10 and earlier >= 3, (checked, earlier)
 
 
 def test_drop_unfinished_skips_the_answers_cut_at_max_new_tokens(both_stages, tiny_cache):
