@@ -194,3 +194,28 @@ def test_small_neighbouring_tensors_are_read_together_and_each_comes_back_once_i
         assert tensor.dtype == want[name].dtype and torch.equal(tensor.view(torch.uint8), want[name].view(torch.uint8)), name
     sizes = {name: t.untyped_storage().nbytes() for name, t in got}
     assert all(sizes[n] == want[n].numel() * want[n].element_size() for n in sizes), "each in its own storage"
+
+
+def test_a_hub_id_streams_from_its_snapshot_in_the_hub_cache_at_the_commit_the_worker_read(tmp_path, monkeypatch):
+    """The streamed loader reads files: a hub id becomes its snapshot directory in the hub cache (the
+    commit given, not what ``main`` points at now), read without asking the hub when it is offline."""
+    from workers.loading import checkpoint_files, local_dir
+
+    old, new = "a" * 40, "b" * 40
+    repo = tmp_path / "hub" / "models--org--tiny"
+    for commit in (old, new):
+        tiny_model("qwen3").save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(new)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    from hsx.models import hub_local_only
+
+    hub_local_only.cache_clear()
+    assert Path(local_dir("org/tiny", old)) == repo / "snapshots" / old
+    assert Path(local_dir("org/tiny")) == repo / "snapshots" / new
+    assert checkpoint_files(local_dir("org/tiny", old)) == [repo / "snapshots" / old / "model.safetensors"]
+    hub_local_only.cache_clear()

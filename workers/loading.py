@@ -76,11 +76,12 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return [single] if single.is_file() else []
 
 
-def local_dir(path: str) -> str:
+def local_dir(path: str, revision: str | None = None) -> str:
     """The local directory of the checkpoint ``path``: itself when it is one; for a hub id, its
     snapshot in the hub cache (``huggingface_hub.snapshot_download`` of its config, weights and
     tokenizer files, downloading what the cache lacks unless the hub is not to be asked:
-    ``hsx.models.hub_local_only``), as ``from_pretrained`` would have fetched them.
+    ``hsx.models.hub_local_only``), as ``from_pretrained`` would have fetched them; at ``revision``
+    when it is a hub commit (the identity the worker read: not a newer ``main``).
 
     Raises:
         BadConfig: what ``hub_local_only`` raises (not in the cache, the hub unreachable).
@@ -92,7 +93,8 @@ def local_dir(path: str) -> str:
     from hsx.models import hub_kwargs
 
     kw = hub_kwargs(path)
-    return snapshot_download(path, cache_dir=kw["cache_dir"], local_files_only=kw["local_files_only"],
+    commit = revision if revision and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision) else None
+    return snapshot_download(path, cache_dir=kw["cache_dir"], local_files_only=kw["local_files_only"], revision=commit,
                              allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
 
 

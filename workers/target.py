@@ -330,7 +330,7 @@ def load_target(name: str, settings: Settings) -> Target:
                                      trust_remote_code=settings.trust_remote_code)
         device = next(model.parameters()).device
     else:
-        local = loading.local_dir(path) if settings.fast_load and device.type == "cuda" else path
+        local = loading.local_dir(path, info.revision) if settings.fast_load and device.type == "cuda" else path
         model = None
         if settings.fast_load and loading.can_stream(local, device, trust_remote_code=settings.trust_remote_code):
             # pread into pinned buffers, asynchronous copies to the GPU (workers/loading.py), not transformers' mmap
