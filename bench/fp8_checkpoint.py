@@ -127,3 +127,73 @@ def quantize_checkpoint_fp8(src: Path, dest: Path, block: int = 128) -> dict:
     config["quantization_config"] = qc
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return {"quantized": quantized, "kept": sorted(kept)}
+
+
+def write_random_fp8_checkpoint(model, dest: Path, *, device: str = "cpu", block: int = 128, seed: int = 0,
+                                shard_bytes: int = 5_000_000_000) -> dict:
+    """Write at ``dest`` a checkpoint of ``model``'s shapes in the layout :func:`quantize_checkpoint_fp8`
+    gives, with random weights (normal, std 0.02) made and quantised one tensor at a time on ``device``:
+    no full-precision copy of the model exists anywhere, so a shape larger than one GPU (or the disk,
+    in bf16) can be written. ``model`` may be on the meta device (only its shapes are read). The
+    tensor names and shapes are the saved ones (``transformers.core_model_loading.revert_weight_conversion``,
+    what ``save_pretrained`` writes: per-expert weights, not the fused parameters).
+
+    Returns {"quantized": weights quantised, "kept": linear layers kept in bf16, "shards": files}.
+    """
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    saved = revert_weight_conversion(model, dict(model.state_dict()))
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {}) if getattr(model.config, "tie_word_embeddings", False) else set()
+    names = [k for k in saved if k not in tied]
+
+    def out_bytes(name):
+        t = saved[name]
+        return t.numel() * (1 if _fp8_quantised(name, t) and _blockable(t, block) else t.element_size())
+
+    shards, current, size = [], [], 0
+    for name in names:
+        if current and size + out_bytes(name) > shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += out_bytes(name)
+    shards.append(current)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    quantized, kept, index, total = 0, set(), {}, 0
+    for i, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        out = {}
+        for name in shard:
+            meta = saved[name]
+            if meta.is_floating_point():
+                t = torch.empty(meta.shape, dtype=meta.dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            else:
+                t = torch.zeros(meta.shape, dtype=meta.dtype, device=device)
+            if _fp8_quantised(name, t) and _blockable(t, block):
+                q, s = fp8_block_quantize(t, block)
+                out[name], out[name[: -len("weight")] + "weight_scale_inv"] = q.cpu(), s.cpu()
+                quantized += 1
+            else:
+                out[name] = t.cpu()
+                module = name.rsplit(".", 1)[0]
+                if t.ndim == 2 and (any(module.endswith(k) for k in FP8_KEEP) or _fp8_quantised(name, t)):
+                    kept.add(module)
+            del t
+        save_file(out, dest / file, metadata={"format": "pt"})
+        total += (dest / file).stat().st_size
+        index.update({k: file for k in out})
+        del out
+    if len(shards) > 1:
+        (dest / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, indent=2))
+    model.config.save_pretrained(dest)
+    config = json.loads((dest / "config.json").read_text())
+    qc = dict(FP8_QUANTIZATION_CONFIG, weight_block_size=[block, block])
+    if kept:
+        qc["modules_to_not_convert"] = sorted(kept)
+    config["quantization_config"] = qc
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return {"quantized": quantized, "kept": sorted(kept), "shards": len(shards)}

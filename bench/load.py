@@ -40,7 +40,7 @@ warm-up) and ``no_store`` (``HSX_COMPILE_CACHE=false``: compiles again). The sto
     # on a CPU: a tiny checkpoint, fields only
     python bench/load.py --build tests/data/configs/qwen3-8b.json --layers 1 --vocab 2048 --dest /tmp/ckpt
     python bench/load.py /tmp/ckpt --loader worker,plain,read --json /tmp/load.json
-    # an FP8 release's layout (Qwen3-Next-80B-A3B shape, 48 layers: 80 GB; --fp8 writes a bf16 build first)
+    # an FP8 release's layout (Qwen3-Next-80B-A3B shape, 48 layers: 80 GB; --fp8 makes and quantises one tensor at a time)
     python bench/load.py --build /work/shared/data/configs/qwen3-next-80b-a3b-thinking.json --fp8 --dest /dev/shm/ckpt-next-fp8
 """
 
@@ -324,12 +324,11 @@ def build(config_path: Path, dest: Path, *, layers: int | None, vocab: int | Non
     ``config_path`` (``text_config`` of a multimodal one), cut to ``layers`` decoder layers and a
     ``vocab``-token vocabulary when given; safetensors in 5 GB shards, as releases are.
 
-    ``fp8``: then quantised as the Qwen ``-FP8`` releases are (``bench/fp8_checkpoint.py``
-    ``quantize_checkpoint_fp8``: float8_e4m3fn linear weights with bf16 128x128 ``weight_scale_inv``,
-    ``quantization_config`` in config.json), one shard at a time, into ``dest``; the bf16 build is
-    written to ``<dest>.bf16-build`` first and removed after. Both exist at once on the disk
-    (a 80B-A3B shape: 160 GB of bf16, then 80 GB of FP8) and the whole bf16 model is built on
-    ``device`` first: a shape larger than one GPU needs another builder."""
+    ``fp8``: in the layout of the Qwen ``-FP8`` releases (float8_e4m3fn linear weights with bf16
+    128x128 ``weight_scale_inv``, ``quantization_config`` in config.json), each tensor made and
+    quantised on ``device`` one at a time and written shard by shard
+    (``bench/fp8_checkpoint.py`` ``write_random_fp8_checkpoint``): the 80B-A3B shape's 80 GB are
+    written with no bf16 model or file (160 GB) anywhere."""
     import torch
     import transformers
 
@@ -347,25 +346,20 @@ def build(config_path: Path, dest: Path, *, layers: int | None, vocab: int | Non
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    if fp8:  # one tensor at a time, quantised as it is made: no bf16 model or files (an 80B shape is 160 GB in bf16)
+        from bench.fp8_checkpoint import write_random_fp8_checkpoint
+
+        done = write_random_fp8_checkpoint(model, dest, device=device)
+        return {"checkpoint": str(dest), "checkpoint_bytes": checkpoint_bytes(dest),
+                "build_s": round(time.perf_counter() - t0, 1), "fp8_weights": done["quantized"],
+                "kept_bf16": len(done["kept"]), "shards": done["shards"]}
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=gen)  # buffers (rotary inv_freq) are not saved: the loader computes them
-    out = dest.with_name(dest.name + ".bf16-build") if fp8 else dest
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
-    record = {}
-    if fp8:
-        import shutil
-
-        from bench.fp8_checkpoint import quantize_checkpoint_fp8
-
-        del model
-        done = quantize_checkpoint_fp8(out, dest)
-        shutil.rmtree(out)
-        record = {"fp8_weights": done["quantized"], "kept_bf16": len(done["kept"])}
-    return {"checkpoint": str(dest), "checkpoint_bytes": checkpoint_bytes(dest), "build_s": round(time.perf_counter() - t0, 1),
-            **record}
+    model.save_pretrained(dest, safe_serialization=True, max_shard_size="5GB")
+    return {"checkpoint": str(dest), "checkpoint_bytes": checkpoint_bytes(dest), "build_s": round(time.perf_counter() - t0, 1)}
 
 
 def environment() -> dict:

@@ -234,3 +234,33 @@ def test_a_gpu_worker_without_transformers_fp8_kernel_runs_the_torch_matmuls_and
         assert quantized.check_fp8_kernels(info, torch.device("cuda", 0)) == "fp8-torch-dequant"
     assert upstream._FINEGRAINED_FP8.matmul is quantized.fp8_matmul
     assert "the hub cannot be reached" in caplog.text and "pip install 'kernels" in caplog.text
+
+
+def test_the_streaming_fp8_builder_writes_the_released_layout_without_a_full_precision_model(tmp_path):
+    """``bench/load.py --build --fp8`` (``write_random_fp8_checkpoint``) from a model on the meta
+    device: the same tensor names, shapes and dtypes, and the same ``quantization_config``, as a bf16
+    checkpoint quantised by ``quantize_checkpoint_fp8``; in several shards; it loads with no key
+    missing or unexpected."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.fp8_checkpoint import write_random_fp8_checkpoint
+    from tinymodels import tiny_config
+
+    _, released = tiny_fp8_checkpoint("qwen3-next", tmp_path / "released")
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("qwen3-next"), dtype=torch.bfloat16)
+    done = write_random_fp8_checkpoint(meta, tmp_path / "streamed", shard_bytes=300_000)
+    assert done["shards"] > 1 and done["quantized"] > 0
+
+    def layout(path):
+        out = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(f, "pt") as fh:
+                out.update({k: (tuple(fh.get_slice(k).get_shape()), fh.get_slice(k).get_dtype()) for k in fh.keys()})
+        return out
+
+    assert layout(tmp_path / "streamed") == layout(released)
+    qc = [json.loads((p / "config.json").read_text())["quantization_config"] for p in (released, tmp_path / "streamed")]
+    assert qc[0] == qc[1]
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
