@@ -223,6 +223,45 @@ def gdn_rows_as_sequences_error(model, device) -> float | None:
     return float((got - want).norm() / want.norm())
 
 
+def build_fp8_model(config, device: torch.device, dest: Path):
+    """A fine-grained FP8 checkpoint of ``config`` written at ``dest`` one tensor at a time
+    (``bench.fp8_checkpoint.write_random_fp8_checkpoint``, with the bundled tokenizer files), and the
+    model loaded from it as a worker loads it (float8 weights on CUDA, with transformers' FP8 kernel
+    or, where it cannot be fetched, the plain-torch matmuls of ``workers/quantized.py``; dequantised
+    on the CPU). Returns (model, seconds the checkpoint took to write)."""
+    import transformers
+
+    from bench.fp8_checkpoint import write_random_fp8_checkpoint
+    from workers import quantized
+
+    t0 = time.perf_counter()
+    if dest.exists():
+        shutil.rmtree(dest)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    write_random_fp8_checkpoint(meta, dest, device=str(device))
+    for f in TOKENIZER_DIR.iterdir():
+        if f.is_file() and f.suffix in (".json", ".txt", ".model") and f.name != "config.json":
+            shutil.copy(f, dest / f.name)
+    save_s = time.perf_counter() - t0
+    kwargs = {}
+    if device.type == "cuda":
+        try:
+            from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+
+            load_finegrained_fp8_kernel()
+        except Exception as exc:
+            print(f"transformers' FP8 kernel cannot be loaded ({type(exc).__name__}): the plain-torch matmuls run", flush=True)
+            quantized.use_torch_fp8_kernel()
+    else:
+        qc = json.loads((dest / "config.json").read_text())["quantization_config"]
+        kwargs["quantization_config"] = transformers.FineGrainedFP8Config(dequantize=True, weight_block_size=qc["weight_block_size"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(dest, dtype=dtype, device_map={"": device}, **kwargs).eval()
+    model.requires_grad_(False)
+    return model, save_s
+
+
 def save_checkpoint(model, dest: Path) -> float:
     """``save_pretrained`` (safetensors) plus the bundled tokenizer files; returns seconds."""
     t0 = time.perf_counter()
@@ -644,6 +683,9 @@ def main() -> None:
     ap.add_argument("--bandwidth-gb", type=float, default=8.0)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, 40 records; checks the output's fields")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
+                    help="the target's checkpoint: bf16, or fine-grained FP8 as the Qwen -FP8 releases (written one "
+                         "tensor at a time: bench/fp8_checkpoint.py; the ceilings run the FP8 model as loaded)")
     ap.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "fp8"],
                     help="producer run --store-dtype (fp8: half the store bytes, for shapes a disk cannot keep up with)")
     add_dataset_options(ap)
@@ -668,7 +710,11 @@ def main() -> None:
     selection = select_layers(n_layers, preset="dflash", final="none")
     deepest = selection.deepest_layer if selection.final == "none" else None
     t0 = time.perf_counter()
-    model = build_model(config, device)
+    ckpt = args.checkpoint_dir or workdir / "checkpoint"
+    if args.weights == "fp8":
+        model, save_s = build_fp8_model(config, device, ckpt)
+    else:
+        model = build_model(config, device)
     build_s = time.perf_counter() - t0
     from workers.target import run_rows_as_sequences
 
@@ -678,8 +724,8 @@ def main() -> None:
     gdn_error = gdn_rows_as_sequences_error(model, device)
     print(f"ceiling {args.shape} ({n_layers} layers, {rows} x {row_len}): same layers {ceiling_same:,.0f} tok/s, "
           f"all layers {ceiling_all:,.0f} tok/s; GDN rows-as-sequences rel. error {gdn_error}", flush=True)
-    ckpt = args.checkpoint_dir or workdir / "checkpoint"
-    save_s = save_checkpoint(model, ckpt)
+    if args.weights != "fp8":
+        save_s = save_checkpoint(model, ckpt)
     hidden = config.hidden_size
     del model
     gc.collect()
@@ -753,7 +799,7 @@ def main() -> None:
         compiles = (None if run["compiles_at_first_marker"] is None or run["compiles_at_end"] is None
                     else run["compiles_at_end"] - run["compiles_at_first_marker"])
         rows_out.append({
-            "model": f"{args.shape}{'' if not args.num_layers else f'-{n_layers}-layers'}{'-tiny' if args.tiny else ''} (random bf16 weights, real config)",
+            "model": f"{args.shape}{'' if not args.num_layers else f'-{n_layers}-layers'}{'-tiny' if args.tiny else ''} (random {args.weights} weights, real config)",
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "store": store_desc,
             "path": "producer run",
