@@ -121,8 +121,37 @@ def refuse_regenerate_run(config, address: str) -> None:
     """Raise BadConfig when ``config`` is a regenerate run's: what reads hidden states (``export``,
     ``vocab-counts``, the readers) has none to read there."""
     if is_regenerate(config):
+        done = _extractions_beside(config.run_id, address)
+        if done:
+            raise BadConfig(f"{address} is a regenerate run (regenerated conversations, no hidden states); its "
+                            f"extraction is {done[0]}: give that address instead")
         raise BadConfig(f"{address} is a regenerate run (regenerated conversations, no hidden states): extract it "
                         f"first with `python -m producer run {address} --model ...`")
+
+
+def _extractions_beside(run_id: str, address: str) -> list[str]:
+    """Extraction runs of the regenerate run ``run_id`` next to it in a local store (``producer run
+    --regenerate`` writes them as ``<output>/<run_id>-<hash>``), newest first; [] for S3."""
+    import json
+    from pathlib import Path
+
+    from hsx.storeurl import parse_store_url
+
+    try:
+        where = parse_store_url(address)
+    except Exception:
+        return []
+    if not where.is_local:
+        return []
+    found = []
+    for run_json in Path(where.path).parent.glob(f"{run_id}-*/run.json"):
+        try:
+            dataset = json.loads(run_json.read_text()).get("dataset") or {}
+        except (OSError, ValueError):
+            continue
+        if dataset.get("kind") == "regenerate_run" and dataset.get("run_id") == run_id:
+            found.append((run_json.stat().st_mtime, str(run_json.parent)))
+    return [path for _, path in sorted(found, reverse=True)]
 
 
 def sample_seed(seed: int, record_id: str, turn: int) -> int:

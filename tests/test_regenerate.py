@@ -487,6 +487,15 @@ def test_export_and_vocab_counts_refuse_a_regenerate_run(command, tmp_path, caps
     assert "".join((f"error: {run} is a regenerate run (regenerated conversations, no hidden states): extract it first "
                     f"with `python -m producer run {run} --model ...`").split()) in text
     assert not (tmp_path / "exported").exists() and not (run / "vocab_counts.safetensors").exists()
+    # once it has been extracted beside it (as `run --regenerate` does it), the refusal names that run
+    extraction = tmp_path / f"{run.name}-0123456789ab"
+    extraction.mkdir()
+    (extraction / "run.json").write_text(json.dumps({"dataset": {"kind": "regenerate_run", "run_id": run.name}}))
+    (tmp_path / f"{run.name}-other").mkdir()
+    (tmp_path / f"{run.name}-other" / "run.json").write_text(json.dumps({"dataset": {"kind": "files"}}))
+    code = main([command[0], str(run), *[c.format(out=tmp_path / "exported") for c in command[1:]]])
+    text = "".join((lambda c: c.out + c.err)(capsys.readouterr()).split())
+    assert code == 2 and f"itsextractionis{extraction}:givethataddressinstead" in text, text
 
 
 def test_the_readers_refuse_a_regenerate_run(tmp_path):
