@@ -92,6 +92,12 @@ def recent_window(arrivals: list[tuple[float, float]], now: float, window_s: flo
     return (sum(u for _, u in recent[1:]) / span, span) if span > 0 else (None, None)
 
 
+def _span_floor(timed: list[dict]) -> float:
+    """The shortest span a rate is taken over: a millisecond when every marker has its
+    ``finished_unix``, else a second (``finished_at``'s resolution)."""
+    return 0.001 if all(m.get("precise") for m in timed) else 1.0
+
+
 def recent_rate(arrivals: list[tuple[float, float]], now: float, window_s: float = RATE_WINDOW_S,
                 min_markers: int = RATE_MIN_MARKERS) -> float | None:
     """The rate of :func:`recent_window` alone: units per second now, None with fewer than two markers."""
@@ -297,6 +303,7 @@ class RunWatch:
             "bytes": m.shard.bytes,
             "end": end,
             "start": end - seconds if end is not None else None,
+            "precise": bool(m.finished_unix),  # milliseconds; finished_at alone has a resolution of one second
             "host": worker.host if worker else None,
             "pid": worker.pid if worker else None,
             "device": worker.device if worker else None,
@@ -570,7 +577,7 @@ class RunWatch:
         start = min(m["start"] for m in timed)
         last = max(m["end"] for m in timed)
         out["started_at"], out["last_done_at"] = _iso(start), _iso(last)
-        span = max(last - start, 1.0)  # finished_at has a resolution of one second
+        span = max(last - start, _span_floor(timed))
         out["overall_tokens_per_s"] = round(sum(m["planned_tokens"] for m in timed) / span, 1)
         out["overall_samples_per_s"] = round(sum(m["samples"] + m["quarantined"] for m in timed) / span, 2)
         at = last if finished else now
@@ -596,7 +603,7 @@ class RunWatch:
         out = {"tokens_generated": sum(m["supervised"] for m in self.markers.values()),
                "generated_tokens_per_s": None, "overall_generated_tokens_per_s": None}
         if timed:
-            span = max(max(m["end"] for m in timed) - min(m["start"] for m in timed), 1.0)
+            span = max(max(m["end"] for m in timed) - min(m["start"] for m in timed), _span_floor(timed))
             out["overall_generated_tokens_per_s"] = round(sum(m["supervised"] for m in timed) / span, 1)
             at = max(m["end"] for m in timed) if finished else now
             recent, _ = recent_window([(m["end"], m["supervised"]) for m in timed], at)
