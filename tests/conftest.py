@@ -144,6 +144,16 @@ def store(request, tmp_path):
     return open_store(bucket.url, bucket.settings)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _worker_fork_server():
+    """Stops this pytest process's worker fork server (tests/forkserver.py, started by the first worker
+    a test starts: ``jobfixtures.worker_popen``) at the end of the session, after every other fixture."""
+    yield
+    from jobfixtures import stop_fork_server
+
+    stop_fork_server()
+
+
 # --- the tiny target, the shared worker and the shared small run ---------------------------------
 
 

@@ -39,8 +39,9 @@ def clean_env(**hsx) -> dict[str, str]:
 
 
 def run_cli(module: str, args: list[str], env: dict[str, str], timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """``python -m <module> args...`` in the repo root; returns the completed process (text output)."""
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    """``python -m <module> args...`` in the repo root; returns the completed process (text output).
+    A process of its own, forked from the fork server where ``env`` allows (:func:`run_python`)."""
+    return run_python(["-m", module, *args], env, timeout_s=timeout_s)
 
 
 def cli_json(proc: subprocess.CompletedProcess) -> dict:
@@ -57,15 +58,194 @@ def free_port() -> int:
     return port
 
 
+class ForkedProcess:
+    """What a test holds of a process the fork server started (tests/forkserver.py): the parts of
+    ``subprocess.Popen`` the tests use (``pid``, ``args``, ``returncode``, ``poll``, ``wait``,
+    ``send_signal``, ``terminate``, ``kill``). Its exit code is the one the server wrote when it
+    reaped the process."""
+
+    def __init__(self, pid: int, args: list[str], exit_path: Path):
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+        self._exit_path = exit_path
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self.returncode = int(self._exit_path.read_text())
+            except (OSError, ValueError):
+                return None
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The session's worker fork server (tests/forkserver.py), started by :func:`fork_server`."""
+
+    def __init__(self):
+        import tempfile
+        import threading
+
+        self.dir = Path(tempfile.mkdtemp(prefix="hsx-forkserver-"))
+        self.env = clean_env()
+        self._lock = threading.Lock()
+        self._log = open(self.dir / "server.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py")), str(self.dir)],
+                                     cwd=ROOT, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, start_new_session=True)
+        hello = self.proc.stdout.readline()
+        assert hello.startswith('{"ready"'), f"the fork server did not start: {hello!r}\n{self.log()[-3000:]}"
+
+    def log(self) -> str:
+        return (self.dir / "server.log").read_text(errors="replace")
+
+    def takes(self, env: dict[str, str]) -> bool:
+        """Whether a process with ``env`` may be forked here: see :func:`same_libraries_env`."""
+        return self.proc.poll() is None and same_libraries_env(env, self.env)
+
+    def spawn(self, cmd: list[str], env: dict[str, str], stdout: Path, stderr: Path | None = None,
+              cwd: Path = ROOT) -> ForkedProcess:
+        """``cmd`` (``[sys.executable, ...]``: ``-m module``, ``-c code`` or a script, and their
+        arguments) forked from the server in its own session, in ``cwd``, its stdout appended to
+        ``stdout`` and its stderr to ``stderr`` (default: the same file)."""
+        assert cmd[0] == sys.executable and cmd[1:], cmd
+        request = {"argv": cmd[1:], "env": env, "cwd": str(cwd), "stdout": str(stdout),
+                   "stderr": str(stderr) if stderr else None}
+        with self._lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            reply = self.proc.stdout.readline()
+        assert reply, f"the fork server exited:\n{self.log()[-3000:]}"
+        pid = json.loads(reply)["pid"]
+        return ForkedProcess(pid, cmd, self.dir / f"{pid}.exit")
+
+    def stop(self) -> None:
+        import shutil
+
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # the server kills what it still runs, and exits
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+#: Variables that differ between the tests' environments and are read by no library at import: the
+#: running test's name (pytest), and the cache directory torch's inductor puts into os.environ when
+#: a test first compiles (its default, read when it compiles).
+NOT_READ_AT_IMPORT = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+
+
+def same_libraries_env(env: dict[str, str], server_env: dict[str, str]) -> bool:
+    """Whether a process with ``env`` sees, in what the fork server's libraries read at import, what
+    the server saw: every variable outside ``HSX_*`` (the project's settings, read by the child's own
+    imports) and :data:`NOT_READ_AT_IMPORT` is the same."""
+    def outside(e):
+        return {k: v for k, v in e.items() if not k.startswith("HSX_") and k not in NOT_READ_AT_IMPORT}
+
+    return outside(env) == outside(server_env)
+
+
+_fork_server: ForkServer | None = None
+
+
+def fork_server() -> ForkServer | None:
+    """This pytest process's fork server, started on first use; None with ``TEST_FORK_SERVER=0``."""
+    global _fork_server
+    if os.environ.get("TEST_FORK_SERVER", "1") == "0":
+        return None
+    if _fork_server is None:
+        _fork_server = ForkServer()
+    return _fork_server
+
+
+def stop_fork_server() -> None:
+    global _fork_server
+    if _fork_server is not None:
+        _fork_server.stop()
+        _fork_server = None
+
+
+def worker_popen(cmd: list[str], env: dict[str, str], log, log_path: Path):
+    """A worker process for ``cmd`` (``python -m celery ... worker``): forked from the session's
+    fork server (tests/forkserver.py) when its environment allows, else ``subprocess.Popen`` (a
+    fresh interpreter). Stdout and stderr go to ``log`` (the open file of ``log_path``), its own
+    session, the repo root as its directory."""
+    server = forking_server(env)
+    if server is not None:
+        return server.spawn(cmd, env, log_path)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def forking_server(env: dict[str, str]) -> ForkServer | None:
+    """The fork server if it may fork a process with ``env`` (started on first use), else None."""
+    if not same_libraries_env(env, clean_env()):  # the server would not take it: do not start one for it
+        return None
+    server = fork_server()
+    return server if server is not None and server.takes(env) else None
+
+
+def run_python(args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout_s: float | None = 300
+               ) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+    timeout=timeout_s)``, forked from the fork server (tests/forkserver.py) where ``env`` allows: the
+    same separate process, its output captured in files and decoded as ``text=True`` does (universal
+    newlines); past ``timeout_s`` it is killed and ``subprocess.TimeoutExpired`` raised."""
+    import locale
+    import tempfile
+
+    cmd = [sys.executable, *args]
+    server = forking_server(env)
+    if server is None:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    with tempfile.TemporaryDirectory(prefix="hsx-run-", dir=server.dir) as d:
+        out, err = Path(d) / "stdout", Path(d) / "stderr"
+        proc = server.spawn(cmd, env, out, err, cwd=cwd)
+        try:
+            code = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+
+        def text(path: Path) -> str:
+            data = path.read_bytes().decode(locale.getpreferredencoding(False)) if path.exists() else ""
+            return data.replace("\r\n", "\n").replace("\r", "\n")
+
+        return subprocess.CompletedProcess(cmd, code, text(out), text(err))
+
+
 class WorkerProcess:
-    """A real ``celery -A workers worker -Q gpu`` process (threads pool, ``concurrency`` threads, default one)."""
+    """A real ``celery -A workers worker -Q gpu`` process (threads pool, ``concurrency`` threads, default one),
+    forked from the fork server where its environment allows (:func:`worker_popen`)."""
 
     def __init__(self, env: dict[str, str], name: str, log_path: Path, concurrency: int = 1):
         self.log_path = log_path
         self._log = open(log_path, "wb")
         cmd = [sys.executable, "-m", "celery", "-A", "workers", "worker", "-Q", "gpu", "-P", "threads", "-c", str(concurrency),
                "-n", f"{name}@%h", "-l", "INFO", "--without-gossip", "--without-mingle"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = worker_popen(cmd, env, self._log, log_path)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -254,8 +434,7 @@ class SharedWorker:
         self.jobs = 0
         """How many ``producer run`` jobs the worker served."""
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(worker_command(self.settings, name, "INFO"), cwd=ROOT, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = worker_popen(worker_command(self.settings, name, "INFO"), self.env, self._log, self.log_path)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -399,8 +578,6 @@ BENCH_MACHINE_KEYS = {"date_utc", "cpus", "cpu_model", "ram_gib", "python", "tor
 def run_bench(script: str, args: list[str], cache: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
     """``python bench/<script> <args>`` in a clean environment (no HSX_* / AWS_* of the machine; the tiny
     models' cache ``cache``); asserts exit 0 and returns the finished process."""
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=root, env=clean_env(cache_dir=cache),
-                          capture_output=True, text=True, timeout=timeout_s)
+    proc = run_python([f"bench/{script}", *args], clean_env(cache_dir=cache), timeout_s=timeout_s)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     return proc
