@@ -437,12 +437,12 @@ def plan_slots(settings: Settings, env: dict[str, str], count: int | None, logle
     Raises:
         BadConfig: from :func:`gpu_groups`.
     """
-    gpus = visible_gpus(env)
     per_worker = settings.gpus_per_worker
     if settings.device == "cpu":  # set explicitly: CPU workers, of K gloo ranks each when K > 1
-        gpus = []
+        gpus = []  # and no look for GPUs (without NVML that imports torch: ~2 CPU s of the launcher's start)
         groups = []
     else:
+        gpus = visible_gpus(env)
         groups = gpu_groups(gpus, per_worker)
     n = count or settings.workers_per_node or max(1, len(groups))
     slots = []
