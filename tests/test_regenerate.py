@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from jobfixtures import ROOT, clean_env, cli_json
+from jobfixtures import ROOT, clean_env, cli_json, python_popen
 
 from hsx.errors import BadDataset, BadPlan
 from hsx.regen import FINISH_REASONS, RegenConfig, RegeneratedConversation, parse_lines, sample_seed
@@ -235,8 +234,7 @@ def test_ctrl_c_then_the_same_command_resumes(tmp_path, tiny_cache, shared_worke
     # 3 s per batch: the Ctrl-C below lands while batches are left that no thread has started (at
     # 1 s, on a loaded machine, the two threads finished every batch before `run` took the signal)
     err = open(tmp_path / "stderr", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "producer", "run", *job, "--output", str(out)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    proc = python_popen(["-m", "producer", "run", *job, "--output", str(out)], env, stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + 180
         while not list(out.glob("*-regen-*/markers/*.json")):
@@ -522,8 +520,9 @@ def test_verify_recompute_says_it_does_not_apply_to_a_regenerate_run(both_stages
 def test_the_readme_says_which_turns_are_the_targets_and_that_max_length_may_cut_an_answer():
     text = (ROOT / "README.md").read_text()
     section = " ".join(text[text.index("## Regenerating the responses"):].split("\n## ", 1)[0].split())
-    assert "the earlier assistant turns keep the dataset's original answers, and the extraction supervises them" in section
-    assert "Choose `--turns all` when every supervised token should be the target's" in section
+    assert "the earlier assistant turns keep the dataset's original answers. The extraction supervises only the target's answers" in section
+    assert "the earlier turns are context, with loss mask 0" in section
+    assert "`--turns all` answers every assistant turn in order" in section
     assert "the chained extraction applies its own `--max-length`" in section and "truncated" in section
     assert "are not part of a regenerate run's identity" in section
 
