@@ -97,6 +97,29 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def _read_text(path: Path) -> str:
+    """A captured stream's file as ``text=True`` decodes a pipe (locale encoding, universal newlines)."""
+    import locale
+
+    data = path.read_bytes().decode(locale.getpreferredencoding(False)) if path.exists() else ""
+    return data.replace("\r\n", "\n").replace("\r", "\n")
+
+
+class ForkedPopen(ForkedProcess):
+    """:class:`ForkedProcess` for :func:`python_popen`: ``communicate`` returns what the process wrote to
+    the streams given as ``subprocess.PIPE`` (captured in files: read once it has exited)."""
+
+    def __init__(self, pid: int, args: list[str], exit_path: Path, out: Path | None, err: Path | None):
+        super().__init__(pid, args, exit_path)
+        self.stdout = self.stderr = None  # no pipe to read from while it runs: communicate()
+        self._out, self._err = out, err
+
+    def communicate(self, input=None, timeout: float | None = None) -> tuple[str | None, str | None]:
+        assert input is None, "no stdin for a forked process"
+        self.wait(timeout)
+        return (_read_text(self._out) if self._out else None, _read_text(self._err) if self._err else None)
+
+
 class ForkServer:
     """The session's worker fork server (tests/forkserver.py), started by :func:`fork_server`."""
 
@@ -212,7 +235,6 @@ def run_python(args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout_s
     timeout=timeout_s)``, forked from the fork server (tests/forkserver.py) where ``env`` allows: the
     same separate process, its output captured in files and decoded as ``text=True`` does (universal
     newlines); past ``timeout_s`` it is killed and ``subprocess.TimeoutExpired`` raised."""
-    import locale
     import tempfile
 
     cmd = [sys.executable, *args]
@@ -229,11 +251,36 @@ def run_python(args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout_s
             proc.wait()
             raise
 
-        def text(path: Path) -> str:
-            data = path.read_bytes().decode(locale.getpreferredencoding(False)) if path.exists() else ""
-            return data.replace("\r\n", "\n").replace("\r", "\n")
+        return subprocess.CompletedProcess(cmd, code, _read_text(out), _read_text(err))
 
-        return subprocess.CompletedProcess(cmd, code, text(out), text(err))
+
+def python_popen(args: list[str], env: dict[str, str], *, stdout, stderr, cwd: Path = ROOT):
+    """``subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr,
+    text=True, start_new_session=True)``, forked from the fork server (tests/forkserver.py) where
+    ``env`` allows: a :class:`ForkedPopen` (``pid``, ``poll``, ``wait``, ``send_signal``,
+    ``communicate``...). ``stdout`` / ``stderr``: ``subprocess.PIPE`` (read with ``communicate``),
+    ``subprocess.DEVNULL``, an open file, or for ``stderr`` ``subprocess.STDOUT``."""
+    import uuid
+
+    cmd = [sys.executable, *args]
+    server = forking_server(env)
+    named = all(getattr(f, "name", None) and isinstance(f.name, str) for f in (stdout, stderr)
+                if f not in (subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT))
+    if server is None or not named or stdout is None or stderr is None:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
+    captured: dict[str, Path] = {}
+
+    def path(stream, which: str) -> Path:
+        if stream is subprocess.PIPE:
+            captured[which] = server.dir / f"{which}-{uuid.uuid4().hex}"
+            captured[which].touch()
+            return captured[which]
+        return Path(os.devnull) if stream is subprocess.DEVNULL else Path(stream.name)
+
+    out = path(stdout, "stdout")
+    err = out if stderr is subprocess.STDOUT else path(stderr, "stderr")
+    proc = server.spawn(cmd, env, out, err, cwd=cwd)
+    return ForkedPopen(proc.pid, cmd, proc._exit_path, captured.get("stdout"), captured.get("stderr"))
 
 
 class WorkerProcess:

@@ -13,13 +13,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from clusters import assert_complete, copy_plan, held_batch, shards_of, wait_done
-from jobfixtures import ROOT, clean_env, run_here, wait_until
+from jobfixtures import clean_env, python_popen, run_here, wait_until
 
 from hsx.broker import redis_client, running_embedded_broker
 from hsx.brokerlayout import queued_of
@@ -96,8 +95,8 @@ def test_cancel_removes_the_runs_queued_and_parked_messages_and_the_same_enqueue
 
 def _start_run(tmp_path: Path, env: dict, out: Path) -> tuple[subprocess.Popen, Path]:
     err = tmp_path / "run.stderr"
-    proc = subprocess.Popen([sys.executable, "-m", "producer", "run", *JOB, "--output", str(out), "--json"], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=open(err, "w"), text=True, start_new_session=True)
+    proc = python_popen(["-m", "producer", "run", *JOB, "--output", str(out), "--json"], env, stdout=subprocess.PIPE,
+                        stderr=open(err, "w"))
     return proc, err
 
 

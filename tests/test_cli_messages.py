@@ -7,12 +7,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from jobfixtures import ROOT, clean_env
+from jobfixtures import clean_env, python_popen
 from hsx.errors import BadConfig
 from hsx.models import model_info, resolve_model_path
 from producer.cli import _plan_table
@@ -88,9 +87,8 @@ def test_run_says_stopping_at_once_when_interrupted(tmp_path, tiny_cache):
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool",
                     faults="pause_forward=4")
     err = open(tmp_path / "stderr", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "producer", "run", "sharegpt", "--limit", "4", "--model", "tiny-qwen3.5",
-                             "--max-length", "128", "--batch-tokens", "128", "--output", str(tmp_path / "store")],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    proc = python_popen(["-m", "producer", "run", "sharegpt", "--limit", "4", "--model", "tiny-qwen3.5", "--max-length", "128",
+                         "--batch-tokens", "128", "--output", str(tmp_path / "store")], env, stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + 180
         while "fault injection: pausing" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*.log")):

@@ -5,17 +5,14 @@ the output and e4m3's bounds; no timing is asserted)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from jobfixtures import ROOT, clean_env
+from jobfixtures import clean_env, run_python
 
 
 def test_the_fp8_error_script_reports_bytes_and_errors_per_dflash_layer(tmp_path):
     out = tmp_path / "fp8.json"
-    proc = subprocess.run([sys.executable, "bench/fp8_error.py", "--limit", "6", "--max-length", "256", "--final", "postnorm",
-                           "--json", str(out)],
-                          cwd=ROOT, env=clean_env(cache_dir=tmp_path / "cache"), capture_output=True, text=True, timeout=300)
+    proc = run_python(["bench/fp8_error.py", "--limit", "6", "--max-length", "256", "--final", "postnorm", "--json", str(out)],
+                      clean_env(cache_dir=tmp_path / "cache"), timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["device"] == "cpu" and r["compute_dtype"] == "float32" and r["hidden_size"] == 64

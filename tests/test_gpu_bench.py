@@ -4,16 +4,14 @@ H200 table needs (shape of the output only; no timing is asserted)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from jobfixtures import ROOT, clean_env
+from jobfixtures import clean_env, run_python
 
 
 def test_the_gpu_throughput_script_produces_one_row_per_shape_with_the_ratios(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, "bench/gpu_throughput.py", "--tiny", "--models", "qwen3.5-27b,qwen3-8b", "--json", str(out)],
-                          cwd=ROOT, env=clean_env(cache_dir=tmp_path / "cache"), capture_output=True, text=True, timeout=300)
+    proc = run_python(["bench/gpu_throughput.py", "--tiny", "--models", "qwen3.5-27b,qwen3-8b", "--json", str(out)],
+                      clean_env(cache_dir=tmp_path / "cache"), timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [r["model"] for r in rows] == ["qwen3.5-27b", "qwen3-8b"]

@@ -15,13 +15,12 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from jobfixtures import ROOT, assert_matches_reference, clean_env, cli_json, read_samples, run_cli
+from jobfixtures import assert_matches_reference, clean_env, cli_json, python_popen, read_samples, run_cli
 
 from hsx.store import open_store
 
@@ -116,9 +115,8 @@ def test_a_killed_follower_fails_its_batch_as_transient_and_the_launcher_restart
     fails, the batch goes back to the queue as transient, the worker exits with code 75, the
     launcher starts a new group and the run completes."""
     env = _env(tmp_path, tiny_cache, faults="pause_follow=1.5", task_retry_base_s=0.5, worker_restart_delay_s=0.2)
-    proc = subprocess.Popen([sys.executable, "-m", "producer", "run", *JOB, "--gpus-per-worker", "2", "--output",
-                             str(tmp_path / "out"), "--json"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = python_popen(["-m", "producer", "run", *JOB, "--gpus-per-worker", "2", "--output", str(tmp_path / "out"), "--json"],
+                        env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline, killed = time.monotonic() + 300, None
         while killed is None and time.monotonic() < deadline and proc.poll() is None:

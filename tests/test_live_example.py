@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
-from jobfixtures import ROOT, clean_env, read_samples, wait_until
+from jobfixtures import ROOT, clean_env, python_popen, read_samples, run_python, wait_until
 from smallrun import copy_run
 
 from hsx.layout import marker_key
@@ -27,7 +26,7 @@ EXAMPLE = str(ROOT / "examples" / "train_while_extracting.py")
 
 
 def _example(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, EXAMPLE, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python([EXAMPLE, *args], env, timeout_s=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     return proc
 
@@ -47,11 +46,10 @@ def test_the_example_trains_a_head_from_a_run_still_being_extracted_and_resumes_
     example_env = clean_env(cache_dir=tiny_cache)
     # Started before the run, so that its own start (torch, the head) does not race the extraction
     # on a loaded machine: it waits for run.json, then trains while batches are certified.
-    trainer = subprocess.Popen([sys.executable, EXAMPLE, *common, "--max-steps", "2", "--wait-for-run-s", "120"],
-                               cwd=ROOT, env=example_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    producer = subprocess.Popen([sys.executable, "-m", "producer", "run", *LIVE_JOB, "--run-id", "live-example",
-                                 "--output", str(out), "--json"],
-                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trainer = python_popen([EXAMPLE, *common, "--max-steps", "2", "--wait-for-run-s", "120"], example_env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    producer = python_popen(["-m", "producer", "run", *LIVE_JOB, "--run-id", "live-example", "--output", str(out), "--json"],
+                            env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         t_out, t_err = trainer.communicate(timeout=300)
         assert trainer.returncode == 0, f"exit {trainer.returncode}\nstdout:\n{t_out[-3000:]}\nstderr:\n{t_err[-3000:]}"
@@ -83,8 +81,7 @@ def test_the_example_trains_a_head_from_a_run_still_being_extracted_and_resumes_
 
 def test_the_example_says_what_is_wrong_without_a_traceback(tmp_path):
     """No run at the address: one ``error:`` line naming the address and the fix, exit 2, no traceback."""
-    proc = subprocess.run([sys.executable, EXAMPLE, str(tmp_path), "--wait-for-run-s", "0"], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python([EXAMPLE, str(tmp_path), "--wait-for-run-s", "0"], clean_env(), timeout_s=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: no run.json in") and "Traceback" not in proc.stderr, proc.stderr
 
 
@@ -110,8 +107,7 @@ def test_ctrl_c_saves_the_last_step_says_so_and_the_resumed_example_counts_what_
     common = [str(run_dir), "--checkpoint", str(checkpoint), "--log-jsonl", str(log), "--samples-per-step", "1",
               "--save-every", "1000", "--poll-s", "0.2"]
     env = clean_env(cache_dir=small_run["cache"])
-    trainer = subprocess.Popen([sys.executable, EXAMPLE, *common, "--idle-timeout-s", "300"], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trainer = python_popen([EXAMPLE, *common, "--idle-timeout-s", "300"], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         steps = lambda: [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []  # noqa: E731
         wait_until(lambda: len(steps()) == samples_certified or trainer.poll() is not None, 240,

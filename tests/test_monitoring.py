@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from jobfixtures import ROOT, WorkerProcess, clean_env, cli_json, free_port, run_cli, wait_until
+from jobfixtures import WorkerProcess, clean_env, cli_json, free_port, python_popen, run_cli, wait_until
 
 from hsx.broker import EmbeddedBroker, running_embedded_broker
 from hsx.plan import read_batch_list
@@ -49,8 +48,8 @@ class FlowerProcess:
         self.port = free_port()
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "producer", "flower", "--port", str(self.port)], cwd=ROOT, env=env,
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = python_popen(["-m", "producer", "flower", "--port", str(self.port)], env, stdout=self._log,
+                                 stderr=subprocess.STDOUT)
 
         def healthy():
             assert self.proc.poll() is None, f"flower exited:\n{log_path.read_text()[-3000:]}"
@@ -87,9 +86,8 @@ def flower_job(tmp_path_factory, tiny_cache):
     try:
         # Each batch waits 1 s before its marker, so the job's worker lives long enough (a few seconds
         # at least) for Flower's inspect broadcast to reach it: the tiny job alone can finish first.
-        job = subprocess.Popen([sys.executable, "-m", "producer", "run", *JOB, "--output", str(tmp / "out"), "--json"],
-                               cwd=ROOT, env={**env, "HSX_FAULTS": "pause_marker=1"},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        job = python_popen(["-m", "producer", "run", *JOB, "--output", str(tmp / "out"), "--json"],
+                           {**env, "HSX_FAULTS": "pause_marker=1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         workers_seen: dict = {}
         while job.poll() is None and not workers_seen:
             workers_seen = flower_get(flower.port, "/api/workers?refresh=1")

@@ -7,12 +7,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 
-from jobfixtures import ROOT, clean_env
+from jobfixtures import clean_env, python_popen, run_python
 from hsx.broker import EmbeddedBroker, redis_client
 
 JOB = ["sharegpt", "--limit", "4", "--model", "tiny-qwen3.5", "--max-length", "128", "--batch-tokens", "128"]
@@ -21,8 +20,8 @@ JOB = ["sharegpt", "--limit", "4", "--model", "tiny-qwen3.5", "--max-length", "1
 def start_held_run(tmp_path, env) -> subprocess.Popen:
     """``producer run`` whose first batch is held in a fault-injection pause; returns once it is held."""
     err = open(tmp_path / "stderr", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "producer", "run", *JOB, "--output", str(tmp_path / "store")],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    proc = python_popen(["-m", "producer", "run", *JOB, "--output", str(tmp_path / "store")], env, stdout=subprocess.DEVNULL,
+                        stderr=err)
     deadline = time.monotonic() + 180
     while "fault injection: pausing" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*.log")):
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
@@ -98,8 +97,7 @@ def test_messages_left_by_an_interrupted_run_are_dropped_not_run(tmp_path, tiny_
     finally:
         broker.stop()
     env = clean_env(cache_dir=tiny_cache, state_dir=state, spool_dir=tmp_path / "spool")
-    proc = subprocess.run([sys.executable, "-m", "producer", "run", *JOB, "--output", str(tmp_path / "store")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(["-m", "producer", "run", *JOB, "--output", str(tmp_path / "store")], env, timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = " ".join((proc.stdout + proc.stderr).split())
     assert f"dropped 1 queued batch message(s) of {other}" in said and "run that job's `producer run` again" in said, said
