@@ -13,21 +13,19 @@
 from __future__ import annotations
 
 import io
-import os
 import shutil
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from jobfixtures import clean_env, run_python
 from hsx.models import resolve_model_path
 from workers import compile_cache
 from workers.compile_cache import around_warm_up, cache_key
 
-ROOT = Path(__file__).resolve().parents[1]
 
 WORKER_START = """
 import logging, sys
@@ -41,9 +39,8 @@ print(target.info.revision)
 
 
 def _start_worker(ckpt: Path, cache: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
-    proc = subprocess.run([sys.executable, "-c", WORKER_START, str(ckpt), str(cache)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    # a process of its own (forked from the tests' fork server: the project's modules imported afresh)
+    proc = run_python(["-c", WORKER_START, str(ckpt), str(cache)], clean_env(), timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

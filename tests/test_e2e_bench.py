@@ -6,11 +6,12 @@ are in BENCHMARKS.md."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from jobfixtures import clean_env, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("model", "gpu", "store", "path", "layers_run", "ceiling_same_layers_tok_s", "ceiling_all_layers_tok_s",
@@ -21,8 +22,8 @@ FIELDS = ("model", "gpu", "store", "path", "layers_run", "ceiling_same_layers_to
 @pytest.mark.timeout(300)
 def test_the_e2e_bench_runs_producer_run_and_reports_every_field(tmp_path):
     out = tmp_path / "e2e.json"
-    proc = subprocess.run([sys.executable, "bench/e2e_throughput.py", "--tiny", "--workdir", str(tmp_path / "w"),
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    proc = run_python(["bench/e2e_throughput.py", "--tiny", "--workdir", str(tmp_path / "w"), "--json", str(out)], clean_env(),
+                      timeout_s=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert not [f for f in FIELDS if f not in row]

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
+from jobfixtures import clean_env, run_python
 from hsx.plan import plan_complete, read_batch, read_windows
 from hsx.records import Planning, SampleRow
 from hsx.store import open_store
 from producer.planner import plan_run
 from plans import plan_files as _plan_files, plan_options as _opts, plan_settings as _settings
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 #: Windows of 128 samples, then 4,096 (the planner's are 1,024 then 32,768): two windows from 400
@@ -43,8 +39,7 @@ def test_a_plan_killed_between_windows_resumes_after_them_and_plans_every_sample
 
     monkeypatch.setattr(planner, "PLAN_WINDOWS", SMALL_WINDOWS)  # as the killed planner's
     out = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, "-c", _KILL_AFTER_WINDOWS, str(out), str(tiny_cache), "1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = run_python(["-c", _KILL_AFTER_WINDOWS, str(out), str(tiny_cache), "1"], clean_env(), timeout_s=300)
     assert proc.returncode == -9, proc.stderr
     (run_dir,) = [p.parent for p in out.glob("*/run.json")]
     store = open_store(str(run_dir))
