@@ -64,18 +64,21 @@ class ForkedProcess:
     ``send_signal``, ``terminate``, ``kill``). Its exit code is the one the server wrote when it
     reaped the process."""
 
-    def __init__(self, pid: int, args: list[str], exit_path: Path):
+    def __init__(self, pid: int, args: list[str], exit_path: Path, server: subprocess.Popen | None = None):
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
         self._exit_path = exit_path
+        self._server = server
 
     def poll(self) -> int | None:
         if self.returncode is None:
             try:
                 self.returncode = int(self._exit_path.read_text())
             except (OSError, ValueError):
-                return None
+                if self._server is not None and self._server.poll() is not None and not _exists(self.pid):
+                    self.returncode = -signal.SIGKILL  # the server is gone (it kills its children as it exits)
+                return self.returncode
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -105,12 +108,23 @@ def _read_text(path: Path) -> str:
     return data.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 class ForkedPopen(ForkedProcess):
     """:class:`ForkedProcess` for :func:`python_popen`: ``communicate`` returns what the process wrote to
     the streams given as ``subprocess.PIPE`` (captured in files: read once it has exited)."""
 
-    def __init__(self, pid: int, args: list[str], exit_path: Path, out: Path | None, err: Path | None):
-        super().__init__(pid, args, exit_path)
+    def __init__(self, pid: int, args: list[str], exit_path: Path, server: subprocess.Popen, out: Path | None,
+                 err: Path | None):
+        super().__init__(pid, args, exit_path, server)
         self.stdout = self.stderr = None  # no pipe to read from while it runs: communicate()
         self._out, self._err = out, err
 
@@ -158,7 +172,7 @@ class ForkServer:
             reply = self.proc.stdout.readline()
         assert reply, f"the fork server exited:\n{self.log()[-3000:]}"
         pid = json.loads(reply)["pid"]
-        return ForkedProcess(pid, cmd, self.dir / f"{pid}.exit")
+        return ForkedProcess(pid, cmd, self.dir / f"{pid}.exit", self.proc)
 
     def stop(self) -> None:
         import shutil
@@ -280,7 +294,7 @@ def python_popen(args: list[str], env: dict[str, str], *, stdout, stderr, cwd: P
     out = path(stdout, "stdout")
     err = out if stderr is subprocess.STDOUT else path(stderr, "stderr")
     proc = server.spawn(cmd, env, out, err, cwd=cwd)
-    return ForkedPopen(proc.pid, cmd, proc._exit_path, captured.get("stdout"), captured.get("stderr"))
+    return ForkedPopen(proc.pid, cmd, proc._exit_path, server.proc, captured.get("stdout"), captured.get("stderr"))
 
 
 class WorkerProcess:
