@@ -144,6 +144,38 @@ def store(request, tmp_path):
     return open_store(bucket.url, bucket.settings)
 
 
+#: Seconds the longest files took in the suite (4 pytest-xdist processes on the 2-core machine,
+#: 2026-12-04). ``--dist loadfile`` hands files out in collection order: these go first, longest
+#: first, and the rest after them by their number of tests (xdist's own order), so that short files
+#: fill the end of the run instead of a 40-second file started last running alone on two cores.
+#: xdist's own reorder (by number of tests only) put most of these last: 1 to 4 tests each.
+LONG_FILES = {
+    "test_recovery.py": 89, "test_leases.py": 74, "test_regenerate.py": 74, "test_group.py": 63, "test_store.py": 61,
+    "test_run_lifecycle.py": 55, "test_bench.py": 46, "test_fleet_status.py": 42, "test_cancel.py": 41,
+    "test_lease_clocks.py": 39, "test_sources.py": 38, "test_bench_task_overhead.py": 38, "test_e2e_bench.py": 36,
+    "test_streamed_plan_readers.py": 31, "test_cli_messages.py": 30, "test_model_identity.py": 26,
+    "test_monitoring.py": 26, "test_generate_bench.py": 25, "test_launcher.py": 24, "test_launcher_parent_death.py": 23,
+    "test_live_example.py": 23, "test_verify.py": 22, "test_load.py": 22, "test_parallel.py": 21, "test_healer.py": 19,
+    "test_fleet_worker.py": 17, "test_worker_deaths.py": 17, "test_content_is_text.py": 16, "test_upload.py": 14,
+    "test_fp8.py": 13,
+}
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order pytest_collection_modifyitems sets
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files in :data:`LONG_FILES` order first, then the others by their number of tests; each file's
+    tests in their own order."""
+    from collections import Counter
+
+    tests = Counter(item.path.name for item in items)
+    rank = {name: i for i, name in enumerate(sorted(tests, key=lambda n: (-LONG_FILES.get(n, 0), -tests[n])))}
+    items.sort(key=lambda item: rank[item.path.name])
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _worker_fork_server():
     """Stops this pytest process's worker fork server (tests/forkserver.py, started by the first worker
