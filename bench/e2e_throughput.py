@@ -198,6 +198,57 @@ def plain_forward_tok_s(model, device, *, stop_after: int | None, rows: int, row
 
 
 @torch.inference_mode()
+@torch.inference_mode()
+def plan_batches_forward_tok_s(model, device, plans, *, stop_after: int | None, pad_token_id: int) -> dict:
+    """The ceiling over the very batches a run's steady window certified: the plain base-model
+    forward (no capture, no copy, no I/O) over each batch laid out as the worker lays it out
+    (``workers.capture.right_padded_rows``: one sample per right-padded row, pinned, the same pad
+    id), through the same layers, launched back to back from one thread, with transformers'
+    packed-sequence check answered as the worker answers it (no host sync). Valid tokens per second
+    over two passes after one untimed pass (the kernels' first shapes); same tokens, same padding,
+    same layers as ours: the work ours does, without ours' capture, copies, store or task threads."""
+    from hsx.decoder import decoder_of
+    from workers import capture
+    from workers.capture import right_padded_rows
+
+    decoder = decoder_of(model)
+    pin = device.type == "cuda"
+    rows = [right_padded_rows(torch.from_numpy(p.input_ids_T), torch.from_numpy(p.cu_seqlens_N1),
+                              pad_token_id=pad_token_id, pin=pin) for p in plans]
+    handle = None
+    if stop_after is not None:
+        def hook(*_):
+            raise _Stop
+        handle = decoder.layers[stop_after].register_forward_hook(hook)
+
+    def once(r):
+        try:
+            decoder.module(input_ids=r.input_ids_BS.to(device, non_blocking=True), attention_mask=None, use_cache=False)
+        except _Stop:
+            pass
+
+    capture._skip_packed_sequence_check()
+    capture._rows_unpacked.active = True
+    try:
+        for r in rows:
+            once(r)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            for r in rows:
+                once(r)
+        sync(device)
+        seconds = time.perf_counter() - t0
+    finally:
+        capture._rows_unpacked.active = False
+        if handle is not None:
+            handle.remove()
+    valid = 2 * sum(p.num_tokens for p in plans)
+    padded = 2 * sum(r.shape[0] * r.shape[1] for r in rows)
+    return {"tok_s": round(valid / seconds), "batches": len(plans), "valid_tokens": valid // 2,
+            "padded_over_valid": round(padded / valid, 4), "seconds": round(seconds, 3)}
+
+
 def gdn_rows_as_sequences_error(model, device) -> float | None:
     """Relative Frobenius difference between one Gated DeltaNet layer run batched (fla's B rows) and
     through ``RowsAsSequences`` (one variable-length row), on 3 random rows of 1000 tokens; None for a
@@ -686,6 +737,12 @@ def main() -> None:
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
                     help="the target's checkpoint: bf16, or fine-grained FP8 as the Qwen -FP8 releases (written one "
                          "tensor at a time: bench/fp8_checkpoint.py; the ceilings run the FP8 model as loaded)")
+    ap.add_argument("--plan-ceiling", action="store_true",
+                    help="keep the bench's model on the GPU during the run (it must fit twice) and, after it, measure "
+                         "the plain forward over the steady window's own batches (ceiling_plan_batches_*)")
+    ap.add_argument("--trace-worker", action="store_true",
+                    help="load bench/worker_trace.py into the run's worker: a CUDA trace and Python stacks of a few "
+                         "steady batches (a diagnostic: the traced batches run slower), written beside --json")
     ap.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "fp8"],
                     help="producer run --store-dtype (fp8: half the store bytes, for shapes a disk cannot keep up with)")
     add_dataset_options(ap)
@@ -727,6 +784,7 @@ def main() -> None:
     if args.weights != "fp8":
         save_s = save_checkpoint(model, ckpt)
     hidden = config.hidden_size
+    kept_model = model if args.plan_ceiling else None
     del model
     gc.collect()
     if device.type == "cuda":
@@ -749,6 +807,13 @@ def main() -> None:
         # The workers' own Triton cache, apart from this process's (whose ceiling forwards compiled the
         # same kernels): the first store's run starts cold, later ones warm, as on a user's machine.
         env["TRITON_CACHE_DIR"] = str(workdir / "triton-workers")
+        trace_dir = None
+        if args.trace_worker:
+            trace_dir = workdir / f"trace-{kind}"
+            shutil.rmtree(trace_dir, ignore_errors=True)
+            env["HSXBENCH_TRACE_DIR"] = str(trace_dir)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "bench" / "worker_trace_site"),
+                                                            env.get("PYTHONPATH")) if p)
         cold = not Path(env["TRITON_CACHE_DIR"]).exists() or not any(Path(env["TRITON_CACHE_DIR"]).iterdir())
         server = None
         if kind == "disk":
@@ -790,6 +855,27 @@ def main() -> None:
         # Summed GPU-lock and write time over the window's wall: forward near 1 means the GPU never waited.
         phases["forward_over_wall"] = round(sum(m.forward_s or 0.0 for m in in_window) / window, 3) if in_window else None
         phases["write_over_wall"] = round(sum(m.write_s or 0.0 for m in in_window) / window, 3) if in_window else None
+        plan_ceiling = None
+        if kept_model is not None and in_window and kind == "disk":  # (an S3 server is stopped by now)
+            from hsx.plan import read_batch
+            from hsx.store import open_store
+            from workers.target import _pad_id
+
+            run_store = open_store(str(view.run_dir()), create=False)
+            plans = [read_batch(run_store, m.batch) for m in sorted(in_window, key=lambda m: m.batch)]
+            plan_ceiling = plan_batches_forward_tok_s(kept_model, device, plans, stop_after=deepest,
+                                                      pad_token_id=_pad_id(kept_model))
+            print(f"ceiling over the window's {len(plans)} batches: {plan_ceiling}", flush=True)
+        trace = None
+        if trace_dir is not None:
+            summaries = sorted(trace_dir.glob("worker-trace-*[0-9].json"))
+            if summaries:
+                trace = json.loads(summaries[0].read_text())
+                if args.json:  # beside the row: the summary, and the chrome trace if it is small enough to keep
+                    shutil.copy(summaries[0], args.json.parent / f"{args.json.stem}-{kind}-trace-summary.json")
+                    for gz in trace_dir.glob("worker-trace-*.json.gz"):
+                        if gz.stat().st_size < 15 << 20:
+                            shutil.copy(gz, args.json.parent / f"{args.json.stem}-{kind}-trace.json.gz")
         starts = worker_start_seconds(cache / "logs")
         start_s = round(sum(starts[0]), 1) if starts else None
         paths = [m.write_path or "?" for m in run["markers"].values()]
@@ -812,6 +898,10 @@ def main() -> None:
             "ceiling_same_layers_tok_s": round(ceiling_same),
             "ceiling_all_layers_tok_s": round(ceiling_all),
             "ceiling_rows": f"{rows} x {row_len}",
+            "ceiling_plan_batches": plan_ceiling,
+            "steady_over_plan_batches_forward": round(steady / plan_ceiling["tok_s"], 3) if steady and plan_ceiling else None,
+            "worker_trace": {k: trace.get(k) for k in ("gpu_busy", "gpu_span_s", "gpu_idle_s", "gaps_over_count",
+                                                       "gaps_over_total_s", "gaps_under_total_s")} if trace else None,
             "store_write_gb_s": round(bandwidth, 3),
             "store_dtype": args.store_dtype,
             "store_limit_tok_s": round(store_tok_s),
