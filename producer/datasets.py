@@ -127,11 +127,19 @@ class Conversation:
     """Indices into ``messages`` of the assistant turns the loss mask covers; None: every assistant
     turn. From the record's :data:`SUPERVISED_TURNS_KEY` (a regenerate run's extraction: only the
     target's answers, ``producer/regenerate.py``)."""
+    unfinished_turns: frozenset[int] = frozenset()
+    """Indices into ``messages`` of the assistant turns whose reply was cut before its end (an answer
+    cut at ``--max-new-tokens``): their supervision ends at the reply's last token, before the
+    end-of-turn token the template adds. From the record's :data:`UNFINISHED_TURNS_KEY`."""
 
 
 #: A record's optional list of the indices (into its turn list, 0-based) of the assistant turns to
 #: supervise; the other assistant turns are context only (loss mask 0).
 SUPERVISED_TURNS_KEY = "hsx_supervised_turns"
+#: A record's optional list of the indices of the assistant turns whose reply is unfinished (cut at a
+#: length limit: the model never ended the turn). Their end-of-turn token, which the chat template
+#: adds, is not supervised (loss mask 0), nor anything the template renders between the reply and it.
+UNFINISHED_TURNS_KEY = "hsx_unfinished_turns"
 
 
 @dataclass(frozen=True, eq=False)
@@ -527,13 +535,20 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *
         raise BadRecord(rid, "no_assistant_turn",
                         f"{len(messages)} turns, roles {_role_summary(messages)}")
     supervised = _supervised_turns(rid, raw.get(SUPERVISED_TURNS_KEY), messages)
+    unfinished = _unfinished_turns(rid, raw.get(UNFINISHED_TURNS_KEY), messages, supervised)
     _claim_id(rid, seen)
     if drop > first:
         del messages[first:drop]
         skips.fix("leading_assistant_dropped")
-        if supervised is not None:  # indices after the dropped turns move down
-            supervised = frozenset(i - (drop - first) if i >= drop else i for i in supervised if not first <= i < drop)
-    return Conversation(record_id=rid, messages=tuple(messages), tools=tools, supervised_turns=supervised)
+
+        def moved(turns: frozenset[int]) -> frozenset[int]:  # indices after the dropped turns move down
+            return frozenset(i - (drop - first) if i >= drop else i for i in turns if not first <= i < drop)
+
+        if supervised is not None:
+            supervised = moved(supervised)
+        unfinished = moved(unfinished)
+    return Conversation(record_id=rid, messages=tuple(messages), tools=tools, supervised_turns=supervised,
+                        unfinished_turns=unfinished)
 
 
 def _supervised_turns(rid: str, value: Any, messages: list[dict]) -> frozenset[int] | None:
@@ -546,6 +561,22 @@ def _supervised_turns(rid: str, value: Any, messages: list[dict]) -> frozenset[i
     if wrong or not value:
         raise BadRecord(rid, "bad_turn", f"{SUPERVISED_TURNS_KEY} {value} names no assistant turn" if not value else
                         f"{SUPERVISED_TURNS_KEY}: turn {wrong[0]} is not an assistant turn of the {len(messages)}")
+    return frozenset(value)
+
+
+def _unfinished_turns(rid: str, value: Any, messages: list[dict], supervised: frozenset[int] | None) -> frozenset[int]:
+    """The record's :data:`UNFINISHED_TURNS_KEY`, checked: indices of assistant turns (supervised
+    ones, when the record names its supervised turns); may be empty."""
+    if value is None:
+        return frozenset()
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise BadRecord(rid, "bad_turn", f"{UNFINISHED_TURNS_KEY} is not a list of turn indices")
+    wrong = [i for i in value if not 0 <= i < len(messages) or messages[i]["role"] != "assistant"]
+    if wrong:
+        raise BadRecord(rid, "bad_turn", f"{UNFINISHED_TURNS_KEY}: turn {wrong[0]} is not an assistant turn of the {len(messages)}")
+    if supervised is not None and not supervised.issuperset(value):
+        raise BadRecord(rid, "bad_turn", f"{UNFINISHED_TURNS_KEY}: turn {min(set(value) - supervised)} is not one of "
+                        f"the {SUPERVISED_TURNS_KEY} {sorted(supervised)}")
     return frozenset(value)
 
 

@@ -2,7 +2,7 @@
 
 One conversation becomes one row of token ids and a mask that is 1 on the tokens the draft model is
 trained to predict: every assistant reply, from its first token to its end-of-turn token
-(inclusive); nothing of system, user or tool turns, nor of the role headers.
+(inclusive; an unfinished reply, cut at a length limit, to its last token); nothing of system, user or tool turns, nor of the role headers.
 
 Why not ``return_assistant_tokens_mask``: the Qwen3 template has no ``{% generation %}`` markers,
 and then transformers silently returns an all-zero mask (docs/FACTS.md §3). The method here works
@@ -19,7 +19,15 @@ with any template ("render boundary", as in speculators and NeMo Automodel):
    a row, where Qwen3 renders the first one as "last") P_i is tokenised and compared on token ids:
    longest common prefix, or, when P_i already differs before its last end-of-turn token, aligned
    on the full row by its count of end-of-turn tokens;
-3. supervision runs from that token through the first end-of-turn token at or after it.
+3. supervision runs from that token through the first end-of-turn token at or after it. A turn the
+   record names unfinished (``hsx_unfinished_turns``: a reply cut at a length limit, so the model
+   never generated the end-of-turn token the template adds) is supervised through the token that
+   holds the last character of its content only (found in the render between the reply's start and
+   that end-of-turn token; a template that strips the content is allowed for): the end-of-turn
+   token, and whatever the template renders between the content and it, are mask 0. When the
+   content is not found there (a template that rewrote it), the turn carries ``tool_calls``
+   (rendered after the content) or a slow tokenizer gives no offsets, everything but the
+   end-of-turn token is supervised.
 
 Conventions: ``loss_mask[t] = 1`` means token t is a target (not shifted; a trainer that predicts
 t+1 from t shifts it). A token that straddles the boundary (the ``"\\n\\n"`` above: header newline
@@ -358,11 +366,33 @@ class ChatTokeniser:
                                 f"assistant turn {i}: no end-of-turn token {sorted(self.end_of_turn_ids)} "
                                 f"after token {start} of {ids_S.shape[0]}")
             end = int(eot_pos[k])
-            loss_mask_S[start:end + 1] = 1
+            last = end if i not in conv.unfinished else self._unfinished_reply_end(conv, i, start, end, ends)
+            loss_mask_S[start:last + 1] = 1
             prev_end = end
             if end >= self.max_length:
                 break  # later replies are cut off by truncation: spare their prompt renders
         return self._sample(rid, ids_S, loss_mask_S)
+
+    @staticmethod
+    def _unfinished_reply_end(conv: "_Prepared", i: int, start: int, end: int, ends: np.ndarray | None) -> int:
+        """Last supervised token of unfinished assistant turn i, whose reply starts at token ``start``
+        and whose end-of-turn token is at ``end``: the token holding the last character of the turn's
+        content (module docstring, step 3); ``end - 1`` when that cannot be told."""
+        msg = conv.messages[i]
+        content = msg.get("content")
+        if ends is None or end <= start or msg.get("tool_calls") or not isinstance(content, str) or not content.strip():
+            return end - 1
+        full = conv.full
+        if conv.esc is not None:  # offsets count characters of the real render
+            content, full = conv.esc.unescape(content), conv.esc.unescape(full)
+        lo, hi = (int(ends[start - 1]) if start > 0 else 0), int(ends[end - 1])
+        for text in (content, content.lstrip(), content.rstrip(), content.strip()):  # as the template may strip it
+            at = full.rfind(text, lo, hi)
+            if at >= 0:
+                # the token holding the content's last character: the first one ending after it
+                last = int(np.searchsorted(ends, at + len(text) - 1, side="right"))
+                return min(max(last, start), end - 1)
+        return end - 1
 
     def _encode_pretokenised(self, rec: PretokenisedRecord) -> TokenisedSample:
         """A pre-tokenised record as given, after the vocabulary check; same length rules."""
@@ -435,7 +465,7 @@ class ChatTokeniser:
                 messages = [{k: (v if k == "role" else self._escape(v, esc)) for k, v in m.items()} for m in messages]
                 tools = self._escape(tools, esc)
         full = self._render(conv.record_id, messages, tools, add_generation_prompt=False)
-        return _Prepared(conv.record_id, messages, tools, esc, full, conv.supervised_turns)
+        return _Prepared(conv.record_id, messages, tools, esc, full, conv.supervised_turns, conv.unfinished_turns)
 
     def _escape(self, value: Any, esc: "_ContentEscape") -> Any:
         """``value`` with each special-token string in its strings (dict keys too) replaced by its placeholder."""
@@ -605,6 +635,7 @@ class _Prepared:
     esc: "_ContentEscape | None"
     full: str
     supervised: frozenset[int] | None = None  # Conversation.supervised_turns
+    unfinished: frozenset[int] = frozenset()  # Conversation.unfinished_turns
 
 
 @dataclass(frozen=True)

@@ -599,3 +599,74 @@ def test_a_record_naming_its_supervised_turns_has_only_those_masked_and_the_same
     assert len(texts) == 3
     assert _span_texts(qwen3_tokenizer, last) == texts[2:]
     assert _span_texts(qwen3_tokenizer, two) == [texts[0], texts[2]]
+
+
+def test_an_unfinished_reply_is_supervised_through_its_last_token_not_the_end_of_turn_the_template_adds(
+        tmp_path, chat, qwen3_tokenizer):
+    """``hsx_unfinished_turns`` (a regenerate run's answers cut at --max-new-tokens): the target never
+    generated the <|im_end|> after such a reply, so it is mask 0 while the reply's tokens stay 1; the
+    same conversation without the key supervises it. Same ids either way; the other turns keep
+    theirs. A reply ending in the text ``<|im_end|>`` (content is text) keeps those text tokens."""
+    cut = [*SYSTEM_3_TURNS[:-1], ("assistant", "You're welcome — anything")]
+    turns = [{"role": r, "content": c} for r, c in cut]
+    literal = [*turns[:-1], {"role": "assistant", "content": "It ends with <|im_end|>"}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "finished", "messages": turns, "hsx_supervised_turns": [6]},
+        {"id": "cut", "messages": turns, "hsx_supervised_turns": [6], "hsx_unfinished_turns": [6]},
+        {"id": "cut-middle", "messages": turns, "hsx_unfinished_turns": [4]},
+        {"id": "literal", "messages": literal, "hsx_unfinished_turns": [6]},
+    ]) + "\n")
+    skips = SkipCounter()
+    convs = {c.record_id: c for c in iter_conversations(path, skips)}
+    assert skips.total == 0
+    finished, unfinished, middle, every = (chat.encode(convs[k]) for k in ("finished", "cut", "cut-middle", "literal"))
+    reply = EMPTY_THINK + cut[-1][1]
+    assert np.array_equal(finished.input_ids, unfinished.input_ids) and finished.input_ids[-2] == IM_END
+    assert _span_texts(qwen3_tokenizer, finished) == [reply + "<|im_end|>"]
+    assert _span_texts(qwen3_tokenizer, unfinished) == [reply]
+    eot = finished.num_tokens - 2  # <|im_end|>\n closes the render
+    assert finished.loss_mask[eot] == 1 and unfinished.loss_mask[eot] == 0
+    assert np.array_equal(np.flatnonzero(finished.loss_mask != unfinished.loss_mask), [eot])
+    # an unfinished turn in the middle: only its own <|im_end|> is left out
+    assert _span_texts(qwen3_tokenizer, middle) == ["4.<|im_end|>", cut[4][1], reply + "<|im_end|>"]
+    # the reply's own text "<|im_end|>" is content (supervised); the template's <|im_end|> after it is not
+    assert every.input_ids[-2] == IM_END and every.loss_mask[-2] == 0
+    assert _span_texts(qwen3_tokenizer, every)[-1] == EMPTY_THINK + "It ends with <|im_end|>"
+    assert every.loss_mask[-3] == 1 and every.input_ids[-3] != IM_END
+
+
+def test_an_unfinished_reply_leaves_out_what_the_template_adds_after_its_content():
+    """A template that trims a reply and signs it before the end-of-turn token: an unfinished reply
+    is supervised through its own last token, neither the signature nor the end-of-turn token."""
+    tok = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER_DIR)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
+                         "{{ m.content | trim }} (signed){% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chat = ChatTokeniser(tok, max_length=1 << 20)
+    turns = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there \n"})
+    assert _span_texts(tok, chat.encode(Conversation("c", turns))) == ["Hello there (signed)<|im_end|>"]
+    assert _span_texts(tok, chat.encode(Conversation("c", turns, unfinished_turns=frozenset({1})))) == ["Hello there"]
+
+
+def test_a_bad_unfinished_turns_list_is_a_skipped_record_naming_it(tmp_path):
+    """``hsx_unfinished_turns`` is checked as ``hsx_supervised_turns`` is: a list of indices of
+    assistant turns (supervised ones, when the record names them), else the record is ``bad_turn``."""
+    turns = [{"role": r, "content": c} for r, c in SYSTEM_3_TURNS]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "good", "messages": turns, "hsx_unfinished_turns": []},
+        {"id": "not-a-list", "messages": turns, "hsx_unfinished_turns": 6},
+        {"id": "a-user-turn", "messages": turns, "hsx_unfinished_turns": [5]},
+        {"id": "past-the-end", "messages": turns, "hsx_unfinished_turns": [7]},
+        {"id": "not-supervised", "messages": turns, "hsx_supervised_turns": [6], "hsx_unfinished_turns": [4]},
+    ]) + "\n")
+    skips = SkipCounter()
+    assert [c.record_id for c in iter_conversations(path, skips)] == ["good"]
+    assert skips.counts == {"bad_turn": 4}
+    assert skips.examples["bad_turn"] == [
+        "not-a-list: hsx_unfinished_turns is not a list of turn indices",
+        "a-user-turn: hsx_unfinished_turns: turn 5 is not an assistant turn of the 7",
+        "past-the-end: hsx_unfinished_turns: turn 7 is not an assistant turn of the 7",
+        "not-supervised: hsx_unfinished_turns: turn 4 is not one of the hsx_supervised_turns [6]",
+    ]
