@@ -37,7 +37,7 @@ from hsx.records import read_markers
 from hsx.regen import TURNS, RegenConfig, RegeneratedConversation, is_regenerate, parse_lines
 from hsx.runconfig import RunConfig
 from hsx.store import MissingKey, open_store
-from producer.datasets import SUPERVISED_TURNS_KEY, SkipCounter
+from producer.datasets import SUPERVISED_TURNS_KEY, UNFINISHED_TURNS_KEY, SkipCounter
 from producer.sourcebase import DatasetChanged, RawItem, Source, SourceOptions
 
 
@@ -128,9 +128,12 @@ def regenerated_source(source: str, options: SourceOptions) -> "RegeneratedSourc
 
 class RegeneratedSource(Source):
     """The conversations of a finished regenerate run, as a dataset: one record per answered
-    conversation (``{"id", "messages", "tools"}``), batch by batch in plan order, each batch's in
-    its sample order. Its fingerprint is the sha256 over the run's identity, every marker's shard
-    sha256 and ``drop_unfinished``: the bytes that are read, checked against it as they are read.
+    conversation (``{"id", "messages", "tools"}``, with its answered turns as ``hsx_supervised_turns``
+    and those cut at ``max_new_tokens`` as ``hsx_unfinished_turns``), batch by batch in plan order,
+    each batch's in its sample order. Its fingerprint is the sha256 over the run's identity, every
+    marker's shard sha256 and ``drop_unfinished`` (the bytes that are read, checked against it as they
+    are read), and says how the records are supervised (only the answers; a cut answer without its
+    end-of-turn token), so that extractions made before either rule get other run ids.
 
     Raises BadDataset when the run is not finished (a batch without its marker)."""
 
@@ -158,7 +161,8 @@ class RegeneratedSource(Source):
     def fingerprint(self) -> str:
         h = hashlib.sha256(json.dumps({"run": self.config.identity_sha256(), "drop_unfinished": self.options.drop_unfinished,
                                        "shards": [[b, s.sha256] for b, s in self._shards],
-                                       "supervised": "regenerated_turns"}, sort_keys=True).encode())
+                                       "supervised": "regenerated_turns", "unfinished": "through_last_token"},
+                                      sort_keys=True).encode())
         return h.hexdigest()
 
     def describe(self) -> dict:
@@ -188,9 +192,13 @@ class RegeneratedSource(Source):
                                                          f"an answer was cut ({reasons}): --drop-unfinished"))
                 else:
                     # only the target's answers are supervised: the earlier turns of --turns last are the
-                    # dataset's own answers, context for the draft model, not what it learns to predict
+                    # dataset's own answers, context for the draft model, not what it learns to predict; an
+                    # answer cut at --max-new-tokens is unfinished: the target never generated the end-of-turn
+                    # token the template adds after it, so it is supervised through its last token only
                     answered = sorted(a.turn for a in conv.regenerated if a.finish_reason != "prompt_too_long")
+                    cut = sorted(a.turn for a in conv.regenerated if a.finish_reason == "length")
                     yield RawItem(fallback_id, {"id": conv.id, "messages": conv.messages, SUPERVISED_TURNS_KEY: answered,
+                                                **({UNFINISHED_TURNS_KEY: cut} if cut else {}),
                                                 **({"tools": conv.tools} if conv.tools else {})})
             done += shard.bytes
             self.bytes_read = done

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jobfixtures import ROOT, clean_env, cli_json, python_popen
@@ -116,7 +117,9 @@ def test_the_run_records_its_generation_options_and_engine(both_stages):
 def test_the_extraction_reads_the_regenerated_conversations(both_stages):
     """The second stage's dataset is the regenerate run: its samples are the answered conversations
     (those whose regenerated answer is empty or blank are skipped as such, as any dataset's), and
-    the tokens it supervises are the regenerated answers, not the original ones."""
+    the tokens it supervises are the regenerated answers, not the original ones; an answer cut at
+    --max-new-tokens (all of them here) is supervised through its last token, not the <|im_end|>
+    the template closes it with (the target never generated it), a finished one through it."""
     report, extract = both_stages["report"]["extract"], both_stages["extract"]
     config = load_run(extract)
     assert config.dataset["kind"] == "regenerate_run" and config.dataset["run_id"] == both_stages["report"]["regenerate"]["run_id"]
@@ -131,7 +134,8 @@ def test_the_extraction_reads_the_regenerated_conversations(both_stages):
 
     by_id = {c.id: c for c in answered}
     rows = {row.sample_index: row for w in read_windows(extract) for row in SampleRow.read_window(extract, w.name)}
-    checked = earlier = 0
+    checked = earlier = cut = 0
+    im_end = both_stages["tokenizer"].convert_tokens_to_ids("<|im_end|>")
     for batch in {row.batch for row in rows.values()}:
         plan = read_batch(extract, batch)
         for j, sample in enumerate(plan.sample_index_N.tolist()):
@@ -149,8 +153,12 @@ def test_the_extraction_reads_the_regenerated_conversations(both_stages):
                 if m["role"] == "assistant" and len(m["content"].strip()) > 20:
                     assert m["content"].strip() not in supervised, (conv.id, k)
                     earlier += 1
+            eot = int(np.flatnonzero(ids == im_end)[-1])  # --turns last: the answer is the render's last turn
+            assert mask[eot - 1] == 1, conv.id
+            assert mask[eot] == (conv.regenerated[-1].finish_reason != "length"), conv.id
+            cut += conv.regenerated[-1].finish_reason == "length"
             checked += 1
-    assert checked >= 10 and earlier >= 3, (checked, earlier)
+    assert checked >= 10 and earlier >= 3 and cut >= 10, (checked, earlier, cut)
 
 
 def test_drop_unfinished_skips_the_answers_cut_at_max_new_tokens(both_stages, tiny_cache):
@@ -522,6 +530,7 @@ def test_the_readme_says_which_turns_are_the_targets_and_that_max_length_may_cut
     section = " ".join(text[text.index("## Regenerating the responses"):].split("\n## ", 1)[0].split())
     assert "the earlier assistant turns keep the dataset's original answers. The extraction supervises only the target's answers" in section
     assert "the earlier turns are context, with loss mask 0" in section
+    assert "An answer cut at `--max-new-tokens` (given as `hsx_unfinished_turns`) is supervised through its last generated token only" in section
     assert "`--turns all` answers every assistant turn in order" in section
     assert "the chained extraction applies its own `--max-length`" in section and "truncated" in section
     assert "are not part of a regenerate run's identity" in section
@@ -605,8 +614,6 @@ def test_run_regenerate_checks_the_extraction_layers_before_the_regenerate_stage
 def _regen_plan(tiny_cache, output, dataset="sharegpt", *, max_new_tokens=512, **options):
     """A regenerate run planned (no worker) into ``output``: ``(config, [(rows' costs, rows' prompts)])`` per
     batch in plan order, each row's cost as the plan counts it and its prompt's length as the worker renders it."""
-    import numpy as np
-
     from hsx.plan import read_batch
     from hsx.regen import PlannedConversation, regen_plan_key
     from producer.planner import PlanOptions, prepare_plan, prompt_tokens
