@@ -31,6 +31,12 @@ import pytest
 # (tests/test_capture.py, four copies at once on 2 cores: 169 CPU s with 2 threads, 50 with 1).
 for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_threads, "1")
+# Bytecode caches written, for the pytest-xdist processes and every process a test starts: with
+# PYTHONDONTWRITEBYTECODE=1 (set on the CI machine) each of the ~250 Python processes of a run compiled
+# the project's modules from source again (~0.15 CPU s per worker process: hsx, producer, workers) and
+# each pytest process rewrote the asserts of every test module at collection with no cache. The
+# ``__pycache__`` folders are git-ignored; the machine's own setting is left alone outside the tests.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # tests import the project's top-level packages (hsx, settings...)
