@@ -740,6 +740,9 @@ def main() -> None:
     ap.add_argument("--plan-ceiling", action="store_true",
                     help="keep the bench's model on the GPU during the run (it must fit twice) and, after it, measure "
                          "the plain forward over the steady window's own batches (ceiling_plan_batches_*)")
+    ap.add_argument("--shared-triton-cache", action="store_true",
+                    help="the workers use this process's TRITON_CACHE_DIR (warm: its ceilings compiled the kernels), "
+                         "not a cold one of their own; the row's start is then warm_start_s")
     ap.add_argument("--trace-worker", action="store_true",
                     help="load bench/worker_trace.py into the run's worker: a CUDA trace and Python stacks of a few "
                          "steady batches (a diagnostic: the traced batches run slower), written beside --json")
@@ -807,6 +810,8 @@ def main() -> None:
         # The workers' own Triton cache, apart from this process's (whose ceiling forwards compiled the
         # same kernels): the first store's run starts cold, later ones warm, as on a user's machine.
         env["TRITON_CACHE_DIR"] = str(workdir / "triton-workers")
+        if args.shared_triton_cache and os.environ.get("TRITON_CACHE_DIR"):  # a warm start: saves a call's minutes
+            env["TRITON_CACHE_DIR"] = os.environ["TRITON_CACHE_DIR"]
         trace_dir = None
         if args.trace_worker:
             trace_dir = workdir / f"trace-{kind}"
