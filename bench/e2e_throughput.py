@@ -318,6 +318,9 @@ def save_checkpoint(model, dest: Path) -> float:
     t0 = time.perf_counter()
     if dest.exists():
         shutil.rmtree(dest)
+    gc.collect()
+    if torch.cuda.is_available():  # save_pretrained unfuses MoE experts with copies: free the ceilings' cache first
+        torch.cuda.empty_cache()
     model.save_pretrained(dest, safe_serialization=True)
     for f in TOKENIZER_DIR.iterdir():
         if f.is_file() and f.suffix in (".json", ".txt", ".model") and f.name != "config.json":
