@@ -321,7 +321,15 @@ def save_checkpoint(model, dest: Path) -> float:
     gc.collect()
     if torch.cuda.is_available():  # save_pretrained unfuses MoE experts with copies: free the ceilings' cache first
         torch.cuda.empty_cache()
-    model.save_pretrained(dest, safe_serialization=True)
+    try:
+        model.save_pretrained(dest, safe_serialization=True)
+    except torch.OutOfMemoryError:  # an 80 GB GPU: unfuse and save from host memory, then back
+        device = next(model.parameters()).device
+        shutil.rmtree(dest, ignore_errors=True)
+        model.to("cpu")
+        torch.cuda.empty_cache()
+        model.save_pretrained(dest, safe_serialization=True)
+        model.to(device)
     for f in TOKENIZER_DIR.iterdir():
         if f.is_file() and f.suffix in (".json", ".txt", ".model") and f.name != "config.json":
             shutil.copy(f, dest / f.name)
