@@ -884,6 +884,9 @@ def main() -> None:
             print(f"ceiling over the window's {len(plans)} batches: {plan_ceiling}", flush=True)
         trace = None
         if trace_dir is not None:
+            import worker_trace
+
+            worker_trace.finish(trace_dir)
             summaries = sorted(trace_dir.glob("worker-trace-*[0-9].json"))
             if summaries:
                 trace = json.loads(summaries[0].read_text())
