@@ -145,11 +145,14 @@ class Settings(BaseSettings):
     and refuses the others without loading anything. Unset: the worker loads the model named by
     the run it serves."""
     # who needs it: batches in flight per GPU: sized against the store's bandwidth
-    worker_concurrency: int = Field(default=3, ge=1)
+    worker_concurrency: int = Field(default=4, ge=1)
     """Batches in flight per worker process (one GPU each): its pinned host buffers, each holding one
     batch's states from the device-to-host copy until its shard is in the store. They share one GPU
     lock: one batch runs its forward while the others write their shards straight into the store,
-    so the GPU does not wait on I/O. The process runs ``worker_concurrency + max_pending_uploads``
+    so the GPU does not wait on I/O. A buffer is taken before the GPU lock and held through the
+    copy and the write (hashed beside it), so a fast target needs about 2 + (copy + write) / forward
+    of them; with 3, an MoE target's forward steps waited for a buffer half their time and its GPU
+    idled between batches (BENCHMARKS.md, "Where an MoE worker's GPU waits", 2026-12-06): 4. The process runs ``worker_concurrency + max_pending_uploads``
     task threads (:attr:`task_threads`): the extra ones wait for a slow store with their shard in
     the spool, not in a host buffer."""
     # who needs it: load speed against the host's CPUs

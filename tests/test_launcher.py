@@ -207,7 +207,7 @@ def run_launcher(env: dict[str, str], timeout_s: float = 60) -> subprocess.Compl
 def test_a_bad_setting_is_refused_with_variable_value_and_rule_before_any_worker(launcher_env):
     line = _refused_before_start(run_launcher(launcher_env(worker_concurrency=0)))
     assert "HSX_WORKER_CONCURRENCY='0'" in line and "should be greater than or equal to 1" in line, line
-    assert "unset HSX_WORKER_CONCURRENCY for the default 3" in line, line
+    assert "unset HSX_WORKER_CONCURRENCY for the default 4" in line, line
 
 
 def test_no_broker_url_is_refused_naming_the_variable_and_the_fix(tmp_path):
