@@ -14,9 +14,12 @@ passed explicitly.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,15 @@ for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 # each pytest process rewrote the asserts of every test module at collection with no cache. The
 # ``__pycache__`` folders are git-ignored; the machine's own setting is left alone outside the tests.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# Never the user's own ~/.cache/hsx: a command a test runs in this process with the default settings
+# (``producer.cli.main``) would take the embedded broker's lock there, or find a user's ``producer run``
+# holding it (seen 2026-12-06: a test failed with "another 'producer run' ... is using the embedded
+# broker in /root/.cache/hsx/broker" while the user ran one). Each pytest process gets its own cache;
+# the processes tests start get theirs from ``clean_env`` as before.
+_TEST_CACHE = tempfile.mkdtemp(prefix="hsx-test-cache-")
+os.environ["HSX_CACHE_DIR"] = _TEST_CACHE
+os.environ.pop("HSX_STATE_DIR", None)
+atexit.register(shutil.rmtree, _TEST_CACHE, ignore_errors=True)
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # tests import the project's top-level packages (hsx, settings...)

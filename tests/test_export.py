@@ -336,6 +336,8 @@ def test_ctrl_c_during_export_says_that_nothing_of_it_is_left(small_run, tmp_pat
     import os
     import signal
 
+    from producer import interrupts
+
     target = tmp_path / "eagle3-data"
     if existing:
         target.mkdir()
@@ -349,7 +351,11 @@ def test_ctrl_c_during_export_says_that_nothing_of_it_is_left(small_run, tmp_pat
         interrupted.set()
         os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C in the middle of the export
         if threading.current_thread() is not threading.main_thread():
-            time.sleep(1.0)  # a writer thread: the export stays unfinished until the main thread has taken the signal
+            # a writer thread: the export stays unfinished until the main thread has taken the signal (a
+            # fixed 1 s sleep was not enough on a loaded machine: the export finished first and exited 0)
+            deadline = time.monotonic() + 60
+            while interrupts.received() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
 
     monkeypatch.setattr(torch, "save", save_then_interrupt)
     before = sorted(p.relative_to(small_run["dir"]) for p in small_run["dir"].rglob("*"))
