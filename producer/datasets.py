@@ -353,7 +353,9 @@ def parse_raw(raw: Any) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
-        return BadRecord(raw.record_id, "malformed_json", f"line {raw.lineno}: {err.msg} at character {err.pos}")
+        # json's own messages may end in " at" ("Invalid control character at"): the place follows it once
+        return BadRecord(raw.record_id, "malformed_json",
+                         f"line {raw.lineno}, column {err.colno}: {err.msg.removesuffix(' at')}")
 
 
 def _iter_json_lines(path: Path, opener=_open_binary, lazy: bool = False) -> Iterator[Any]:

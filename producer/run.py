@@ -301,7 +301,8 @@ def stopping_line(workers: bool, embedded_broker: bool) -> str:
     """What ``run`` prints at once on Ctrl-C / SIGTERM, before it stops what it started."""
     steps = []
     if workers:
-        steps.append("the workers finish the batches they are running (Ctrl-C again to kill them now)")
+        steps.append("the workers finish the batches they have taken, up to one per task thread (Ctrl-C again to kill "
+                     "them now)")
     if embedded_broker:
         steps.append("the embedded broker stops (the same command again enqueues every batch without a marker)")
     return "stopping: " + ("; then ".join(steps) if steps else "nothing was started yet")

@@ -77,7 +77,7 @@ def test_hub_ids_and_builtin_names_are_not_taken_for_paths(tiny_cache):
 
 
 def test_stopping_line_names_what_is_stopped():
-    assert stopping_line(True, True).startswith("stopping: the workers finish the batches they are running")
+    assert stopping_line(True, True).startswith("stopping: the workers finish the batches they have taken")
     assert "embedded broker" in stopping_line(True, True) and "embedded broker" not in stopping_line(True, False)
 
 
