@@ -374,10 +374,19 @@ def cmd_run_regenerated(args, settings: Settings) -> int:
                   "batches): nothing extracted; run the same command again to resume it")
         return code
     out.print(_plan_table("extract", second))
-    out.print(f"{first.get('batches_done', 0)}/{first['batches_total']} regenerate batches done in {first.get('seconds', 0):.1f} s "
-              f"under {first['address']}; {second.get('batches_done', 0)}/{second['batches_total']} extraction batches done "
-              f"in {second.get('seconds', 0):.1f} s; shards and markers under {second['address']}", soft_wrap=True)
+    out.print(f"{_stage_done(first, 'regenerate')} under {first['address']}; {_stage_done(second, 'extraction')}; "
+              f"shards and markers under {second['address']}", soft_wrap=True)
     return code
+
+
+def _stage_done(report: dict, stage: str) -> str:
+    """'N/M <stage> batches done in S s', or that all were already done before this command (no
+    batch ran: as ``run``'s own closing line says it; a new user saw '0/4 regenerate batches done')."""
+    total, already = report["batches_total"], report.get("batches_already_done", 0)
+    if already == total:
+        return f"its 1 {stage} batch was already done" if total == 1 else f"all {total:,} {stage} batches were already done"
+    done = report.get("batches_done", already)
+    return f"{done}/{total} {stage} {noun(total, 'batch')} done in {report.get('seconds', 0):.1f} s"
 
 
 def cmd_status(args, settings: Settings) -> int:

@@ -233,3 +233,17 @@ def test_commands_to_copy_are_never_broken_across_lines(shared_worker, tmp_path,
     follow = next(line for line in proc.stderr.splitlines() if line.startswith("follow it from another terminal"))
     assert follow.endswith("--watch (or python -m producer flower)") and str(tmp_path / "out") in follow, proc.stderr
     assert "follow it with" not in proc.stdout
+
+
+def test_a_regenerate_run_whose_batches_were_all_done_says_so_not_zero_done():
+    """``run --regenerate`` run again after both stages finished: its closing line says every batch of
+    each stage was already done (a new user saw "0/4 regenerate batches done in 0.3 s"); a stage
+    that ran says how many of its batches are done and in how long."""
+    from producer.cli import _stage_done
+
+    assert _stage_done({"batches_total": 4, "batches_already_done": 4}, "regenerate") == \
+        "all 4 regenerate batches were already done"
+    assert _stage_done({"batches_total": 1, "batches_already_done": 1, "batches_done": 1}, "extraction") == \
+        "its 1 extraction batch was already done"
+    assert _stage_done({"batches_total": 3, "batches_already_done": 1, "batches_done": 3, "seconds": 2.04},
+                       "extraction") == "3/3 extraction batches done in 2.0 s"
