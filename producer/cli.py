@@ -201,7 +201,7 @@ def _plan_table(title: str, report: dict) -> Table:
         examples = skipped.get("examples") or {}
         if counts and examples:  # one per reason here; the first few of each are in the plan's stats
             first = [f"{reason}: {items[0]}" for reason, items in sorted(examples.items()) if items]
-            t.add_row("e.g.", "\n".join(first[:6]) + f"\n(more in {report['address'].rstrip('/')}/plan/stats.json, 'examples')")
+            t.add_row("e.g.", "\n".join(first[:6]) + f"\n(more in {report['address'].rstrip('/')}/plan/stats.json, skipped.examples)")
         for k, v in sorted(skipped.get("fixes", {}).items()):
             t.add_row("repaired", f"{k} {v:,}")
         for path, nbytes in sorted(skipped.get("truncated_bytes", {}).items()):
