@@ -493,6 +493,8 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
                     claimed.stop_orphan()  # the broker of a killed run is stopped even when nothing is left
                     claimed.release()
                 report = _plan_report(planned, done_before)
+                if is_regenerate(planned.config):  # its table says what was answered, as after a run that worked
+                    report["answers"] = regenerated_answers(planned.run_store, done_before)
                 report["seconds"] = round(time.perf_counter() - t0, 2)
                 return 0, report
     except BaseException:

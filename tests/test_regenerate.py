@@ -213,6 +213,16 @@ def _answers(tiny_qwen35, chat, convs, seed):
     return {c.id: c.messages[-1]["content"] for c in out}
 
 
+def test_the_same_command_on_a_finished_run_reports_what_was_answered(both_stages, shared_worker):
+    """``run --regenerate`` again once both stages are done: nothing runs, and the regenerate run's report
+    still says what the target answered (a new user saw the table lose its answered/unfinished rows)."""
+    report = both_stages["report"]["regenerate"]
+    again = cli_json(shared_worker.producer(["run", *JOB, "--output", str(both_stages["tmp"] / "out"), "--json"],
+                                            both_stages["env"]))["regenerate"]
+    assert again["batches_already_done"] == again["batches_total"] == report["batches_total"]
+    assert again["answers"] == report["answers"]
+
+
 def test_each_answer_depends_on_its_own_seed_not_on_its_batch(tiny_qwen35, chat):
     """An answer sampled alone equals the same answer sampled beside others (left padding, a generator
     per answer: a retried batch, or one planned otherwise, regenerates the same text); another seed
