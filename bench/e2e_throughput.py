@@ -757,6 +757,8 @@ def main() -> None:
     ap.add_argument("--trace-worker", action="store_true",
                     help="load bench/worker_trace.py into the run's worker: a CUDA trace and Python stacks of a few "
                          "steady batches (a diagnostic: the traced batches run slower), written beside --json")
+    ap.add_argument("--trace-skip", type=int, default=12, help="--trace-worker: forwards before the traced ones")
+    ap.add_argument("--trace-batches", type=int, default=8, help="--trace-worker: forwards traced")
     ap.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "fp8"],
                     help="producer run --store-dtype (fp8: half the store bytes, for shapes a disk cannot keep up with)")
     add_dataset_options(ap)
@@ -828,6 +830,7 @@ def main() -> None:
             trace_dir = workdir / f"trace-{kind}"
             shutil.rmtree(trace_dir, ignore_errors=True)
             env["HSXBENCH_TRACE_DIR"] = str(trace_dir)
+            env["HSXBENCH_TRACE_SKIP"], env["HSXBENCH_TRACE_BATCHES"] = str(args.trace_skip), str(args.trace_batches)
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "bench" / "worker_trace_site"),
                                                             env.get("PYTHONPATH")) if p)
         cold = not Path(env["TRITON_CACHE_DIR"]).exists() or not any(Path(env["TRITON_CACHE_DIR"]).iterdir())

@@ -22,7 +22,8 @@ FIELDS = ("model", "gpu", "store", "path", "layers_run", "ceiling_same_layers_to
 @pytest.mark.timeout(300)
 def test_the_e2e_bench_runs_producer_run_and_reports_every_field(tmp_path):
     out = tmp_path / "e2e.json"
-    proc = run_python(["bench/e2e_throughput.py", "--tiny", "--workdir", str(tmp_path / "w"), "--json", str(out)], clean_env(),
+    proc = run_python(["bench/e2e_throughput.py", "--tiny", "--workdir", str(tmp_path / "w"), "--json", str(out),
+                       "--plan-ceiling", "--trace-worker", "--trace-skip", "1", "--trace-batches", "2"], clean_env(),
                       timeout_s=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
@@ -34,6 +35,13 @@ def test_the_e2e_bench_runs_producer_run_and_reports_every_field(tmp_path):
     assert row["kept_shards_hash_ok"] is True, "the shards kept are the bytes their markers certify"
     assert row["ceiling_tok_s"] == min(row["ceiling_same_layers_tok_s"], row["store_limit_tok_s"])
     assert row["valid_tokens"] > 0 and row["steady_tok_s"] > 0 and (row["cold_start_s"] or row["warm_start_s"]) > 0
+    # the diagnostics: the plain forward over the steady window's own batches, and the worker's trace beside the row
+    plan = row["ceiling_plan_batches"]
+    assert plan["batches"] >= 1 and plan["tok_s"] > 0 and plan["padded_over_valid"] >= 1
+    assert row["steady_over_plan_batches_forward"] == pytest.approx(row["steady_tok_s"] / plan["tok_s"], abs=0.01)
+    trace = json.loads((tmp_path / "e2e-disk-trace-summary.json").read_text())
+    assert sorted(s["n"] for s in trace["forward_steps"]) == [2, 3], "the 2nd and 3rd forward steps, as asked"
+    assert "forward_step" in trace["python_stacks"], "the stacks of the threads in the forward step were sampled"
 
 
 def test_arrivals_from_worker_log_reads_extraction_and_regenerate_batch_lines(tmp_path):
