@@ -72,7 +72,13 @@ def test_enqueue_outside_the_served_roots_is_refused_forced_messages_park_status
     assert report["batches_enqueued"] == len(names)
     wait_until(lambda: len(read_parked(client, "gpu", run_store.url)) == len(names), 60, "every message parked")
 
-    status = json.loads(run_here(["status", report["address"], "--json"], env).stdout)
+    def status_json() -> dict:
+        return json.loads(run_here(["status", report["address"], "--json"], env).stdout)
+
+    # right after the last message is parked, status may still see the worker busy with it (a suite run on a
+    # loaded machine said "running" there): the run is called stalled once the worker's record has caught up
+    status = wait_until(lambda: (lambda s: s if s["state"] == "stalled" else None)(status_json()), 30,
+                        "status to call the run stalled")
     assert status["batches_parked"] == len(names), status["parked"]
     (group,) = status["parked"]
     assert group["reason"].startswith("NotServed: ") and sorted(group["batches"]) == names, group
