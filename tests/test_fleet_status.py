@@ -75,8 +75,8 @@ def test_enqueue_outside_the_served_roots_is_refused_forced_messages_park_status
     def status_json() -> dict:
         return json.loads(run_here(["status", report["address"], "--json"], env).stdout)
 
-    # right after the last message is parked, status may still see the worker busy with it (a suite run on a
-    # loaded machine said "running" there): the run is called stalled once the worker's record has caught up
+    # right after the last message is parked, status may still see the worker busy with it (seen once in a
+    # whole-suite run: "running" there): the run is called stalled once the worker's record has caught up
     status = wait_until(lambda: (lambda s: s if s["state"] == "stalled" else None)(status_json()), 30,
                         "status to call the run stalled")
     assert status["batches_parked"] == len(names), status["parked"]
