@@ -16,6 +16,17 @@ Only a command whose environment outside ``HSX_*`` is this server's own is forke
 (``jobfixtures.same_libraries_env``): one that changes ``PYTHONPATH``, ``COLUMNS`` or any variable a
 library could read at import gets a fresh interpreter. ``TEST_FORK_SERVER=0`` turns the server off.
 
+A process forked here starts its own Python children the same way (:func:`_route_children`): its
+``subprocess.Popen([sys.executable, "-m", "celery" | "workers" | "producer", ...])`` asks this server
+for the child over the Unix socket ``<dir>/fork.sock`` (the stdio file descriptors passed with the
+request) when the child's environment allows, so that ``producer run``'s launcher and the launcher's
+Celery workers (in the tests, benches and ``producer run`` as processes) are forked too, not fresh
+interpreters importing torch and transformers again (~8 CPU-s per worker start on this machine). What
+differs from a real child: its parent is this server (a tree read with psutil does not show it, and
+its ``cmdline`` is the server's), it has a session of its own, and the launcher's parent-death
+signal (``workers.launcher.die_with_parent``) is sent by a thread watching the requester's pid. A test
+that reads the process tree runs its command unrouted (``jobfixtures.unrouted``).
+
 Protocol, one JSON line each way on stdin / stdout: ``{"argv", "env", "cwd", "stdout", "stderr"}``
 (``argv``: the interpreter's arguments, ``-m module ...``, ``-c code ...`` or ``script ...``; the
 two files appended to, ``stderr`` null for the same file as ``stdout``) -> ``{"pid"}``. A child's
@@ -30,6 +41,7 @@ import json
 import os
 import select
 import signal
+import socket
 import sys
 
 #: What a worker process imports from outside the project (each tried; one missing is skipped).
@@ -69,14 +81,41 @@ def _reap(exits_dir: str, children: set[int]) -> None:
 
 
 def _serve(exits_dir: str) -> dict | None:
-    """Answer requests until stdin closes (returns None) or, in a forked child, return its request."""
+    """Answer requests until stdin closes (returns None) or, in a forked child, return its request.
+    Requests come on stdin (the pytest process) and on ``<exits_dir>/fork.sock`` (the processes forked
+    here, :func:`_route_children`: a JSON datagram with the child's stdin, stdout and stderr as file
+    descriptors; the reply ``{"pid"}``)."""
     children: set[int] = set()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(os.path.join(exits_dir, "fork.sock"))
+    listener.listen(64)
     sys.stdout.write(json.dumps({"ready": os.getpid()}) + "\n")
     sys.stdout.flush()
     while True:
-        ready, _, _ = select.select([sys.stdin], [], [], 0.05)
+        ready, _, _ = select.select([sys.stdin, listener], [], [], 0.05)
         _reap(exits_dir, children)
-        if not ready:
+        if listener in ready:
+            conn, _ = listener.accept()
+            try:
+                msg, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
+                request = {**json.loads(msg), "fds": fds}
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                return request
+            children.add(pid)
+            for fd in fds:
+                os.close(fd)
+            try:
+                conn.sendall(json.dumps({"pid": pid}).encode())
+            except OSError:
+                pass
+            conn.close()
+        if sys.stdin not in ready:
             continue
         line = sys.stdin.readline()
         if not line:
@@ -89,6 +128,7 @@ def _serve(exits_dir: str) -> dict | None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
+            listener.close()
             return request
         children.add(pid)
         sys.stdout.write(json.dumps({"pid": pid}) + "\n")
@@ -98,19 +138,179 @@ def _serve(exits_dir: str) -> dict | None:
 def _become(request: dict) -> None:
     """In the forked child: the command's session, stdio, directory, environment and ``sys.path[0]``."""
     os.setsid()  # as Popen(start_new_session=True): a test kills its process group
-    null = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    err = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if request.get("stderr") else out
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(err, 2)
-    for fd in {null, out, err}:
-        os.close(fd)
+    if "fds" in request:  # a routed child: the requester's stdin, stdout, stderr
+        for target, fd in enumerate(request["fds"]):
+            os.dup2(fd, target)
+        for fd in set(request["fds"]):
+            os.close(fd)
+    else:
+        null = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        err = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if request.get("stderr") else out
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for fd in {null, out, err}:
+            os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     if "numpy" in sys.modules:  # numpy's global generator was seeded here: seed each child afresh
         sys.modules["numpy"].random.seed()
+    if request.get("parent_death"):
+        _signal_when_gone(request["parent_death"], signal.SIGTERM)
+
+
+def _signal_when_gone(pid: int, sig: int) -> None:
+    """Send ``sig`` to this process when process ``pid`` ends (``PR_SET_PDEATHSIG`` for a parent that is
+    not the real one): a daemon thread blocked on the pid's ``pidfd``."""
+    import threading
+
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone before this child ran: the kernel's signal would have come at once
+        os.kill(os.getpid(), sig)
+        return
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="parent-death", daemon=True).start()
+
+
+#: The ``python -m`` commands a forked process starts through this server (:func:`_route_children`).
+ROUTED_MODULES = frozenset({"celery", "workers", "producer"})
+#: ``Popen`` arguments a routed child honours; any other makes a real ``Popen``.
+ROUTED_KWARGS = frozenset({"env", "cwd", "stdin", "stdout", "stderr", "start_new_session", "preexec_fn", "close_fds",
+                           "text", "universal_newlines", "encoding", "errors"})
+
+
+def _route_children(exits_dir: str, server_env: dict[str, str]) -> None:
+    """In a forked child: ``subprocess.Popen`` becomes a subclass that asks this server to fork the
+    commands it can (``[sys.executable, "-m", <ROUTED_MODULES>, ...]``, an environment the server could
+    fork (``jobfixtures.same_libraries_env``), stdio that are inherited, ``DEVNULL`` or open files, no
+    ``preexec_fn`` but the launcher's parent-death one) and starts the rest as ``Popen`` does. A routed
+    child's ``returncode`` (``-N`` for signal N) is the one the server wrote when it reaped it."""
+    import subprocess
+    import time
+
+    from jobfixtures import same_libraries_env
+
+    popen = subprocess.Popen
+    sock_path = os.path.join(exits_dir, "fork.sock")
+
+    def request_for(args, positional, kwargs) -> tuple[dict, list[int], list[int]] | None:
+        if positional or not set(kwargs) <= ROUTED_KWARGS or not isinstance(args, (list, tuple)) or len(args) < 3:
+            return None
+        if args[0] != sys.executable or args[1] != "-m" or args[2] not in ROUTED_MODULES:
+            return None
+        if not all(isinstance(a, str) for a in args):
+            return None
+        preexec = kwargs.get("preexec_fn")
+        if preexec is not None and "die_with_parent" not in getattr(preexec, "__qualname__", ""):
+            return None
+        env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+        if not same_libraries_env(env, server_env):
+            return None
+        opened: list[int] = []
+
+        def fd(stream, default: int) -> int | None:
+            if stream is None:
+                return default
+            if stream == subprocess.DEVNULL:
+                opened.append(os.open(os.devnull, os.O_RDWR))
+                return opened[-1]
+            if isinstance(stream, int) and stream >= 0:
+                return stream
+            if hasattr(stream, "fileno"):
+                stream.flush()
+                return stream.fileno()
+            return None  # PIPE and the like: a real Popen
+
+        stdin = fd(kwargs.get("stdin"), 0)
+        stdout = fd(kwargs.get("stdout"), 1)
+        stderr = stdout if kwargs.get("stderr") == subprocess.STDOUT else fd(kwargs.get("stderr"), 2)
+        if None in (stdin, stdout, stderr) or kwargs.get("stdin") == subprocess.PIPE:
+            for f in opened:
+                os.close(f)
+            return None
+        request = {"argv": list(args[1:]), "env": env, "cwd": os.fspath(kwargs.get("cwd") or os.getcwd()),
+                   "parent_death": os.getpid() if preexec is not None else None}
+        return request, [stdin, stdout, stderr], opened
+
+    class RoutedPopen(popen):
+        def __init__(self, args, *positional, **kwargs):
+            self._routed = False
+            routed = request_for(args, positional, kwargs)
+            if routed is None:
+                super().__init__(args, *positional, **kwargs)
+                return
+            request, fds, opened = routed
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                    s.connect(sock_path)
+                    socket.send_fds(s, [json.dumps(request).encode()], fds)
+                    reply = s.recv(4096)
+            finally:
+                for f in opened:
+                    os.close(f)
+            if not reply:
+                raise OSError(f"the tests' fork server did not start {args!r}")
+            self._routed = True
+            self._child_created = False
+            self.args = args
+            self.pid = json.loads(reply)["pid"]
+            self.returncode = None
+            self.stdin = self.stdout = self.stderr = None
+            self._exit_path = os.path.join(exits_dir, f"{self.pid}.exit")
+
+        def poll(self):
+            if not self._routed:
+                return super().poll()
+            if self.returncode is None:
+                try:
+                    with open(self._exit_path) as f:
+                        self.returncode = int(f.read())
+                except (OSError, ValueError):
+                    pass
+            return self.returncode
+
+        def wait(self, timeout=None):
+            if not self._routed:
+                return super().wait(timeout)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.poll() is None:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                time.sleep(0.02)
+            return self.returncode
+
+        def communicate(self, input=None, timeout=None):
+            if not self._routed:
+                return super().communicate(input, timeout)
+            self.wait(timeout)
+            return None, None
+
+        def send_signal(self, sig):
+            if not self._routed:
+                return super().send_signal(sig)
+            if self.poll() is None:
+                try:
+                    os.kill(self.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+        def __exit__(self, *exc):
+            if not self._routed:
+                return super().__exit__(*exc)
+            self.wait()
+
+        def __del__(self):
+            if not getattr(self, "_routed", False):
+                super().__del__()
+
+    subprocess.Popen = RoutedPopen
 
 
 def _run(argv: list[str]) -> None:
@@ -171,12 +371,16 @@ def _exit(code) -> None:
 if __name__ == "__main__":
     exits = sys.argv[1]
     _preimport()
+    import jobfixtures  # noqa: F401  (same_libraries_env, for the children's routing: imported once here)
+
+    server_env = dict(os.environ)
     job = _serve(exits)
     if job is None:
         sys.exit(0)
     _become(job)
+    _route_children(exits, server_env)
     argv = job["argv"]
-    del exits, job
+    del exits, job, server_env
     code: int | str | None = 0
     try:
         _run(argv)

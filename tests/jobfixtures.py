@@ -204,6 +204,13 @@ def same_libraries_env(env: dict[str, str], server_env: dict[str, str]) -> bool:
     return outside(env) == outside(server_env)
 
 
+def fresh_interpreter(env: dict[str, str]) -> dict[str, str]:
+    """``env`` made one that the fork server does not take (a variable no library reads): the command
+    starts as a fresh interpreter, and so do its own Python children (as a user's do). For the tests
+    that read a process tree, which a forked command's routed children are not in (tests/forkserver.py)."""
+    return {**env, "TEST_FRESH_INTERPRETER": "1"}
+
+
 _fork_server: ForkServer | None = None
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from jobfixtures import ROOT, clean_env, fork_server, run_python
+from jobfixtures import ROOT, clean_env, fork_server, python_popen, run_python
 
 PROBE = """
 import json, os, sys
@@ -78,3 +78,40 @@ def test_a_process_whose_other_variables_differ_gets_a_fresh_interpreter(server)
     env = {**clean_env(), "PYTHONPATH": f"{ROOT}/nowhere:{ROOT}"}
     got = json.loads(run_python(["-c", PROBE, "0"], env).stdout)
     assert got["ppid"] != server.proc.pid, "forked, though a library could read PYTHONPATH at import"
+
+
+ROUTED = """
+import json, subprocess, sys
+with open(sys.argv[1], "w") as out:
+    routed = subprocess.Popen([sys.executable, "-m", "producer", "--help"], stdout=out, stderr=subprocess.STDOUT)
+    code = routed.wait(60)
+piped = subprocess.run([sys.executable, "-m", "producer", "--help"], capture_output=True, text=True)
+failed = subprocess.Popen([sys.executable, "-m", "producer", "no-such-command"], stderr=subprocess.DEVNULL)
+print(json.dumps({"routed": routed._routed, "code": code, "piped": piped._routed if hasattr(piped, "_routed") else None,
+                  "piped_out": "usage:" in piped.stdout, "failed": failed.wait(60), "failed_routed": failed._routed}))
+"""
+
+
+def test_a_forked_command_s_own_python_children_are_forked_here_too(server, tmp_path):
+    """``producer run`` -> launcher -> Celery worker: a forked process's ``Popen`` of ``python -m
+    producer|workers|celery`` goes to the server (stdio passed, exit code kept); one with a pipe is a real
+    ``Popen``."""
+    proc = run_python(["-c", ROUTED, str(tmp_path / "help.txt")], clean_env())
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got == {"routed": True, "code": 0, "piped": None, "piped_out": True, "failed": 2, "failed_routed": True}, got
+    assert "usage:" in (tmp_path / "help.txt").read_text()
+
+
+def test_a_routed_child_gets_the_launcher_s_parent_death_signal_from_a_watcher(server):
+    """``_signal_when_gone``: the SIGTERM that ``PR_SET_PDEATHSIG`` sends a launcher's worker when the launcher
+    dies, for a routed worker whose real parent is the server."""
+    sleeper = subprocess.Popen(["sleep", "60"])
+    code = f"import sys, signal, time; sys.path.insert(0, {str(ROOT / 'tests')!r}); import forkserver; " \
+           f"forkserver._signal_when_gone({sleeper.pid}, signal.SIGTERM); print('watching', flush=True); time.sleep(60)"
+    proc = python_popen(["-c", code], clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(1.0)
+    assert proc.poll() is None
+    sleeper.kill()
+    sleeper.wait()
+    assert proc.wait(10) == -signal.SIGTERM

@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-from jobfixtures import clean_env, python_popen, run_python
+from jobfixtures import clean_env, fresh_interpreter, python_popen, run_python
 from hsx.broker import EmbeddedBroker, redis_client
 
 JOB = ["sharegpt", "--limit", "4", "--model", "tiny-qwen3.5", "--max-length", "128", "--batch-tokens", "128"]
@@ -20,7 +20,9 @@ JOB = ["sharegpt", "--limit", "4", "--model", "tiny-qwen3.5", "--max-length", "1
 def start_held_run(tmp_path, env) -> subprocess.Popen:
     """``producer run`` whose first batch is held in a fault-injection pause; returns once it is held."""
     err = open(tmp_path / "stderr", "w+")
-    proc = python_popen(["-m", "producer", "run", *JOB, "--output", str(tmp_path / "store")], env, stdout=subprocess.DEVNULL,
+    # A fresh interpreter: its launcher and workers are then its descendants, as a user's are (the tests read the tree).
+    proc = python_popen(["-m", "producer", "run", *JOB, "--output", str(tmp_path / "store")], fresh_interpreter(env),
+                        stdout=subprocess.DEVNULL,
                         stderr=err)
     deadline = time.monotonic() + 180
     while "fault injection: pausing" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*.log")):
