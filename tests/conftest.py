@@ -20,6 +20,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,9 +180,25 @@ LONG_FILES = {
 }
 
 
+#: The suite's wall-time budget on the 2-core CI machine with nothing else running (issue 21).
+SUITE_BUDGET_S = 480
+
+
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order pytest_collection_modifyitems sets
         config.option.loadscopereorder = False
+    config._hsx_started = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One timing line of the whole suite in CI's output: its wall time against :data:`SUITE_BUDGET_S`,
+    and the load average (another process on the machine makes the suite longer)."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller says it
+        return
+    took = time.monotonic() - config._hsx_started
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    terminalreporter.write_line(f"suite timing: {took:.1f} s wall from start to summary (budget {SUITE_BUDGET_S} s), "
+                                f"{os.cpu_count()} CPUs, load average {load}")
 
 
 def pytest_collection_modifyitems(config, items):
