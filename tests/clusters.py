@@ -52,14 +52,25 @@ class Cluster:
 
     def worker(self, name: str, concurrency: int = 1, wait: bool = True, os_env: dict[str, str] | None = None,
                **extra) -> WorkerProcess:
-        """Start a worker process (its model loaded at start); ``wait``: until it is ready. ``os_env``:
-        variables set as given (not ``HSX_``-prefixed), after the cluster's own."""
+        """Start a worker process (its model loaded at start); ``wait``: until it is ready and its presence
+        is on the broker (what ``enqueue`` reads to see who serves which store: written by its heartbeat
+        thread, which can come after Celery's ``ready.`` on a loaded machine). ``os_env``: variables set
+        as given (not ``HSX_``-prefixed), after the cluster's own."""
+        from hsx.broker import redis_client
+        from hsx.fleet import read_presences
+
         env = self.env(**extra)
         env.update(os_env or {})
         w = WorkerProcess(env, name, self.tmp / f"{name}.log", concurrency=concurrency)
         self.workers.append(w)
         if wait:
             w.wait_ready()
+            client = redis_client(self.broker.url)
+            try:
+                wait_until(lambda: any((p.node or "").startswith(f"{name}@") and p.pid == w.proc.pid
+                                       for p in read_presences(client, self.settings.queue)), 30, f"{name}'s presence")
+            finally:
+                client.close()
         return w
 
     def enqueue(self, run_store, batches: list[BatchSummary]) -> None:
