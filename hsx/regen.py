@@ -44,6 +44,10 @@ TURNS = ("last", "all")
 FINISH_REASONS = ("stop", "stop_string", "length", "prompt_too_long")
 #: The finish reasons of an answer that is complete.
 FINISHED = frozenset({"stop", "stop_string"})
+#: The finish reasons of an answer whose end-of-turn token the target did not generate (cut at
+#: ``max_new_tokens``, or cut before a ``--stop`` string, where the target went on with the string):
+#: the extraction of a regenerate run supervises such an answer through its last token only.
+NO_END_OF_TURN = frozenset({"length", "stop_string"})
 
 
 def regen_plan_key(batch: str) -> str:

@@ -34,7 +34,7 @@ from hsx.errors import BadDataset, BadRecord
 from hsx.layout import RUN_JSON
 from hsx.plan import planned_batches
 from hsx.records import read_markers
-from hsx.regen import TURNS, RegenConfig, RegeneratedConversation, is_regenerate, parse_lines
+from hsx.regen import NO_END_OF_TURN, TURNS, RegenConfig, RegeneratedConversation, is_regenerate, parse_lines
 from hsx.runconfig import RunConfig
 from hsx.store import MissingKey, open_store
 from producer.datasets import SUPERVISED_TURNS_KEY, UNFINISHED_TURNS_KEY, SkipCounter
@@ -128,8 +128,7 @@ def regenerated_source(source: str, options: SourceOptions) -> "RegeneratedSourc
 
 class RegeneratedSource(Source):
     """The conversations of a finished regenerate run, as a dataset: one record per answered
-    conversation (``{"id", "messages", "tools"}``, with its answered turns as ``hsx_supervised_turns``
-    and those cut at ``max_new_tokens`` as ``hsx_unfinished_turns``), batch by batch in plan order,
+    conversation (:func:`extraction_record`), batch by batch in plan order,
     each batch's in its sample order. Its fingerprint is the sha256 over the run's identity, every
     marker's shard sha256 and ``drop_unfinished`` (the bytes that are read, checked against it as they
     are read), and says how the records are supervised (only the answers; a cut answer without its
@@ -161,7 +160,8 @@ class RegeneratedSource(Source):
     def fingerprint(self) -> str:
         h = hashlib.sha256(json.dumps({"run": self.config.identity_sha256(), "drop_unfinished": self.options.drop_unfinished,
                                        "shards": [[b, s.sha256] for b, s in self._shards],
-                                       "supervised": "regenerated_turns", "unfinished": "through_last_token"},
+                                       "supervised": "regenerated_turns",
+                                       "unfinished": "through_last_token:" + ",".join(sorted(NO_END_OF_TURN))},
                                       sort_keys=True).encode())
         return h.hexdigest()
 
@@ -181,27 +181,31 @@ class RegeneratedSource(Source):
                 raise DatasetChanged(f"regenerate run {self.config.run_id}: shard {shard.key} of batch {batch} is not the "
                                      "one its marker certifies (sha256 differs); `producer verify` the run")
             for conv in parse_lines(data, RegeneratedConversation, shard.key):
-                fallback_id = f"{self.config.run_id}:{conv.sample_index}"
-                # a record skipped here is yielded as its BadRecord: the planner counts it per window, by reason
-                if not any(a.finish_reason != "prompt_too_long" for a in conv.regenerated):
-                    yield RawItem(fallback_id, BadRecord(conv.id, "not_regenerated", "no assistant turn's prompt fits "
-                                                         "in the regenerate run's max_length: nothing was answered"))
-                elif self.options.drop_unfinished and not conv.finished:
-                    reasons = ",".join(a.finish_reason for a in conv.regenerated)
-                    yield RawItem(fallback_id, BadRecord(conv.id, "unfinished_answer",
-                                                         f"an answer was cut ({reasons}): --drop-unfinished"))
-                else:
-                    # only the target's answers are supervised: the earlier turns of --turns last are the
-                    # dataset's own answers, context for the draft model, not what it learns to predict; an
-                    # answer cut at --max-new-tokens is unfinished: the target never generated the end-of-turn
-                    # token the template adds after it, so it is supervised through its last token only
-                    answered = sorted(a.turn for a in conv.regenerated if a.finish_reason != "prompt_too_long")
-                    cut = sorted(a.turn for a in conv.regenerated if a.finish_reason == "length")
-                    yield RawItem(fallback_id, {"id": conv.id, "messages": conv.messages, SUPERVISED_TURNS_KEY: answered,
-                                                **({UNFINISHED_TURNS_KEY: cut} if cut else {}),
-                                                **({"tools": conv.tools} if conv.tools else {})})
+                yield extraction_record(conv, self.config.run_id, self.options.drop_unfinished)
             done += shard.bytes
             self.bytes_read = done
+
+
+def extraction_record(conv: RegeneratedConversation, run_id: str, drop_unfinished: bool) -> RawItem:
+    """One regenerated conversation as the extraction's record: ``{"id", "messages", "tools"}`` with its
+    answered turns as ``hsx_supervised_turns`` (only the target's answers are supervised: the earlier
+    turns of ``--turns last`` are the dataset's own answers, context for the draft model) and those
+    whose end-of-turn token the target did not generate (:data:`hsx.regen.NO_END_OF_TURN`: cut at
+    ``--max-new-tokens`` or before a ``--stop`` string) as ``hsx_unfinished_turns``, supervised through
+    their last token only. A conversation with nothing answered, or a cut one with ``drop_unfinished``,
+    is its :class:`BadRecord` (``not_regenerated``, ``unfinished_answer``): the planner counts it by reason."""
+    fallback_id = f"{run_id}:{conv.sample_index}"
+    if not any(a.finish_reason != "prompt_too_long" for a in conv.regenerated):
+        return RawItem(fallback_id, BadRecord(conv.id, "not_regenerated", "no assistant turn's prompt fits "
+                                              "in the regenerate run's max_length: nothing was answered"))
+    if drop_unfinished and not conv.finished:
+        reasons = ",".join(a.finish_reason for a in conv.regenerated)
+        return RawItem(fallback_id, BadRecord(conv.id, "unfinished_answer", f"an answer was cut ({reasons}): --drop-unfinished"))
+    answered = sorted(a.turn for a in conv.regenerated if a.finish_reason != "prompt_too_long")
+    cut = sorted(a.turn for a in conv.regenerated if a.finish_reason in NO_END_OF_TURN)
+    return RawItem(fallback_id, {"id": conv.id, "messages": conv.messages, SUPERVISED_TURNS_KEY: answered,
+                                 **({UNFINISHED_TURNS_KEY: cut} if cut else {}),
+                                 **({"tools": conv.tools} if conv.tools else {})})
 
 
 # ------------------------------------------------------------------------------------------------

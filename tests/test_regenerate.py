@@ -540,7 +540,8 @@ def test_the_readme_says_which_turns_are_the_targets_and_that_max_length_may_cut
     section = " ".join(text[text.index("## Regenerating the responses"):].split("\n## ", 1)[0].split())
     assert "the earlier assistant turns keep the dataset's original answers. The extraction supervises only the target's answers" in section
     assert "the earlier turns are context, with loss mask 0" in section
-    assert "An answer cut at `--max-new-tokens` (given as `hsx_unfinished_turns`) is supervised through its last generated token only" in section
+    assert ("An answer cut at `--max-new-tokens` or before a `--stop` string (given as `hsx_unfinished_turns`) is supervised "
+            "through its last generated token only") in section
     assert "`--turns all` answers every assistant turn in order" in section
     assert "the chained extraction applies its own `--max-length`" in section and "truncated" in section
     assert "are not part of a regenerate run's identity" in section
@@ -898,3 +899,32 @@ def test_a_run_whose_only_batch_is_done_shows_no_rate_rather_than_measuring(tiny
     waited = wait_for_markers(planned, None, progress=bar, poll_s=0.01, clock=lambda: bar.t)
     assert waited["done"] == 1 and bar.tasks == ["extracting"]
     assert bar.updates[-1]["samples"] == planned.batches[0].num_samples and bar.updates[-1]["tok_s"] is None
+
+
+def test_an_answer_cut_before_a_stop_string_is_supervised_without_the_end_of_turn_token_as_one_cut_at_the_limit():
+    """The extraction's record of a regenerated conversation (``producer.regenerate.extraction_record``): every
+    answered turn in ``hsx_supervised_turns``; the turns whose end-of-turn token the target did not generate (cut
+    at --max-new-tokens, ``length``, or before a --stop string, ``stop_string``: the target went on with the
+    string) in ``hsx_unfinished_turns``; a turn that stopped by itself is not. --drop-unfinished skips only a
+    conversation with an answer cut at the limit (``finished`` is false); nothing answered is ``not_regenerated``."""
+    from hsx.errors import BadRecord
+    from hsx.regen import Answer
+    from producer.regenerate import extraction_record
+
+    turns = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
+             {"role": "user", "content": "q3"}, {"role": "assistant", "content": "a3"}]
+
+    def conv(*reasons: str) -> RegeneratedConversation:
+        answers = [Answer(turn=t, finish_reason=r, prompt_tokens=10, completion_tokens=3) for t, r in zip((1, 3, 5), reasons)]
+        return RegeneratedConversation(id="c", sample_index=4, messages=turns, regenerated=answers,
+                                       finished=all(r in ("stop", "stop_string") for r in reasons))
+
+    record = extraction_record(conv("stop_string", "stop", "length"), "run", drop_unfinished=False).raw
+    assert record["hsx_supervised_turns"] == [1, 3, 5] and record["hsx_unfinished_turns"] == [1, 5], record
+    assert "hsx_unfinished_turns" not in extraction_record(conv("stop", "stop"), "run", False).raw
+    assert extraction_record(conv("stop_string"), "run", True).raw["hsx_unfinished_turns"] == [1]
+    dropped = extraction_record(conv("stop", "length"), "run", True).raw
+    assert isinstance(dropped, BadRecord) and dropped.reason == "unfinished_answer", dropped
+    nothing = extraction_record(conv("prompt_too_long"), "run", False).raw
+    assert isinstance(nothing, BadRecord) and nothing.reason == "not_regenerated", nothing
