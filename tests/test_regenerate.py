@@ -728,6 +728,28 @@ def test_producer_regenerate_refuses_batch_tokens_for_regen_batch_tokens(capsys,
     assert not (tmp_path / "out").exists()
 
 
+
+def test_producer_regenerate_hides_and_refuses_what_only_an_extraction_stores(capsys, tmp_path):
+    """``regenerate --layers/--preset/--final/--store-dtype...`` would change nothing (a regenerate run stores answers,
+    not hidden states): not in its help, and refused naming the extraction command that takes them as given."""
+    from producer.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["regenerate", "--help"])
+    usage = capsys.readouterr().out
+    assert "--max-new-tokens" in usage and not any(o in usage for o in ("--layers", "--preset", "--final", "--store-dtype",
+                                                                       "--draft-config", "--dflash-layers"))
+    code = main(["regenerate", str(tmp_path / "none.jsonl"), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"),
+                 "--preset", "dflash", "--store-dtype", "fp8"])
+    text = " ".join((lambda c: c.out + c.err)(capsys.readouterr()).split())
+    assert code == 2 and text.startswith("error: --preset, --store-dtype: a regenerate run stores the target's answers"), text
+    assert "`producer run <its address> --model ... --preset dflash --store-dtype fp8`" in text and "Nothing was started" in text
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    run_usage = capsys.readouterr().out
+    assert all(o in run_usage for o in ("--layers", "--preset", "--store-dtype")), "run keeps them"
+
 class _Bar:
     """The progress ``wait_for_markers`` draws on; each update certifies one more batch, 10 s later."""
 
