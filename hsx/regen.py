@@ -243,10 +243,13 @@ def parse_lines(data: bytes, model: type[BaseModel], what: str) -> list:
 class RegenMarker(Marker):
     """The marker of a regenerate batch: :class:`hsx.records.Marker` (``num_samples``: conversations in
     the shard; ``num_tokens``: their prompt and completion tokens; ``supervised_tokens``: the completion
-    tokens) with the engine that answered and the unfinished count. Readers of plain markers ignore
-    the two extra fields."""
+    tokens) with the engine that answered, the unfinished count and the count cut by a stop string.
+    Readers of plain markers ignore the extra fields."""
 
     engine: str | None = None
     """``continuous_batching`` (transformers' ``generate_batch``) or ``generate`` (batched, left padding)."""
     unfinished: int | None = None
     """Conversations of the shard with an answer cut at ``max_new_tokens`` (or a prompt too long)."""
+    stop_cut: int | None = None
+    """Conversations of the shard with an answer cut before a ``--stop`` string (``stop_string``: finished,
+    but its end-of-turn token is not the target's; None in markers written before 2026-12-06)."""

@@ -230,6 +230,9 @@ def _plan_table(title: str, report: dict) -> Table:
             t.add_row("unfinished", f"[yellow]{answers['unfinished']:,}[/] conversations with an answer cut at "
                                     "--max-new-tokens (or a prompt too long): extracted as cut unless "
                                     "--drop-unfinished skips them")
+        if answers.get("stop_cut"):
+            t.add_row("cut by --stop", f"{answers['stop_cut']:,} conversations with an answer cut before a --stop string: "
+                                       "extracted without the end-of-turn token the template closes it with")
     if report.get("plan_reused"):
         t.add_row("plan", "reused (already in the store)")
     t.add_row("already done", plural(report.get("batches_already_done", 0), "batch"))

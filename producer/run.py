@@ -554,9 +554,10 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
 def regenerated_answers(run_store, done: set[str]) -> dict:
     """What the target generated in a regenerate run's done batches ``done``, from their markers
     (:class:`hsx.regen.RegenMarker`): ``{"batches", "conversations", "completion_tokens", "unfinished",
-    "engines": {engine: batches}}``; ``unfinished``: conversations with an answer cut at
-    ``--max-new-tokens`` or a prompt too long (``--drop-unfinished`` skips them downstream)."""
-    out = {"batches": 0, "conversations": 0, "completion_tokens": 0, "unfinished": 0, "engines": {}}
+    "stop_cut", "engines": {engine: batches}}``; ``unfinished``: conversations with an answer cut at
+    ``--max-new-tokens`` or a prompt too long (``--drop-unfinished`` skips them downstream); ``stop_cut``:
+    those with an answer cut before a ``--stop`` string (kept; its end-of-turn token unsupervised)."""
+    out = {"batches": 0, "conversations": 0, "completion_tokens": 0, "unfinished": 0, "stop_cut": 0, "engines": {}}
     for marker in read_markers(run_store, sorted(done), record=RegenMarker).values():
         if isinstance(marker, Exception):  # `verify` names it; a summary line does not stop for it
             continue
@@ -564,6 +565,7 @@ def regenerated_answers(run_store, done: set[str]) -> dict:
         out["conversations"] += int(marker.num_samples or 0)
         out["completion_tokens"] += int(marker.supervised_tokens or 0)
         out["unfinished"] += int(marker.unfinished or 0)
+        out["stop_cut"] += int(marker.stop_cut or 0)
         engine = marker.engine or "unknown"
         out["engines"][engine] = out["engines"].get(engine, 0) + 1
     return out

@@ -950,3 +950,41 @@ def test_an_answer_cut_before_a_stop_string_is_supervised_without_the_end_of_tur
     assert isinstance(dropped, BadRecord) and dropped.reason == "unfinished_answer", dropped
     nothing = extraction_record(conv("prompt_too_long"), "run", False).raw
     assert isinstance(nothing, BadRecord) and nothing.reason == "not_regenerated", nothing
+
+
+def test_answers_cut_by_a_stop_string_are_counted_and_extracted_without_their_end_of_turn_token(tmp_path, tiny_cache,
+                                                                                                shared_worker):
+    """``producer run DATASET --regenerate --stop e``: the regenerate run's markers count the conversations cut before the
+    stop string (``stop_cut``, said in the summary as ``cut by --stop``), and the extraction supervises each such answer
+    through its last token, with loss mask 0 on the <|im_end|> the template closes it with."""
+    from hsx.models import load_tokenizer
+    from hsx.plan import read_batch
+
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool")
+    job = [*JOB, "--stop", "e"]
+    job[job.index("--limit") + 1] = "12"
+    job[job.index("--max-new-tokens") + 1] = "16"
+    report = cli_json(shared_worker.producer(["run", *job, "--output", str(tmp_path / "out"), "--json"], env))
+    regen_store, extract = open_store(report["regenerate"]["address"]), open_store(report["extract"]["address"])
+    convs = shard_conversations(regen_store)
+    stopped = {c.id for c in convs.values() if c.regenerated and c.regenerated[-1].finish_reason == "stop_string"}
+    assert report["regenerate"]["answers"]["stop_cut"] == len(stopped) >= 3, report["regenerate"]["answers"]
+    table = " ".join(shared_worker.producer(["run", *job, "--output", str(tmp_path / "out")], env).stdout.split())
+    assert f"cut by --stop │ {len(stopped)} conversations with an answer cut before a --stop string" in table, table
+
+    tok = load_tokenizer("tiny-qwen3.5", tiny_cache)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    rows = {row.sample_index: row for w in read_windows(extract) for row in SampleRow.read_window(extract, w.name)}
+    checked = 0
+    for batch in {row.batch for row in rows.values()}:
+        plan = read_batch(extract, batch)
+        for j, sample in enumerate(plan.sample_index_N.tolist()):
+            row = rows[sample]
+            if row.truncated or str(row.record_id) not in stopped:
+                continue
+            ids = plan.input_ids_T[plan.cu_seqlens_N1[j]:plan.cu_seqlens_N1[j + 1]]
+            mask = plan.loss_mask_T[plan.cu_seqlens_N1[j]:plan.cu_seqlens_N1[j + 1]]
+            eot = int(np.flatnonzero(ids == im_end)[-1])
+            assert mask[eot] == 0 and mask[:eot].sum() >= 1, (row.record_id, mask[eot - 3:eot + 1])
+            checked += 1
+    assert checked >= 3, checked

@@ -515,6 +515,7 @@ def regenerate_batch(admitted, settings: Settings, job) -> dict:
         model_revision=target.info.revision, forward_s=timing["generate_s"], forwards=timing["rounds"],
         seconds=round(time.perf_counter() - t0, 4), engine=engine,
         unfinished=sum(1 for c in answered if not c.finished),
+        stop_cut=sum(1 for c in answered if any(a.finish_reason == "stop_string" for a in c.regenerated)),
         finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), finished_unix=round(time.time(), 3))
 
     def certify() -> bool:
@@ -540,7 +541,8 @@ def regenerate_batch(admitted, settings: Settings, job) -> dict:
         return {"status": "lost_race", "batch": batch}
     log.info("batch done %s", json.dumps({"run": config.run_id, "batch": batch, "kind": "regenerate", "engine": engine,
                                           "samples": len(answered), "completion_tokens": completion,
-                                          "unfinished": marker.unfinished, "seconds": marker.seconds,
+                                          "unfinished": marker.unfinished, "stop_cut": marker.stop_cut,
+                                          "seconds": marker.seconds,
                                           "tok_s": round(completion / max(timing["generate_s"], 1e-9))}))
     return {"status": "done", "batch": batch, "num_tokens": marker.num_tokens, "num_quarantined": 0,
             "seconds": marker.seconds}
