@@ -694,6 +694,26 @@ def steady_window(arrivals: list[tuple[float, int, int]], min_window_s: float, s
     return t0, t1, sum(x[1] for x in inside), sum(x[2] for x in inside)
 
 
+def last_compile_unix(cache_dir: str | None) -> float | None:
+    """The time (unix s) of the newest kernel in a Triton cache directory (the mtime of its newest
+    entry: one directory per compiled variant); None for no directory or an empty one."""
+    d = Path(cache_dir) if cache_dir else None
+    if d is None or not d.is_dir():
+        return None
+    times = [e.stat().st_mtime for e in d.iterdir()]
+    return max(times) if times else None
+
+
+def window_after(arrivals: list[tuple[float, int, int]], t: float, skip_last: int = 2) -> tuple[float, float, int]:
+    """(t0, t1, tokens) of the markers after time ``t`` (a compile): from the first marker after it to the
+    last but ``skip_last``; (0, 0, 0) when fewer than two markers are left."""
+    after = [a for a in arrivals if a[0] > t]
+    after = after[:len(after) - skip_last] if len(after) > skip_last + 1 else after
+    if len(after) < 2:
+        return 0.0, 0.0, 0
+    return after[0][0], after[-1][0], sum(x[1] for x in after[1:])
+
+
 def arrivals_from_worker_log(log: Path) -> list[tuple[float, int, int]]:
     """(time, valid tokens, shard bytes) of every ``batch done`` line of a worker log (the line is
     logged just after the marker is created; Celery's timestamps have milliseconds). A regenerate
@@ -906,6 +926,16 @@ def main() -> None:
         ceiling = min(ceiling_same, store_tok_s)
         compiles = (None if run["compiles_at_first_marker"] is None or run["compiles_at_end"] is None
                     else run["compiles_at_end"] - run["compiles_at_first_marker"])
+        # A kernel compiled inside the steady window (a new batch shape's autotune) stalls the GPU for seconds:
+        # a long run pays it once per shape, a short window cannot hide it. The window after the last compile, beside.
+        last_compile = last_compile_unix(env.get("TRITON_CACHE_DIR"))
+        after = None
+        if last_compile is not None and arrivals and w0 < last_compile < w1:
+            a0, a1, a_tokens = window_after(arrivals, last_compile)
+            after = {"last_compile_s_after_first_marker": round(last_compile - arrivals[0][0], 1),
+                     "window_s": round(a1 - a0, 1), "tok_s": round(a_tokens / (a1 - a0)) if a1 > a0 else None}
+            if after["tok_s"] and plan_ceiling:
+                after["over_plan_batches_forward"] = round(after["tok_s"] / plan_ceiling["tok_s"], 3)
         rows_out.append({
             "model": f"{args.shape}{'' if not args.num_layers else f'-{n_layers}-layers'}{'-tiny' if args.tiny else ''} (random {args.weights} weights, real config)",
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -945,6 +975,7 @@ def main() -> None:
             "warm_start_s": None if cold else start_s,
             "worker_starts": starts,
             "triton_compiles_after_first_marker": compiles,
+            "steady_after_last_compile": after,  # None: no kernel was compiled inside the steady window
             "batches": len(arrivals),
             "batches_planned": planned_batches,
             "valid_tokens": total_tokens,

@@ -16,7 +16,7 @@ from jobfixtures import clean_env, run_python
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("model", "gpu", "store", "path", "layers_run", "ceiling_same_layers_tok_s", "ceiling_all_layers_tok_s",
           "store_write_gb_s", "steady_tok_s", "whole_run_tok_s", "steady_over_ceiling", "gpu_busy", "shard_gb_s",
-          "bytes_crossings", "cold_start_s", "warm_start_s")
+          "bytes_crossings", "cold_start_s", "warm_start_s", "steady_after_last_compile")
 
 
 @pytest.mark.timeout(300)
@@ -61,3 +61,23 @@ def test_arrivals_from_worker_log_reads_extraction_and_regenerate_batch_lines(tm
     (t0, tokens0, bytes0), (t1, tokens1, bytes1) = arrivals_from_worker_log(log)
     assert (tokens0, bytes0) == (900, 123456) and (tokens1, bytes1) == (32, 0)
     assert t1 - t0 == pytest.approx(1.5)
+
+
+def test_the_window_after_the_last_compile_starts_at_the_first_marker_after_it(tmp_path):
+    """``steady_after_last_compile``: the newest entry of the worker's Triton cache is the last compile; the window
+    runs from the first marker after it to the last but two, and counts the tokens of the markers after its start."""
+    import os
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from e2e_throughput import last_compile_unix, window_after
+
+    assert last_compile_unix(None) is None and last_compile_unix(str(tmp_path / "none")) is None
+    assert last_compile_unix(str(tmp_path)) is None, "an empty cache: nothing compiled"
+    for name, t in (("k1", 100.0), ("k2", 250.0), ("k3", 180.0)):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (t, t))
+    assert last_compile_unix(str(tmp_path)) == 250.0
+    arrivals = [(float(t), 1000 + t, 0) for t in range(200, 320, 10)]  # markers every 10 s, 200..310
+    t0, t1, tokens = window_after(arrivals, 250.0)
+    assert (t0, t1) == (260.0, 290.0) and tokens == (1270 + 1280 + 1290), "260 opens it; 300 and 310 are the tail"
+    assert window_after(arrivals, 305.0) == (0.0, 0.0, 0), "one marker after the compile: no window"
