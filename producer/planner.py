@@ -550,12 +550,18 @@ class PlanJob:
                 pending.result()
             if task is not None:
                 self._tick(progress, task, records_read, len(seen), final=True)
+        except BaseException:
+            writer.shutdown(wait=True, cancel_futures=True)
+            if task is not None:  # after a Ctrl-C the bar says the windows that are in the store, as the lines below it do
+                self._tick(progress, task, records_read, len(seen), windows=self.windows[:self.written])
+            raise
         finally:
             writer.shutdown(wait=True, cancel_futures=True)
 
-    def _tick(self, progress, task, records_read: int, claimed: int, final: bool = False) -> None:
-        samples = sum(w.num_samples for w in self.windows)
-        batches = sum(len(w.batches) for w in self.windows)
+    def _tick(self, progress, task, records_read: int, claimed: int, final: bool = False, windows=None) -> None:
+        windows = self.windows if windows is None else windows
+        samples = sum(w.num_samples for w in windows)
+        batches = sum(len(w.batches) for w in windows)
         info = f"{plural(records_read, 'record')} read, {plural(samples, 'sample')} in {plural(batches, 'batch')} planned"
         if self.opts.limit is not None:
             progress.update(task, completed=claimed, info=info, **({"total": claimed} if final else {}))

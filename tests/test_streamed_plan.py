@@ -147,3 +147,35 @@ def test_enqueue_sends_each_windows_batches_while_later_windows_are_tokenised(cl
     assert again.result.enqueued == [] and len(again.result.in_flight) == len(planned.batches)
     assert queued() == len(planned.batches)
     client.close()
+
+
+def test_a_ctrl_c_while_planning_leaves_the_bar_saying_the_windows_in_the_store(tmp_path, tiny_cache, small_windows):
+    """A Ctrl-C once the first window is in the store: the tokenising bar's last words are that window's samples and
+    batches (what `run` then says is in the store), not the counts of its last 0.2-s tick (a user saw '0 samples in
+    0 batches planned' above 'interrupted while planning: 1 window of the plan (1,024 samples in 45 batches)')."""
+
+    class Bar:
+        def __init__(self):
+            self.info = {}
+
+        def add_task(self, description, **_kw):
+            return description
+
+        def update(self, task, info=None, **_kw):
+            if info is not None:
+                self.info[task] = info
+
+    def ctrl_c(job, batches):
+        raise KeyboardInterrupt
+
+    bar = Bar()
+    with pytest.raises(KeyboardInterrupt):
+        plan_run(_opts(tmp_path / "out", limit=300, num_proc=1), _settings(tiny_cache), progress=bar, on_window=ctrl_c)
+    from hsx.store import open_store
+    from producer.words import plural
+
+    (run_dir,) = (tmp_path / "out").iterdir()
+    (window,) = read_windows(open_store(str(run_dir)))
+    said = bar.info["tokenising"]
+    assert said.endswith(f"{plural(window.num_samples, 'sample')} in {plural(len(window.batches), 'batch')} planned"), said
+    assert window.num_samples == small_windows
