@@ -553,16 +553,23 @@ class PlanJob:
         except BaseException:
             writer.shutdown(wait=True, cancel_futures=True)
             if task is not None:  # after a Ctrl-C the bar says the windows that are in the store, as the lines below it do
-                self._tick(progress, task, records_read, len(seen), windows=self.windows[:self.written])
+                self._tick(progress, task, records_read, len(seen), windows=self.windows[:self.written], info_only=True)
             raise
         finally:
             writer.shutdown(wait=True, cancel_futures=True)
 
-    def _tick(self, progress, task, records_read: int, claimed: int, final: bool = False, windows=None) -> None:
+    def _tick(self, progress, task, records_read: int, claimed: int, final: bool = False, windows=None,
+              info_only: bool = False) -> None:
+        """The tokenising bar: its count (records claimed, bytes read or records read) and its words (records
+        read, the samples and batches of ``windows``, default every published one). ``info_only``: the words
+        alone (an interrupted plan: the bytes read ahead are not the records tokenised)."""
         windows = self.windows if windows is None else windows
         samples = sum(w.num_samples for w in windows)
         batches = sum(len(w.batches) for w in windows)
         info = f"{plural(records_read, 'record')} read, {plural(samples, 'sample')} in {plural(batches, 'batch')} planned"
+        if info_only:
+            progress.update(task, info=info)
+            return
         if self.opts.limit is not None:
             progress.update(task, completed=claimed, info=info, **({"total": claimed} if final else {}))
         elif self.source.total_bytes is not None:
