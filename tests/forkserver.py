@@ -193,9 +193,9 @@ def _route_children(exits_dir: str, server_env: dict[str, str]) -> None:
     ``preexec_fn`` but the launcher's parent-death one) and starts the rest as ``Popen`` does. A routed
     child's ``returncode`` (``-N`` for signal N) is the one the server wrote when it reaped it."""
     import subprocess
-    import time
+    from pathlib import Path
 
-    from jobfixtures import same_libraries_env
+    from jobfixtures import ForkedProcess, same_libraries_env
 
     popen = subprocess.Popen
     sock_path = os.path.join(exits_dir, "fork.sock")
@@ -263,27 +263,18 @@ def _route_children(exits_dir: str, server_env: dict[str, str]) -> None:
             self.pid = json.loads(reply)["pid"]
             self.returncode = None
             self.stdin = self.stdout = self.stderr = None
-            self._exit_path = os.path.join(exits_dir, f"{self.pid}.exit")
+            self._forked = ForkedProcess(self.pid, args, Path(exits_dir) / f"{self.pid}.exit")
 
         def poll(self):
             if not self._routed:
                 return super().poll()
-            if self.returncode is None:
-                try:
-                    with open(self._exit_path) as f:
-                        self.returncode = int(f.read())
-                except (OSError, ValueError):
-                    pass
+            self.returncode = self._forked.poll()
             return self.returncode
 
         def wait(self, timeout=None):
             if not self._routed:
                 return super().wait(timeout)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while self.poll() is None:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(self.args, timeout)
-                time.sleep(0.02)
+            self.returncode = self._forked.wait(timeout)
             return self.returncode
 
         def communicate(self, input=None, timeout=None):
@@ -295,11 +286,10 @@ def _route_children(exits_dir: str, server_env: dict[str, str]) -> None:
         def send_signal(self, sig):
             if not self._routed:
                 return super().send_signal(sig)
-            if self.poll() is None:
-                try:
-                    os.kill(self.pid, sig)
-                except ProcessLookupError:
-                    pass
+            try:
+                self._forked.send_signal(sig)
+            except ProcessLookupError:  # it ended between the poll and the kill
+                pass
 
         def __exit__(self, *exc):
             if not self._routed:
