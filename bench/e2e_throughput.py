@@ -894,6 +894,15 @@ def main() -> None:
         # Summed GPU-lock and write time over the window's wall: forward near 1 means the GPU never waited.
         phases["forward_over_wall"] = round(sum(m.forward_s or 0.0 for m in in_window) / window, 3) if in_window else None
         phases["write_over_wall"] = round(sum(m.write_s or 0.0 for m in in_window) / window, 3) if in_window else None
+        # A kernel compiled inside the steady window (a new batch shape's autotune) stalls the GPU for seconds:
+        # a long run pays it once per shape, a short window cannot hide it. The window after the last compile, beside.
+        last_compile = last_compile_unix(env.get("TRITON_CACHE_DIR"))
+        after, after_markers = None, []
+        if last_compile is not None and arrivals and w0 < last_compile < w1:
+            a0, a1, a_tokens = window_after(arrivals, last_compile)
+            after = {"last_compile_s_after_first_marker": round(last_compile - arrivals[0][0], 1),
+                     "window_s": round(a1 - a0, 1), "tok_s": round(a_tokens / (a1 - a0)) if a1 > a0 else None}
+            after_markers = [m for m in run["markers"].values() if a0 < (m.finished_unix or 0) <= a1]
         plan_ceiling = None
         if kept_model is not None and in_window and kind == "disk":  # (an S3 server is stopped by now)
             from hsx.plan import read_batch
@@ -901,10 +910,17 @@ def main() -> None:
             from workers.target import _pad_id
 
             run_store = open_store(str(view.run_dir()), create=False)
-            plans = [read_batch(run_store, m.batch) for m in sorted(in_window, key=lambda m: m.batch)]
-            plan_ceiling = plan_batches_forward_tok_s(kept_model, device, plans, stop_after=deepest,
-                                                      pad_token_id=_pad_id(kept_model))
-            print(f"ceiling over the window's {len(plans)} batches: {plan_ceiling}", flush=True)
+
+            def same_work(markers: list) -> dict:  # the plain forward over exactly these batches, as the worker lays them out
+                plans = [read_batch(run_store, m.batch) for m in sorted(markers, key=lambda m: m.batch)]
+                return plan_batches_forward_tok_s(kept_model, device, plans, stop_after=deepest,
+                                                  pad_token_id=_pad_id(kept_model))
+
+            plan_ceiling = same_work(in_window)
+            print(f"ceiling over the window's {plan_ceiling['batches']} batches: {plan_ceiling}", flush=True)
+            if after is not None and after["tok_s"] and after_markers:
+                after["ceiling_plan_batches"] = same_work(after_markers)
+                after["over_plan_batches_forward"] = round(after["tok_s"] / after["ceiling_plan_batches"]["tok_s"], 3)
         trace = None
         if trace_dir is not None:
             import worker_trace
@@ -926,16 +942,6 @@ def main() -> None:
         ceiling = min(ceiling_same, store_tok_s)
         compiles = (None if run["compiles_at_first_marker"] is None or run["compiles_at_end"] is None
                     else run["compiles_at_end"] - run["compiles_at_first_marker"])
-        # A kernel compiled inside the steady window (a new batch shape's autotune) stalls the GPU for seconds:
-        # a long run pays it once per shape, a short window cannot hide it. The window after the last compile, beside.
-        last_compile = last_compile_unix(env.get("TRITON_CACHE_DIR"))
-        after = None
-        if last_compile is not None and arrivals and w0 < last_compile < w1:
-            a0, a1, a_tokens = window_after(arrivals, last_compile)
-            after = {"last_compile_s_after_first_marker": round(last_compile - arrivals[0][0], 1),
-                     "window_s": round(a1 - a0, 1), "tok_s": round(a_tokens / (a1 - a0)) if a1 > a0 else None}
-            if after["tok_s"] and plan_ceiling:
-                after["over_plan_batches_forward"] = round(after["tok_s"] / plan_ceiling["tok_s"], 3)
         rows_out.append({
             "model": f"{args.shape}{'' if not args.num_layers else f'-{n_layers}-layers'}{'-tiny' if args.tiny else ''} (random {args.weights} weights, real config)",
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
