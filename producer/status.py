@@ -518,6 +518,9 @@ class RunWatch:
             parts.append("every worker that served it has stopped")
         restart = self._restart(parked[0]["fix"] if parked else None, planning)
         why = "no live worker works on the run: " + "; ".join(parts)
+        if self.broker == "embedded" and self.embedded_live is False:  # its workers were that command's own
+            why = ("the `python -m producer run` that ran it is not running on this machine (stopped by a Ctrl-C, or "
+                   "it failed): its finished batches keep their markers; " + why)
         if planning:
             why += " (the planner still writes the plan)"
         return why, restart

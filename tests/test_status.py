@@ -385,3 +385,27 @@ def test_the_workers_table_is_readable_at_80_columns(small_run, tmp_path):
     for whole in (f"paused: {reason}", death, "NVIDIA H200", "cuda:3", *batches):
         assert whole in said, f"{whole!r} not in the view:\n{text}"
     assert f"file://{run_dir}" in "".join(text.split()), f"the address is folded whole onto lines, not cut:\n{text}"
+
+
+def test_a_producer_run_stopped_midway_says_so_in_its_stall(small_run, tmp_path):
+    """Ctrl-C of a ``producer run`` after some batches: its workers stopped with it and its embedded broker is gone;
+    ``status`` calls the run ``stalled`` (batches are left, nothing runs them) and says first why, in the user's
+    terms (that command is not running; the finished batches are kept), with the command that resumes it."""
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    batches = read_batch_list(store)
+    for b in batches[len(batches) // 2:]:
+        store.delete(marker_key(b.batch))
+    for key in store.list(WORKERS_PREFIX):  # they stopped with their producer run (a warm shutdown writes this)
+        record = json.loads(store.read(key))
+        store.write(key, json.dumps({**record, "state": "stopped", "batches": []}).encode())
+    watch = RunWatch(store, broker="embedded")
+    watch.embedded_live = False
+    status = watch.poll()
+    assert status["state"] == "stalled", status
+    assert status["stalled_reason"].startswith("the `python -m producer run` that ran it is not running on this machine "
+                                               "(stopped by a Ctrl-C, or it failed): its finished batches keep their markers; "
+                                               "no live worker works on the run"), status["stalled_reason"]
+    assert status["restart"] == "run the same `python -m producer run` command again: it enqueues every batch without a marker"
+    watch.embedded_live = None  # not known (--no-broker): nothing said of the command
+    assert not watch.poll()["stalled_reason"].startswith("the `python -m producer run`")
