@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -78,11 +79,38 @@ def _progress() -> Progress:
 
 class _Progress(Progress):
     """Progress whose tasks always have an ``info`` field (samples, tokens/s; a regenerate run's
-    generated answers, answers/s) for the shared column."""
+    generated answers, answers/s) for the shared column.
+
+    When the console is not a terminal (an overnight run's output sent to a log file or a pipe),
+    rich draws the bars only once, when the run ends; so each task also gets a plain line,
+    ``progress HH:MM:SS: extracting 12/44, 512 samples  13,135 tok/s now, 47 s elapsed``, at its first
+    update and then at most every :attr:`LOG_EVERY_S` seconds."""
+
+    #: Seconds between two plain progress lines of one task, when the output is not a terminal.
+    LOG_EVERY_S = 60.0
+    clock = staticmethod(time.monotonic)
 
     def add_task(self, description, *args, **fields):
         fields.setdefault("info", "")
         return super().add_task(description, *args, **fields)
+
+    def _log_line(self, task_id) -> None:
+        now = self.clock()
+        logged = self.__dict__.setdefault("_logged", {})
+        if task_id in logged and now - logged[task_id] < self.LOG_EVERY_S:
+            return
+        task = next((t for t in self.tasks if t.id == task_id), None)
+        if task is None:
+            return
+        logged[task_id] = now
+        if task.fields.get("bytes") and task.total:
+            count = f"{fmt_bytes(task.completed)}/{fmt_bytes(task.total)}"
+        else:
+            count = f"{task.completed:,.0f}" + (f"/{task.total:,.0f}" if task.total else "")
+        info = task.fields.get("info") or ""
+        self.console.print(f"progress {time.strftime('%H:%M:%S')}: {task.description} {count}"
+                           f"{', ' + info if info else ''}, {task.elapsed or 0:,.0f} s elapsed",
+                           highlight=False, markup=False, soft_wrap=True)
 
     def update(self, task_id, **kwargs):
         if "answers" in kwargs or "answers_s" in kwargs:  # a regenerate run: conversations answered (producer/run.py)
@@ -104,7 +132,10 @@ class _Progress(Progress):
                 parts.append("measuring tok/s" if tok_s != tok_s else f"{tok_s:,.0f} tok/s now")
             kwargs["info"] = "  ".join(parts)
         kwargs.pop("tokens", None)
-        return super().update(task_id, **kwargs)
+        out = super().update(task_id, **kwargs)
+        if not self.console.is_terminal:
+            self._log_line(task_id)
+        return out
 
 
 def progress_factory() -> Progress:

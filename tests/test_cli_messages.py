@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -247,3 +248,33 @@ def test_a_regenerate_run_whose_batches_were_all_done_says_so_not_zero_done():
         "its 1 extraction batch was already done"
     assert _stage_done({"batches_total": 3, "batches_already_done": 1, "batches_done": 3, "seconds": 2.04},
                        "extraction") == "3/3 extraction batches done in 2.0 s"
+
+
+def test_progress_into_a_log_file_says_a_plain_line_per_task_every_minute(monkeypatch):
+    """Output sent to a file (an overnight run under nohup): rich draws the bars only at the end, so each task
+    also says a plain ``progress HH:MM:SS: <task> done/total, info, elapsed`` line at its first update and then at
+    most every LOG_EVERY_S seconds; on a terminal, no such line (the live bars say it)."""
+    import io
+
+    from rich.console import Console
+
+    import producer.cli as cli
+
+    clock = [1000.0]
+    monkeypatch.setattr(cli._Progress, "clock", staticmethod(lambda: clock[0]))
+    for terminal in (False, True):
+        buf = io.StringIO()
+        progress = cli._Progress(*cli._progress().columns, console=Console(file=buf, force_terminal=terminal, width=200))
+        task = progress.add_task("extracting", total=44)
+        progress.update(task, completed=3, samples=70, tok_s=13135.0)
+        clock[0] += 30
+        progress.update(task, completed=9, samples=200, tok_s=13000.0)  # within the minute: no line
+        clock[0] += 31
+        progress.update(task, completed=20, samples=450, tok_s=12500.0)
+        lines = [x for x in buf.getvalue().splitlines() if x.startswith("progress ")]
+        if terminal:
+            assert lines == [], lines
+            continue
+        assert len(lines) == 2, lines
+        assert re.fullmatch(r"progress \d\d:\d\d:\d\d: extracting 3/44, 70 samples  13,135 tok/s now, \d+ s elapsed", lines[0]), lines
+        assert ": extracting 20/44, 450 samples  12,500 tok/s now, " in lines[1], lines
