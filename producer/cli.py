@@ -90,13 +90,17 @@ class _Progress(Progress):
     LOG_EVERY_S = 60.0
     clock = staticmethod(time.monotonic)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._logged: dict = {}  # task id -> clock() of its last plain line
+
     def add_task(self, description, *args, **fields):
         fields.setdefault("info", "")
         return super().add_task(description, *args, **fields)
 
     def _log_line(self, task_id) -> None:
         now = self.clock()
-        logged = self.__dict__.setdefault("_logged", {})
+        logged = self._logged
         if task_id in logged and now - logged[task_id] < self.LOG_EVERY_S:
             return
         task = next((t for t in self.tasks if t.id == task_id), None)
