@@ -704,6 +704,28 @@ def last_compile_unix(cache_dir: str | None) -> float | None:
     return max(times) if times else None
 
 
+def kernels_compiled_after(cache_dir: str | None, t: float | None) -> dict[str, int]:
+    """{kernel name: entries} of a Triton cache directory's entries written after unix time ``t``
+    (one entry per compiled variant, or per stored autotune result; the name is that of the entry's
+    ``<kernel>.json``): which kernels a worker compiled once its batches had started."""
+    d = Path(cache_dir) if cache_dir else None
+    if t is None or d is None or not d.is_dir():
+        return {}
+    from collections import Counter
+
+    names = Counter()
+    for entry in d.iterdir():
+        try:
+            if entry.stat().st_mtime <= t:
+                continue
+            files = [f.name for f in entry.iterdir()] if entry.is_dir() else [entry.name]
+        except OSError:
+            continue
+        stems = sorted(f.removesuffix(".json") for f in files if f.endswith(".json") and not f.startswith("__grp__"))
+        names[stems[0] if stems else "?"] += 1
+    return dict(names.most_common())
+
+
 def window_after(arrivals: list[tuple[float, int, int]], t: float, skip_last: int = 2) -> tuple[float, float, int]:
     """(t0, t1, tokens) of the markers after time ``t`` (a compile): from the first marker after it to the
     last but ``skip_last``; (0, 0, 0) when fewer than two markers are left."""
@@ -897,6 +919,8 @@ def main() -> None:
         # A kernel compiled inside the steady window (a new batch shape's autotune) stalls the GPU for seconds:
         # a long run pays it once per shape, a short window cannot hide it. The window after the last compile, beside.
         last_compile = last_compile_unix(env.get("TRITON_CACHE_DIR"))
+        # read before this process's own forwards below (a shared cache would get their entries too)
+        compiled_after = kernels_compiled_after(env.get("TRITON_CACHE_DIR"), arrivals[0][0] if arrivals else None)
         after, after_markers = None, []
         if last_compile is not None and arrivals and w0 < last_compile < w1:
             a0, a1, a_tokens = window_after(arrivals, last_compile)
@@ -981,6 +1005,7 @@ def main() -> None:
             "warm_start_s": None if cold else start_s,
             "worker_starts": starts,
             "triton_compiles_after_first_marker": compiles,
+            "kernels_compiled_after_first_marker": compiled_after,
             "steady_after_last_compile": after,  # None: no kernel was compiled inside the steady window
             "batches": len(arrivals),
             "batches_planned": planned_batches,

@@ -91,6 +91,16 @@ def test_the_key_is_the_gpu_architecture_and_the_versions_that_decide_the_compil
     assert cache_key((9, 0), dict(VERSIONS, fla="0.4.1")) != KEY
 
 
+def test_the_key_names_what_the_warm_up_compiles_so_an_archive_of_a_smaller_warm_up_is_not_taken_for_complete():
+    """A worker whose warm-up compiles more (another revision, row buckets up to more tokens) finds no
+    archive stored by a warm-up that compiled less, and stores its own."""
+    from workers.target import warm_up_tag
+
+    tagged = cache_key((9, 0), VERSIONS, warm_up=warm_up_tag(32768))
+    assert tagged.endswith("-fla0.4.0-" + warm_up_tag(32768) + ".tar.gz") and tagged != KEY
+    assert cache_key((9, 0), VERSIONS, warm_up=warm_up_tag(65536)) != tagged
+
+
 def test_the_first_worker_stores_its_compile_cache_and_a_new_nodes_worker_has_it_before_its_warm_up(store, tmp_path):
     first_seen: list = []
     first = around_warm_up(store, KEY, tmp_path / "node1" / "triton", fake_triton_warm_up(tmp_path / "node1" / "triton", first_seen))

@@ -140,3 +140,42 @@ def test_the_decode_warm_up_runs_the_gated_deltanet_recurrent_step_for_each_row_
     assert "decode warm-up failed" not in caplog.text
     per_layer = tiny_qwen35.config.get_text_config().layer_types.count("linear_attention")
     assert sorted(set(rows_seen)) == sorted(DECODE_WARM_UP_ROWS) and len(rows_seen) == per_layer * len(DECODE_WARM_UP_ROWS)
+
+
+@pytest.mark.parametrize("heads", [(16, 32), (16, 48), (2, 4), (1,), (64, 64)])
+@pytest.mark.parametrize("max_tokens", [1, 1000, 4096, 32768, 65536, 100_000])
+def test_the_row_bucket_warm_up_meets_every_bucket_a_batch_can_meet_and_no_other(heads, max_tokens):
+    """fla compiles its row-wise kernels once per bucket of 65,536 rows (``l2norm_fwd``'s ``NB``), rows
+    being tokens x heads: the warm-up's token counts meet each bucket any forward of at most
+    ``max_tokens`` padded tokens meets, each count at most ``max_tokens``, one count per bucket."""
+    from workers.target import FLA_ROW_BUCKET, gdn_token_counts
+
+    counts = gdn_token_counts(max_tokens, heads)
+    assert counts == sorted(set(counts)) and all(1 <= t <= max_tokens for t in counts)
+    for h in heads:
+        warmed = {-(-t * h // FLA_ROW_BUCKET) for t in counts}
+        step = max(1, max_tokens // 4000)  # every token count up to 100k would be slow; the bucket edges are below
+        needed = {-(-t * h // FLA_ROW_BUCKET) for t in [*range(1, max_tokens + 1, step), max_tokens]}
+        assert needed <= warmed
+    assert len(counts) <= sum(-(-max_tokens * h // FLA_ROW_BUCKET) for h in set(heads))
+    assert gdn_token_counts(0, heads) == []
+
+
+def test_the_row_bucket_warm_up_calls_the_first_gated_deltanet_layer_once_per_token_count():
+    """The warm-up runs the model's first GDN token mixer on ``[1, T, hidden]`` for each of the counts
+    (here the tiny Qwen3-Next shape, 2 key and 4 value heads: 20,000 tokens are 80,000 rows at most,
+    two buckets), with the model's own dtype and device; a dense model is left alone."""
+    from tinymodels import tiny_model
+    from workers.target import _warm_up_row_buckets, gdn_token_counts, linear_attention_modules
+
+    model = tiny_model("qwen3-next")
+    seen = []
+    first = linear_attention_modules(model)[0]
+    handle = first.register_forward_pre_hook(lambda module, args: seen.append((tuple(args[0].shape), args[0].dtype)))
+    try:
+        _warm_up_row_buckets(model, 20_000)
+    finally:
+        handle.remove()
+    assert gdn_token_counts(20_000, (2, 4)) == [16384, 20000]
+    assert seen == [((1, 16384, 64), torch.float32), ((1, 20000, 64), torch.float32)]
+    _warm_up_row_buckets(tiny_model("qwen3"), 20_000)  # no GDN layer: nothing to call, no error

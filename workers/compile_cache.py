@@ -55,17 +55,20 @@ def _version(*dists: str) -> str:
     return "none"
 
 
-def cache_key(capability: tuple[int, int], versions: dict[str, str] | None = None) -> str:
+def cache_key(capability: tuple[int, int], versions: dict[str, str] | None = None, warm_up: str = "") -> str:
     """The archive's key for a GPU of compute ``capability`` (``(9, 0)`` on an H200).
 
     ``versions``: ``{"torch", "triton", "fla"}`` (default: this process's installed versions:
-    torch, triton, flash-linear-attention or fla-core). Characters other than letters, digits,
-    ``.``, ``_`` and ``-`` become ``_`` (``2.13.0+cu128`` -> ``2.13.0_cu128``).
+    torch, triton, flash-linear-attention or fla-core). ``warm_up``: what the warm-up compiles
+    (``workers.target.warm_up_tag``), so that an archive stored by a warm-up that compiled less is
+    not taken for complete. Characters other than letters, digits, ``.``, ``_`` and ``-`` become
+    ``_`` (``2.13.0+cu128`` -> ``2.13.0_cu128``).
     """
     if versions is None:
         versions = {"torch": _version("torch"), "triton": _version("triton"),
                     "fla": _version("flash-linear-attention", "fla-core")}
     name = f"sm{capability[0]}{capability[1]}-" + "-".join(f"{k}{versions[k]}" for k in ("torch", "triton", "fla"))
+    name += f"-{warm_up}" if warm_up else ""
     return STORE_PREFIX + re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".tar.gz"
 
 
@@ -186,9 +189,10 @@ def around_warm_up(store, key: str, cache_dir: Path, warm_up) -> dict:
     return {"key": key, "cache_dir": str(cache_dir), "restored": restored, "saved": saved}
 
 
-def for_worker(settings, device):
-    """``(store, key, cache_dir)`` for a worker on ``device``, or None when nothing travels: not
-    CUDA, ``HSX_COMPILE_CACHE`` off, Triton not installed, or the store root cannot be opened (logged)."""
+def for_worker(settings, device, warm_up: str = ""):
+    """``(store, key, cache_dir)`` for a worker on ``device`` whose warm-up is ``warm_up``
+    (:func:`cache_key`), or None when nothing travels: not CUDA, ``HSX_COMPILE_CACHE`` off, Triton
+    not installed, or the store root cannot be opened (logged)."""
     if not settings.compile_cache or device.type != "cuda":
         return None
     try:
@@ -206,4 +210,4 @@ def for_worker(settings, device):
         log.warning("compile cache: store %s not opened (%s: %s); the warm-up compiles", mask_url(settings.store_url),
                     exc.__class__.__name__, exc)
         return None
-    return store, cache_key(torch.cuda.get_device_capability(device)), triton_cache_dir()
+    return store, cache_key(torch.cuda.get_device_capability(device), warm_up=warm_up), triton_cache_dir()

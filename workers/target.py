@@ -374,15 +374,18 @@ def load_target(name: str, settings: Settings) -> Target:
         engine["tensor_parallel"] = group.size  # shard metadata: K ranks made these states
     launch = group.lead if group is not None else launch_capture
     t1 = time.perf_counter()
-    shared = compile_cache.for_worker(settings, device)
+    # the default --batch-tokens bounds a planned batch's padded tokens (producer/batching.py), or the forward cap
+    warm_tokens = min(settings.batch_tokens, settings.max_forward_tokens or settings.batch_tokens)
+    shared = compile_cache.for_worker(settings, device, warm_up=warm_up_tag(warm_tokens))
     if shared is None:
-        _warm_up(model, info, pad, settings.max_batch_samples, launch=launch, decode=group is None)
+        _warm_up(model, info, pad, settings.max_batch_samples, launch=launch, decode=group is None,
+                 max_tokens=warm_tokens)
         cache_record = None
     else:  # Triton's kernels from the store before the warm-up, stored after it if the store had none
         store, key, cache_dir = shared
         cache_record = compile_cache.around_warm_up(
             store, key, cache_dir, lambda: _warm_up(model, info, pad, settings.max_batch_samples, launch=launch,
-                                                    decode=group is None))
+                                                    decode=group is None, max_tokens=warm_tokens))
     warmup_s = time.perf_counter() - t1
     max_forward = settings.max_forward_tokens or (group.probe(model) if group is not None else forward_tokens_that_fit(model))
     log.info("target %s loaded on %s in %.1f s, warm-up %.1f s, kernels %s, at most %s padded tokens per forward%s",
@@ -400,9 +403,10 @@ WARM_UP_LENGTHS = ((32, 16), (33,), (80, 47, 5), (1024,), (1041, 700))
 
 
 def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256, launch=launch_capture,
-             decode: bool = False) -> None:
+             decode: bool = False, max_tokens: int = 0) -> None:
     # Small padded batches through every layer: JIT-compiles kernels before the first real task.
     # ``launch``: launch_capture, or a group's lead (every rank must run every forward).
+    # ``max_tokens``: padded tokens of the largest forward to expect (_warm_up_row_buckets).
     # ``decode``: also the Gated DeltaNet decode kernels a regenerate batch runs (_warm_up_decode).
     from hsx.layers import select_layers
     from hsx.shard import Final
@@ -418,6 +422,8 @@ def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256, launch
         launch(model, rows, selection, store_dtype=torch.float32).wait()
     if decode and on_cuda and is_gdn(model.config):
         _warm_up_decode(model, pad)
+    if on_cuda and launch is launch_capture:
+        _warm_up_row_buckets(model, max_tokens)
     if not rows_as_sequences_active(model):
         if launch is not launch_capture:  # a bare module call on rank 0 alone would leave the followers behind
             if on_cuda:
@@ -425,6 +431,60 @@ def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256, launch
                             "count compiles on first use")
             return
         _warm_up_row_counts(model, max_rows)  # only the batched kernels compile per row count
+
+
+#: fla's row-wise kernels bucket their rows by 65,536 and take the bucket as a ``tl.constexpr``
+#: autotune key: ``NB = triton.cdiv(T, 2048 * 32)`` in ``l2norm_fwd`` (q and k of every Gated
+#: DeltaNet layer, ``use_qk_l2norm_in_kernel``) and ``layer_norm_gated`` (fla/modules/norm/l2norm.py,
+#: fused_norm_gate.py at flash-linear-attention 0.6.0). Each bucket compiles and autotunes 25
+#: configurations: a 7.3 s stall mid-run on the H100 when a batch met a new one (2026-12-06).
+FLA_ROW_BUCKET = 2048 * 32
+
+#: Bump when the warm-up compiles another set of kernels: the compile cache in the store is keyed by
+#: it (:func:`warm_up_tag`), so an archive an earlier warm-up stored is not taken for complete.
+WARM_UP_REVISION = 2
+
+
+def warm_up_tag(max_tokens: int) -> str:
+    """The warm-up's part of the compile cache's key (``workers.compile_cache.cache_key``): its
+    revision and the padded tokens its row buckets cover, e.g. ``warm2-t32768``."""
+    return f"warm{WARM_UP_REVISION}-t{int(max_tokens)}"
+
+
+def gdn_token_counts(max_tokens: int, heads) -> list[int]:
+    """Token counts ``T <= max_tokens`` whose rows ``T * h`` fall into each of fla's row buckets
+    (:data:`FLA_ROW_BUCKET`) that some ``T' <= max_tokens`` meets, for each head count ``h`` in
+    ``heads``: one forward per count compiles every bucket a batch of at most ``max_tokens`` padded
+    tokens can meet. Ascending; [] for ``max_tokens < 1``."""
+    counts = set()
+    for h in {int(h) for h in heads if h and int(h) > 0}:
+        for bucket in range(1, -(-max_tokens * h // FLA_ROW_BUCKET) + 1):
+            t = min(max_tokens, bucket * FLA_ROW_BUCKET // h)  # the most tokens whose rows stay in the bucket
+            if t >= 1:
+                counts.add(t)
+    return sorted(counts)
+
+
+@torch.inference_mode()
+def _warm_up_row_buckets(model: torch.nn.Module, max_tokens: int) -> None:
+    """Compile fla's row-bucketed kernels for every bucket a forward of up to ``max_tokens`` padded
+    tokens meets (CUDA, Gated DeltaNet): one call of the first GDN layer on ``[1, T, hidden]`` zeros
+    per count of :func:`gdn_token_counts` (the caller runs it on CUDA only; on the CPU nothing is
+    compiled), over the layer's key and value head counts (transformers
+    repeats q and k to the value heads where they differ). Without it a length-sorted run compiled
+    them mid-run, one stall per new bucket on every node, outside the compile cache the first worker
+    stores (``workers/compile_cache.py``). A run with a larger ``--batch-tokens`` compiles its extra
+    buckets on first use."""
+    modules = linear_attention_modules(model)
+    param = next(model.parameters())
+    if not modules or max_tokens < 1:
+        return
+    text = model.config.get_text_config()
+    heads = (getattr(text, "linear_num_key_heads", 0), getattr(text, "linear_num_value_heads", 0))
+    for tokens in gdn_token_counts(max_tokens, heads):
+        modules[0](torch.zeros((1, tokens, text.hidden_size), dtype=param.dtype, device=param.device))
+    if param.device.type == "cuda":
+        torch.cuda.synchronize(param.device)
 
 
 #: Row counts of the decode warm-up: Triton specialises an integer argument on being 1 and on being
