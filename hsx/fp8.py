@@ -61,44 +61,56 @@ E4M3_SUBNORMAL_ERR = 2.0**-10
 TOKEN_MAX_REL_ERR = 16.0 / E4M3_MAX
 
 
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` over the last dim, float32 [...] from ``x`` [..., H] (any float dtype, any
+    device): one reduction, no ``|x|`` tensor. NaN where a row holds a NaN, inf where it holds an
+    Inf and no NaN (torch's inf-norm propagates NaN), so ``isfinite(row_amax(x))`` says whether a
+    row is finite: the capture path takes its NaN/Inf flags and its fp8 scales from this one pass."""
+    return torch.linalg.vector_norm(x, float("inf"), dim=-1).to(SCALE_DTYPE)
+
+
+def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The fp8 scale of each row from its :func:`row_amax` (float32 [...]): ``amax / 448``, 1 where
+    that is 0 (a zero row, or an amax so small that the division underflows: the row stores
+    (near-)zeros, no division by zero)."""
+    scale = amax.to(SCALE_DTYPE) / E4M3_MAX
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def quantize_fp8(x: torch.Tensor, amax: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``x`` [..., H] (any float dtype, any device) row by row over its last dim.
 
     Returns ``(q, scale)``: ``q`` float8_e4m3fn [..., H] and ``scale`` float32 [...], on ``x``'s
     device, with ``x ~= q.float() * scale[..., None]`` within :func:`error_bound`. ``scale`` is
     ``amax(|x|) / 448`` per row, 1 for a row of zeros (so it stores exact zeros). The division runs
-    in float32. Rows holding NaN or Inf give NaN or garbage: check finiteness before (the module
-    docstring says why).
+    in float32 and is cast to e4m3fn as it is stored (one pass over ``x``, no float32 copy of it).
+    ``amax``: the rows' :func:`row_amax` when the caller has it already; ``out``: a float8_e4m3fn
+    tensor (or strided view) of ``x``'s shape to write ``q`` into. Rows holding NaN or Inf give NaN
+    or garbage: check finiteness before (the module docstring says why).
     """
-    amax = x.abs().amax(dim=-1).to(SCALE_DTYPE)
-    scale = amax / E4M3_MAX
-    # amax == 0 (or so small that amax / 448 underflows to 0): scale 1, the row stores (near-)zeros.
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    scaled = torch.div(x, scale.unsqueeze(-1))  # a new float32 tensor (x itself is never written)
-    # |scaled| <= 448 up to float32 rounding; clamp so that no cast can overflow to NaN.
-    q = scaled.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    scale = scale_from_amax(row_amax(x) if amax is None else amax)
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device) if out is None else out
+    # |x / scale| <= 448 (1 + 2**-23) by construction: float32 rounding of amax / 448 and of the
+    # quotient; e4m3fn's cast rounds that to 448 (only values from 464 up round past it), so no clamp.
+    torch.div(x, scale.unsqueeze(-1), out=q)
     return q, scale
 
 
-def quantize_states(states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def quantize_states(states: dict[str, torch.Tensor],
+                    amax: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The fp8 step after capture: each captured state quantised as :func:`quantize_fp8` does.
 
     ``states`` maps ``hidden_states`` [T, K, H] and ``final_*`` [T, H] (any float dtype, one
-    device) to their values. Returns, in the same order, each ``name`` as float8_e4m3fn of the same
-    shape followed by ``<name>_scale`` float32 [T, K] or [T], on the same device. ``hidden_states``
-    is quantised one layer slot at a time, so the float32 intermediate is [T, H], never [T, K, H].
+    device) to their values; ``amax`` (optional) the same names to their :func:`row_amax` ([T, K]
+    or [T]), as the capture path computed them for its NaN/Inf flags. Returns, in the same order,
+    each ``name`` as float8_e4m3fn of the same shape followed by ``<name>_scale`` float32 [T, K] or
+    [T], on the same device: one division kernel per state, written straight into the fp8 tensor.
     Take NaN/Inf flags before calling (the module docstring says why).
     """
     out: dict[str, torch.Tensor] = {}
     for name, x in states.items():
-        if x.dim() == 3:
-            q_TKH = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-            scale_TK = torch.empty(x.shape[:2], dtype=SCALE_DTYPE, device=x.device)
-            for k in range(x.shape[1]):
-                q_TKH[:, k], scale_TK[:, k] = quantize_fp8(x[:, k])
-            out[name], out[scale_name(name)] = q_TKH, scale_TK
-        else:
-            out[name], out[scale_name(name)] = quantize_fp8(x)
+        out[name], out[scale_name(name)] = quantize_fp8(x, None if amax is None else amax.get(name))
     return out
 
 

@@ -102,6 +102,50 @@ def test_zero_rows_get_scale_one_and_dequantise_to_exact_zeros():
     check_within_bound(x, q, scale)
 
 
+def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recipe of the module docstring, step by step (the implementation before it was fused):
+    |x|, amax, scale 1 for zero rows, the float32 quotient, a clamp to +-448, the cast."""
+    scale = x.abs().amax(dim=-1).to(torch.float32) / E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.div(x, scale.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_pass_quantisation_is_bit_equal_to_the_step_by_step_recipe(dtype):
+    """Cast on store with no clamp, and written through ``out`` into a strided slot: the same bytes
+    and scales as the recipe, on outliers, massive tokens, zero rows and 30 orders of magnitude."""
+    from hsx.fp8 import quantize_states, row_amax
+
+    x = outlier_tensor(3).to(dtype)
+    x[5] = 0
+    x[6, 1] = torch.finfo(dtype).max  # the largest finite value: its quotient is exactly 448
+    want_q, want_scale = reference_quantize(x)
+    q, scale = quantize_fp8(x)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+    slots = torch.empty((x.shape[0], 2, *x.shape[1:]), dtype=FP8_DTYPE)
+    quantize_fp8(x, row_amax(x), out=slots[:, 1])
+    assert torch.equal(slots[:, 1].view(torch.uint8), want_q.view(torch.uint8))
+    out = quantize_states({"hidden_states": x, "final_postnorm": x[:, 0]}, {"hidden_states": row_amax(x)})
+    assert list(out) == ["hidden_states", "hidden_states_scale", "final_postnorm", "final_postnorm_scale"]
+    assert torch.equal(out["hidden_states"].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(out["final_postnorm_scale"], want_scale[:, 0])
+
+
+def test_row_amax_is_not_finite_exactly_where_a_row_holds_nan_or_inf():
+    """The capture path's NaN/Inf flags come from the rows' max |x|: NaN, +-Inf, and NaN beside an
+    Inf in one row are all caught; finite rows, however large, are not."""
+    from hsx.fp8 import row_amax
+
+    x = torch.randn(8, 4, 16, dtype=torch.bfloat16)
+    x[0, 1, 3] = float("nan")
+    x[1, 0, 0] = float("inf")
+    x[2, 3, 15] = float("-inf")
+    x[3, 2, 4], x[3, 2, 5] = float("inf"), float("nan")
+    x[4, 0] = torch.finfo(torch.bfloat16).max
+    assert torch.equal(torch.isfinite(row_amax(x)), torch.isfinite(x).all(dim=-1))
+    assert row_amax(x).dtype == torch.float32 and row_amax(x).shape == (8, 4)
+
+
 def test_dequantize_refuses_a_scale_of_another_shape():
     q, scale = quantize_fp8(torch.randn(5, 3, 8))
     with pytest.raises(ValueError, match=r"needs a scale of shape \(5, 3\)"):

@@ -41,7 +41,7 @@ import torch
 
 from hsx.decoder import NORM_NAMES, Decoder, decoder_of, first_output
 from hsx.errors import BadConfig, FidelityError
-from hsx.fp8 import FP8_DTYPE, quantize_states
+from hsx.fp8 import FP8_DTYPE, quantize_states, row_amax
 from hsx.layers import LayerSelection
 from hsx.shard import FINAL_POSTNORM, FINAL_PRENORM, HIDDEN_STATES, Final, scale_name
 
@@ -305,9 +305,11 @@ def launch_capture(
     # NaN/Inf flags per token and part, computed on the device (a host scan of [T, K, H] is not cheap)
     # and copied with the states: [T, P] bools, read after wait(). Taken before fp8 quantisation:
     # e4m3fn has no Inf (hsx/fp8.py).
-    finite_TP, parts = finite_flags(states, selection.layer_ids)
+    # One max-|x| pass per state gives both (an inf-norm is NaN or inf exactly where a row is not finite).
+    amax = {name: row_amax(x) for name, x in states.items()}
+    finite_TP, parts = finite_flags(states, selection.layer_ids, amax)
     if quantize:
-        states = quantize_states(states)  # fp8: q [..., H] and a float32 <name>_scale [...] per state
+        states = quantize_states(states, amax)  # fp8: q [..., H] and a float32 <name>_scale [...] per state
 
     # One device-to-host copy per captured tensor, on a side stream so that the next batch's forward
     # (queued on the compute stream as soon as the GPU lock is released) overlaps with it.
@@ -448,23 +450,26 @@ class HostBuffer:
         return out
 
 
-def finite_flags(states: dict[str, torch.Tensor], layer_ids) -> tuple[torch.Tensor, list[str]]:
+def finite_flags(states: dict[str, torch.Tensor], layer_ids,
+                 amax: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[str]]:
     """Per token and captured part, whether every value is finite: (bool [T, P], the P part names).
 
     ``states`` maps ``hidden_states`` [T, K, H] and ``final_*`` [T, H] to tensors on one device;
-    the flags are computed there (no host sync). Parts: the layer ids as strings, in the order of
-    ``layer_ids``, then the finals by name.
+    the flags are computed there (no host sync), from each row's max |x| (``hsx.fp8.row_amax``:
+    NaN or inf exactly where the row holds a NaN or an Inf), given in ``amax`` by name ([T, K] or
+    [T]) or computed here. Parts: the layer ids as strings, in the order of ``layer_ids``, then the
+    finals by name.
     """
     parts: list[str] = []
     finite_cols = []
     for name in sorted(states, key=lambda n: (n != "hidden_states", n)):
-        tensor = states[name]
+        row_max = amax[name] if amax is not None else row_amax(states[name])
         if name == "hidden_states":
             parts += [str(layer_id) for layer_id in layer_ids]
-            finite_cols.append(torch.isfinite(tensor).all(dim=-1))  # [T, K]
+            finite_cols.append(torch.isfinite(row_max))  # [T, K]
         else:
             parts.append(name)
-            finite_cols.append(torch.isfinite(tensor).all(dim=-1)[:, None])  # [T, 1]
+            finite_cols.append(torch.isfinite(row_max)[:, None])  # [T, 1]
     return torch.cat(finite_cols, dim=1), parts
 
 
