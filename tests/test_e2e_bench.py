@@ -81,3 +81,46 @@ def test_the_window_after_the_last_compile_starts_at_the_first_marker_after_it(t
     t0, t1, tokens = window_after(arrivals, 250.0)
     assert (t0, t1) == (260.0, 290.0) and tokens == (1270 + 1280 + 1290), "260 opens it; 300 and 310 are the tail"
     assert window_after(arrivals, 305.0) == (0.0, 0.0, 0), "one marker after the compile: no window"
+
+
+def test_the_kernels_compiled_after_the_first_marker_are_named_from_the_triton_cache(tmp_path):
+    """Entries of the worker's Triton cache newer than the first marker, counted by the kernel each
+    entry's ``<kernel>.json`` names (a grouping ``__grp__`` file does not name it)."""
+    import os
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from e2e_throughput import kernels_compiled_after
+
+    for entry, kernel, t in (("a1", "l2norm_fwd_kernel", 300.0), ("a2", "l2norm_fwd_kernel", 310.0),
+                             ("b1", "chunk_fwd_kernel_o", 320.0), ("c1", "l2norm_fwd_kernel", 100.0)):
+        (tmp_path / entry).mkdir()
+        (tmp_path / entry / f"{kernel}.json").write_text("{}")
+        (tmp_path / entry / f"__grp__{kernel}.json").write_text("{}")
+        os.utime(tmp_path / entry, (t, t))
+    assert kernels_compiled_after(str(tmp_path), 200.0) == {"l2norm_fwd_kernel": 2, "chunk_fwd_kernel_o": 1}
+    assert kernels_compiled_after(str(tmp_path), 400.0) == {}
+    assert kernels_compiled_after(None, 200.0) == {} and kernels_compiled_after(str(tmp_path), None) == {}
+
+
+def test_under_a_deadline_the_same_work_ceiling_covers_the_first_batches_that_fit_and_ours_is_recounted_over_them():
+    """``--plan-ceiling`` with ``--deadline-s``: the plain forward runs two passes over the window's
+    first batches whose time at the 16 x 2048 rate fits what the deadline leaves; ours is then
+    counted over exactly those batches, from the window's start to the last one's marker."""
+    import time
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from e2e_throughput import fit_to_deadline, w_tokens_over
+
+    markers = [SimpleNamespace(finished_unix=1000.0 + i, num_tokens=10_000, batch=f"b{i:06d}") for i in range(10, 0, -1)]
+    now = time.monotonic()
+    no_deadline = SimpleNamespace(deadline_s=None)
+    assert [m.finished_unix for m in fit_to_deadline(markers, 10_000, no_deadline, now)] == [1000.0 + i for i in range(1, 11)]
+    # 100 s left after the 45 s margin; 2.2 s of plain forward per batch of 10,000 tokens at 10,000 tok/s: 45 fit
+    left_100 = SimpleNamespace(deadline_s=145.0)
+    assert len(fit_to_deadline(markers, 10_000, left_100, now)) == 10
+    left_5 = SimpleNamespace(deadline_s=50.0)  # 5 s left: two batches (4.4 s), the third would pass it
+    fitted = fit_to_deadline(markers, 10_000, left_5, now)
+    assert [m.finished_unix for m in fitted] == [1001.0, 1002.0]
+    assert len(fit_to_deadline(markers, 10_000, SimpleNamespace(deadline_s=1.0), now)) == 2, "at least two"
+    assert w_tokens_over(fitted, 1000.0) == {"batches": 2, "window_s": 2.0, "tok_s": 10_000}
