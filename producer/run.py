@@ -48,6 +48,14 @@ def settings_env(settings: Settings, **overrides) -> dict[str, str]:
     return env
 
 
+def worker_env(settings: Settings, broker_url: str, model: str, batch_tokens: int) -> dict[str, str]:
+    """The environment of the workers ``producer run`` starts: :func:`settings_env` with the
+    embedded broker, the run's model, and the run's ``batch_tokens`` as ``HSX_BATCH_TOKENS``, so
+    that their warm-up compiles the kernels a batch of that budget meets (``workers/target.py``:
+    fla's row buckets) before the first batch, not during the run."""
+    return settings_env(settings, broker_url=broker_url, model=model, batch_tokens=batch_tokens)
+
+
 class LocalWorkers:
     """``python -m workers`` as a child process, logging to a file; stopped with SIGTERM (warm shutdown)."""
 
@@ -446,7 +454,7 @@ class _Launch:
             console.print(f"[dim]embedded broker: valkey-server on {self.broker.socket_path} "
                           f"(AOF in {settings.broker_state_dir})[/]", soft_wrap=True)
         log_path = workers_log_path(settings, job.config.run_id)
-        env = settings_env(settings, broker_url=self.broker_url, model=self.opts.model)
+        env = worker_env(settings, self.broker_url, self.opts.model, job.config.batch_tokens)
         self.local = LocalWorkers(env, log_path, count=self.workers)
         # soft_wrap: lines with commands and paths to copy are never broken
         console.print(f"[dim]workers: python -m workers (log: {log_path})[/]", soft_wrap=True)

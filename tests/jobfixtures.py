@@ -484,7 +484,8 @@ class SharedWorker:
 
     #: Settings a job may set otherwise than the shared worker: where its files and its own state go
     #: (``store_url`` must be under ``root``), and the broker (always the shared one here).
-    PER_JOB = frozenset({"store_url", "allowed_stores", "state_dir", "spool_dir", "broker_url"})
+    # batch_tokens: producer run passes its run's budget to its workers (their warm-up's reach)
+    PER_JOB = frozenset({"store_url", "allowed_stores", "state_dir", "spool_dir", "broker_url", "batch_tokens"})
 
     def __init__(self, tmp: Path, cache: Path, root: Path, name: str = "cpu0"):
         from hsx.access import normalise

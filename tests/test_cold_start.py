@@ -170,3 +170,16 @@ def test_hsx_compile_cache_is_the_setting(monkeypatch, env_value, expected):
 
     monkeypatch.setenv("HSX_COMPILE_CACHE", env_value)
     assert Settings(_env_file=None).compile_cache is expected
+
+
+def test_the_workers_a_producer_run_starts_warm_up_for_that_runs_batch_budget():
+    """``producer run --batch-tokens N`` starts its workers with ``HSX_BATCH_TOKENS=N``: their warm-up
+    compiles fla's row buckets up to N padded tokens (workers/target.py), whatever the default."""
+    from producer.run import worker_env
+    from settings import Settings
+
+    env = worker_env(Settings(_env_file=None), "redis+socket:///tmp/b.sock", "Qwen/Qwen3-8B", 65536)
+    with_env = Settings(_env_file=None, **{k.removeprefix("HSX_").lower(): v for k, v in env.items()
+                                           if k in ("HSX_BATCH_TOKENS", "HSX_MODEL")})
+    assert env["HSX_BATCH_TOKENS"] == "65536" and with_env.batch_tokens == 65536
+    assert env["HSX_BROKER_URL"] == "redis+socket:///tmp/b.sock" and with_env.model == "Qwen/Qwen3-8B"
