@@ -75,7 +75,10 @@ def progress_table(status: dict) -> Table:
     state = status["state"]
     state_style = {"done": "green", "failed": "red", "plan_failed": "red", "running": "cyan", "stalled": "yellow",
                    "planning": "yellow", "cancelled": "yellow", "queued": "yellow"}.get(state, "")
-    t.add_row("state", Text(state, style=state_style))
+    # A Ctrl-C while planning is a stop the same command resumes, not an error: said in yellow
+    stopped = state == "plan_failed" and str(status.get("plan_error") or "").startswith("interrupted")
+    t.add_row("state", Text(state + (" (stopped by you: resumable)" if stopped else ""),
+                            style="yellow" if stopped else state_style))
     cancelled = status.get("cancelled")
     if cancelled and state == "cancelled":
         now = "; --now: running batches stop before their marker" if cancelled.get("now") else \
@@ -97,7 +100,8 @@ def progress_table(status: dict) -> Table:
     t.add_row("model", Text(status["model"]))
     streaming = status.get("planning") is not None  # the plan is still written: totals are so far
     if state == "plan_failed":
-        t.add_row("progress", Text(f"planning did not finish: {status.get('plan_error')}", style="red"))
+        t.add_row("progress", Text(f"planning did not finish: {status.get('plan_error')}",
+                                   style="yellow" if stopped else "red"))
         command = (status.get("planner") or {}).get("command") or "the same `python -m producer run` / `enqueue` command"
         windows = (status.get("planning") or {}).get("windows")
         after = f"it resumes after the {plural(windows, 'window')} written" if windows else "it plans the run from the start"

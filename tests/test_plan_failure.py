@@ -80,6 +80,8 @@ def test_a_plan_that_fails_while_written_is_reported_by_status_and_the_same_comm
     text = _render(status)
     assert "planning did not finish" in text and said in text
     assert f"run {COMMAND} again" in text
+    # a Ctrl-C is a stop the same command resumes; an error stays an error
+    assert ("stopped by you: resumable" in text) == isinstance(exc, KeyboardInterrupt)
 
     monkeypatch.undo()
     planned = plan_run(_opts(tmp_path), settings)

@@ -271,6 +271,7 @@ def test_a_plan_stopped_after_its_first_window_is_plan_failed_and_its_batches_ar
     assert status["batches_total"] == len(first) and status["eta_s"] is None
     text = _render(status)
     assert "1 window written before it stopped" in text and "it resumes after the 1 window written" in text, text
+    assert "plan_failed (stopped by you: resumable)" in text, "a Ctrl-C is said as a stop, not as an error"
 
     report = verify_run(run_store)
     (incomplete,) = _kinds(report)["plan_incomplete"]
