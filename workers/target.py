@@ -470,8 +470,8 @@ def _warm_up_row_buckets(model: torch.nn.Module, max_tokens: int) -> None:
     """Compile fla's row-bucketed kernels for every bucket a forward of up to ``max_tokens`` padded
     tokens meets (CUDA, Gated DeltaNet): one call of the first GDN layer on ``[1, T, hidden]`` zeros
     per count of :func:`gdn_token_counts` (the caller runs it on CUDA only; on the CPU nothing is
-    compiled), over the layer's key and value head counts (transformers
-    repeats q and k to the value heads where they differ). Without it a length-sorted run compiled
+    compiled), over the layer's key and value head counts (fla is given q and k with the key
+    heads; transformers' torch fallback repeats them to the value heads: both are covered). Without it a length-sorted run compiled
     them mid-run, one stall per new bucket on every node, outside the compile cache the first worker
     stores (``workers/compile_cache.py``). A run with a larger ``--batch-tokens`` compiles its extra
     buckets on first use."""
