@@ -440,6 +440,7 @@ class PlanJob:
         self.num_proc = _num_proc(opts, settings, source)
         self.windows: list[PlanWindow] = []
         self.written = 0  # how many of self.windows are in the store
+        self.reused = False  # the whole plan was in the store already (run's bar: not "while planning")
         self._record: Planning | None = None
         self.claimed_run = False
         #: the local output directory this plan's store made (prepare_plan); removed if the plan fails
@@ -453,6 +454,7 @@ class PlanJob:
         store = self.run_store
         if plan_complete(store):
             planned = self._reuse()
+            self.reused = True
             if on_window is not None:
                 on_window(self, planned.batches)
             return planned

@@ -435,7 +435,7 @@ class _Launch:
         except Exception:  # only a progress figure: the store may be slow to list
             done = None
         self.progress.update(self.task, total=self.planned, **({} if done is None else {"completed": done}),
-                             info="while planning")
+                             info="plan reused" if getattr(job, "reused", False) else "while planning")
 
     def _start(self, job: PlanJob) -> None:
         settings, console = self.settings, self.console

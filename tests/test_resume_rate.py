@@ -87,3 +87,21 @@ def test_tok_s_now_after_a_resume_counts_only_the_markers_made_since(finished, t
     for k in range(2, len(later) + 1):
         steady = sum(tokens[1:k]) / (10.0 * (k - 1))
         assert rates[k] == pytest.approx(steady), (k, rates, steady)
+
+
+def test_a_run_whose_plan_is_reused_never_says_while_planning(finished, shared_worker, tmp_path):
+    """The same ``producer run`` again over a run stopped halfway: its plan is reused whole, and its
+    bar (in a log: the plain ``progress`` lines) says so, never "while planning" (a new user read
+    that a resumed run was planning again); it then finishes the other half."""
+    run_dir = tmp_path / "out" / finished["report"]["run_id"]
+    shutil.copytree(finished["dir"], run_dir, ignore=shutil.ignore_patterns(".hsx-tmp-*"))
+    store = open_store(str(run_dir))
+    batches = read_batch_list(store)
+    for b in batches[len(batches) // 2:]:
+        store.delete(marker_key(b.batch))  # the run stopped here
+    proc = shared_worker.producer(["run", *ARGS, "--output", str(tmp_path / "out")], finished["env"])
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-2000:]
+    progress = [line for line in said.splitlines() if line.startswith("progress ")]
+    assert any("extracting" in line and "plan reused" in line for line in progress), progress
+    assert "while planning" not in said, said[-2000:]
