@@ -349,13 +349,13 @@ def parse_raw(raw: Any) -> Any:
     try:
         text = raw.data.decode("utf-8")
     except UnicodeDecodeError as err:
-        return BadRecord(raw.record_id, "invalid_utf8", f"line {raw.lineno}: byte {err.start}: {err.reason}")
+        return BadRecord(raw.record_id, "invalid_utf8", f"at line {raw.lineno} of the file, byte {err.start}: {err.reason}")
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
         # json's own messages may end in " at" ("Invalid control character at"): the place follows it once
         return BadRecord(raw.record_id, "malformed_json",
-                         f"line {raw.lineno}, column {err.colno}: {err.msg.removesuffix(' at')}")
+                         f"at line {raw.lineno} of the file, column {err.colno}: {err.msg.removesuffix(' at')}")
 
 
 def _iter_json_lines(path: Path, opener=_open_binary, lazy: bool = False) -> Iterator[Any]:
@@ -665,7 +665,7 @@ def _normalise_turn(rid: str, i: int, turn: Any, role_key: str, content_key: str
         raise BadRecord(rid, "bad_turn", f"turn {i} has no {role_key!r} string")
     norm_role = ROLE_MAP.get(role.strip().lower())
     if norm_role is None:
-        raise BadRecord(rid, "unknown_role", f"turn {i} role {role!r}")
+        raise BadRecord(rid, "unknown_role", f"turn {i} role {role!r}; known roles: {', '.join(ROLE_MAP)}")
     other_key = "content" if content_key == "value" else "value"
     if content_key in turn:
         content = turn[content_key]

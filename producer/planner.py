@@ -169,6 +169,9 @@ def build_config(opts: PlanOptions, settings: Settings, progress=None, *,
         raise BadConfig(f"max batch samples {max_batch_samples}: must be at least 1")
     if max_length < 8:
         raise BadConfig(f"--max-length {max_length}: must be at least 8 tokens")
+    if batch_tokens < 1:
+        raise BadConfig(f"--batch-tokens {batch_tokens}: must be a positive number of tokens per batch "
+                        f"(rows x longest row, padding included; default {type(settings).model_fields['batch_tokens'].default:,})")
     if batch_tokens < max_length:
         raise BadConfig(
             f"--batch-tokens {batch_tokens} is smaller than --max-length {max_length}: a batch must hold at least one "
@@ -361,14 +364,19 @@ def prepare_plan(opts: PlanOptions, settings: Settings, progress=None) -> "PlanJ
     url = opts.output or settings.store_url
     made_root = _new_local_dir(url)
     root = open_store(url, settings)
-    if exists(root, RUN_JSON):
-        # --output takes the store root that holds runs; README examples write runs as ./out/<run_id>.
-        raise BadConfig(f"--output {opts.output or settings.store_url!r} is a run (it holds run.json), not the store root "
-                        "that runs are written under; a run here would be nested inside that one. Fix: give its parent "
-                        "directory (e.g. --output ./out)")
-    config, (spec, chat), source = build_config(opts, settings, progress)
-    run_store = root.child(config.run_id)
-    check_run(run_store, config)  # RunConflict before any work
+    try:
+        if exists(root, RUN_JSON):
+            # --output takes the store root that holds runs; README examples write runs as ./out/<run_id>.
+            raise BadConfig(f"--output {opts.output or settings.store_url!r} is a run (it holds run.json), not the store "
+                            "root that runs are written under; a run here would be nested inside that one. Fix: give its "
+                            "parent directory (e.g. --output ./out)")
+        config, (spec, chat), source = build_config(opts, settings, progress)
+        run_store = root.child(config.run_id)
+        check_run(run_store, config)  # RunConflict before any work
+    except BaseException:  # a refused request leaves no empty --output directory behind
+        if made_root is not None:
+            _remove_empty_dirs(made_root)
+        raise
     job = PlanJob(opts, settings, root, run_store, config, spec, chat, source)
     job.made_root = made_root
     return job
@@ -448,6 +456,12 @@ class PlanJob:
         self.made_root: Path | None = None
 
     # ------------------------------------------------------------------------------------------
+
+    def discard(self) -> None:
+        """Remove the output directory :func:`prepare_plan` made for this job while nothing is in it
+        (a run refused after its request was checked: the refusal leaves nothing behind)."""
+        if self.made_root is not None:
+            _remove_empty_dirs(self.made_root)
 
     def run(self, progress=None, on_window=None) -> PlannedRun:
         t0 = time.perf_counter()

@@ -478,17 +478,22 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
     claimed = None
     if settings.broker_url:
         check_broker(settings.broker_url)  # a bad broker URL is refused before planning
-    elif settings.broker_state_dir.is_dir():
-        # another `run` on this machine's embedded broker: refused now, not after tokenising the dataset
-        # (no state dir yet: no other run holds it, and a refused config leaves nothing behind)
-        claimed = EmbeddedBroker(settings.broker_state_dir).claim()
     try:
         try:
             if settings.gpus_per_worker > 1:  # a K the model cannot be split into: refused before planning
                 from workers.group import check_group
 
                 check_group(opts.model, settings)
-            job = prepare_plan(opts, settings)  # every refusal before anything starts
+            job = prepare_plan(opts, settings)  # every refusal of the request before anything starts (writes nothing)
+            if not settings.broker_url and settings.broker_state_dir.is_dir():
+                # another `run` on this machine's embedded broker: refused now, not after tokenising the dataset,
+                # and after the request's own errors (a wrong option is said as such, not as a busy broker).
+                # No state dir yet: no other run holds it, and a refused config leaves nothing behind.
+                try:
+                    claimed = EmbeddedBroker(settings.broker_state_dir).claim()
+                except BaseException:
+                    job.discard()
+                    raise
             interrupts.check()  # a Ctrl-C while the dataset was opened (its KeyboardInterrupt dropped): start nothing
         except KeyboardInterrupt:
             raise PlanningInterrupted("interrupted before planning: nothing was written; "

@@ -83,6 +83,13 @@ def test_a_batch_budget_smaller_than_one_sample_is_refused(tmp_path, env):
     _refused(proc, "--batch-tokens 256", "--max-length 512")
 
 
+def test_a_batch_budget_that_is_not_positive_is_refused_as_such(tmp_path, env):
+    proc = run_here(["run", "sharegpt", "--model", "tiny-qwen3.5", "--limit", "5", "--output", str(tmp_path / "out"),
+                     "--batch-tokens", "-5"], env)
+    _refused(proc, "--batch-tokens -5", "positive number of tokens", "default 32,768")
+    assert not (tmp_path / "out").exists(), "a refused request leaves no empty output directory"
+
+
 def test_an_unreachable_s3_endpoint_is_refused_with_its_address(tmp_path, env):
     """A closed port as S3 endpoint: exit 2 naming the endpoint, before any model work."""
     url = closed_port_url()

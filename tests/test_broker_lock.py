@@ -59,6 +59,22 @@ def test_a_second_run_is_refused_before_it_tokenises_its_dataset(tmp_path, tiny_
     assert "tokenis" not in said.lower() and not (tmp_path / "out").exists(), "planning started before the refusal"
 
 
+def test_a_wrong_option_is_said_as_such_even_while_another_run_holds_the_broker(tmp_path, tiny_cache):
+    """The request's own errors come first: ``--layers 3,1`` names the rule and the fix, not the busy
+    broker (a new user's wrong options all read "another 'producer run' is using the embedded broker")."""
+    from jobfixtures import clean_env, run_here
+
+    holder = EmbeddedBroker(tmp_path / "state").claim()
+    try:
+        proc = run_here(["run", "sharegpt", "--limit", "5", "--model", "tiny-qwen3.5", "--layers", "3,1",
+                         "--output", str(tmp_path / "out")], clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state"))
+    finally:
+        holder.release()
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and "ascending" in said and "another 'producer run'" not in said, said
+    assert not (tmp_path / "out").exists()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

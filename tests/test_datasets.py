@@ -101,7 +101,8 @@ def test_every_pathology_is_counted_under_its_reason_and_every_good_record_is_yi
         "unknown_role": 1, "duplicate_id": 1, "bad_turn": 2, "no_assistant_turn": 1,
     }
     assert list(convs) == ["good", "roles", "lead", "7"]
-    assert skips.examples["unknown_role"] == ["narrator: turn 1 role 'narrator'"]
+    (example,) = skips.examples["unknown_role"]
+    assert example.startswith("narrator: turn 1 role 'narrator'; known roles: system, human, user, gpt, assistant"), example
     assert skips.examples["not_an_object"][0].startswith("patho.jsonl:3:")
     assert [m["role"] for m in convs["roles"].messages] == ["user", "assistant"] * 3
     assert convs["lead"].messages == (
