@@ -471,10 +471,12 @@ def _warm_up_row_buckets(model: torch.nn.Module, max_tokens: int) -> None:
     tokens meets (CUDA, Gated DeltaNet): one call of the first GDN layer on ``[1, T, hidden]`` zeros
     per count of :func:`gdn_token_counts` (the caller runs it on CUDA only; on the CPU nothing is
     compiled), over the layer's key and value head counts (fla is given q and k with the key
-    heads; transformers' torch fallback repeats them to the value heads: both are covered). Without it a length-sorted run compiled
-    them mid-run, one stall per new bucket on every node, outside the compile cache the first worker
-    stores (``workers/compile_cache.py``). A run with a larger ``--batch-tokens`` compiles its extra
-    buckets on first use."""
+    heads; transformers' torch fallback repeats them to the value heads: both are covered). Without
+    it a length-sorted run compiled them mid-run, one stall per new bucket on every node, outside the
+    compile cache the first worker stores (``workers/compile_cache.py``). A run with a larger
+    ``--batch-tokens`` than the worker's ``HSX_BATCH_TOKENS`` compiles its extra buckets on first
+    use; so does a tensor-parallel group (a module call on rank 0 alone would leave its followers
+    behind)."""
     modules = linear_attention_modules(model)
     param = next(model.parameters())
     if not modules or max_tokens < 1:
