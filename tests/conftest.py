@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -47,6 +48,12 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # broker in /root/.cache/hsx/broker" while the user ran one). Each pytest process gets its own cache;
 # the processes tests start get theirs from ``clean_env`` as before.
 _TEST_CACHE = tempfile.mkdtemp(prefix="hsx-test-cache-")
+# A suite started as a script's background job (`.ci/run &`) inherits SIGINT ignored, and the CLI
+# leaves an ignored SIGINT ignored as Python does (producer/interrupts.py): the Ctrl-C tests then saw
+# no Ctrl-C and their commands ran to the end (3 failures, 2026-12-06). The suite takes Ctrl-C as a
+# terminal does; the processes it starts inherit that.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ["HSX_CACHE_DIR"] = _TEST_CACHE
 os.environ.pop("HSX_STATE_DIR", None)
 atexit.register(shutil.rmtree, _TEST_CACHE, ignore_errors=True)
