@@ -513,11 +513,11 @@ class RunWatch:
                                                 else "")
                          + f" (is anything queued? `python -m producer reconcile {self.run_store.url}`)")
         if stopped:
-            parts.append(f"{len(stopped)} stopped (exited)")
+            parts.append(f"{len(stopped)} worker{'s' if len(stopped) != 1 else ''} stopped (the process exited)")
         if not parts:
             parts.append("every worker that served it has stopped")
         restart = self._restart(parked[0]["fix"] if parked else None, planning)
-        why = "no live worker works on the run: " + "; ".join(parts)
+        why = "no worker is working on the run: " + "; ".join(parts)
         if self.broker == "embedded" and self.embedded_live is False:  # its workers were that command's own
             why = ("the `python -m producer run` that ran it is not running on this machine (stopped by a Ctrl-C, or "
                    "it failed): its finished batches keep their markers; " + why)

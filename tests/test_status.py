@@ -405,7 +405,8 @@ def test_a_producer_run_stopped_midway_says_so_in_its_stall(small_run, tmp_path)
     assert status["state"] == "stalled", status
     assert status["stalled_reason"].startswith("the `python -m producer run` that ran it is not running on this machine "
                                                "(stopped by a Ctrl-C, or it failed): its finished batches keep their markers; "
-                                               "no live worker works on the run"), status["stalled_reason"]
+                                               "no worker is working on the run: 1 worker stopped (the process exited)"
+                                               ), status["stalled_reason"]
     assert status["restart"] == "run the same `python -m producer run` command again: it enqueues every batch without a marker"
     watch.embedded_live = None  # not known (--no-broker): nothing said of the command
     assert not watch.poll()["stalled_reason"].startswith("the `python -m producer run`")
