@@ -179,3 +179,30 @@ def test_the_row_bucket_warm_up_calls_the_first_gated_deltanet_layer_once_per_to
     assert gdn_token_counts(20_000, (2, 4)) == [16384, 20000]
     assert seen == [((1, 16384, 64), torch.float32), ((1, 20000, 64), torch.float32)]
     _warm_up_row_buckets(tiny_model("qwen3"), 20_000)  # no GDN layer: nothing to call, no error
+
+
+def test_a_groups_row_bucket_warm_up_runs_one_whole_forward_per_token_count_over_the_heads_of_a_rank():
+    """A tensor-parallel group cannot call one layer on rank 0 alone (its followers would be left
+    waiting in the next collective): its warm-up sends one whole single-row forward per token count
+    through the group's launch. A rank of 2 holds half of each Gated DeltaNet layer's heads (tiny
+    Qwen3-Next: 2 key and 4 value heads, so 1, 2 and 4 per rank or replicated), so the counts are
+    those of those head counts; each forward really runs (its capture is waited for)."""
+    from tinymodels import tiny_model
+    from workers.capture import launch_capture
+    from workers.target import _warm_up_group_row_buckets, gdn_token_counts
+
+    model = tiny_model("qwen3-next")
+    seen = []
+
+    def lead(model, rows, selection, *, store_dtype):
+        seen.append((tuple(rows.input_ids_BS.shape), int(rows.cu_seqlens_N1[-1]), list(selection.layer_ids)))
+        return launch_capture(model, rows, selection, store_dtype=store_dtype)
+
+    _warm_up_group_row_buckets(model, lead, 20_000, pad=0, ranks=2)
+    counts = gdn_token_counts(20_000, (1, 2, 4))
+    assert counts == [16384, 20000]
+    n = model.config.num_hidden_layers
+    assert seen == [((1, t), t, [n - 1]) for t in counts]
+    seen.clear()
+    _warm_up_group_row_buckets(tiny_model("qwen3"), lead, 20_000, pad=0, ranks=2)  # no GDN layer: no forward
+    assert seen == []

@@ -373,19 +373,20 @@ def load_target(name: str, settings: Settings) -> Target:
     if group is not None:
         engine["tensor_parallel"] = group.size  # shard metadata: K ranks made these states
     launch = group.lead if group is not None else launch_capture
+    ranks = group.size if group is not None else 1
     t1 = time.perf_counter()
     # the default --batch-tokens bounds a planned batch's padded tokens (producer/batching.py), or the forward cap
     warm_tokens = min(settings.batch_tokens, settings.max_forward_tokens or settings.batch_tokens)
     shared = compile_cache.for_worker(settings, device, warm_up=warm_up_tag(warm_tokens))
     if shared is None:
         _warm_up(model, info, pad, settings.max_batch_samples, launch=launch, decode=group is None,
-                 max_tokens=warm_tokens)
+                 max_tokens=warm_tokens, ranks=ranks)
         cache_record = None
     else:  # Triton's kernels from the store before the warm-up, stored after it if the store had none
         store, key, cache_dir = shared
         cache_record = compile_cache.around_warm_up(
             store, key, cache_dir, lambda: _warm_up(model, info, pad, settings.max_batch_samples, launch=launch,
-                                                    decode=group is None, max_tokens=warm_tokens))
+                                                    decode=group is None, max_tokens=warm_tokens, ranks=ranks))
     warmup_s = time.perf_counter() - t1
     max_forward = settings.max_forward_tokens or (group.probe(model) if group is not None else forward_tokens_that_fit(model))
     log.info("target %s loaded on %s in %.1f s, warm-up %.1f s, kernels %s, at most %s padded tokens per forward%s",
@@ -403,9 +404,9 @@ WARM_UP_LENGTHS = ((32, 16), (33,), (80, 47, 5), (1024,), (1041, 700))
 
 
 def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256, launch=launch_capture,
-             decode: bool = False, max_tokens: int = 0) -> None:
+             decode: bool = False, max_tokens: int = 0, ranks: int = 1) -> None:
     # Small padded batches through every layer: JIT-compiles kernels before the first real task.
-    # ``launch``: launch_capture, or a group's lead (every rank must run every forward).
+    # ``launch``: launch_capture, or a group's lead (every rank must run every forward) of ``ranks`` ranks.
     # ``max_tokens``: padded tokens of the largest forward to expect (_warm_up_row_buckets).
     # ``decode``: also the Gated DeltaNet decode kernels a regenerate batch runs (_warm_up_decode).
     from hsx.layers import select_layers
@@ -424,6 +425,8 @@ def _warm_up(model: torch.nn.Module, info, pad: int, max_rows: int = 256, launch
         _warm_up_decode(model, pad)
     if on_cuda and launch is launch_capture:
         _warm_up_row_buckets(model, max_tokens)
+    elif on_cuda:
+        _warm_up_group_row_buckets(model, launch, max_tokens, pad, ranks)
     if not rows_as_sequences_active(model):
         if launch is not launch_capture:  # a bare module call on rank 0 alone would leave the followers behind
             if on_cuda:
@@ -475,8 +478,8 @@ def _warm_up_row_buckets(model: torch.nn.Module, max_tokens: int) -> None:
     it a length-sorted run compiled them mid-run, one stall per new bucket on every node, outside the
     compile cache the first worker stores (``workers/compile_cache.py``). A run with a larger
     ``--batch-tokens`` than the worker's ``HSX_BATCH_TOKENS`` compiles its extra buckets on first
-    use; so does a tensor-parallel group (a module call on rank 0 alone would leave its followers
-    behind)."""
+    use. A tensor-parallel group warms them up with whole forwards instead
+    (:func:`_warm_up_group_row_buckets`)."""
     modules = linear_attention_modules(model)
     param = next(model.parameters())
     if not modules or max_tokens < 1:
@@ -487,6 +490,33 @@ def _warm_up_row_buckets(model: torch.nn.Module, max_tokens: int) -> None:
         modules[0](torch.zeros((1, tokens, text.hidden_size), dtype=param.dtype, device=param.device))
     if param.device.type == "cuda":
         torch.cuda.synchronize(param.device)
+
+
+@torch.inference_mode()
+def _warm_up_group_row_buckets(model: torch.nn.Module, launch, max_tokens: int, pad: int, ranks: int) -> None:
+    """:func:`_warm_up_row_buckets` for a tensor-parallel group of ``ranks`` processes: every rank must
+    run every forward (a module call on rank 0 alone would leave its followers waiting), so each
+    token count of :func:`gdn_token_counts` is one whole forward of a single row of that many tokens
+    through ``launch`` (the group's ``lead``). A rank holds ``heads / ranks`` of each Gated DeltaNet
+    layer's heads (transformers' tensor-parallel plan splits them), so the counts cover the
+    per-rank head counts, and the whole ones in case a layer is replicated. The rows are no larger
+    than a planned batch's (``max_tokens``); an error is raised as any warm-up forward's is (a
+    forward that fails on one rank breaks the group: ``workers/group.py``)."""
+    from hsx.layers import select_layers
+    from hsx.shard import Final
+
+    if not linear_attention_modules(model) or max_tokens < 1:
+        return
+    text = model.config.get_text_config()
+    heads = [h // k for h in (getattr(text, "linear_num_key_heads", 0), getattr(text, "linear_num_value_heads", 0))
+             for k in {1, max(1, int(ranks))} if h and h % k == 0]
+    n = text.num_hidden_layers
+    selection = select_layers(n, layer_ids=[n - 1], final=Final.POSTNORM)
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    for tokens in gdn_token_counts(max_tokens, heads):
+        ids_T = torch.arange(1, 1 + tokens, dtype=torch.long) % min(1000, text.vocab_size)
+        rows = right_padded_rows(ids_T, torch.tensor([0, tokens]), pad_token_id=pad, pin=on_cuda)
+        launch(model, rows, selection, store_dtype=torch.float32).wait()
 
 
 #: Row counts of the decode warm-up: Triton specialises an integer argument on being 1 and on being
