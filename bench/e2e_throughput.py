@@ -299,12 +299,15 @@ def gdn_rows_as_sequences_error(model, device) -> float | None:
     return float((got - want).norm() / want.norm())
 
 
-def build_fp8_model(config, device: torch.device, dest: Path):
-    """A fine-grained FP8 checkpoint of ``config`` written at ``dest`` one tensor at a time
-    (``bench.fp8_checkpoint.write_random_fp8_checkpoint``, with the bundled tokenizer files), and the
-    model loaded from it as a worker loads it (float8 weights on CUDA, with transformers' FP8 kernel
-    or, where it cannot be fetched, the plain-torch matmuls of ``workers/quantized.py``; dequantised
-    on the CPU). Returns (model, seconds the checkpoint took to write)."""
+def build_streamed_model(config, device: torch.device, dest: Path, *, fp8: bool = True):
+    """A checkpoint of ``config`` written at ``dest`` one tensor at a time
+    (``bench.fp8_checkpoint.write_random_fp8_checkpoint``, with the bundled tokenizer files):
+    fine-grained FP8 with ``fp8``, else bf16; and the model loaded from it as a worker loads it
+    (FP8: float8 weights on CUDA, with transformers' FP8 kernel or, where it cannot be fetched, the
+    plain-torch matmuls of ``workers/quantized.py``; dequantised on the CPU). No whole copy of the
+    model is ever in host memory: the way to a bf16 target that fills most of the GPU
+    (``save_pretrained`` of it runs out of GPU memory, then of host memory: :func:`writes_tensors`).
+    Returns (model, seconds the checkpoint took to write)."""
     import transformers
 
     from bench.fp8_checkpoint import write_random_fp8_checkpoint
@@ -315,13 +318,13 @@ def build_fp8_model(config, device: torch.device, dest: Path):
         shutil.rmtree(dest)
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    write_random_fp8_checkpoint(meta, dest, device=str(device))
+    write_random_fp8_checkpoint(meta, dest, device=str(device), fp8=fp8)
     for f in TOKENIZER_DIR.iterdir():
         if f.is_file() and f.suffix in (".json", ".txt", ".model") and f.name != "config.json":
             shutil.copy(f, dest / f.name)
     save_s = time.perf_counter() - t0
     kwargs = {}
-    if device.type == "cuda":
+    if device.type == "cuda" and fp8:
         try:
             from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
 
@@ -329,7 +332,7 @@ def build_fp8_model(config, device: torch.device, dest: Path):
         except Exception as exc:
             print(f"transformers' FP8 kernel cannot be loaded ({type(exc).__name__}): the plain-torch matmuls run", flush=True)
             quantized.use_torch_fp8_kernel()
-    else:
+    elif fp8:
         qc = json.loads((dest / "config.json").read_text())["quantization_config"]
         kwargs["quantization_config"] = transformers.FineGrainedFP8Config(dequantize=True, weight_block_size=qc["weight_block_size"])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -341,8 +344,24 @@ def build_fp8_model(config, device: torch.device, dest: Path):
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(dest, dtype=dtype, device_map={"": device}, **kwargs).eval()
     model.requires_grad_(False)
-    print(f"fp8 checkpoint {dest}: written in {save_s:.1f} s, loaded in {time.perf_counter() - t0 - save_s:.1f} s", flush=True)
+    print(f"{'fp8' if fp8 else 'bf16'} checkpoint {dest}: written in {save_s:.1f} s, loaded in {time.perf_counter() - t0 - save_s:.1f} s", flush=True)
     return model, save_s
+
+
+def writes_tensors(config, device: torch.device) -> bool:
+    """Whether the bf16 checkpoint of ``config`` is written one tensor at a time
+    (:func:`build_streamed_model`) rather than built on the GPU and saved with ``save_pretrained``:
+    on CUDA when its weights take more than 40% of the GPU's memory (save_pretrained's unfused
+    copies and the fallback through host memory do not fit: the 16-layer Qwen3-Next shape, 54 GB,
+    on an 80 GB H100 was SIGKILLed, 2026-12-06)."""
+    if device.type != "cuda":
+        return False
+    with torch.device("meta"):
+        import transformers
+
+        meta = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    weight_bytes = sum(p.numel() * p.element_size() for p in meta.parameters())
+    return weight_bytes > 0.4 * torch.cuda.get_device_properties(device).total_memory
 
 
 def save_checkpoint(model, dest: Path) -> float:
@@ -858,8 +877,9 @@ def main() -> None:
     deepest = selection.deepest_layer if selection.final == "none" else None
     t0 = time.perf_counter()
     ckpt = args.checkpoint_dir or workdir / "checkpoint"
-    if args.weights == "fp8":
-        model, save_s = build_fp8_model(config, device, ckpt)
+    streamed = args.weights == "fp8" or writes_tensors(config, device)
+    if streamed:
+        model, save_s = build_streamed_model(config, device, ckpt, fp8=args.weights == "fp8")
     else:
         model = build_model(config, device)
     build_s = time.perf_counter() - t0
@@ -871,7 +891,7 @@ def main() -> None:
     gdn_error = gdn_rows_as_sequences_error(model, device)
     print(f"ceiling {args.shape} ({n_layers} layers, {rows} x {row_len}): same layers {ceiling_same:,.0f} tok/s, "
           f"all layers {ceiling_all:,.0f} tok/s; GDN rows-as-sequences rel. error {gdn_error}", flush=True)
-    if args.weights != "fp8":
+    if not streamed:
         save_s = save_checkpoint(model, ckpt)
     hidden = config.hidden_size
     kept_model = model if args.plan_ceiling else None

@@ -130,13 +130,17 @@ def quantize_checkpoint_fp8(src: Path, dest: Path, block: int = 128) -> dict:
 
 
 def write_random_fp8_checkpoint(model, dest: Path, *, device: str = "cpu", block: int = 128, seed: int = 0,
-                                shard_bytes: int = 5_000_000_000) -> dict:
+                                shard_bytes: int = 5_000_000_000, fp8: bool = True) -> dict:
     """Write at ``dest`` a checkpoint of ``model``'s shapes in the layout :func:`quantize_checkpoint_fp8`
     gives, with random weights (normal, std 0.02) made and quantised one tensor at a time on ``device``:
     no full-precision copy of the model exists anywhere, so a shape larger than one GPU (or the disk,
     in bf16) can be written. ``model`` may be on the meta device (only its shapes are read). The
     tensor names and shapes are the saved ones (``transformers.core_model_loading.revert_weight_conversion``,
-    what ``save_pretrained`` writes: per-expert weights, not the fused parameters).
+    what ``save_pretrained`` writes: per-expert weights, not the fused parameters). With ``fp8``
+    False the same checkpoint in the model's own dtype (bf16), no ``quantization_config``: a bf16
+    target written with at most one shard in host memory (``save_pretrained`` of a model on an 80 GB
+    GPU unfuses its MoE experts with copies, runs out of GPU memory, and from host memory a 54 GB
+    model beside its 54 GB of files on tmpfs is more than a 128 GB host holds: SIGKILL, H100, 2026-12-06).
 
     Returns {"quantized": weights quantised, "kept": linear layers kept in bf16, "shards": files}.
     """
@@ -149,9 +153,12 @@ def write_random_fp8_checkpoint(model, dest: Path, *, device: str = "cpu", block
     tied = set(getattr(model, "all_tied_weights_keys", None) or {}) if getattr(model.config, "tie_word_embeddings", False) else set()
     names = [k for k in saved if k not in tied]
 
+    def quantised(name, t) -> bool:
+        return fp8 and _fp8_quantised(name, t) and _blockable(t, block)
+
     def out_bytes(name):
         t = saved[name]
-        return t.numel() * (1 if _fp8_quantised(name, t) and _blockable(t, block) else t.element_size())
+        return t.numel() * (1 if quantised(name, t) else t.element_size())
 
     shards, current, size = [], [], 0
     for name in names:
@@ -172,14 +179,14 @@ def write_random_fp8_checkpoint(model, dest: Path, *, device: str = "cpu", block
                 t = torch.empty(meta.shape, dtype=meta.dtype, device=device).normal_(0.0, 0.02, generator=gen)
             else:
                 t = torch.zeros(meta.shape, dtype=meta.dtype, device=device)
-            if _fp8_quantised(name, t) and _blockable(t, block):
+            if quantised(name, t):
                 q, s = fp8_block_quantize(t, block)
                 out[name], out[name[: -len("weight")] + "weight_scale_inv"] = q.cpu(), s.cpu()
                 quantized += 1
             else:
                 out[name] = t.cpu()
                 module = name.rsplit(".", 1)[0]
-                if t.ndim == 2 and (any(module.endswith(k) for k in FP8_KEEP) or _fp8_quantised(name, t)):
+                if fp8 and t.ndim == 2 and (any(module.endswith(k) for k in FP8_KEEP) or _fp8_quantised(name, t)):
                     kept.add(module)
             del t
         save_file(out, dest / file, metadata={"format": "pt"})
@@ -190,6 +197,8 @@ def write_random_fp8_checkpoint(model, dest: Path, *, device: str = "cpu", block
         (dest / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, indent=2))
     model.config.save_pretrained(dest)
+    if not fp8:
+        return {"quantized": 0, "kept": [], "shards": len(shards)}
     config = json.loads((dest / "config.json").read_text())
     qc = dict(FP8_QUANTIZATION_CONFIG, weight_block_size=[block, block])
     if kept:

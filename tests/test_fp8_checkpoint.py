@@ -264,3 +264,32 @@ def test_the_streaming_fp8_builder_writes_the_released_layout_without_a_full_pre
     assert qc[0] == qc[1]
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed", dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_the_streaming_builder_without_fp8_writes_the_bf16_checkpoint_save_pretrained_writes(tmp_path):
+    """The same builder with ``fp8=False`` (the bench's bf16 targets too large to save from the GPU):
+    the tensor names, shapes and dtypes of ``save_pretrained``'s checkpoint of the same model, no
+    ``quantization_config``, and it loads with no key missing or unexpected."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.fp8_checkpoint import write_random_fp8_checkpoint
+    from tinymodels import tiny_config
+
+    config = tiny_config("qwen3-next")
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "saved")
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    done = write_random_fp8_checkpoint(meta, tmp_path / "streamed", shard_bytes=300_000, fp8=False)
+    assert done["shards"] > 1 and done["quantized"] == 0
+
+    def layout(path):
+        out = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(f, "pt") as fh:
+                out.update({k: (tuple(fh.get_slice(k).get_shape()), fh.get_slice(k).get_dtype()) for k in fh.keys()})
+        return out
+
+    assert layout(tmp_path / "streamed") == layout(tmp_path / "saved")
+    assert "quantization_config" not in json.loads((tmp_path / "streamed" / "config.json").read_text())
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
