@@ -340,7 +340,19 @@ def build_streamed_model(config, device: torch.device, dest: Path, *, fp8: bool 
         from workers import loading
         from workers.target import load_device_map
 
-        model = loading.load_streamed(str(dest), device=device, dtype=dtype, device_map=load_device_map(device)).eval()
+        import transformers.modeling_utils as modeling_utils
+
+        # Without transformers' one-allocation warm-up the weights take segments of their own, which the
+        # bench frees before the run's worker loads. In one segment of the model's size, any small tensor
+        # the ceilings leave alive in it (fla's tensor_cache keeps its last 4 results: fla/utils/decorators.py)
+        # keeps all of it reserved: 50 GB of the 16-layer shape stayed, and the worker's load ran out of
+        # GPU memory (H100, 2026-12-06).
+        warm_up = modeling_utils.caching_allocator_warmup
+        modeling_utils.caching_allocator_warmup = lambda *args, **kwargs: None
+        try:
+            model = loading.load_streamed(str(dest), device=device, dtype=dtype, device_map=load_device_map(device)).eval()
+        finally:
+            modeling_utils.caching_allocator_warmup = warm_up
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(dest, dtype=dtype, device_map={"": device}, **kwargs).eval()
     model.requires_grad_(False)
@@ -897,8 +909,12 @@ def main() -> None:
     kept_model = model if args.plan_ceiling else None
     del model
     gc.collect()
+    bench_reserved = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        bench_reserved = torch.cuda.memory_reserved(device)  # what the worker cannot have
+        print(f"this process keeps {bench_reserved / 1e9:.1f} GB of GPU memory through the run"
+              f"{' (its model: --plan-ceiling)' if kept_model is not None else ''}", flush=True)
 
     if args.dataset:
         dataset = unpack_dataset(args.dataset, workdir / "dataset.jsonl")
@@ -1075,6 +1091,7 @@ def main() -> None:
             "kept_shards_hash_ok": run["kept_ok"],
             "gdn_rows_as_sequences_rel_error": gdn_error,
             "checkpoint_build_s": round(build_s, 1),
+            "bench_gpu_reserved_during_run_gb": None if bench_reserved is None else round(bench_reserved / 1e9, 2),
             "checkpoint_save_s": round(save_s, 1),
             "returncode": run["returncode"],
             "run_report": {k: run["report"].get(k) for k in ("batches_done", "batches_total", "failed", "seconds", "run_id")},
