@@ -51,9 +51,6 @@ SMALL_BYTES = 4 << 20
 #: Pinned slots per loading thread, used in turn (16 threads: 1 GiB of pinned host memory while
 #: loading, freed after): a thread waits for a copy only when it comes back to that copy's slot.
 SLOTS = 8
-#: Spans of a file past the one a thread waits for that it may read meanwhile (:meth:`StreamedCheckpoint.
-#: _read_from_span`): at most this many x :data:`CHUNK_BYTES` read ahead of what transformers asked for.
-AHEAD_SPANS = 32
 
 #: safetensors' dtype names (its ``Dtype`` enum) and torch's.
 DTYPES = {
@@ -134,12 +131,10 @@ class FileTensor:
 
 class Span:
     """Neighbouring small tensors of one file (each at most :data:`SMALL_BYTES`, together at most
-    :data:`CHUNK_BYTES`), read with one ``preadv`` and one host-to-device copy by one thread (the
-    first to ask for one of them, or one reading ahead); the others wait in :attr:`ready` until
-    transformers asks for them. ``claimed`` is set (under the checkpoint's lock) by the thread that
-    reads it, ``done`` when :attr:`ready` or :attr:`error` is set."""
+    :data:`CHUNK_BYTES`), read with one ``preadv`` and one host-to-device copy when the first of
+    them is asked for; the others wait in :attr:`ready` until transformers asks for them."""
 
-    __slots__ = ("members", "offset", "nbytes", "lock", "ready", "claimed", "done", "error", "siblings", "index")
+    __slots__ = ("members", "offset", "nbytes", "lock", "ready")
 
     def __init__(self, members: list[FileTensor]):
         self.members = members
@@ -147,11 +142,6 @@ class Span:
         self.nbytes = members[-1].offset + members[-1].nbytes - self.offset
         self.lock = threading.Lock()
         self.ready: dict[str, torch.Tensor] | None = None
-        self.claimed = False
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        self.siblings: list[Span] = []  # the spans of its file in offset order (itself at ``index``)
-        self.index = 0
 
 
 class StreamedCheckpoint:
@@ -210,13 +200,10 @@ class StreamedCheckpoint:
     def _make_spans(by_offset: list[FileTensor]) -> None:
         """Group runs of adjacent small tensors of one file (sorted by offset) into :class:`Span` s."""
         run: list[FileTensor] = []
-        spans: list[Span] = []
 
         def close():
             if len(run) > 1:
                 span = Span(list(run))
-                span.siblings, span.index = spans, len(spans)
-                spans.append(span)
                 for t in run:
                     t.span = span
             run.clear()
@@ -292,60 +279,15 @@ class StreamedCheckpoint:
     def _read_from_span(self, t: FileTensor) -> torch.Tensor:
         """``t`` from its span: the whole span read and copied once (by the first thread to ask for
         one of its tensors), each tensor then cloned out of it on the device into its own storage
-        (so that a kept tensor does not hold its neighbours' bytes), handed out once.
-
-        transformers' loading threads ask for neighbouring tensors at about the same time, and those
-        share a span: a thread whose span another thread is reading reads the next unclaimed spans
-        of the file (at most :data:`AHEAD_SPANS` past it) until its own is done, instead of waiting
-        idle (on the H100 about 8 of 16 threads waited on each span, and a 27.6 GB FP8 MoE
-        checkpoint read at 2.4 GB/s where the same reader without spans took 4.0: BENCHMARKS.md).
-
-        Raises:
-            BadConfig: the span's file ended early (whichever thread read it).
-        """
+        (so that a kept tensor does not hold its neighbours' bytes), handed out once."""
         span = t.span
-        if self._claim(span):
-            self._fill(span)
-        while not span.done.is_set():
-            ahead = self._claim_ahead(span)
-            if ahead is None:
-                span.done.wait()
-                break
-            self._fill(ahead)
-        if span.error is not None:
-            raise span.error
         with span.lock:
-            out = span.ready.pop(t.name, None) if span.ready is not None else None
+            if span.ready is None:
+                span.ready = self._read_span(span)
+            out = span.ready.pop(t.name, None)
         if out is None:  # asked for twice: read on its own
             return self.read(FileTensor(self, t._fd, t.name, t.dtype, t.shape, t.offset, t.nbytes))
         return out
-
-    def _claim(self, span: Span) -> bool:
-        with self._lock:
-            if span.claimed:
-                return False
-            span.claimed = True
-            return True
-
-    def _claim_ahead(self, span: Span) -> Span | None:
-        """The first unclaimed span of ``span``'s file within :data:`AHEAD_SPANS` after it, claimed."""
-        with self._lock:
-            for other in span.siblings[span.index + 1:span.index + 1 + AHEAD_SPANS]:
-                if not other.claimed:
-                    other.claimed = True
-                    return other
-        return None
-
-    def _fill(self, span: Span) -> None:
-        """Read the claimed ``span`` into :attr:`Span.ready` (or its error into :attr:`Span.error`)."""
-        try:
-            ready = self._read_span(span)
-            with span.lock:
-                span.ready = ready
-        except BaseException as exc:  # handed to whichever thread asks for one of its tensors
-            span.error = exc
-        finally:
-            span.done.set()
 
     def _read_span(self, span: Span) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
