@@ -132,8 +132,15 @@ def check_fp8_kernels(info, device: torch.device) -> str | None:
 # quantises them per 128-column group: W8A8), so the states are, if anything, closer to the
 # model's bf16 weights.
 
-#: Most bytes of experts dequantised at once (more experts are taken in chunks).
+#: Most bytes of experts dequantised at once (more experts are taken in chunks), on the CPU and at
+#: least on a GPU; a GPU allows up to 1/32 of its memory, at most :data:`DEQUANT_GPU_MAX_BYTES`
+#: (:func:`_dequant_budget`).
 DEQUANT_BUDGET_BYTES = 1 << 30
+#: The GPU budget's ceiling: 4 GiB holds a Qwen3-Next-80B-A3B layer's fused ``gate_up_proj`` (512
+#: experts x 1024 x 2048, 2 GiB in bf16) whole on an 80 GB GPU (2.5 GiB), so it takes no chunks:
+#: the chunked path reads the experts' row offsets on the host (one sync per layer's call, which
+#: stops the launching thread from running ahead of the GPU).
+DEQUANT_GPU_MAX_BYTES = 4 << 30
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block_size, dtype: torch.dtype) -> torch.Tensor:
@@ -176,8 +183,16 @@ def _grouped_mm(x_SK: torch.Tensor, w_EKN: torch.Tensor, ends: torch.Tensor) -> 
     return out
 
 
+def _dequant_budget(device: torch.device) -> int:
+    """Bytes of dequantised experts one call may hold at once on ``device`` (:data:`DEQUANT_BUDGET_BYTES`)."""
+    if device.type != "cuda":
+        return DEQUANT_BUDGET_BYTES
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(DEQUANT_BUDGET_BYTES, min(DEQUANT_GPU_MAX_BYTES, total // 32))
+
+
 def _expert_chunks(weight: torch.Tensor, dtype: torch.dtype) -> int:
-    return max(1, DEQUANT_BUDGET_BYTES // max(1, weight[0].numel() * torch.empty((), dtype=dtype).element_size()))
+    return max(1, _dequant_budget(weight.device) // max(1, weight[0].numel() * torch.empty((), dtype=dtype).element_size()))
 
 
 def fp8_matmul(input, weight, weight_scale_inv, block_size=None, output_dtype=None, activation_scale=None):
