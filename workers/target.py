@@ -7,6 +7,7 @@ checkpoint loads as the text-only model), ``use_safetensors=True`` (no pickle ch
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import logging
 import threading
@@ -599,6 +600,7 @@ def get_target(name: str, settings: Settings) -> Target:
                                  "send the run to workers of its model (HSX_MODEL), or restart this worker")
         if name not in _loaded:
             _loaded.clear()  # free the previous model before loading another
+            gc.collect()  # a model in a reference cycle is freed only by the collector
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             _loaded[name] = load_target(name, settings)
