@@ -179,6 +179,8 @@ def layer_ids_from_draft_config(path: str, *, convention: str = "output-of") -> 
     try:
         with open(path) as f:
             data = json.load(f)
+    except FileNotFoundError:
+        raise BadConfig(f"--draft-config {path}: no such file; give the draft model's config.json") from None
     except (OSError, ValueError) as exc:
         raise BadConfig(f"--draft-config {path}: cannot read it as JSON ({exc})") from None
     candidates = [("", data)] + [(k + ".", v) for k, v in data.items() if isinstance(v, dict)] if isinstance(data, dict) else []

@@ -966,7 +966,15 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, PlanningInterrupted):
             console.print(str(exc), highlight=False)
         else:
-            console.print("interrupted: finished batches keep their markers; run the same command again to resume")
+            counted = ""
+            try:  # `run` stopped during extraction: how many batches have their marker now
+                done, total = exc.batches_done() if hasattr(exc, "batches_done") else (None, None)
+                if total is not None:
+                    counted = f"{done:,}/{total:,} {noun(total, 'batch')} done; "
+            except Exception:  # a store that cannot be read now: the line without the count
+                pass
+            console.print(f"interrupted: {counted}finished batches keep their markers; run the same command again to "
+                          "resume", highlight=False)
         return 130
     finally:
         interrupts.uninstall()

@@ -519,6 +519,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
     if broker is None and not settings.broker_url:
         broker = EmbeddedBroker(settings.broker_state_dir)
     launch = None
+    planned = None
     code = 0
     try:
         with progress_factory() as progress:
@@ -549,9 +550,13 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
                 code = 1
             elif waited["failed"] or waited["cancelled"]:
                 code = 1
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI turns it into KeyboardInterrupt)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (the CLI turns it into KeyboardInterrupt)
         local = launch.local if launch is not None else None
         console.print(stopping_line(local is not None, broker is not None and broker.proc is not None))
+        if planned is not None and not isinstance(exc, PlanningInterrupted):
+            # counted by the CLI once the workers have stopped (the finally below): their last batches count
+            run_store, names = planned.run_store, {b.batch for b in planned.batches}
+            exc.batches_done = lambda: (len(done_batches(run_store) & names), len(names))
         raise
     finally:
         _stop_started(launch.local if launch is not None else None, broker, console)

@@ -104,6 +104,15 @@ def test_run_says_stopping_at_once_when_interrupted(tmp_path, tiny_cache):
         assert proc.wait(120) == 130
         stderr = (tmp_path / "stderr").read_text()
         assert stderr.index("stopping:") < stderr.index("interrupted:")
+        # and how far it got, counted once the workers had finished what they held (a helper found the bar's
+        # last 22/36 under a stop line that said nothing, with 28 markers in the store)
+        from hsx.store import open_store
+        from producer.run import done_batches
+
+        said = re.search(r"interrupted: (\d+)/(\d+) batch(?:es)? done; finished batches keep their markers", stderr)
+        assert said, stderr[-2000:]
+        (run_dir,) = [p.parent for p in (tmp_path / "store").glob("*/run.json")]
+        assert int(said.group(1)) == len(done_batches(open_store(str(run_dir), create=False))) >= 1
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -34,6 +34,14 @@ def test_a_draft_config_without_layer_ids_is_refused_with_the_keys_looked_for(tm
         layer_ids_from_draft_config(_write(tmp_path, {"hidden_size": 4096}))
 
 
+def test_a_draft_config_that_does_not_exist_is_said_as_missing_and_one_that_is_not_json_as_such(tmp_path):
+    with pytest.raises(BadConfig, match=r"--draft-config .*nope.json: no such file; give the draft model's config.json"):
+        layer_ids_from_draft_config(str(tmp_path / "nope.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(BadConfig, match=r"bad.json: cannot read it as JSON"):
+        layer_ids_from_draft_config(str(tmp_path / "bad.json"))
+
+
 def test_dflash_with_k_draft_layers_spreads_k_ids_and_one_layer_takes_the_middle():
     assert dflash_layer_ids(64, 3) == [1, 31, 61]
     assert dflash_layer_ids(36, 1) == [18]

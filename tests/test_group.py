@@ -104,7 +104,8 @@ def test_a_group_size_that_splits_a_kv_head_is_refused_before_anything_starts(tm
     said = " ".join(proc.stderr.split())
     assert ("HSX_GPUS_PER_WORKER=4 (--gpus-per-worker) refused for model 'tiny-qwen3.5': qwen3_5_text: "
             "num_key_value_heads=2 is not divisible by the group size 4") in said, said
-    assert "fix: HSX_GPUS_PER_WORKER=2" in said and "Nothing was started" in said
+    assert "fix: --gpus-per-worker 2 (HSX_GPUS_PER_WORKER=2 for workers started on their own)" in said
+    assert "Nothing was started" in said
     assert not (tmp_path / "out").exists() and not (tmp_path / "logs").exists() and not (tmp_path / "state").exists()
 
 

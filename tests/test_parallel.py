@@ -173,7 +173,7 @@ def test_python_m_workers_refuses_a_group_size_its_model_cannot_split_before_the
     try:
         with pytest.raises(BadConfig, match=r"HSX_GPUS_PER_WORKER=4 \(--gpus-per-worker\) refused for model 'tiny-qwen3.5': "
                                              r".*num_key_value_heads=2 is not divisible by the group size 4.*"
-                                             r"fix: HSX_GPUS_PER_WORKER=2.*Nothing was started"):
+                                             r"fix: --gpus-per-worker 2 \(HSX_GPUS_PER_WORKER=2.*Nothing was started"):
             main(["--gpus-per-worker", "4"])
     finally:
         get_settings.cache_clear()

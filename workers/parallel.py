@@ -76,7 +76,8 @@ def check_group_size(config, world_size: int) -> None:
             raise BadConfig(
                 f"{kind}: {name}={size} is not divisible by the group size {world_size}: tensor parallelism gives each "
                 f"of the {world_size} ranks an equal share of it (transformers does not replicate KV heads); "
-                f"fix: HSX_GPUS_PER_WORKER={' or '.join(map(str, works)) if works else '1'}")
+                f"fix: --gpus-per-worker {' or '.join(map(str, works)) if works else '1'} "
+                f"(HSX_GPUS_PER_WORKER={' or '.join(map(str, works)) if works else '1'} for workers started on their own)")
 
 
 def load_tensor_parallel(path, *, dtype: torch.dtype, use_safetensors: bool = True,
