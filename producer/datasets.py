@@ -350,12 +350,14 @@ def parse_raw(raw: Any) -> Any:
         text = raw.data.decode("utf-8")
     except UnicodeDecodeError as err:
         return BadRecord(raw.record_id, "invalid_utf8", f"at line {raw.lineno} of the file, byte {err.start}: {err.reason}")
+    text = text.rstrip()  # the line's own newline: an error past the last character is at the line's end, not the next
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
+        where = "at its end (the record is cut off)" if err.pos >= len(text) else f"column {err.colno}"
         # json's own messages may end in " at" ("Invalid control character at"): the place follows it once
         return BadRecord(raw.record_id, "malformed_json",
-                         f"at line {raw.lineno} of the file, column {err.colno}: {err.msg.removesuffix(' at')}")
+                         f"at line {raw.lineno} of the file, {where}: {err.msg.removesuffix(' at')}")
 
 
 def _iter_json_lines(path: Path, opener=_open_binary, lazy: bool = False) -> Iterator[Any]:

@@ -104,6 +104,9 @@ def test_every_pathology_is_counted_under_its_reason_and_every_good_record_is_yi
     (example,) = skips.examples["unknown_role"]
     assert example.startswith("narrator: turn 1 role 'narrator'; known roles: system, human, user, gpt, assistant"), example
     assert skips.examples["not_an_object"][0].startswith("patho.jsonl:3:")
+    # a record cut off mid-object is said at the end of its own line (its newline once made it "line 3, column 1")
+    assert skips.examples["malformed_json"] == ["patho.jsonl:1: at line 2 of the file, at its end (the record is cut off): "
+                                                "Expecting ',' delimiter"], skips.examples["malformed_json"]
     assert [m["role"] for m in convs["roles"].messages] == ["user", "assistant"] * 3
     assert convs["lead"].messages == (
         {"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
