@@ -173,7 +173,7 @@ class SkipCounter:
 
     ``counts[reason]``: records skipped for that reason; ``examples[reason]``: up to
     :data:`EXAMPLES_PER_REASON` strings ``"<record id>: <detail>"``; ``fixes[name]``: records kept
-    after a repair (``leading_assistant_dropped``); ``truncated_bytes[path]``: bytes at the end of
+    after a repair (``leading_assistant_dropped``; ``id_not_a_string_or_integer``: its ``<file>:<index>`` is its id); ``truncated_bytes[path]``: bytes at the end of
     a JSON array file that did not form a complete record (a truncated file) and were ignored.
     """
 
@@ -501,6 +501,8 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *
         rid = str(own_id)
     else:
         rid = fallback_id
+        if own_id is not None:  # an id that is an object, a list, a float or a bool: its position stands for it
+            skips.fix("id_not_a_string_or_integer")
     _check_text(rid, rid, "id")
 
     if "messages" in raw:

@@ -112,6 +112,12 @@ def test_every_pathology_is_counted_under_its_reason_and_every_good_record_is_yi
         {"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
     )
     assert skips.fixes == {"leading_assistant_dropped": 1}
+    # an id that is no string or integer: the record is kept under its position, and that is counted
+    objid = _write_lines(tmp_path / "objid.jsonl", [{"id": {"x": 1}, "conversations": [{"from": "human", "value": "Q"},
+                                                                                      {"from": "gpt", "value": "A"}]}])
+    skips = SkipCounter()
+    assert [c.record_id for c in iter_conversations(str(objid), skips)] == ["objid.jsonl:0"]
+    assert skips.fixes == {"id_not_a_string_or_integer": 1}
     assert convs["7"].messages[0] == {"role": "user", "content": "Part one. Two."}
     assert convs["good"].messages[1] == {"role": "assistant", "content": "Hello!"}
 
