@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import shlex
 import sys
 import time
@@ -251,7 +252,9 @@ def _plan_table(title: str, report: dict) -> Table:
         examples = skipped.get("examples") or {}
         if counts and examples:  # one per reason here; the first few of each are in the plan's stats
             first = [f"{reason}: {items[0]}" for reason, items in sorted(examples.items()) if items]
-            t.add_row("e.g.", "\n".join(first[:6]) + f"\n(more in {report['address'].rstrip('/')}/plan/stats.json, skipped.examples)")
+            more = sum(counts.values()) > len(first)  # skipped records not shown here
+            t.add_row("e.g.", "\n".join(first) + (f"\n(more in {report['address'].rstrip('/')}/plan/stats.json, "
+                                                   "skipped.examples)" if more else ""))
         for k, v in sorted(skipped.get("fixes", {}).items()):
             t.add_row("repaired", f"{k} {v:,}")
         for path, nbytes in sorted(skipped.get("truncated_bytes", {}).items()):
@@ -348,6 +351,9 @@ def cmd_run(args, settings: Settings) -> int:
         settings = settings.model_copy(update={"store_url": args.output})
     if args.gpus_per_worker:  # passed to the workers as HSX_GPUS_PER_WORKER (producer.run.settings_env)
         settings = settings.model_copy(update={"gpus_per_worker": args.gpus_per_worker})
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # a background job of a script: Ctrl-C never reaches it
+        console.print(f"[dim]this process ignores SIGINT (started as a background job): stop it with kill {os.getpid()} "
+                      "(SIGTERM), which stops it as Ctrl-C does[/]", soft_wrap=True)
     code, report = run_job(_options(args), settings, console, workers=args.workers, progress_factory=progress_factory)
     if args.json:
         out.print_json(json.dumps(report))

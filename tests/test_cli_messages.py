@@ -42,6 +42,18 @@ def test_the_run_table_of_a_one_batch_run_says_1_batch():
     assert "1 batch " in text + " " and "1 batches" not in text
 
 
+def test_the_run_table_shows_one_example_per_skip_reason_and_points_to_the_rest_only_when_there_are_more():
+    """Every reason gets its line (a new user saw 6 of 9), and "(more in ...)" only when records were
+    skipped that no line shows."""
+    examples = {f"reason_{i}": [f"f.jsonl:{i}: why"] for i in range(9)}
+    report = {"run_id": "r", "address": "file:///r", "batches_already_done": 0, "batches_enqueued": 1,
+              "plan": {"batches": 1, "samples": 1, "skipped": {"counts": {k: 1 for k in examples}, "examples": examples}}}
+    text = _text(_plan_table("run", report))
+    assert all(f"reason_{i}: f.jsonl:{i}: why" in text for i in range(9)) and "more in" not in text
+    report["plan"]["skipped"]["counts"]["reason_3"] = 4
+    assert "(more in file:///r/plan/stats.json, skipped.examples)" in " ".join(_text(_plan_table("run", report)).split())
+
+
 def test_the_status_bar_of_a_one_batch_run_says_batch():
     status = {"run_id": "r", "state": "running", "address": "file:///r", "model": "m", "planned": True,
               "batches_total": 1, "batches_done": 0, "samples_done": 0, "samples_total": 1, "samples_quarantined": 0,
@@ -287,3 +299,21 @@ def test_progress_into_a_log_file_says_a_plain_line_per_task_every_minute(monkey
         assert len(lines) == 2, lines
         assert re.fullmatch(r"progress \d\d:\d\d:\d\d: extracting 3/44, 70 samples  13,135 tok/s now, \d+ s elapsed", lines[0]), lines
         assert ": extracting 20/44, 450 samples  12,500 tok/s now, " in lines[1], lines
+
+
+def test_a_run_started_with_sigint_ignored_says_how_to_stop_it(tmp_path):
+    """A background job of a script inherits SIGINT ignored, and Python leaves it so: Ctrl-C and
+    ``kill -INT`` never reach the run. It says so at its start, with the command that does (SIGTERM);
+    started normally it says nothing of the kind."""
+    import sys
+
+    env = clean_env(state_dir=tmp_path / "state", spool_dir=tmp_path / "spool")
+    cmd = [sys.executable, "-m", "producer", "run", str(tmp_path / "no-such.jsonl"), "--model", "tiny-qwen3.5",
+           "--output", str(tmp_path / "out")]
+    ignored = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    said = " ".join(ignored.stderr.split())
+    assert re.search(r"this process ignores SIGINT \(started as a background job\): stop it with kill \d+ \(SIGTERM\)", said), said
+    assert ignored.returncode == 2 and "no-such.jsonl" in said  # and the request is refused as before
+    normal = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert "ignores SIGINT" not in normal.stderr and normal.returncode == 2
