@@ -147,9 +147,14 @@ def select_layers(
         )
     if len(set(layer_ids)) != len(layer_ids):
         if preset:
+            fix = "pass --layers explicitly"
+            if preset == "dflash":  # the most draft layers this depth gives distinct ids for
+                fits = [k for k in range(dflash_layers - 1, 0, -1) if len(set(dflash_layer_ids(num_layers, k))) == k]
+                if fits:
+                    fix = f"give --dflash-layers {fits[0]} or fewer, or pass --layers explicitly"
             raise BadConfig(
                 f"--preset {preset} on a model with {num_layers} layers gives ids {layer_ids}, which repeat: "
-                f"the model is too shallow for this preset; pass --layers explicitly"
+                f"the model is too shallow for this preset; {fix}"
             )
         raise BadConfig(f"layer ids {layer_ids} contain duplicates: each layer may be captured once")
     if list(layer_ids) != sorted(layer_ids):

@@ -72,3 +72,10 @@ def test_an_eagle3_draft_config_stores_the_final_state_as_the_eagle3_preset_does
 def test_draft_config_ids_out_of_range_name_the_config_file(tmp_path, tiny_cache):
     with pytest.raises(BadConfig, match=r"out of range.*ids read from .*config\.json: eagle_aux_hidden_state_layer_ids"):
         _plan_with_draft_config(tmp_path, tiny_cache, {"eagle_aux_hidden_state_layer_ids": [1, 3, 9]})
+
+
+def test_a_dflash_preset_with_more_draft_layers_than_the_depth_allows_names_the_count_that_fits():
+    """Ids must not repeat: on 6 layers 10 draft layers cannot be spread; the error says how many can."""
+    fits = max(k for k in range(1, 10) if len(set(dflash_layer_ids(6, k))) == k)
+    with pytest.raises(BadConfig, match=rf"too shallow for this preset; give --dflash-layers {fits} or fewer, or pass --layers"):
+        select_layers(6, preset="dflash", dflash_layers=10)
