@@ -852,8 +852,17 @@ def _join_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (the option, the value, the rule) and a pointer to
+    ``--help``, not the whole usage block first, as every other refusal of a request is (its
+    subcommands' parsers are of this class too: ``add_subparsers`` makes them of the parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists every option)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m producer", description="Extract a target model's hidden states for draft-model training.")
+    parser = _Parser(prog="python -m producer", description="Extract a target model's hidden states for draft-model training.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("enqueue", help="plan a run into the store and enqueue its batches on the broker (HSX_BROKER_URL)")
     _add_plan_options(p)

@@ -317,3 +317,18 @@ def test_a_run_started_with_sigint_ignored_says_how_to_stop_it(tmp_path):
     assert ignored.returncode == 2 and "no-such.jsonl" in said  # and the request is refused as before
     normal = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert "ignores SIGINT" not in normal.stderr and normal.returncode == 2
+
+
+@pytest.mark.parametrize("args, said", [
+    (["run", "sharegpt", "--workers", "0"], "argument --workers: 0: must be at least 1"),
+    (["run", "sharegpt", "--model", "m", "--preset", "foo"], "argument --preset: invalid choice: 'foo'"),
+])
+def test_an_option_argparse_refuses_is_one_line_and_a_pointer_to_help_not_the_usage_block(args, said, capsys):
+    from producer.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage:" not in err
+    assert err.splitlines() == [f"python -m producer run: error: {err.splitlines()[0].split('error: ', 1)[1]}",
+                                "(`python -m producer run --help` lists every option)"] and said in err
