@@ -913,7 +913,10 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         bench_reserved = torch.cuda.memory_reserved(device)  # what the worker cannot have
-        print(f"this process keeps {bench_reserved / 1e9:.1f} GB of GPU memory through the run"
+        # allocated: tensors still referenced (the model itself, if something holds it); reserved beyond it:
+        # segments a small live tensor keeps (build_streamed_model)
+        print(f"this process keeps {bench_reserved / 1e9:.1f} GB of GPU memory through the run "
+              f"({torch.cuda.memory_allocated(device) / 1e9:.1f} GB of it in live tensors)"
               f"{' (its model: --plan-ceiling)' if kept_model is not None else ''}", flush=True)
 
     if args.dataset:
