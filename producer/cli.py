@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
+from hsx.cliparse import Parser
 from hsx.errors import BadSettings, HsxError
 from hsx.layout import RUN_JSON
 from hsx.shard import Final, StoreDtype
@@ -852,17 +853,8 @@ def _join_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser whose errors are one line (the option, the value, the rule) and a pointer to
-    ``--help``, not the whole usage block first, as every other refusal of a request is (its
-    subcommands' parsers are of this class too: ``add_subparsers`` makes them of the parent's)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists every option)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m producer", description="Extract a target model's hidden states for draft-model training.")
+    parser = Parser(prog="python -m producer", description="Extract a target model's hidden states for draft-model training.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("enqueue", help="plan a run into the store and enqueue its batches on the broker (HSX_BROKER_URL)")
     _add_plan_options(p)

@@ -35,7 +35,6 @@ transient and exits with code 75, and is restarted here, group and all, like any
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -50,6 +49,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from hsx.cliparse import Parser
 from hsx.errors import BadConfig
 from hsx.processes import describe_exit, pid_alive
 from settings import Settings, get_settings
@@ -656,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
             split ``HSX_MODEL`` (``workers.group.check_group``), or K GPUs per worker with no GPU
             visible and no explicit ``HSX_DEVICE=cpu`` (nothing was started).
     """
-    parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m workers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", type=int, default=None, help="worker processes (default: one per visible GPU, one on CPU)")
     parser.add_argument("--gpus-per-worker", type=int, default=None, metavar="K",
                         help="GPUs per worker process: one worker per group of K visible GPUs (HSX_GPUS_PER_WORKER, default 1)")
