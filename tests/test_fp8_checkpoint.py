@@ -236,6 +236,15 @@ def test_a_gpu_worker_without_transformers_fp8_kernel_runs_the_torch_matmuls_and
     assert "the hub cannot be reached" in caplog.text and "pip install 'kernels" in caplog.text
 
 
+def _layout(path) -> dict:
+    """{tensor name: (shape, dtype)} over a checkpoint's safetensors files."""
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            out.update({k: (tuple(fh.get_slice(k).get_shape()), fh.get_slice(k).get_dtype()) for k in fh.keys()})
+    return out
+
+
 def test_the_streaming_fp8_builder_writes_the_released_layout_without_a_full_precision_model(tmp_path):
     """``bench/load.py --build --fp8`` (``write_random_fp8_checkpoint``) from a model on the meta
     device: the same tensor names, shapes and dtypes, and the same ``quantization_config``, as a bf16
@@ -252,14 +261,7 @@ def test_the_streaming_fp8_builder_writes_the_released_layout_without_a_full_pre
     done = write_random_fp8_checkpoint(meta, tmp_path / "streamed", shard_bytes=300_000)
     assert done["shards"] > 1 and done["quantized"] > 0
 
-    def layout(path):
-        out = {}
-        for f in sorted(path.glob("*.safetensors")):
-            with safe_open(f, "pt") as fh:
-                out.update({k: (tuple(fh.get_slice(k).get_shape()), fh.get_slice(k).get_dtype()) for k in fh.keys()})
-        return out
-
-    assert layout(tmp_path / "streamed") == layout(released)
+    assert _layout(tmp_path / "streamed") == _layout(released)
     qc = [json.loads((p / "config.json").read_text())["quantization_config"] for p in (released, tmp_path / "streamed")]
     assert qc[0] == qc[1]
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed", dtype=torch.float32, output_loading_info=True)
@@ -282,14 +284,7 @@ def test_the_streaming_builder_without_fp8_writes_the_bf16_checkpoint_save_pretr
     done = write_random_fp8_checkpoint(meta, tmp_path / "streamed", shard_bytes=300_000, fp8=False)
     assert done["shards"] > 1 and done["quantized"] == 0
 
-    def layout(path):
-        out = {}
-        for f in sorted(path.glob("*.safetensors")):
-            with safe_open(f, "pt") as fh:
-                out.update({k: (tuple(fh.get_slice(k).get_shape()), fh.get_slice(k).get_dtype()) for k in fh.keys()})
-        return out
-
-    assert layout(tmp_path / "streamed") == layout(tmp_path / "saved")
+    assert _layout(tmp_path / "streamed") == _layout(tmp_path / "saved")
     assert "quantization_config" not in json.loads((tmp_path / "streamed" / "config.json").read_text())
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed", dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
