@@ -340,19 +340,9 @@ def build_streamed_model(config, device: torch.device, dest: Path, *, fp8: bool 
         from workers import loading
         from workers.target import load_device_map
 
-        import transformers.modeling_utils as modeling_utils
-
-        # Without transformers' one-allocation warm-up the weights take segments of their own, which the
-        # bench frees before the run's worker loads. In one segment of the model's size, any small tensor
-        # the ceilings leave alive in it (fla's tensor_cache keeps its last 4 results: fla/utils/decorators.py)
-        # keeps all of it reserved: 50 GB of the 16-layer shape stayed, and the worker's load ran out of
-        # GPU memory (H100, 2026-12-06).
-        warm_up = modeling_utils.caching_allocator_warmup
-        modeling_utils.caching_allocator_warmup = lambda *args, **kwargs: None
-        try:
-            model = loading.load_streamed(str(dest), device=device, dtype=dtype, device_map=load_device_map(device)).eval()
-        finally:
-            modeling_utils.caching_allocator_warmup = warm_up
+        # without transformers' one-allocation warm-up (load_streamed's default), so that the bench's
+        # copy is given back before the run's worker loads (50 GB stayed reserved with it: H100, 2026-12-06)
+        model = loading.load_streamed(str(dest), device=device, dtype=dtype, device_map=load_device_map(device)).eval()
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(dest, dtype=dtype, device_map={"": device}, **kwargs).eval()
     model.requires_grad_(False)

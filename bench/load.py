@@ -22,6 +22,12 @@ bytes to the same device with no model (our reader alone; InstantTensor, when in
 ``model.to(device)`` (what the worker did before issue 20: the whole model in host memory first);
 ``read`` is ``from_pretrained(disable_mmap=True)``, which reads every file into host memory
 (a loader that holds a full second copy: the control of the memory figure).
+``switch`` is a worker that serves two runs of different targets, one after the other
+(``workers.target.get_target`` of the checkpoint, then of a second directory of hard links to its
+files, ``CHECKPOINT.switch``): ``reserved_after_release_bytes`` is the GPU memory still reserved
+when the first model has been released and the second starts loading (what the second load cannot
+have); ``switch_warm_up`` the same with transformers' one-segment ``caching_allocator_warmup`` put
+back (``workers.loading.load_streamed``'s docstring), the control.
 
 Before the first child, the checkpoint's files are read once (page cache warm: ``--cold`` skips
 it) and its identity is computed once (the hash cache of ``--cache-dir``, as a planner's run
@@ -61,7 +67,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-LOADERS = ("worker", "worker_transformers", "streamed", "plain", "read", "files", "instanttensor")
+LOADERS = ("worker", "worker_transformers", "streamed", "plain", "read", "files", "instanttensor", "switch",
+           "switch_warm_up")
 
 
 def proc_status() -> dict[str, int]:
@@ -185,6 +192,13 @@ def child(args) -> dict:
         elif args.loader in ("files", "instanttensor"):
             model, device = _files_to_device(path, args.loader, settings)
             record["load_s"] = round(time.perf_counter() - t0, 3)
+        elif args.loader in ("switch", "switch_warm_up"):
+            record.update(_switch(path, settings, warm_up=args.loader == "switch_warm_up"))
+            from workers.target import loaded_targets
+
+            (target,) = loaded_targets()  # one model per worker process: the second
+            model, device, record["held"] = target.model, target.device, target.name
+            path = switch_twin(path)
         elif args.loader in ("worker", "worker_transformers"):
             from hsx.models import model_info
             from workers.target import load_target
@@ -215,7 +229,7 @@ def child(args) -> dict:
             _sync(device)
             record["load_s"] = round(time.perf_counter() - t0, 3)
     status = proc_status()
-    if args.loader.startswith("worker") or args.loader == "streamed":
+    if args.loader.startswith(("worker", "switch")) or args.loader == "streamed":
         record["file_check"] = check_against_files(model, path, every=args.check_every)
     params = [p for p in model.parameters()]
     record.update(
@@ -231,6 +245,53 @@ def child(args) -> dict:
     )
     record["rss_peak_over_checkpoint"] = round(record["rss_peak_bytes"] / record["checkpoint_bytes"], 4)
     record["anon_peak_over_checkpoint"] = round(record["anon_peak_bytes"] / record["checkpoint_bytes"], 4)
+    return record
+
+
+def switch_twin(path: Path) -> Path:
+    """``PATH.switch``: a second checkpoint directory of hard links to ``path``'s files (another
+    target by name and path, the same bytes), made once."""
+    twin = path.with_name(path.name + ".switch")
+    if not twin.is_dir():
+        tmp = path.with_name(path.name + ".switch.tmp")
+        subprocess.run(["rm", "-rf", str(tmp)], check=True)
+        subprocess.run(["cp", "-al", str(path), str(tmp)], check=True)
+        tmp.rename(twin)
+    return twin
+
+
+def _switch(path: Path, settings, *, warm_up: bool) -> dict:
+    """A worker's switch of targets (``get_target`` of ``path``, then of :func:`switch_twin`), with
+    the GPU memory reserved and allocated at the moment the first model has been released (read
+    where ``get_target`` reads it: ``workers.target._say_memory_kept``)."""
+    import functools
+
+    import torch
+
+    from workers import loading
+    from workers import target as worker_target
+
+    if warm_up:  # the control: transformers' one-segment warm-up, as load_streamed did before
+        worker_target.loading.load_streamed = functools.partial(loading.load_streamed, allocator_warm_up=True)
+    at_release: dict = {}
+    say = worker_target._say_memory_kept
+
+    def recording(previous, name):
+        if torch.cuda.is_available():
+            at_release.update(reserved_after_release_bytes=torch.cuda.memory_reserved(),
+                              allocated_after_release_bytes=torch.cuda.memory_allocated())
+        say(previous, name)
+
+    worker_target._say_memory_kept = recording
+    first = worker_target.get_target(str(path), settings)
+    record = {"first_load_s": round(first.load_s, 3), "first_warmup_s": round(first.warmup_s, 3)}
+    if torch.cuda.is_available():
+        record.update(reserved_with_first_bytes=torch.cuda.memory_reserved(),
+                      gpu_total_bytes=torch.cuda.get_device_properties(0).total_memory)
+    del first
+    second = worker_target.get_target(str(switch_twin(path)), settings)
+    record.update(at_release, allocator_warm_up=warm_up, load_s=round(second.load_s, 3),
+                  warmup_s=round(second.warmup_s, 3))
     return record
 
 
@@ -450,9 +511,16 @@ def main(argv: list[str] | None = None) -> int:
         result["cold_start"] = cold_start(checkpoint, cache_dir=cache_dir, device=args.device, store=store, work=work,
                                           cases=tuple(args.cases.split(",")))
     else:
-        result["loads"] = {loader: run_child(checkpoint, loader, cache_dir=cache_dir, device=args.device,
-                                             check_every=args.check_every)
-                           for loader in args.loader.split(",")}
+        if any(loader.startswith("switch") for loader in args.loader.split(",")):
+            model_info(str(switch_twin(checkpoint)), cache_dir)  # its identity in the hash cache too
+        result["loads"] = {}
+        for loader in args.loader.split(","):
+            try:
+                result["loads"][loader] = run_child(checkpoint, loader, cache_dir=cache_dir, device=args.device,
+                                                    check_every=args.check_every)
+            except RuntimeError as exc:  # kept, with the rest measured (a switch that runs out of GPU memory)
+                result["loads"][loader] = {"loader": loader, "failed": str(exc)[-3000:]}
+            print(f"{loader}: {json.dumps(result['loads'][loader])[:600]}", file=sys.stderr, flush=True)
     text = json.dumps(result, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

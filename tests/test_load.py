@@ -67,6 +67,20 @@ def test_a_loading_worker_holds_no_second_copy_of_the_weights_in_host_memory(che
     assert read["anon_peak_bytes"] > 1.0 * size, read  # the figure does see a full second copy
 
 
+def test_the_switch_bench_loads_a_second_target_after_the_first_with_the_files_values(tmp_path, tiny_cache):
+    """``bench/load.py --loader switch`` on the CPU (its GPU memory fields only come on CUDA): a worker
+    serves one target, then another (a directory of hard links to the same files), and the model it
+    holds at the end is the second, with every checked parameter equal to the files' tensors."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(resolve_model_path("tiny-qwen3.5", tiny_cache), ckpt)
+    record = load_bench.run_child(ckpt, "switch", cache_dir=tmp_path / "cache", device="cpu", check_every=1)
+    assert record["first_load_s"] > 0 and record["load_s"] > 0 and record["allocator_warm_up"] is False
+    assert record["held"] == str(tmp_path / "ckpt.switch")
+    assert (tmp_path / "ckpt.switch" / "model.safetensors").stat().st_ino == (ckpt / "model.safetensors").stat().st_ino
+    assert record["file_check"]["checked"] > 10 and record["file_check"]["mismatched"] == []
+    assert record["params_on_device"]
+
+
 # --- the streamed loader (workers/loading.py): what the GPU worker runs, checked here on the CPU ---
 
 sys.path.insert(0, str(ROOT / "tests"))
@@ -92,6 +106,25 @@ def test_the_streamed_loader_gives_the_model_transformers_loads_from_a_sharded_c
                                device_map={"": torch.device("cpu")}))
     assert got.keys() == want.keys()
     assert [k for k in want if not torch.equal(want[k], got[k])] == []
+
+
+def test_the_streamed_loader_skips_transformers_one_segment_warm_up_unless_asked(tmp_path, monkeypatch):
+    """transformers' ``caching_allocator_warmup`` reserves the whole model as one CUDA segment, which a
+    small live tensor can keep after the model is released (``load_streamed``'s docstring): the
+    worker's load leaves it out, the option puts it back, and transformers' function is restored after."""
+    import transformers.modeling_utils as modeling_utils
+
+    from workers.loading import load_streamed
+
+    calls = []
+    recorder = lambda *args, **kwargs: calls.append(args)  # noqa: E731
+    monkeypatch.setattr(modeling_utils, "caching_allocator_warmup", recorder)
+    tiny_model("qwen3").save_pretrained(tmp_path)
+    cpu = torch.device("cpu")
+    load_streamed(str(tmp_path), device=cpu, dtype=torch.float32, device_map={"": cpu})
+    assert calls == [] and modeling_utils.caching_allocator_warmup is recorder
+    load_streamed(str(tmp_path), device=cpu, dtype=torch.float32, device_map={"": cpu}, allocator_warm_up=True)
+    assert len(calls) == 1 and modeling_utils.caching_allocator_warmup is recorder
 
 
 def test_the_streamed_loader_reads_a_multimodal_qwen3_5_checkpoint_as_its_text_model(tmp_path):

@@ -28,6 +28,7 @@ each tensor's bytes at ``8 + N + begin``, C order, little endian
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -346,12 +347,37 @@ class StreamedCheckpoint:
 last_load: dict = {}
 
 
+@contextlib.contextmanager
+def _allocator_warm_up(enabled: bool):
+    """transformers' ``caching_allocator_warmup`` (``modeling_utils``, called from ``from_pretrained``)
+    left on or turned off for the ``with`` block."""
+    import transformers.modeling_utils as modeling_utils
+
+    if enabled:
+        yield
+        return
+    warm_up = modeling_utils.caching_allocator_warmup
+    modeling_utils.caching_allocator_warmup = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        modeling_utils.caching_allocator_warmup = warm_up
+
+
 def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device_map: dict,
-                  trust_remote_code: bool = False, **kwargs) -> torch.nn.Module:
+                  trust_remote_code: bool = False, allocator_warm_up: bool = False, **kwargs) -> torch.nn.Module:
     """``AutoModelForCausalLM`` of the local checkpoint ``path`` with its weights read by
     :class:`StreamedCheckpoint` onto ``device`` (module docstring); the rest as ``from_pretrained``
     does it: the config, the generation config and ``kwargs`` (e.g. a ``quantization_config``)
     from the same directory.
+
+    ``allocator_warm_up`` (off by default) keeps transformers' ``caching_allocator_warmup``, which
+    reserves the whole model as one CUDA segment before the weights arrive. Off, the weights take
+    segments of their own: in one segment of the model's size any small tensor left alive in it
+    (fla's ``tensor_cache`` keeps its last results: fla/utils/decorators.py) keeps all of it
+    reserved after the model is released, and the next model's load runs out of GPU memory (seen on
+    an H100 with a 50 GB model, BENCHMARKS.md, the FP8 row). Our reader allocates each tensor where
+    it lands, so the warm-up saves it no allocation.
 
     Returns:
         the model in eval mode, every parameter on the device map's devices.
@@ -373,7 +399,7 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
         if getattr(parent, "quantization_config", None) is not None:
             config.quantization_config = parent.quantization_config
     t0 = time.perf_counter()  # the model's code imported (its kernels' packages: fla, triton) from here on
-    with StreamedCheckpoint(checkpoint_files(path), device) as ckpt:
+    with StreamedCheckpoint(checkpoint_files(path), device) as ckpt, _allocator_warm_up(allocator_warm_up):
         model = model_class.from_pretrained(None, config=config, state_dict=dict(ckpt.tensors), dtype=dtype,
                                             device_map=device_map, **kwargs)
     t1 = time.perf_counter()
