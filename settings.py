@@ -160,6 +160,11 @@ class Settings(BaseSettings):
     """Threads that copy the checkpoint's tensors to the device while a worker loads its target
     (transformers' loading pool, ``core_model_loading.GLOBAL_WORKERS``, 4 by default upstream), at
     most the host's CPUs. ``bench/load.py`` measures the load's GB/s with each."""
+    # who needs it: load time against imports (0 turns the read-ahead off, for a comparison)
+    load_prefetch_threads: int = Field(default=4, ge=0)
+    """Threads that start reading the checkpoint's tensors to the GPU before the model's code is
+    imported (``workers.loading.StreamedCheckpoint.prefetch``): the import's seconds (transformers'
+    model module, fla, Triton) are then spent reading too. Only with ``fast_load``."""
     # who needs it: a checkpoint our loader cannot read (it then loads as transformers does it)
     fast_load: bool = True
     """On CUDA, read the checkpoint's safetensors files with ``os.preadv`` into pinned host buffers

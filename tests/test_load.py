@@ -196,10 +196,13 @@ def test_the_worker_streams_only_local_safetensors_on_cuda(tmp_path):
     assert not can_stream(str(tmp_path / "empty"), cuda, trust_remote_code=False)
 
 
-def test_small_neighbouring_tensors_are_read_together_and_each_comes_back_once_in_any_order(tmp_path):
+@pytest.mark.parametrize("read_ahead", ["none", "racing the askers", "done before they ask"])
+def test_small_neighbouring_tensors_are_read_together_and_each_comes_back_once_in_any_order(tmp_path, read_ahead):
     """Odd sizes (a 1-byte dtype before a 2-byte one, so offsets not a multiple of the dtype's size),
     small tensors grouped in spans, a large one alone; 8 threads asking in a shuffled order, some
-    names twice: every tensor equals safetensors' own read, in its own storage."""
+    names twice: every tensor equals safetensors' own read, in its own storage. With a read-ahead
+    of the bf16, fp8 and fp32 tensors (``prefetch``, as ``load_streamed`` starts it before the
+    model's code is imported) the same, whether the askers race it or come after it."""
     import random
     from concurrent.futures import ThreadPoolExecutor
 
@@ -219,6 +222,13 @@ def test_small_neighbouring_tensors_are_read_together_and_each_comes_back_once_i
     with loading.StreamedCheckpoint([tmp_path / "model.safetensors"], torch.device("cpu")) as ckpt:
         spans = {id(t.span) for t in ckpt.tensors.values() if t.span is not None}
         assert spans and ckpt.tensors["big"].span is None
+        kept = {"BF16", "F8_E4M3", "F32"}
+        if read_ahead != "none":
+            ckpt.prefetch(3, kept)
+        if read_ahead == "done before they ask":
+            for thread in ckpt._prefetchers:
+                thread.join()
+            assert ckpt.prefetched_bytes == sum(t.nbytes for t in ckpt.tensors.values() if t.dtype in kept)
         names = list(want) + ["a.3.bf16", "a.17.f8"]
         random.Random(1).shuffle(names)
         with ThreadPoolExecutor(8) as pool:
@@ -227,6 +237,26 @@ def test_small_neighbouring_tensors_are_read_together_and_each_comes_back_once_i
         assert tensor.dtype == want[name].dtype and torch.equal(tensor.view(torch.uint8), want[name].view(torch.uint8)), name
     sizes = {name: t.untyped_storage().nbytes() for name, t in got}
     assert all(sizes[n] == want[n].numel() * want[n].element_size() for n in sizes), "each in its own storage"
+    assert ckpt.prefetched_bytes <= sum(t.nbytes for t in ckpt.tensors.values() if t.dtype in kept)
+    if read_ahead == "none":
+        assert ckpt.prefetched_bytes == 0
+
+
+def test_tensors_read_ahead_and_never_asked_for_are_freed_when_the_checkpoint_closes(tmp_path):
+    """A read-ahead reads a release's extra weights (``mtp.*``) that the model never asks for:
+    closing the checkpoint stops its threads and lets those tensors go."""
+    from safetensors.torch import save_file
+
+    from workers import loading
+
+    save_file({"model.w": torch.ones(10), "mtp.w": torch.full((loading.SMALL_BYTES,), 2.0)}, tmp_path / "model.safetensors")
+    with loading.StreamedCheckpoint([tmp_path / "model.safetensors"], torch.device("cpu")) as ckpt:
+        ckpt.prefetch(2, {"F32"})
+        assert torch.equal(ckpt.tensors["model.w"][...], torch.ones(10))
+        for thread in ckpt._prefetchers:
+            thread.join()
+        assert list(ckpt._prefetched) == ["mtp.w"]
+    assert ckpt._prefetched == {} and ckpt._prefetchers == []
 
 
 def test_tensors_a_span_read_and_nobody_asked_for_are_freed_when_the_checkpoint_closes(tmp_path):

@@ -64,6 +64,10 @@ if hasattr(torch, "float8_e8m0fnu"):
     DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
 
+_DONE = threading.Event()  # the claim of a tensor its asker reads itself
+_DONE.set()
+
+
 def checkpoint_files(path: str | Path) -> list[Path]:
     """The safetensors files of the local checkpoint directory ``path``: those its
     ``model.safetensors.index.json`` names (a sharded save), else ``model.safetensors``; [] when it
@@ -169,6 +173,12 @@ class StreamedCheckpoint:
         self.bytes_read = 0
         self.first_read: float | None = None  # perf_counter of the first read's start, of the last one's end
         self.last_read: float | None = None
+        # read ahead (prefetch): name -> the event set once its reader is done; a name there is not read again
+        self._claims: dict[str, threading.Event] | None = None
+        self._prefetched: dict[str, torch.Tensor] = {}
+        self._prefetchers: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self.prefetched_bytes = 0
         for f in files:
             self._index(Path(f))
 
@@ -233,7 +243,70 @@ class StreamedCheckpoint:
                 self._buffers[key] = ring
         return ring
 
+    def prefetch(self, threads: int, dtypes: set[str]) -> None:
+        """Start reading the tensors of safetensors dtypes ``dtypes`` in file order, in ``threads``
+        threads, before transformers asks for them: :func:`load_streamed` starts it before it imports
+        the model's code, whose seconds the reads then fill (they wait in ``preadv`` and in the copy,
+        outside the GIL). A tensor asked for while a read-ahead thread reads it is waited for; one
+        not yet reached is read by its asker. Only tensors kept as they are stored should be given
+        (the load's dtype, FP8 weights that stay FP8): each then becomes its parameter, so reading
+        ahead adds no GPU memory. The threads stop when every such tensor is read, or at :meth:`close`.
+        """
+        order = [t for _, t in sorted(((t._fd, t.offset), t) for t in self.tensors.values()) if t.dtype in dtypes]
+        if not order or threads < 1:
+            return
+        with self._lock:
+            if self._claims is None:
+                self._claims = {}
+        queue = iter(order)
+
+        def run() -> None:
+            while not self._stop.is_set():
+                with self._lock:
+                    t = next(queue, None)
+                    if t is None:
+                        return
+                    if t.name in self._claims:  # asked for already
+                        continue
+                    self._claims[t.name] = done = threading.Event()
+                try:
+                    tensor = self._read(t)
+                except Exception:  # the asker reads it again and gets the error itself
+                    with self._lock:
+                        del self._claims[t.name]
+                    done.set()
+                    return
+                with self._lock:
+                    self._prefetched[t.name] = tensor
+                    self.prefetched_bytes += t.nbytes
+                done.set()
+
+        for k in range(min(threads, len(order))):
+            thread = threading.Thread(target=run, name=f"hsx-prefetch-{k}", daemon=True)
+            thread.start()
+            self._prefetchers.append(thread)
+
     def read(self, t: FileTensor) -> torch.Tensor:
+        """The tensor ``t`` on :attr:`device`, with the file's bytes (a new tensor each call; the
+        one read ahead for it, :meth:`prefetch`, the first time).
+
+        Raises:
+            BadConfig: the file ended before the tensor's last byte (changed while loading).
+        """
+        if self._claims is not None:
+            with self._lock:
+                done = self._claims.get(t.name)
+                if done is None:
+                    self._claims[t.name] = _DONE  # read here: no read-ahead thread takes it now
+            if done is not None:
+                done.wait()
+                with self._lock:
+                    out = self._prefetched.pop(t.name, None)
+                if out is not None:
+                    return out
+        return self._read(t)
+
+    def _read(self, t: FileTensor) -> torch.Tensor:
         """The tensor ``t`` on :attr:`device`, with the file's bytes (a new tensor each call).
 
         On CUDA the copies are queued on the thread's current stream (the default stream, on which
@@ -287,7 +360,7 @@ class StreamedCheckpoint:
                 span.ready = self._read_span(span)
             out = span.ready.pop(t.name, None)
         if out is None:  # asked for twice: read on its own
-            return self.read(FileTensor(self, t._fd, t.name, t.dtype, t.shape, t.offset, t.nbytes))
+            return self._read(FileTensor(self, t._fd, t.name, t.dtype, t.shape, t.offset, t.nbytes))
         return out
 
     def _read_span(self, span: Span) -> dict[str, torch.Tensor]:
@@ -324,6 +397,11 @@ class StreamedCheckpoint:
             got += n
 
     def close(self) -> None:
+        self._stop.set()
+        for thread in self._prefetchers:
+            thread.join()
+        self._prefetchers.clear()
+        self._prefetched.clear()  # read ahead and never asked for (keys the model lacks)
         if self.device.type == "cuda" and self._buffers:
             torch.cuda.synchronize(self.device)  # every queued copy done before its slot is freed
         for fd in self._fds:
@@ -364,8 +442,18 @@ def _allocator_warm_up(enabled: bool):
         modeling_utils.caching_allocator_warmup = warm_up
 
 
+def _kept_dtypes(dtype: torch.dtype, kwargs: dict) -> set[str]:
+    """The safetensors dtypes whose tensors become parameters as stored when loading in ``dtype``
+    with ``kwargs``: the load's own, and FP8 unless a ``quantization_config`` dequantises it."""
+    kept = {name for name, d in DTYPES.items() if d == dtype}
+    if not getattr(kwargs.get("quantization_config"), "dequantize", False):
+        kept |= {"F8_E4M3", "F8_E5M2"}
+    return kept
+
+
 def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device_map: dict,
-                  trust_remote_code: bool = False, allocator_warm_up: bool = False, **kwargs) -> torch.nn.Module:
+                  trust_remote_code: bool = False, allocator_warm_up: bool = False, prefetch_threads: int = 4,
+                  **kwargs) -> torch.nn.Module:
     """``AutoModelForCausalLM`` of the local checkpoint ``path`` with its weights read by
     :class:`StreamedCheckpoint` onto ``device`` (module docstring); the rest as ``from_pretrained``
     does it: the config, the generation config and ``kwargs`` (e.g. a ``quantization_config``)
@@ -379,41 +467,51 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
     an H100 with a 50 GB model, BENCHMARKS.md, the FP8 row). Our reader allocates each tensor where
     it lands, so the warm-up saves it no allocation.
 
+    ``prefetch_threads`` (0: none) start reading the tensors kept as stored
+    (:meth:`StreamedCheckpoint.prefetch`) before the config is read and the model's code imported.
+
     Returns:
         the model in eval mode, every parameter on the device map's devices.
 
     Raises:
         BadConfig: what :class:`StreamedCheckpoint` raises.
     """
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, GenerationConfig
-
     t_config = time.perf_counter()
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    # the class and config AutoModelForCausalLM picks (the auto class itself needs a path): a multimodal
-    # release's text model with its text config, the parent's quantization_config copied onto it
-    # (transformers 5.24, models/auto/auto_factory.py, _BaseAutoModelClass.from_pretrained l. 456-468)
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    text_config_class = getattr(config, "sub_configs", {}).get("text_config")
-    if text_config_class is not None and getattr(model_class, "config_class", None) == text_config_class:
-        parent, config = config, config.get_text_config()
-        if getattr(parent, "quantization_config", None) is not None:
-            config.quantization_config = parent.quantization_config
-    t0 = time.perf_counter()  # the model's code imported (its kernels' packages: fla, triton) from here on
-    with StreamedCheckpoint(checkpoint_files(path), device) as ckpt, _allocator_warm_up(allocator_warm_up):
-        model = model_class.from_pretrained(None, config=config, state_dict=dict(ckpt.tensors), dtype=dtype,
-                                            device_map=device_map, **kwargs)
+    with StreamedCheckpoint(checkpoint_files(path), device) as ckpt:
+        ckpt.prefetch(prefetch_threads, _kept_dtypes(dtype, kwargs))
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        # the class and config AutoModelForCausalLM picks (the auto class itself needs a path): a multimodal
+        # release's text model with its text config, the parent's quantization_config copied onto it
+        # (transformers 5.24, models/auto/auto_factory.py, _BaseAutoModelClass.from_pretrained l. 456-468)
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        text_config_class = getattr(config, "sub_configs", {}).get("text_config")
+        if text_config_class is not None and getattr(model_class, "config_class", None) == text_config_class:
+            parent, config = config, config.get_text_config()
+            if getattr(parent, "quantization_config", None) is not None:
+                config.quantization_config = parent.quantization_config
+        t0 = time.perf_counter()  # the model's code imported (its kernels' packages: fla, triton) from here on
+        prefetched_by_then = ckpt.prefetched_bytes
+        with _allocator_warm_up(allocator_warm_up):
+            model = model_class.from_pretrained(None, config=config, state_dict=dict(ckpt.tensors), dtype=dtype,
+                                                device_map=device_map, **kwargs)
     t1 = time.perf_counter()
     read_s = (ckpt.last_read - ckpt.first_read) if ckpt.first_read is not None else 0.0
     last_load.clear()
     last_load.update(bytes=ckpt.bytes_read, config_and_import_s=round(t0 - t_config, 3),
                      from_pretrained_s=round(t1 - t0, 3), read_s=round(read_s, 3),
                      before_first_read_s=round((ckpt.first_read or t1) - t0, 3),
-                     after_last_read_s=round(t1 - (ckpt.last_read or t1), 3))
-    log.info("read %.1f GB of safetensors in %.1f s (%.1f GB/s), within from_pretrained's %.1f s (%.1f s before the "
-             "first read, %.1f s after the last), after %.1f s reading the config and importing the model's code",
-             ckpt.bytes_read / 1e9, read_s, ckpt.bytes_read / 1e9 / max(read_s, 1e-9), t1 - t0,
-             last_load["before_first_read_s"], last_load["after_last_read_s"], t0 - t_config)
+                     after_last_read_s=round(t1 - (ckpt.last_read or t1), 3),
+                     prefetched_before_from_pretrained=prefetched_by_then, prefetched=ckpt.prefetched_bytes)
+    # before_first_read_s is negative when the read-ahead began before from_pretrained (during the import)
+    log.info("read %.1f GB of safetensors in %.1f s (%.1f GB/s; %.1f GB of it read ahead while the model's code was "
+             "imported, %.1f s), from_pretrained %.1f s (%.1f s after the last read)",
+             ckpt.bytes_read / 1e9, read_s, ckpt.bytes_read / 1e9 / max(read_s, 1e-9), prefetched_by_then / 1e9,
+             t0 - t_config, t1 - t0, last_load["after_last_read_s"])
     model.config.name_or_path = str(path)
+    from transformers import GenerationConfig
+
     if (Path(path) / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model

@@ -337,6 +337,7 @@ def load_target(name: str, settings: Settings) -> Target:
             # pread into pinned buffers, asynchronous copies to the GPU (workers/loading.py), not transformers' mmap
             try:
                 model = loading.load_streamed(local, device=device, dtype=dtype, device_map=load_device_map(device),
+                                              prefetch_threads=settings.load_prefetch_threads,
                                               **quantized.load_kwargs(info, device, path))
             except (BadConfig, torch.cuda.OutOfMemoryError):
                 raise
