@@ -230,7 +230,10 @@ def fp8_batched_matmul(input, weight, weight_scale_inv, block_size=None, expert_
     sentinel)."""
     num_experts = weight.size(0)
     order = torch.argsort(expert_ids, stable=True)
-    counts = torch.bincount(expert_ids.clamp(max=num_experts), minlength=num_experts + 1)[:num_experts]
+    # index_add_, not bincount: CUDA's bincount reads the largest id back to the host (a sync per layer)
+    ids = expert_ids.clamp(max=num_experts).long()
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).index_add_(
+        0, ids, torch.ones_like(ids))[:num_experts]
     ends = torch.cumsum(counts, 0)
     out_sorted = fp8_grouped_matmul(input[order], weight, weight_scale_inv, offsets=ends, block_size=block_size)
     out = torch.empty_like(out_sorted)
