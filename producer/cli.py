@@ -66,17 +66,28 @@ class _CountColumn(MofNCompleteColumn):
 
 
 def _progress() -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description:<12}"),
-        _BarColumn(),
-        _CountColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    )
+    """One line per task at any terminal width: the count and the times are never cut; under 100
+    columns the bar narrows (to 3) and the word ``eta`` goes, then the info text ends with an
+    ellipsis (at 80 columns a 40-wide bar had left rich to cut every column: ``7…`` for the
+    count, ``0…`` for the time)."""
+    from rich.table import Column
+
+    keep = dict(no_wrap=True)
+    narrow = console.width < 100
+    # description 12, count 16 ("15.7 MB/125.4 MB"), elapsed 7, "eta" 3, time left 7, a space between columns
+    room = console.width - (12 + 16 + 7 + 7 + 5 + (0 if narrow else 4))
+    bar = max(3, min(40, room - 32))
+    info = max(12, room - bar - 1)
+    columns = [
+        TextColumn("[bold]{task.description:<12}", table_column=Column(**keep)),
+        _BarColumn(bar_width=bar, table_column=Column(width=bar, **keep)),
+        _CountColumn(table_column=Column(**keep)),
+        TextColumn("{task.fields[info]}", table_column=Column(max_width=info, no_wrap=True, overflow="ellipsis")),
+        TimeElapsedColumn(table_column=Column(**keep)),
+        *([] if narrow else [TextColumn("eta", table_column=Column(**keep))]),
+        TimeRemainingColumn(table_column=Column(**keep)),
+    ]
+    return Progress(*columns, console=console, transient=False)
 
 
 class _Progress(Progress):

@@ -54,6 +54,31 @@ def test_the_run_table_shows_one_example_per_skip_reason_and_points_to_the_rest_
     assert "(more in file:///r/plan/stats.json, skipped.examples)" in " ".join(_text(_plan_table("run", report)).split())
 
 
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_each_progress_line_fits_the_terminal_with_its_count_and_times_whole(width, monkeypatch):
+    """At 80 columns a 40-wide bar had rich cut every column (``7…``, ``0:00:…``): the count, the
+    elapsed time and the time left are whole at any width, one line per task; the info text is
+    what gives way."""
+    import io
+
+    from rich.console import Console
+
+    import producer.cli as cli
+
+    monkeypatch.setattr(cli, "console", Console(file=io.StringIO(), width=width, force_terminal=True, color_system=None))
+    progress = cli.progress_factory()
+    tokenising = progress.add_task("tokenising", total=125_400_000, bytes=True)
+    progress.update(tokenising, completed=15_700_000, info="9,812 records  2,431/s")
+    extracting = progress.add_task("extracting", total=44)
+    progress.update(extracting, completed=7, samples=252, tok_s=8484)
+    cli.console.print(progress.make_tasks_table(progress.tasks))
+    lines = cli.console.file.getvalue().splitlines()
+    assert len(lines) == 2 and all(len(line) <= width for line in lines), lines
+    assert "15.7 MB/125.4 MB" in lines[0] and " 7/44 " in lines[1], lines
+    assert all(re.search(r"0:00:00 (eta )?-:--:--$", line) for line in lines), lines
+    assert "8,484 tok/s now" in lines[1], lines
+
+
 def test_the_status_bar_of_a_one_batch_run_says_batch():
     status = {"run_id": "r", "state": "running", "address": "file:///r", "model": "m", "planned": True,
               "batches_total": 1, "batches_done": 0, "samples_done": 0, "samples_total": 1, "samples_quarantined": 0,
