@@ -521,6 +521,13 @@ class RunWatch:
         if self.broker == "embedded" and self.embedded_live is False:  # its workers were that command's own
             why = ("the `python -m producer run` that ran it is not running on this machine (stopped by a Ctrl-C, or "
                    "it failed): its finished batches keep their markers; " + why)
+        elif self.broker == "embedded" and self.embedded_live and not planning:
+            # that command still runs: it restarts a worker that died (workers/launcher.py), or stops with the error
+            why += ("; the `python -m producer run` on this machine still runs and restarts its workers that died "
+                    "(up to its restart limit, then it stops and says why)")
+            first = f"for the parked batches: {parked[0]['fix']}; then " if parked else ""
+            restart = (f"{first}nothing while that command runs: it restarts its workers; why one died is in "
+                       f"HSX_CACHE_DIR/logs/workers-{self.config.run_id}.log")
         if planning:
             why += " (the planner still writes the plan)"
         return why, restart

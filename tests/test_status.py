@@ -410,3 +410,26 @@ def test_a_producer_run_stopped_midway_says_so_in_its_stall(small_run, tmp_path)
     assert status["restart"] == "run the same `python -m producer run` command again: it enqueues every batch without a marker"
     watch.embedded_live = None  # not known (--no-broker): nothing said of the command
     assert not watch.poll()["stalled_reason"].startswith("the `python -m producer run`")
+
+
+def test_a_producer_run_whose_worker_died_says_it_restarts_it_not_to_run_it_again(small_run, tmp_path):
+    """A worker of a live ``producer run`` killed mid-run (SIGKILL): until its launcher has started
+    the new one, no worker works on the run, so ``status`` says ``stalled``; the reason says that the
+    command still runs and restarts its workers, and the advice is not to run the command again
+    (which would be refused: the embedded broker is that command's)."""
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    for b in read_batch_list(store)[1:]:
+        store.delete(marker_key(b.batch))
+    for key in store.list(WORKERS_PREFIX):  # killed: it wrote no more, and its launcher saw it exit
+        record = json.loads(store.read(key))
+        store.write(key, json.dumps({**record, "state": "stopped", "batches": []}).encode())
+    watch = RunWatch(store, broker="embedded")
+    watch.embedded_live = True
+    status = watch.poll()
+    assert status["state"] == "stalled", status
+    assert status["stalled_reason"].endswith("the `python -m producer run` on this machine still runs and restarts "
+                                             "its workers that died (up to its restart limit, then it stops and says why)"
+                                             ), status["stalled_reason"]
+    assert status["restart"].startswith("nothing while that command runs: it restarts its workers"), status["restart"]
+    assert "run the same" not in status["restart"]
