@@ -465,6 +465,14 @@ class ChatTokeniser:
                 messages = [{k: (v if k == "role" else self._escape(v, esc)) for k, v in m.items()} for m in messages]
                 tools = self._escape(tools, esc)
         full = self._render(conv.record_id, messages, tools, add_generation_prompt=False)
+        bound = self._chars_per_token_bound() if self.over_length == "drop" and esc is None else None
+        if bound and len(full) > self.max_length * bound:
+            # dropped without tokenising it (a 30 MB record took 80 s and 5 GB to tokenise): too long for sure
+            raise BadRecord(conv.record_id, "too_long",
+                            f"its render has {len(full):,} characters, so more than {len(full) // bound:,} tokens "
+                            f"(no token covers more than {bound} characters with this tokenizer) > "
+                            f"max_length={self.max_length} (dropped before tokenising: over_length='drop'; the "
+                            "default truncates)")
         return _Prepared(conv.record_id, messages, tools, esc, full, conv.supervised_turns, conv.unfinished_turns)
 
     def _escape(self, value: Any, esc: "_ContentEscape") -> Any:
@@ -476,6 +484,23 @@ class ChatTokeniser:
         if isinstance(value, (list, tuple)):
             return type(value)(self._escape(v, esc) for v in value)
         return value
+
+    _bound: int | None = None
+
+    def _chars_per_token_bound(self) -> int:
+        """Characters of text one token can cover at most with this tokenizer, or 0 when no bound
+        is known: 4 x the UTF-8 bytes of its longest vocabulary string (a byte-level piece such as
+        ``Ġ`` takes 2 bytes for the 1 byte it stands for, so this overstates; the 4: Unicode NFC
+        composes at most 4 code points into one). Only for a tokenizer whose normalizer is none or
+        NFC (others, such as strip-accents, may remove characters)."""
+        if self._bound is None:
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            normalizer = type(getattr(backend, "normalizer", None)).__name__ if backend is not None else "?"
+            if normalizer in ("NoneType", "NFC"):
+                self._bound = 4 * max(len(t.encode()) for t in self.tokenizer.get_vocab())
+            else:
+                self._bound = 0
+        return self._bound
 
     def _render(self, rid: str, messages: list[dict], tools: list | None, *, add_generation_prompt: bool) -> str:
         try:

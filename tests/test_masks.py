@@ -578,6 +578,26 @@ def test_a_20000_token_conversation_is_truncated_to_4096_or_dropped_and_counted_
                                           "over_length='drop'; the default truncates)"]
 
 
+def test_drop_long_skips_a_huge_record_without_tokenising_it_and_a_long_one_after(qwen3_tokenizer):
+    """With --drop-long, a render longer than max_length x the most characters one token can cover
+    (4 x the longest vocabulary string's bytes: 1,024 for Qwen3) is too long whatever its tokens: it
+    is skipped before it is tokenised (a 30 MB record took 80 s and 5 GB of memory to tokenise, then
+    to be dropped). One under that bound is tokenised and dropped by its count, as before."""
+    chat = ChatTokeniser(qwen3_tokenizer, max_length=16, over_length="drop")
+    huge = _conv("huge", ("user", "Summarise this."), ("assistant", "x" * (16 * 1024)))
+    with pytest.raises(BadRecord) as info:
+        chat.encode(huge)
+    assert info.value.reason == "too_long" and info.value.record_id == "huge"
+    assert "characters, so more than 16 tokens (no token covers more than 1024 characters" in info.value.detail
+    assert "dropped before tokenising" in info.value.detail
+    long = _conv("long", ("user", "Summarise this."), ("assistant", "one two three " * 20))
+    with pytest.raises(BadRecord) as info:
+        chat.encode(long)
+    assert info.value.reason == "too_long" and "tokens > max_length=16 (dropped: " in info.value.detail
+    kept = ChatTokeniser(qwen3_tokenizer, max_length=16).encode(huge)  # the default truncates it
+    assert kept.truncated and kept.num_tokens == 16
+
+
 def test_a_record_naming_its_supervised_turns_has_only_those_masked_and_the_same_ids(tmp_path, chat, qwen3_tokenizer):
     """``hsx_supervised_turns`` (what a regenerate run's extraction gives: the target's answers) keeps
     the other assistant turns as context: the same ids, the mask over the named turns only. A list
