@@ -236,14 +236,16 @@ def fleet_view(fleet: dict) -> RenderableType:
     with its roots, model, state and the tasks it holds, the runs with messages, the parked messages."""
     b = fleet["broker"]
     q = b.get("queue") or {}
-    head = Table(title=f"fleet on {b['url']}, queue '{b['queue_name']}'", show_header=False, title_justify="left",
-                 box=None, padding=(0, 1))
-    head.add_column(style="bold")
-    head.add_column()
+    # the broker's address in a row of its own, folded at any character (a title wraps at words: a
+    # socket path was cut in its middle)
+    head = Table(title="fleet", show_header=False, title_justify="left", box=None, padding=(0, 1))
+    head.add_column(style="bold", no_wrap=True)
+    head.add_column(overflow="fold")
+    head.add_row("broker", b["url"])
     live = [w for w in fleet["workers"] if w["live"]]
     head.add_row("workers", f"{len(live):,} live" + (f", {len(fleet['workers']) - len(live):,} gone in the last hour"
                                                    if len(fleet["workers"]) > len(live) else ""))
-    head.add_row("queue", f"{q.get('waiting', 0):,} waiting, {q.get('claimed', 0):,} claimed")
+    head.add_row("queue", f"'{b['queue_name']}': {q.get('waiting', 0):,} waiting, {q.get('claimed', 0):,} claimed")
     parked_n = sum(p["batches"] for p in fleet["parked"])
     head.add_row("parked", Text(f"{plural(parked_n, 'batch')} of {plural(len(fleet['parked']), 'run')}",
                                 style="yellow" if parked_n else ""))
