@@ -243,7 +243,9 @@ def _options(args):
     )
 
 
-def _plan_table(title: str, report: dict) -> Table:
+def _plan_table(title: str | None, report: dict) -> Table:
+    """The summary of a planned run, one row per fact; ``title`` names the stage when a command
+    has several (None: the first row, ``run``, says what it is)."""
     stats = report.get("plan") or {}
     t = Table(title=title, show_header=False, title_justify="left")
     t.add_column(style="bold")
@@ -370,7 +372,7 @@ def cmd_run(args, settings: Settings) -> int:
     if args.json:
         out.print_json(json.dumps(report))
         return code
-    out.print(_plan_table("run", report))
+    out.print(_plan_table(None, report))
     total = report["batches_total"]
     done = report.get("batches_done", report["batches_already_done"])
     if report["batches_already_done"] == total:  # no work ran: no "done in N s"
