@@ -387,18 +387,25 @@ def test_the_workers_table_is_readable_at_80_columns(small_run, tmp_path):
     assert f"file://{run_dir}" in "".join(text.split()), f"the address is folded whole onto lines, not cut:\n{text}"
 
 
+def _run_left_with_its_workers_stopped(small_run, tmp_path, *, done: int | None):
+    """A copy of the run with only its first ``done`` batches' markers (None: half), and every worker record
+    ``stopped`` with no batch (what a warm shutdown writes, and what a killed worker leaves once its
+    launcher saw it exit): its store."""
+    store = open_store(str(copy_run(small_run, tmp_path)))
+    batches = read_batch_list(store)
+    for b in batches[len(batches) // 2 if done is None else done:]:
+        store.delete(marker_key(b.batch))
+    for key in store.list(WORKERS_PREFIX):
+        record = json.loads(store.read(key))
+        store.write(key, json.dumps({**record, "state": "stopped", "batches": []}).encode())
+    return store
+
+
 def test_a_producer_run_stopped_midway_says_so_in_its_stall(small_run, tmp_path):
     """Ctrl-C of a ``producer run`` after some batches: its workers stopped with it and its embedded broker is gone;
     ``status`` calls the run ``stalled`` (batches are left, nothing runs them) and says first why, in the user's
     terms (that command is not running; the finished batches are kept), with the command that resumes it."""
-    run_dir = copy_run(small_run, tmp_path)
-    store = open_store(str(run_dir))
-    batches = read_batch_list(store)
-    for b in batches[len(batches) // 2:]:
-        store.delete(marker_key(b.batch))
-    for key in store.list(WORKERS_PREFIX):  # they stopped with their producer run (a warm shutdown writes this)
-        record = json.loads(store.read(key))
-        store.write(key, json.dumps({**record, "state": "stopped", "batches": []}).encode())
+    store = _run_left_with_its_workers_stopped(small_run, tmp_path, done=None)
     watch = RunWatch(store, broker="embedded")
     watch.embedded_live = False
     status = watch.poll()
@@ -417,13 +424,7 @@ def test_a_producer_run_whose_worker_died_says_it_restarts_it_not_to_run_it_agai
     the new one, no worker works on the run, so ``status`` says ``stalled``; the reason says that the
     command still runs and restarts its workers, and the advice is not to run the command again
     (which would be refused: the embedded broker is that command's)."""
-    run_dir = copy_run(small_run, tmp_path)
-    store = open_store(str(run_dir))
-    for b in read_batch_list(store)[1:]:
-        store.delete(marker_key(b.batch))
-    for key in store.list(WORKERS_PREFIX):  # killed: it wrote no more, and its launcher saw it exit
-        record = json.loads(store.read(key))
-        store.write(key, json.dumps({**record, "state": "stopped", "batches": []}).encode())
+    store = _run_left_with_its_workers_stopped(small_run, tmp_path, done=1)
     watch = RunWatch(store, broker="embedded")
     watch.embedded_live = True
     status = watch.poll()

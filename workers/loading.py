@@ -252,7 +252,7 @@ class StreamedCheckpoint:
         (the load's dtype, FP8 weights that stay FP8): each then becomes its parameter, so reading
         ahead adds no GPU memory. The threads stop when every such tensor is read, or at :meth:`close`.
         """
-        order = [t for _, t in sorted(((t._fd, t.offset), t) for t in self.tensors.values()) if t.dtype in dtypes]
+        order = sorted((t for t in self.tensors.values() if t.dtype in dtypes), key=lambda t: (t._fd, t.offset))
         if not order or threads < 1:
             return
         with self._lock:
