@@ -66,9 +66,9 @@ class _CountColumn(MofNCompleteColumn):
 
 
 def _progress() -> Progress:
-    """One line per task at any terminal width: the count and the times are never cut; under 100
-    columns the bar narrows (to 3) and the word ``eta`` goes, then the info text ends with an
-    ellipsis (at 80 columns a 40-wide bar had left rich to cut every column: ``7…`` for the
+    """One line per task at any terminal width: the count and the times are never cut; the bar
+    narrows (to 3) before the info text (up to 55 characters), under 100 columns the word ``eta``
+    goes, and then the info text ends with an ellipsis (at 80 columns a 40-wide bar had left rich to cut every column: ``7…`` for the
     count, ``0…`` for the time)."""
     from rich.table import Column
 
@@ -76,7 +76,7 @@ def _progress() -> Progress:
     narrow = console.width < 100
     # description 12, count 16 ("15.7 MB/125.4 MB"), elapsed 7, "eta" 3, time left 7, a space between columns
     room = console.width - (12 + 16 + 7 + 7 + 5 + (0 if narrow else 4))
-    bar = max(3, min(40, room - 32))
+    bar = max(3, min(40, room - 55))  # the info first: "1,034 records read, 995 samples in 44 batches planned"
     info = max(12, room - bar - 1)
     columns = [
         TextColumn("[bold]{task.description:<12}", table_column=Column(**keep)),
