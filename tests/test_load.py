@@ -275,6 +275,67 @@ def test_tensors_a_span_read_and_nobody_asked_for_are_freed_when_the_checkpoint_
     assert not span.ready
 
 
+def test_the_read_ahead_lets_go_of_what_the_model_will_not_ask_for_and_never_leaves_an_asker_waiting(tmp_path):
+    """Stopped when ``from_pretrained`` starts, the read-ahead drops the tensors whose names match the
+    model's ignore patterns (a release's ``mtp.*`` layer: GBs of GPU memory held through the load for
+    nothing), and they are read again if asked after all. A read-ahead thread whose read fails in any
+    way (even a BaseException) hands the tensor back to its asker, who reads it."""
+    from safetensors.torch import save_file
+
+    from workers import loading
+
+    tensors = {"model.a": torch.full((loading.SMALL_BYTES,), 1.0), "mtp.b": torch.full((loading.SMALL_BYTES,), 2.0),
+               "model.c": torch.full((loading.SMALL_BYTES,), 3.0)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    with loading.StreamedCheckpoint([tmp_path / "model.safetensors"], torch.device("cpu")) as ckpt:
+        ckpt.prefetch(1, {"F32"})
+        for thread in ckpt._prefetchers:
+            thread.join()
+        ckpt.stop_prefetch([r"^mtp\."])
+        assert sorted(ckpt._prefetched) == ["model.a", "model.c"]
+        assert ckpt.prefetched_bytes == 2 * tensors["model.a"].numel() * 4
+        assert torch.equal(ckpt.tensors["mtp.b"][...], tensors["mtp.b"])  # asked after all: read again
+
+    failed = []
+    with loading.StreamedCheckpoint([tmp_path / "model.safetensors"], torch.device("cpu")) as ckpt:
+        read = ckpt._read
+
+        def failing_once(t):
+            if t.name == "model.a" and not failed:
+                failed.append(t.name)
+                raise SystemExit("a read-ahead thread dies")
+            return read(t)
+
+        ckpt._read = failing_once
+        ckpt.prefetch(1, {"F32"})
+        assert torch.equal(ckpt.tensors["model.a"][...], tensors["model.a"])  # no hang: read by its asker
+        assert torch.equal(ckpt.tensors["model.c"][...], tensors["model.c"])
+    assert failed == ["model.a"]
+
+
+def test_the_read_ahead_takes_only_tensors_kept_as_stored(tmp_path):
+    """bf16 of a bf16 load; FP8 weights too only where they stay FP8 (CUDA, compute capability 8.9+,
+    not dequantised); nothing for any other quantisation, or one made while loading."""
+    import json
+
+    from transformers import FineGrainedFP8Config
+
+    from workers.loading import _kept_dtypes
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    cpu = torch.device("cpu")
+    assert _kept_dtypes(str(tmp_path), torch.bfloat16, cpu, {}) == {"BF16"}
+    assert _kept_dtypes(str(tmp_path), torch.bfloat16, cpu, {"quantization_config": object()}) == set()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    assert _kept_dtypes(str(tmp_path), torch.bfloat16, cpu, {}) == set()  # the CPU dequantises it
+    dequantised = {"quantization_config": FineGrainedFP8Config(dequantize=True)}
+    assert _kept_dtypes(str(tmp_path), torch.bfloat16, cpu, dequantised) == set()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "quantization_config": {
+        "quant_method": "awq"}}))
+    assert _kept_dtypes(str(tmp_path), torch.bfloat16, cpu, {}) == set()
+
+
 def test_a_hub_id_streams_from_its_snapshot_in_the_hub_cache_at_the_commit_the_worker_read(tmp_path, monkeypatch):
     """The streamed loader reads files: a hub id becomes its snapshot directory in the hub cache (the
     commit given, not what ``main`` points at now), read without asking the hub when it is offline."""

@@ -179,6 +179,7 @@ class StreamedCheckpoint:
         self._prefetchers: list[threading.Thread] = []
         self._stop = threading.Event()
         self.prefetched_bytes = 0
+        self._closed = False
         for f in files:
             self._index(Path(f))
 
@@ -249,8 +250,11 @@ class StreamedCheckpoint:
         the model's code, whose seconds the reads then fill (they wait in ``preadv`` and in the copy,
         outside the GIL). A tensor asked for while a read-ahead thread reads it is waited for; one
         not yet reached is read by its asker. Only tensors kept as they are stored should be given
-        (the load's dtype, FP8 weights that stay FP8): each then becomes its parameter, so reading
-        ahead adds no GPU memory. The threads stop when every such tensor is read, or at :meth:`close`.
+        (the load's dtype, FP8 weights that stay FP8): each then becomes its parameter (or, for MoE
+        experts, is stacked and dropped, as transformers' own loading pool does with the tensors it
+        reads ahead), so the read-ahead adds no more GPU memory than the load takes anyway, except
+        for tensors the model never asks for: :meth:`stop_prefetch` drops those it knows of. The
+        threads stop when every such tensor is read, at :meth:`stop_prefetch` or at :meth:`close`.
         """
         order = sorted((t for t in self.tensors.values() if t.dtype in dtypes), key=lambda t: (t._fd, t.offset))
         if not order or threads < 1:
@@ -269,22 +273,44 @@ class StreamedCheckpoint:
                     if t.name in self._claims:  # asked for already
                         continue
                     self._claims[t.name] = done = threading.Event()
+                tensor = None
                 try:
                     tensor = self._read(t)
-                except Exception:  # the asker reads it again and gets the error itself
-                    with self._lock:
-                        del self._claims[t.name]
-                    done.set()
+                except BaseException as exc:  # the asker reads it again and gets the error itself
+                    log.debug("read-ahead of %s failed (%s: %s); its asker reads it", t.name, type(exc).__name__, exc)
                     return
-                with self._lock:
-                    self._prefetched[t.name] = tensor
-                    self.prefetched_bytes += t.nbytes
-                done.set()
+                finally:
+                    with self._lock:
+                        if tensor is None:
+                            del self._claims[t.name]
+                        else:
+                            self._prefetched[t.name] = tensor
+                            self.prefetched_bytes += t.nbytes
+                    done.set()  # never leaves an asker waiting
 
         for k in range(min(threads, len(order))):
             thread = threading.Thread(target=run, name=f"hsx-prefetch-{k}", daemon=True)
             thread.start()
             self._prefetchers.append(thread)
+
+    def stop_prefetch(self, unused: list[str] = ()) -> None:
+        """Stop the read-ahead (:meth:`prefetch`) once its threads' current reads are done, and
+        drop the tensors read ahead whose names match one of the regular expressions ``unused``
+        (the model's ``_keys_to_ignore_on_load_unexpected``: a release's ``mtp.*`` layers), so that
+        no unused tensor holds GPU memory through ``from_pretrained``."""
+        import re
+
+        self._stop.set()
+        for thread in self._prefetchers:
+            thread.join()
+        self._prefetchers.clear()
+        if unused:
+            pattern = re.compile("|".join(f"(?:{u})" for u in unused))
+            with self._lock:
+                for name in [n for n in self._prefetched if pattern.search(n)]:
+                    self.prefetched_bytes -= self.tensors[name].nbytes
+                    del self._prefetched[name]
+                    del self._claims[name]  # read again if asked after all
 
     def read(self, t: FileTensor) -> torch.Tensor:
         """The tensor ``t`` on :attr:`device`, with the file's bytes (a new tensor each call; the
@@ -316,6 +342,8 @@ class StreamedCheckpoint:
         Raises:
             BadConfig: the file ended before the tensor's last byte (changed while loading).
         """
+        if self._closed:  # a loading thread still running after a failed from_pretrained: its fds are gone
+            raise BadConfig(f"tensor {t.name}: read after its checkpoint was closed (the load had failed)")
         if t.span is not None:
             return self._read_from_span(t)
         dtype = DTYPES[t.dtype]
@@ -397,10 +425,8 @@ class StreamedCheckpoint:
             got += n
 
     def close(self) -> None:
-        self._stop.set()
-        for thread in self._prefetchers:
-            thread.join()
-        self._prefetchers.clear()
+        self._closed = True
+        self.stop_prefetch()
         self._prefetched.clear()  # read ahead and never asked for (keys the model lacks)
         if self.device.type == "cuda" and self._buffers:
             torch.cuda.synchronize(self.device)  # every queued copy done before its slot is freed
@@ -442,13 +468,27 @@ def _allocator_warm_up(enabled: bool):
         modeling_utils.caching_allocator_warmup = warm_up
 
 
-def _kept_dtypes(dtype: torch.dtype, kwargs: dict) -> set[str]:
-    """The safetensors dtypes whose tensors become parameters as stored when loading in ``dtype``
-    with ``kwargs``: the load's own, and FP8 unless a ``quantization_config`` dequantises it."""
+def _kept_dtypes(path: str, dtype: torch.dtype, device: torch.device, kwargs: dict) -> set[str]:
+    """The safetensors dtypes whose tensors become parameters as stored (:meth:`StreamedCheckpoint.prefetch`)
+    when the checkpoint at ``path`` loads in ``dtype`` on ``device`` with ``kwargs``: the load's own
+    dtype, and FP8 for a fine-grained FP8 release kept in FP8 (not dequantised by ``kwargs``, on a GPU
+    of compute capability 8.9 or more, below which transformers dequantises it:
+    ``quantizer_finegrained_fp8.py``). None for any other quantisation, pre-quantised or made while
+    loading (transformers converts those tensors; its own pool stops reading ahead then)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    given = kwargs.get("quantization_config")
     kept = {name for name, d in DTYPES.items() if d == dtype}
-    if not getattr(kwargs.get("quantization_config"), "dequantize", False):
-        kept |= {"F8_E4M3", "F8_E5M2"}
-    return kept
+    if quant is None:
+        return set() if given is not None else kept
+    if quant.get("quant_method") != "fp8" or (given is not None and getattr(given, "dequantize", True)):
+        return set()
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return set()
+    return kept | {"F8_E4M3", "F8_E5M2"}
 
 
 def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device_map: dict,
@@ -478,7 +518,8 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
     """
     t_config = time.perf_counter()
     with StreamedCheckpoint(checkpoint_files(path), device) as ckpt:
-        ckpt.prefetch(prefetch_threads, _kept_dtypes(dtype, kwargs))
+        # none with the one-segment warm-up: it reserves the whole model again beside what was read ahead
+        ckpt.prefetch(0 if allocator_warm_up else prefetch_threads, _kept_dtypes(path, dtype, device, kwargs))
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -492,6 +533,8 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
             if getattr(parent, "quantization_config", None) is not None:
                 config.quantization_config = parent.quantization_config
         t0 = time.perf_counter()  # the model's code imported (its kernels' packages: fla, triton) from here on
+        # from here transformers' own pool reads ahead; what the model will not ask for is let go now
+        ckpt.stop_prefetch(list(getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or ()))
         prefetched_by_then = ckpt.prefetched_bytes
         with _allocator_warm_up(allocator_warm_up):
             model = model_class.from_pretrained(None, config=config, state_dict=dict(ckpt.tensors), dtype=dtype,
