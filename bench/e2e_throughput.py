@@ -352,18 +352,17 @@ def build_streamed_model(config, device: torch.device, dest: Path, *, fp8: bool 
 
 def writes_tensors(config, device: torch.device) -> bool:
     """Whether the bf16 checkpoint of ``config`` is written one tensor at a time
-    (:func:`build_streamed_model`) rather than built on the GPU and saved with ``save_pretrained``:
-    on CUDA when its weights take more than 40% of the GPU's memory (save_pretrained's unfused
-    copies and the fallback through host memory do not fit: the 16-layer Qwen3-Next shape, 54 GB,
-    on an 80 GB H100 was SIGKILLed, 2026-12-06)."""
+    (:func:`build_streamed_model`) rather than built on the GPU and saved with ``save_pretrained``
+    (``bench.fp8_checkpoint.too_big_to_save``)."""
+    from bench.fp8_checkpoint import too_big_to_save
+
     if device.type != "cuda":
         return False
     with torch.device("meta"):
         import transformers
 
         meta = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    weight_bytes = sum(p.numel() * p.element_size() for p in meta.parameters())
-    return weight_bytes > 0.4 * torch.cuda.get_device_properties(device).total_memory
+    return too_big_to_save(meta, device)
 
 
 def save_checkpoint(model, dest: Path) -> float:

@@ -129,6 +129,21 @@ def quantize_checkpoint_fp8(src: Path, dest: Path, block: int = 128) -> dict:
     return {"quantized": quantized, "kept": sorted(kept)}
 
 
+def too_big_to_save(model, device) -> bool:
+    """Whether ``model``'s weights (on any device, the meta device included) take more than 40% of
+    the CUDA ``device``'s memory: ``save_pretrained`` of it then runs out of GPU memory (it unfuses
+    MoE experts with copies) and of host memory (the 16-layer Qwen3-Next shape, 54 GB, on an 80 GB
+    H100 was SIGKILLed, 2026-12-06), so it is written one tensor at a time
+    (:func:`write_random_fp8_checkpoint` with ``fp8=False``). False off CUDA."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weight_bytes > 0.4 * torch.cuda.get_device_properties(device).total_memory
+
+
 def write_random_fp8_checkpoint(model, dest: Path, *, device: str = "cpu", block: int = 128, seed: int = 0,
                                 shard_bytes: int = 5_000_000_000, fp8: bool = True) -> dict:
     """Write at ``dest`` a checkpoint of ``model``'s shapes in the layout :func:`quantize_checkpoint_fp8`

@@ -407,10 +407,9 @@ def build(config_path: Path, dest: Path, *, layers: int | None, vocab: int | Non
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # bf16 over 40% of the GPU: save_pretrained's copies do not fit (bench/e2e_throughput.py writes_tensors)
-    big = device.startswith("cuda") and weight_bytes > 0.4 * torch.cuda.get_device_properties(device).total_memory
-    if fp8 or big:  # one tensor at a time, quantised as it is made: no bf16 model or files (an 80B shape is 160 GB in bf16)
+    from bench.fp8_checkpoint import too_big_to_save
+
+    if fp8 or too_big_to_save(model, device):  # one tensor at a time, quantised as it is made: no bf16 model or files (an 80B shape is 160 GB in bf16)
         from bench.fp8_checkpoint import write_random_fp8_checkpoint
 
         done = write_random_fp8_checkpoint(model, dest, device=device, fp8=fp8)

@@ -401,13 +401,18 @@ def _run_left_with_its_workers_stopped(small_run, tmp_path, *, done: int | None)
     return store
 
 
+def _embedded_watch(store, *, live: bool | None) -> RunWatch:
+    """``status``'s watch of a run on the embedded broker whose ``producer run`` is (not) running here."""
+    watch = RunWatch(store, broker="embedded")
+    watch.embedded_live = live
+    return watch
+
+
 def test_a_producer_run_stopped_midway_says_so_in_its_stall(small_run, tmp_path):
     """Ctrl-C of a ``producer run`` after some batches: its workers stopped with it and its embedded broker is gone;
     ``status`` calls the run ``stalled`` (batches are left, nothing runs them) and says first why, in the user's
     terms (that command is not running; the finished batches are kept), with the command that resumes it."""
-    store = _run_left_with_its_workers_stopped(small_run, tmp_path, done=None)
-    watch = RunWatch(store, broker="embedded")
-    watch.embedded_live = False
+    watch = _embedded_watch(_run_left_with_its_workers_stopped(small_run, tmp_path, done=None), live=False)
     status = watch.poll()
     assert status["state"] == "stalled", status
     assert status["stalled_reason"].startswith("the `python -m producer run` that ran it is not running on this machine "
@@ -424,10 +429,7 @@ def test_a_producer_run_whose_worker_died_says_it_restarts_it_not_to_run_it_agai
     the new one, no worker works on the run, so ``status`` says ``stalled``; the reason says that the
     command still runs and restarts its workers, and the advice is not to run the command again
     (which would be refused: the embedded broker is that command's)."""
-    store = _run_left_with_its_workers_stopped(small_run, tmp_path, done=1)
-    watch = RunWatch(store, broker="embedded")
-    watch.embedded_live = True
-    status = watch.poll()
+    status = _embedded_watch(_run_left_with_its_workers_stopped(small_run, tmp_path, done=1), live=True).poll()
     assert status["state"] == "stalled", status
     assert status["stalled_reason"].endswith("the `python -m producer run` on this machine still runs and restarts "
                                              "its workers that died (up to its restart limit, then it stops and says why)"
