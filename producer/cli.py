@@ -700,7 +700,7 @@ def cmd_export(args, settings: Settings) -> int:
         left = f"{target} removed" if created else f"{target} emptied again"
         console.print(f"interrupted: the export was stopped and nothing of it is left ({left}); the run is unchanged "
                       "(export only reads it); run the same command again to export it", highlight=False)
-        return 130
+        return interrupts.exit_code()
     except BaseException:
         remove_partial()
         raise
@@ -996,6 +996,6 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             console.print(f"interrupted: {counted}finished batches keep their markers; run the same command again to "
                           "resume", highlight=False)
-        return 130
+        return interrupts.exit_code()
     finally:
         interrupts.uninstall()

@@ -12,7 +12,8 @@ not re-raise drops it silently. The run then went on as if the user had not pres
 KeyboardInterrupt; the loops that wait (``producer.run.wait_for_markers``, the planner's tick)
 and the step between the two stages of ``run --regenerate`` call :func:`check`, which raises
 KeyboardInterrupt again for a signal noted here: the run stops at the next poll as it would have.
-Once a KeyboardInterrupt propagates the command ends (exit 130), so a noted signal is never
+Once a KeyboardInterrupt propagates the command ends with the shell's code for the signal
+(:func:`exit_code`: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP), so a noted signal is never
 raised twice. :func:`uninstall` restores the handlers and forgets the signal (``main`` returns).
 """
 
@@ -57,6 +58,13 @@ def uninstall() -> None:
 def received() -> int | None:
     """The signal noted since :func:`install` (``signal.SIGINT`` ...), or None."""
     return _received
+
+
+def exit_code() -> int:
+    """The exit code for a command stopped by the noted signal: 128 + its number, as a shell reports a
+    process a signal ended (130 SIGINT, 143 SIGTERM, 129 SIGHUP; a scheduler such as Kubernetes or
+    Slurm reads 143 as "terminated"). 130 when none was noted (a KeyboardInterrupt raised otherwise)."""
+    return 128 + int(_received) if _received is not None else 128 + int(signal.SIGINT)
 
 
 def check() -> None:

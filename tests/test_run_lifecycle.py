@@ -66,14 +66,14 @@ def test_a_killed_run_leaves_no_worker_behind(tmp_path, tiny_cache):
 
 
 def test_a_hangup_stops_the_run_like_ctrl_c(tmp_path, tiny_cache):
-    """SIGHUP (a closed terminal or SSH session): the stopping line, exit code 130, and nothing of
+    """SIGHUP (a closed terminal or SSH session): the stopping line, exit code 129 (128 + SIGHUP), and nothing of
     the run is left running, broker included."""
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool", faults="pause_forward=2")
     proc = start_held_run(tmp_path, env)
     children = descendants(proc.pid)
     try:
         proc.send_signal(signal.SIGHUP)
-        assert proc.wait(120) == 130
+        assert proc.wait(120) == 129
         assert "stopping:" in (tmp_path / "stderr").read_text()
         assert wait_gone(children, 30) == []
     finally:
