@@ -173,7 +173,8 @@ class SkipCounter:
 
     ``counts[reason]``: records skipped for that reason; ``examples[reason]``: up to
     :data:`EXAMPLES_PER_REASON` strings ``"<record id>: <detail>"``; ``fixes[name]``: records kept
-    after a repair (``leading_assistant_dropped``; ``id_not_a_string_or_integer``: its ``<file>:<index>`` is its id); ``truncated_bytes[path]``: bytes at the end of
+    after a repair (``leading_assistant_dropped``; ``id_not_a_string_or_integer``: its ``<file>:<index>`` is its id;
+    ``messages_used_conversations_ignored``: a record with both lists, read in OpenAI form); ``truncated_bytes[path]``: bytes at the end of
     a JSON array file that did not form a complete record (a truncated file) and were ignored.
     """
 
@@ -507,6 +508,8 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *
 
     if "messages" in raw:
         turns, role_key, content_key = raw["messages"], "role", "content"
+        if "conversations" in raw:  # two forms in one record: OpenAI's is read, and the choice is shown
+            skips.fix("messages_used_conversations_ignored")
     elif "conversations" in raw:
         turns, role_key, content_key = raw["conversations"], "from", "value"
     elif "input_ids" in raw or "loss_mask" in raw:

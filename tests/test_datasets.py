@@ -118,6 +118,15 @@ def test_every_pathology_is_counted_under_its_reason_and_every_good_record_is_yi
     skips = SkipCounter()
     assert [c.record_id for c in iter_conversations(str(objid), skips)] == ["objid.jsonl:0"]
     assert skips.fixes == {"id_not_a_string_or_integer": 1}
+    # a record with both a `messages` and a `conversations` list is read in OpenAI form, and that is counted
+    both = _write_lines(tmp_path / "both.jsonl", [{"id": "b", "messages": [{"role": "user", "content": "Q"},
+                                                                          {"role": "assistant", "content": "A"}],
+                                                   "conversations": [{"from": "human", "value": "other"},
+                                                                     {"from": "gpt", "value": "other"}]}])
+    skips = SkipCounter()
+    (conv,) = iter_conversations(str(both), skips)
+    assert [m["content"] for m in conv.messages] == ["Q", "A"]
+    assert skips.fixes == {"messages_used_conversations_ignored": 1}
     assert convs["7"].messages[0] == {"role": "user", "content": "Part one. Two."}
     assert convs["good"].messages[1] == {"role": "assistant", "content": "Hello!"}
 
