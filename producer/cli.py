@@ -273,6 +273,11 @@ def _plan_table(title: str | None, report: dict) -> Table:
             t.add_row("repaired", f"{k} {v:,}")
         for path, nbytes in sorted(skipped.get("truncated_bytes", {}).items()):
             t.add_row("ignored", f"{nbytes:,} trailing bytes of {path} (incomplete last record)")
+    ignored = report.get("dataset_ignored") or []
+    if ignored:  # entries of the dataset directory that are not data files: not read
+        shown = ", ".join(ignored[:5]) + (f" and {len(ignored) - 5:,} more" if len(ignored) > 5 else "")
+        t.add_row("not read", f"{plural(len(ignored), 'entry', 'entries')} of the dataset directory, not .json/.jsonl/.parquet "
+                              f"files: {shown}")
     answers = report.get("answers")  # a regenerate run: what the target generated (producer.run.regenerated_answers)
     if answers and answers.get("batches"):
         engines = ", ".join(f"{name} {plural(n, 'batch')}" for name, n in sorted(answers["engines"].items()))

@@ -236,6 +236,17 @@ def sharegpt_path() -> Path:
     return path
 
 
+def ignored_dataset_files(source: str) -> list[str]:
+    """Names of the entries of a dataset directory that are not read: files of another extension
+    and subdirectories (sorted; shown in the run's summary and recorded in run.json's ``dataset``).
+    Empty for a file, ``sharegpt`` or a path that is not a directory."""
+    path = Path(source).expanduser()
+    if source == SHAREGPT or not path.is_dir():
+        return []
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir()
+                  if not (p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES))
+
+
 def dataset_files(source: str) -> list[Path]:
     """The files behind ``source``, sorted by name (used to fingerprint the dataset).
 

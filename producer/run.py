@@ -386,7 +386,7 @@ def plan_or_interrupted(opts: PlanOptions | PlanJob, settings: Settings, progres
 
 def _plan_report(planned: PlannedRun, done_before: set[str]) -> dict:
     return {"run_id": planned.config.run_id, "address": planned.run_url, "plan": planned.stats,
-            "plan_reused": planned.reused, "batches_total": len(planned.batches),
+            "dataset_ignored": planned.config.dataset.get("ignored", []), "plan_reused": planned.reused, "batches_total": len(planned.batches),
             "batches_already_done": len(done_before), "batches_enqueued": 0}
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Iterator
 
 from hsx.errors import BadConfig, BadRecord
-from producer.datasets import SHAREGPT, SkipCounter, dataset_files, iter_raw_records
+from producer.datasets import SHAREGPT, SkipCounter, dataset_files, ignored_dataset_files, iter_raw_records
 # The types every source shares live below this module and the sources it picks from; named here too
 # (``from producer.sources import DatasetChanged``).
 from producer.sourcebase import (BLOCK_BYTES, DatasetChanged, RawItem, Source, SourceOptions, _num_blocks,  # noqa: F401
@@ -113,6 +113,9 @@ class LocalFiles(Source):
 
         out = {"kind": "files", "files": [{"name": f.path.name, "bytes": f.size} for f in self.files],
                "fingerprint": FINGERPRINT_METHOD}
+        ignored = ignored_dataset_files(self.source)  # a directory's other entries: said, not read
+        if ignored:
+            out["ignored"] = ignored
         order = describe_order(self.options)  # --shuffle / --sample: how the records were chosen
         if order:
             out["order"] = order

@@ -42,6 +42,19 @@ def test_the_run_table_of_a_one_batch_run_says_1_batch():
     assert "1 batch " in text + " " and "1 batches" not in text
 
 
+def test_the_run_table_names_the_entries_of_a_dataset_directory_it_did_not_read():
+    """A README, a .csv or a subdirectory beside the data files is not read: the summary says so,
+    naming the first five (a user wondered where the records of data.csv went)."""
+    report = {"run_id": "r", "address": "file:///r", "plan": {"batches": 1, "samples": 1},
+              "batches_already_done": 0, "batches_enqueued": 1, "dataset_ignored": ["README.md", "data.csv", "sub/"]}
+    line = next(l for l in _text(_plan_table("run", report)).splitlines() if "not read" in l)
+    assert "3 entries of the dataset directory" in line and "README.md, data.csv, sub/" in line
+    report["dataset_ignored"] = [f"f{i}.csv" for i in range(8)]
+    assert "f4.csv and 3 more" in _text(_plan_table("run", report))
+    del report["dataset_ignored"]
+    assert "not read" not in _text(_plan_table("run", report))
+
+
 def test_the_run_table_shows_one_example_per_skip_reason_and_points_to_the_rest_only_when_there_are_more():
     """Every reason gets its line (a new user saw 6 of 9), and "(more in ...)" only when records were
     skipped that no line shows."""

@@ -17,9 +17,11 @@ from producer.datasets import (
     SkipCounter,
     TextRecord,
     dataset_files,
+    ignored_dataset_files,
     iter_conversations,
     sharegpt_path,
 )
+from producer.sources import LocalFiles
 
 SHAREGPT_COMPLETE_RECORDS = 17_671  # docs/FACTS.md §4
 
@@ -166,6 +168,11 @@ def test_a_json_array_file_and_a_directory_are_read_in_sorted_file_order(tmp_pat
     assert dataset_files(str(data)) == [data / "a.jsonl", data / "b.json"]
     ids = [c.record_id for c in iter_conversations(str(data), SkipCounter())]
     assert ids == ["a.jsonl:0", "b.json:0", "named"]
+    # what is not read is named (the run's summary shows it as `not read`, run.json's dataset records it)
+    (data / "more").mkdir()
+    assert ignored_dataset_files(str(data)) == ["more/", "notes.txt"]
+    assert LocalFiles(str(data)).describe()["ignored"] == ["more/", "notes.txt"]
+    assert ignored_dataset_files(str(data / "a.jsonl")) == [] and "ignored" not in LocalFiles(str(data / "a.jsonl")).describe()
 
 
 def test_streamed_json_array_equals_json_load_for_any_chunk_size(tmp_path, monkeypatch):
