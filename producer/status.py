@@ -98,6 +98,25 @@ def _span_floor(timed: list[dict]) -> float:
     return 0.001 if all(m.get("precise") for m in timed) else 1.0
 
 
+#: A stretch this long (seconds) with no batch of the run in flight is a stop (Ctrl-C, every worker
+#: gone, ``cancel``): the run's overall rate leaves it out, so a run resumed after a night's stop
+#: still shows the rate it runs at. Shorter waits (a worker loading, a queue briefly empty) count.
+STOPPED_GAP_S = 300.0
+
+
+def busy_span(timed: list[dict], gap_s: float = STOPPED_GAP_S) -> float:
+    """Seconds from the first batch's start to the last one's end, less every stretch longer than
+    ``gap_s`` in which no batch was in flight (markers' ``start``/``end``, Unix seconds); at least
+    :func:`_span_floor`."""
+    spans = sorted((m["start"], m["end"]) for m in timed)
+    total, (lo, hi) = 0.0, spans[0]
+    for start, end in spans[1:]:
+        if start - hi > gap_s:  # nothing ran for a while: the run was stopped
+            total, lo = total + (hi - lo), start
+        hi = max(hi, end)
+    return max(total + (hi - lo), _span_floor(timed))
+
+
 def recent_rate(arrivals: list[tuple[float, float]], now: float, window_s: float = RATE_WINDOW_S,
                 min_markers: int = RATE_MIN_MARKERS) -> float | None:
     """The rate of :func:`recent_window` alone: units per second now, None with fewer than two markers."""
@@ -587,7 +606,7 @@ class RunWatch:
         start = min(m["start"] for m in timed)
         last = max(m["end"] for m in timed)
         out["started_at"], out["last_done_at"] = _iso(start), _iso(last)
-        span = max(last - start, _span_floor(timed))
+        span = busy_span(timed)
         out["overall_tokens_per_s"] = round(sum(m["planned_tokens"] for m in timed) / span, 1)
         out["overall_samples_per_s"] = round(sum(m["samples"] + m["quarantined"] for m in timed) / span, 2)
         at = last if finished else now
@@ -613,7 +632,7 @@ class RunWatch:
         out = {"tokens_generated": sum(m["supervised"] for m in self.markers.values()),
                "generated_tokens_per_s": None, "overall_generated_tokens_per_s": None}
         if timed:
-            span = max(max(m["end"] for m in timed) - min(m["start"] for m in timed), _span_floor(timed))
+            span = busy_span(timed)
             out["overall_generated_tokens_per_s"] = round(sum(m["supervised"] for m in timed) / span, 1)
             at = max(m["end"] for m in timed) if finished else now
             recent, _ = recent_window([(m["end"], m["supervised"]) for m in timed], at)

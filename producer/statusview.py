@@ -138,6 +138,8 @@ def progress_table(status: dict) -> Table:
             window = status.get("rate_window_s")
             recent = (f"{_rate(status['tokens_per_s'], unit)} over the last {fmt_duration(window)}" if window
                       else "- (a rate needs two batches done)")
+            if state in ("stalled", "cancelled") and status.get("overall_tokens_per_s"):
+                recent = "none now (nothing runs it)"  # the recent window would only decay as the stop ages
             t.add_row("rate", f"{recent}{samples_s}, {_rate(status['overall_tokens_per_s'], unit)} overall")
         if state == "done":
             t.add_row("eta", "done")

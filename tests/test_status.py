@@ -187,6 +187,32 @@ def test_the_rate_on_screen_is_the_recent_one_not_an_average_that_counts_the_war
     assert recent_rate(arrivals[:1], 301.0) is None and recent_rate([], 1.0) is None
 
 
+def test_the_overall_rate_leaves_out_a_stop_and_a_stopped_run_shows_no_current_rate():
+    """A run that ran 10 minutes, was stopped for a night and resumed for 10 more: its overall rate is
+    the rate it ran at, not one diluted by the night; short waits between batches (a worker loading)
+    count. A stalled run's screen says no rate now instead of a recent rate that decays as the stop ages."""
+    from producer.status import STOPPED_GAP_S, busy_span
+
+    first = [{"start": 10.0 * i, "end": 10.0 * i + 10} for i in range(60)]  # 0 .. 600 s, back to back
+    night = 8 * 3600.0
+    second = [{"start": night + 10.0 * i, "end": night + 10.0 * i + 10} for i in range(60)]
+    assert busy_span(first + second) == pytest.approx(1200.0)
+    waits = [{"start": 0.0, "end": 10.0}, {"start": 10.0 + STOPPED_GAP_S - 1, "end": STOPPED_GAP_S + 19}]
+    assert busy_span(waits) == pytest.approx(STOPPED_GAP_S + 19)  # a wait shorter than a stop counts
+    overlapping = [{"start": 0.0, "end": 100.0}, {"start": 50.0, "end": 60.0}, {"start": 90.0, "end": 120.0}]
+    assert busy_span(overlapping) == pytest.approx(120.0)
+    status = {"run_id": "r", "address": "file:///r", "model": "m", "state": "stalled", "planned": True, "batches_total": 4,
+              "batches_done": 2, "batches_failed": 0, "samples_total": 8, "samples_done": 4, "samples_stored": 4, "samples_quarantined": 0, "samples_skipped": 0, "tokens_total": 400,
+              "tokens_done": 200, "tokens_per_s": 3.0, "samples_per_s": None, "overall_tokens_per_s": 50.0,
+              "rate_window_s": 7200.0, "eta_s": None, "skipped": {}, "broker": None, "failures": {}, "workers": [],
+              "stalled_reason": "stopped", "restart": "run it again"}
+    out = Console(record=True, width=200)
+    out.print(status_view(status))
+    text = out.export_text()
+    assert "none now (nothing runs it), 50 tok/s overall" in " ".join(text.split()), text
+    assert "over the last" not in text
+
+
 def test_a_worker_of_this_host_whose_process_is_gone_is_lost_at_once_and_shows_only_its_undone_batches(small_run, tmp_path):
     """A fresh record (heartbeat 1 s ago) of a process of this host and PID namespace that no longer exists:
     ``lost`` now, not three heartbeats later, and of the batches it listed only those still without a marker are
