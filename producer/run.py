@@ -520,6 +520,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         broker = EmbeddedBroker(settings.broker_state_dir)
     launch = None
     planned = None
+    interrupted: KeyboardInterrupt | None = None
     code = 0
     try:
         with progress_factory() as progress:
@@ -557,9 +558,17 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
             # counted by the CLI once the workers have stopped (the finally below): their last batches count
             run_store, names = planned.run_store, {b.batch for b in planned.batches}
             exc.batches_done = lambda: (len(done_batches(run_store) & names), len(names))
+        interrupted = exc
         raise
     finally:
-        _stop_started(launch.local if launch is not None else None, broker, console)
+        try:
+            _stop_started(launch.local if launch is not None else None, broker, console)
+        except KeyboardInterrupt as again:  # a second Ctrl-C killed the workers: the first one's account stands
+            if isinstance(interrupted, PlanningInterrupted):
+                raise PlanningInterrupted(str(interrupted)) from None
+            if hasattr(interrupted, "batches_done"):
+                again.batches_done = interrupted.batches_done
+            raise
     if planned is not None:
         done = done_batches(planned.run_store) & {b.batch for b in planned.batches}
         report["batches_done"] = len(done)

@@ -236,6 +236,32 @@ def test_ctrl_c_while_the_plan_is_written_says_to_plan_again(tmp_path, tiny_cach
     assert "interrupted while writing the plan" in proc.stderr and "it plans the run from the start" in proc.stderr, proc.stderr
 
 
+def test_a_second_ctrl_c_while_planning_keeps_the_first_ones_account(tmp_path, tiny_cache, monkeypatch):
+    """Ctrl-C while the plan is written, then Ctrl-C again while the workers stop (which kills them): the
+    run still says how far the planning got and how to resume, not a bare "interrupted" (a new user's
+    double Ctrl-C printed no counts)."""
+    from jobfixtures import run_here
+    from producer import run as run_module
+
+    said = ("interrupted while planning: 2 windows of the plan (40 samples in 3 batches) are in the store, its "
+            "batches enqueued; run the same command again: it resumes after them")
+
+    def planning(*args, **kwargs):
+        raise run_module.PlanningInterrupted(said)
+
+    def second_ctrl_c(local, broker, console):
+        raise KeyboardInterrupt  # what _stop_started raises when a Ctrl-C comes while the workers stop
+
+    monkeypatch.setattr(run_module, "plan_or_interrupted", planning)
+    monkeypatch.setattr(run_module, "_stop_started", second_ctrl_c)
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state")
+    proc = run_here(["run", "sharegpt", "--limit", "3", "--model", "tiny-qwen3.5", "--max-length", "128",
+                     "--output", str(tmp_path / "out")], env)
+    assert proc.returncode == 130, proc.stderr
+    assert said in " ".join(proc.stderr.split()), proc.stderr
+    assert "finished batches keep their markers" not in proc.stderr, proc.stderr
+
+
 def test_a_rerun_with_every_batch_done_says_so_without_a_done_in_line(small_run):
     """Nothing was enqueued: no "N/N batches done in X s" line, which reads as if work ran."""
     from jobfixtures import run_here
