@@ -179,6 +179,11 @@ class Settings(BaseSettings):
     that warms up without it stores its cache at ``compile-cache/triton/<GPU arch + torch, triton,
     fla versions>.tar.gz`` under ``HSX_STORE_URL``; later workers (a new node's) unpack it before
     their warm-up and compile nothing (``workers/compile_cache.py``)."""
+    compile_cache_top_up_s: float = Field(default=60.0, ge=0)
+    """Seconds between a CUDA worker's looks for kernels it compiled after its warm-up (a run's
+    larger ``--batch-tokens``, a shape the warm-up did not meet); new ones are stored beside the
+    compile cache (``compile-cache/triton/<key>/extra/``) and unpacked by later workers before their
+    warm-up. 0: off."""
     # who needs it: targets larger than one GPU
     gpus_per_worker: int = Field(default=1, ge=1)
     """GPUs of one worker process: ``python -m workers`` splits the visible GPUs into consecutive

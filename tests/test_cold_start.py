@@ -134,6 +134,74 @@ def test_workers_of_one_node_keep_the_files_they_have_and_only_one_archive_is_st
     assert store.list("compile-cache/") == [KEY]
 
 
+MID_RUN = {"9f8e/l2norm_fwd_kernel.cubin": b"\x7fELF bucket 3", "9f8e/l2norm_fwd_kernel.json": b'{"NB": 3}'}
+
+
+def compile_mid_run(cache_dir: Path) -> None:
+    """What a batch that meets a row bucket the warm-up did not does: Triton adds its kernel files."""
+    for rel, data in MID_RUN.items():
+        (cache_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (cache_dir / rel).write_bytes(data)
+
+
+def test_kernels_compiled_after_the_warm_up_travel_to_the_next_nodes_workers(store, tmp_path):
+    """A kernel compiled mid-run (a row bucket beyond the worker's warm-up) is stored beside the
+    compile cache by the worker's top-up, once for the workers that compiled it, and a new node's
+    worker has it before its warm-up; a top-up with nothing new stores nothing."""
+    node1 = tmp_path / "node1" / "triton"
+    around_warm_up(store, KEY, node1, fake_triton_warm_up(node1, []))
+    top_up = compile_cache.TopUp(store, KEY, node1)
+    assert compile_cache.top_up(store, KEY, node1, top_up.known) is None  # nothing compiled since the warm-up
+    compile_mid_run(node1)
+    half = node1 / "tmp.pid_9_1" / "half.cubin"  # still being written: does not travel
+    half.parent.mkdir(parents=True, exist_ok=True)
+    half.write_bytes(b"half")
+    stored = compile_cache.top_up(store, KEY, node1, top_up.known)
+    assert stored["created"] and stored["files"] == len(MID_RUN)
+    assert stored["key"].startswith(compile_cache.extras_prefix(KEY)) and stored["key"] != KEY
+    assert compile_cache.top_up(store, KEY, node1, top_up.known) is None  # stored once
+
+    node1b = tmp_path / "node1b" / "triton"  # another worker that compiled the same kernels: one archive
+    around_warm_up(store, KEY, node1b, fake_triton_warm_up(node1b, []))
+    shutil.rmtree(node1b / "9f8e")
+    compile_mid_run(node1b)
+    again = compile_cache.top_up(store, KEY, node1b, compile_cache.cached_files(node1b) - set(MID_RUN))
+    assert again["key"] == stored["key"] and not again["created"]
+    assert len(store.list(compile_cache.extras_prefix(KEY))) == 1
+
+    seen: list = []
+    node2 = tmp_path / "node2" / "triton"
+    record = around_warm_up(store, KEY, node2, fake_triton_warm_up(node2, seen))
+    assert record["extras"] == {"archives": 1, "files_added": len(MID_RUN), "bytes": store.size(stored["key"])}
+    assert seen == sorted(set(KERNELS) | set(MID_RUN))  # all there before the warm-up
+    assert {rel: (node2 / rel).read_bytes() for rel in MID_RUN} == MID_RUN
+
+
+def test_the_top_up_thread_stores_what_the_worker_compiles_while_it_serves(tmp_path):
+    """The worker's thread (``HSX_COMPILE_CACHE_TOP_UP_S``) looks on its own: a kernel compiled while
+    it runs is in the store within a few of its intervals; one thread per key per process."""
+    import time
+
+    from hsx.store import open_store
+
+    store = open_store(str(tmp_path / "store"))
+    cache = tmp_path / "triton"
+    around_warm_up(store, KEY, cache, fake_triton_warm_up(cache, []))
+    thread = compile_cache.start_top_up(store, KEY, cache, interval_s=0.05)
+    try:
+        assert compile_cache.start_top_up(store, KEY, cache, interval_s=0.05) is thread
+        compile_mid_run(cache)
+        deadline = time.monotonic() + 30
+        while not thread.stored and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [r["files"] for r in thread.stored] == [len(MID_RUN)]
+        assert len(store.list(compile_cache.extras_prefix(KEY))) == 1
+    finally:
+        thread.stop()
+        thread.join(5)
+    assert compile_cache.start_top_up(store, KEY, cache, interval_s=0) is None  # 0: off
+
+
 def test_a_damaged_or_escaping_archive_is_not_unpacked_and_the_warm_up_compiles(tmp_path):
     from hsx.store import open_store
 
@@ -170,6 +238,8 @@ def test_hsx_compile_cache_is_the_setting(monkeypatch, env_value, expected):
 
     monkeypatch.setenv("HSX_COMPILE_CACHE", env_value)
     assert Settings(_env_file=None).compile_cache is expected
+    monkeypatch.setenv("HSX_COMPILE_CACHE_TOP_UP_S", "0")
+    assert Settings(_env_file=None).compile_cache_top_up_s == 0
 
 
 def test_the_workers_a_producer_run_starts_warm_up_for_that_runs_batch_budget():

@@ -17,6 +17,13 @@ that share the directory can do it at once), and Triton finds every kernel compi
 stops a worker: a store that fails, or an archive that cannot be read, is logged and the worker
 compiles as before. ``HSX_COMPILE_CACHE=false`` turns it off.
 
+Kernels compiled after the warm-up (a run whose ``--batch-tokens`` meets row buckets the warm-up
+did not, a shape the warm-up's batches did not cover) travel too: a worker looks every
+:data:`TOP_UP_INTERVAL_S` seconds (:class:`TopUp`, a daemon thread) for files its cache gained since
+the warm-up and stores them as one more archive, ``compile-cache/triton/<key>/extra/<id>.tar.gz``
+(``<id>``: a hash of the files' names, so that workers that compiled the same kernels store one).
+A worker unpacks the extras with the main archive before its warm-up.
+
 The archive is a tar (``tarfile``, unpacked with its ``data`` filter: no absolute paths, no
 ``..``, no links out, no devices); it holds compiled GPU code, so it is as trusted as the store
 the fleet writes its shards to. On the CPU nothing is compiled and nothing travels.
@@ -31,6 +38,7 @@ import os
 import re
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +46,12 @@ log = logging.getLogger(__name__)
 
 #: Where the archives live, under the store root.
 STORE_PREFIX = "compile-cache/triton/"
+
+#: Seconds between a worker's looks for kernels compiled after its warm-up (:class:`TopUp`).
+TOP_UP_INTERVAL_S = 60.0
+
+#: At most this many extra archives are unpacked before a warm-up (the first, by name).
+MAX_EXTRAS = 64
 
 
 def triton_cache_dir() -> Path:
@@ -82,13 +96,19 @@ def _files(cache_dir: Path) -> list[Path]:
     return out
 
 
-def pack(cache_dir: Path) -> tuple[bytes, int]:
+def cached_files(cache_dir: Path) -> set[str]:
+    """The whole files of ``cache_dir`` (paths relative to it; Triton's temp directories left out)."""
+    return {str(p.relative_to(cache_dir)) for p in _files(cache_dir)} if cache_dir.is_dir() else set()
+
+
+def pack(cache_dir: Path, only: set[str] | None = None) -> tuple[bytes, int]:
     """The files of ``cache_dir`` as a gzip'd tar (paths relative to it), and how many files.
+    ``only``: just these (relative paths), of those there.
 
     Raises OSError when the directory cannot be read.
     """
     buf = io.BytesIO()
-    files = _files(cache_dir)
+    files = [p for p in _files(cache_dir) if only is None or str(p.relative_to(cache_dir)) in only]
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for path in files:
             tar.add(path, arcname=str(path.relative_to(cache_dir)), recursive=False)
@@ -179,14 +199,110 @@ def save(store, key: str, cache_dir: Path) -> dict | None:
     return {"key": key, "files": files, "bytes": len(data), "seconds": round(seconds, 3)}
 
 
+def extras_prefix(key: str) -> str:
+    """Where the archives of kernels compiled after a warm-up live, for the main archive ``key``."""
+    return key.removesuffix(".tar.gz") + "/extra/"
+
+
+def restore_extras(store, key: str, cache_dir: Path) -> dict:
+    """Unpack the extra archives of ``key`` (:func:`extras_prefix`, at most :data:`MAX_EXTRAS`) into
+    ``cache_dir``. Returns ``{"archives", "files_added", "bytes"}``; an archive that cannot be read
+    or unpacked is logged and skipped (those kernels are compiled when met)."""
+    out = {"archives": 0, "files_added": 0, "bytes": 0}
+    try:
+        keys = sorted(store.list(extras_prefix(key)))[:MAX_EXTRAS]
+    except Exception as exc:
+        log.warning("compile cache extras of %s not listed in %s (%s: %s)", key, store.url, exc.__class__.__name__, exc)
+        return out
+    for extra in keys:
+        try:
+            data = store.read(extra)
+            out["files_added"] += unpack(data, cache_dir)
+        except Exception as exc:  # one bad archive costs its kernels' compile, nothing more
+            log.warning("compile cache %s not unpacked (%s: %s)", extra, exc.__class__.__name__, exc)
+            continue
+        out["archives"] += 1
+        out["bytes"] += len(data)
+    if out["archives"]:
+        log.info("compile cache %s: %d file(s) from %d archive(s) of kernels compiled after earlier warm-ups",
+                 key, out["files_added"], out["archives"])
+    return out
+
+
+def top_up(store, key: str, cache_dir: Path, known: set[str]) -> dict | None:
+    """Store the files ``cache_dir`` gained beyond ``known`` (relative paths; updated in place) as
+    an extra archive of ``key``: ``<extras_prefix(key)><16 hex of sha256 of their sorted names>.tar.gz``,
+    create-if-absent (workers that compiled the same kernels store one archive). Returns
+    ``{"key", "files", "bytes", "created"}``, or None when nothing is new or the store failed (logged)."""
+    import hashlib
+
+    try:
+        new = cached_files(cache_dir) - known
+        if not new:
+            return None
+        extra = extras_prefix(key) + hashlib.sha256("\n".join(sorted(new)).encode()).hexdigest()[:16] + ".tar.gz"
+        data, files = pack(cache_dir, only=new)
+        created = store.create(extra, data) if files else False
+    except Exception as exc:
+        log.warning("compile cache: kernels compiled after the warm-up not stored in %s (%s: %s)", store.url,
+                    exc.__class__.__name__, exc)
+        return None
+    known |= new
+    if created:
+        log.info("compile cache %s: %d file(s) (%.1f MB) compiled after the warm-up stored as %s", key, files,
+                 len(data) / 1e6, extra)
+    return {"key": extra, "files": files, "bytes": len(data), "created": bool(created)}
+
+
+class TopUp(threading.Thread):
+    """A daemon thread that calls :func:`top_up` every ``interval_s`` seconds for the life of the
+    worker process, from the files ``cache_dir`` holds when it is made (after the warm-up)."""
+
+    def __init__(self, store, key: str, cache_dir: Path, interval_s: float = TOP_UP_INTERVAL_S):
+        super().__init__(name="hsx-compile-cache-top-up", daemon=True)
+        self.store, self.key, self.cache_dir, self.interval_s = store, key, cache_dir, interval_s
+        self.known = cached_files(cache_dir)
+        self.stored: list[dict] = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval_s):
+            record = top_up(self.store, self.key, self.cache_dir, self.known)
+            if record is not None and record["created"]:
+                self.stored.append(record)
+
+    def stop(self) -> None:
+        """End the thread after its current look (the worker process ending ends it too)."""
+        self._stop_event.set()
+
+
+_top_ups: dict[str, TopUp] = {}
+_top_ups_lock = threading.Lock()
+
+
+def start_top_up(store, key: str, cache_dir: Path, interval_s: float = TOP_UP_INTERVAL_S) -> TopUp | None:
+    """Start this process's :class:`TopUp` for ``key`` (one per key: a worker that switches targets
+    keeps the one it has); None with ``interval_s <= 0`` (off)."""
+    if interval_s <= 0:
+        return None
+    with _top_ups_lock:
+        running = _top_ups.get(key)
+        if running is None or not running.is_alive():
+            running = _top_ups[key] = TopUp(store, key, cache_dir, interval_s)
+            running.start()
+        return running
+
+
 def around_warm_up(store, key: str, cache_dir: Path, warm_up) -> dict:
-    """Run ``warm_up()`` with the shared compile cache: restore it first, store it after when the
-    store had none. Returns ``{"key", "cache_dir", "restored": restore's record or None,
-    "saved": save's record or None}``. ``warm_up``'s own exceptions propagate (nothing is stored)."""
+    """Run ``warm_up()`` with the shared compile cache: restore it (and its extras) first, store it
+    after when the store had none. Returns ``{"key", "cache_dir", "restored": restore's record or
+    None, "extras": restore_extras' record, "saved": save's record or None}``. ``warm_up``'s own
+    exceptions propagate (nothing is stored)."""
     restored = restore(store, key, cache_dir)
+    extras = restore_extras(store, key, cache_dir)
     warm_up()
     saved = None if restored is not None else save(store, key, cache_dir)
-    return {"key": key, "cache_dir": str(cache_dir), "restored": restored, "saved": saved}
+    return {"key": key, "cache_dir": str(cache_dir), "restored": restored, "extras": extras, "saved": saved}
 
 
 def for_worker(settings, device, warm_up: str = ""):

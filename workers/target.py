@@ -389,6 +389,8 @@ def load_target(name: str, settings: Settings) -> Target:
         cache_record = compile_cache.around_warm_up(
             store, key, cache_dir, lambda: _warm_up(model, info, pad, settings.max_batch_samples, launch=launch,
                                                     decode=group is None, max_tokens=warm_tokens, ranks=ranks))
+        # kernels compiled later (shapes or row buckets the warm-up did not meet) travel too
+        compile_cache.start_top_up(store, key, cache_dir, settings.compile_cache_top_up_s)
     warmup_s = time.perf_counter() - t1
     max_forward = settings.max_forward_tokens or (group.probe(model) if group is not None else forward_tokens_that_fit(model))
     log.info("target %s loaded on %s in %.1f s, warm-up %.1f s, kernels %s, at most %s padded tokens per forward%s",
