@@ -54,7 +54,7 @@ from hsx.records import Marker, ShardRef, read_markers
 from hsx.regen import refuse_regenerate_run
 from hsx.runconfig import RunConfig, load_run
 from hsx.shard import HIDDEN_STATES, Final, scale_name
-from hsx.store import Store, download, open_store
+from hsx.store import MissingKey, Store, download, open_store
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,28 @@ def _address(run: str | Path | Store, store: Store) -> str:
     return str(run) if isinstance(run, (str, Path)) else store.url
 
 
+def _check_shards(store: Store, markers: dict[str, Marker], threads: int = 8) -> None:
+    """Hash each marker's shard in ``store`` against the marker (:func:`local_shard` with ``expect``).
+    Raises FidelityError naming the first bad or missing shard in batch order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def check(item: tuple[str, Marker]) -> str | None:
+        batch, marker = item
+        try:
+            with local_shard(store, marker.shard.key, expect=marker.shard):
+                return None
+        except FidelityError as exc:
+            return f"batch {batch}: {exc}"
+        except MissingKey:
+            return f"batch {batch}: shard {marker.shard.key} is missing; run `python -m producer verify`"
+
+    with ThreadPoolExecutor(threads) as pool:
+        problems = [p for p in pool.map(check, sorted(markers.items())) if p]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise FidelityError(problems[0] + more)
+
+
 class HiddenStatesDataset(_Dataset):
     """Map-style dataset over a local run: ``ds[i]`` is the i-th stored sample by ``sample_index``.
 
@@ -233,16 +255,20 @@ class HiddenStatesDataset(_Dataset):
         dequant_dtype: dtype the states of an fp8 run are dequantised to (default ``torch.bfloat16``);
             other runs return their stored dtype.
         raw: an fp8 run's stored float8_e4m3fn tensors and their ``*_scale`` tensors, not dequantised.
+        verify: hash every shard against its marker's sha256 here, once (threads; about the disk's
+            read speed), before any sample is read. Default False: the shards are memory-mapped as they
+            are (``python -m producer verify`` checks a run the same way).
 
     Raises:
         BadConfig: the run is not on a local filesystem (use :class:`IterableHiddenStatesDataset`),
             or asked finals were not stored.
-        FidelityError: a sample is certified by two batches (a corrupt run: run ``verify``).
+        FidelityError: a sample is certified by two batches (a corrupt run: run ``verify``), or with
+            ``verify``, a shard's bytes are not those its marker certifies.
         hsx.store.MissingKey: no ``run.json`` at ``run``.
     """
 
     def __init__(self, run: str | Path | Store, *, finals: str = "present", settings=None, dequant_dtype=None,
-                 raw: bool = False):
+                 raw: bool = False, verify: bool = False):
         store = _open_run(run, settings)
         self.dequant_dtype, self.raw = dequant_dtype, raw
         self.config = load_run(store)
@@ -260,7 +286,10 @@ class HiddenStatesDataset(_Dataset):
         paths: list[str] = []
         rows: list[tuple[int, int, int, int]] = []  # (sample_index, shard id, start, end)
         owner: dict[int, str] = {}
-        for batch, marker in certified_markers(store, self.config).items():
+        markers = certified_markers(store, self.config)
+        if verify:
+            _check_shards(store, markers)
+        for batch, marker in markers.items():
             path = store.local_path(marker.shard.key)
             if path is None or not path.is_file():
                 raise FidelityError(f"batch {batch}: shard {marker.shard.key} is missing; run `python -m producer verify`")

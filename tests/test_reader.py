@@ -82,6 +82,21 @@ def test_a_sample_certified_twice_is_refused_by_the_map_style_dataset(small_run,
         HiddenStatesDataset(str(run_dir))
 
 
+def test_the_map_style_dataset_with_verify_refuses_a_shard_altered_after_its_marker(small_run, tmp_path):
+    """``verify=True`` hashes every shard against its marker before any sample is read: an altered
+    byte is refused naming its batch; an untouched run reads as without it (by default the shards
+    are memory-mapped as they are)."""
+    run_dir = copy_run(small_run, tmp_path)
+    assert len(HiddenStatesDataset(str(run_dir), verify=True)) == len(HiddenStatesDataset(str(run_dir)))
+    shard = sorted((run_dir / "shards").glob("b000001-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # a byte of the last sample's states
+    shard.write_bytes(bytes(data))
+    with pytest.raises(FidelityError, match=r"batch b000001: shard .* sha256"):
+        HiddenStatesDataset(str(run_dir), verify=True)
+    assert len(HiddenStatesDataset(str(run_dir))) == small_run["report"]["plan"]["samples"]
+
+
 def test_iterable_dataset_streams_the_same_samples_and_splits_shards_between_ranks(small_run):
     """Shard by shard, every stored sample once, equal to the shards; ranks get disjoint shards covering the run."""
     ref = read_samples(open_store(small_run["address"]))
