@@ -87,6 +87,34 @@ All forms then follow the same rules: a row longer than ``max_length`` is cut to
 (``over_length="truncate"``, the mask cut the same way) or skipped as ``too_long``
 (``over_length="drop"``), and a row without two consecutive supervised tokens is skipped as
 ``no_supervised_tokens``.
+
+**Truncation by prefix.** With ``over_length="truncate"``, a render longer than
+``truncate_prefix_min_chars`` (:data:`TRUNCATE_PREFIX_CHARS_PER_TOKEN` = 64 characters per token of
+``max_length``: no real record shorter than ``max_length`` tokens comes near it) is not tokenised
+whole: a 30 MB conversation took 80 s and 5.4 GB per tokenising process, for 4,096 tokens kept. Only
+a prefix of the render is tokenised, cut where its tokens are provably the whole render's first
+tokens, and grown (doubling, from 6 characters per token wanted) until it gives more than
+``max_length`` of them or is the whole render; the sample is then exactly the one whole
+tokenisation and cutting give (ids, mask, ``truncated``, skips). Why the cut is exact: the tokenizer
+splits the text at its added tokens, normalizes each piece (none or NFC), splits it with the
+pre-tokenizer regex and runs BPE inside each pre-token; so the prefix tokenises like the whole text
+wherever both split into the same pre-tokens. The cut is never inside an added-token string, and is
+made only between two characters whose classes make every regex match before it end there and
+read the same whether the regex then meets the next character or the end of the text
+(:func:`_safe_pair`, for the Qwen2 / Qwen3 regex: after a digit; before a digit; after a letter and
+before a non-letter; after punctuation and before a space or tab; after a newline and before a
+non-space; never after a space, which ``\s+(?!\S)`` reads differently at the end), and only where
+the character after the cut is one that NFC never composes with what precedes it (ASCII and a few
+long-assigned scripts). A run with no such cut (a megabyte of spaces, letters or emoji) is tokenised
+to its end, as it must be. Renders with placeholders (content is text) are cut at the template's
+special tokens as always, and the piece holding the cut is cut the same way. The mask is built on
+those tokens; where a reply's start or end lies beyond them, what the whole row would do is read
+from the render's text (its end-of-turn tokens are counted as strings: no added-token string can
+overlap another, and BPE never gives their ids), and where that cannot be told (an unfinished reply
+cut by the prefix, a prompt that differs from the render before the cut, a template that leaves a
+reply without end-of-turn token) the render is tokenised whole. So is every render of a tokenizer
+whose parts are not these (``_prefix_tokenisable``: another regex or normalizer, no offsets), and
+every render with ``over_length="drop"``, whose rule above skips huge renders untokenised.
 """
 
 from __future__ import annotations
@@ -96,6 +124,7 @@ import itertools
 import json
 import re
 import threading
+import unicodedata
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -131,6 +160,16 @@ _PROBE = [{"role": "user", "content": "PING"}, {"role": "assistant", "content": 
 #: First part of the placeholders that stand for special-token strings of content while the template
 #: renders it (see the module docstring): ``hsxesc<n>q<k>q``.
 _MARKER = "hsxesc"
+
+#: With ``over_length="truncate"``, a render longer than this many characters per token of
+#: ``max_length`` is tokenised by prefix (module docstring, "Truncation by prefix"): no real record
+#: shorter than ``max_length`` tokens comes near it (English runs about 4 characters a token).
+TRUNCATE_PREFIX_CHARS_PER_TOKEN = 64
+#: The first prefix tried holds this many characters per token wanted; each retry doubles it.
+_PREFIX_START_CHARS_PER_TOKEN = 6
+#: The pre-tokenizer regex whose cut points :func:`_safe_cut` knows (Qwen2, Qwen2.5, Qwen3).
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 @dataclass(frozen=True)
@@ -170,12 +209,16 @@ class ChatTokeniser:
     as special tokens (the behaviour before this option existed). ``added_tokens_in_content``: one
     of :data:`ADDED_TOKENS_IN_CONTENT`: ``token`` (default) keeps the ids of non-special added
     tokens written in messages, ``text`` tokenises their strings as plain text (a fast tokenizer only).
+    With ``over_length="truncate"``, a render longer than ``truncate_prefix_min_chars`` (an attribute,
+    :data:`TRUNCATE_PREFIX_CHARS_PER_TOKEN` x ``max_length``) is tokenised by prefix (module docstring).
 
     Attributes: ``template_sha256`` (hex sha256 of the template text, for the run config);
     ``end_of_turn_ids`` (token ids that close an assistant reply: the special token the template
     writes after a reply, found by rendering a probe conversation, plus ``eos_token_id``);
     ``special_tokens`` (special-token string -> id: the added tokens marked special, which
-    ``text`` mode keeps out of content); ``added_tokens`` (the same for added tokens not marked special).
+    ``text`` mode keeps out of content); ``added_tokens`` (the same for added tokens not marked special);
+    ``tokenised_chars`` (characters handed to the tokenizer so far) and ``prefix_fallbacks`` (renders
+    whose prefix did not settle the sample, then tokenised whole).
     Raises BadConfig when the tokenizer has no chat template, no end-of-turn token is found,
     ``special_tokens_in_content`` or ``added_tokens_in_content`` is not a known mode, or
     ``added_tokens_in_content="text"`` is asked of a slow tokenizer.
@@ -242,8 +285,24 @@ class ChatTokeniser:
         self._cut_re = _cut_pattern(tokenizer, self._cut)
         self._text_tokenizer = None  # built on first use (module docstring: content as text)
         self._text_lock = threading.Lock()
+        #: Characters of renders and prompts handed to the tokenizer so far (all threads).
+        self.tokenised_chars = 0
+        #: Renders tokenised by prefix whose prefix did not settle the sample, so tokenised whole.
+        self.prefix_fallbacks = 0
         self.end_of_turn_ids = self._probe_end_of_turn_ids()
         self._eot_array = np.array(sorted(self.end_of_turn_ids), dtype=np.int32)
+        # Truncation by prefix (module docstring): renders longer than this many characters, with
+        # over_length="truncate" and a tokenizer whose prefixes are known to tokenise exactly.
+        self.truncate_prefix_min_chars = TRUNCATE_PREFIX_CHARS_PER_TOKEN * self.max_length
+        self._prefix_ok = over_length == "truncate" and _prefix_tokenisable(tokenizer, self._backend)
+        self._added_strings = tuple(sorted(_added_tokens(tokenizer)))
+        # The end-of-turn tokens as strings, when each occurrence of one in a render is that token
+        # and no other way gives its id (then they are counted in text); else None.
+        added = _added_tokens(tokenizer)
+        eot_strings = tuple(t for t, i in added.items() if i in self.end_of_turn_ids)
+        self._eot_strings = (eot_strings if self._prefix_ok and len(eot_strings) == len(self.end_of_turn_ids)
+                             and all(self._backend.model.id_to_token(i) is None for i in self.end_of_turn_ids)
+                             and _never_overlap(added) else None)
 
     # ----------------------------------------------------------------------------------------
 
@@ -261,8 +320,25 @@ class ChatTokeniser:
         if isinstance(record, TextRecord):
             return self._encode_text(record, *self._tokenise_texts([record.text])[0])
         conv = self._prepare(record)
+        if self._takes_prefix(conv):
+            return self._encode_tokens(conv, *self._tokenise_prefix(conv.full, conv.esc, self.max_length + 1))
         ids, ends = self._tokenise(conv.full, with_offsets=True, esc=conv.esc)
         return self._encode_rendered(conv, ids, ends)
+
+    def _takes_prefix(self, conv: "_Prepared") -> bool:
+        """Whether ``conv``'s render is tokenised by prefix (module docstring, "Truncation by prefix")."""
+        return self._prefix_ok and len(conv.full) > self.truncate_prefix_min_chars
+
+    def _encode_tokens(self, conv: "_Prepared", ids: list[int], ends: np.ndarray | None, tail: int | None
+                       ) -> TokenisedSample:
+        """:meth:`_encode_rendered` of a render's tokens or of its prefix's tokens (``tail`` set),
+        tokenising the render whole when the prefix does not settle the sample."""
+        try:
+            return self._encode_rendered(conv, ids, ends, tail)
+        except _NeedFull:
+            self.prefix_fallbacks += 1
+            ids, ends = self._tokenise(conv.full, with_offsets=True, esc=conv.esc)
+            return self._encode_rendered(conv, ids, ends)
 
     def encode_many(self, records: Iterable[Record], *, chunk_records: int = 256
                     ) -> Iterator[TokenisedSample | BadRecord]:
@@ -297,21 +373,28 @@ class ChatTokeniser:
                 yield from self._finish_chunk(*pending)
 
     def _tokenise_batch(self, chats: list["_Prepared"], plain_texts: list[str]) -> tuple[list, list]:
-        """(ids, end offsets) or BadRecord of each chat render, (ids, added-token flags) of each plain text.
+        """(ids, end offsets, tail) or BadRecord of each chat render, (ids, added-token flags) of each plain text.
+
+        ``tail`` is None, or, for a render tokenised by prefix (:meth:`_tokenise_prefix`), where its untokenised rest starts.
 
         Renders whose content holds special-token strings (rare) take :meth:`_tokenise_escaped`, one
         by one; its BadRecord is returned in place, not raised, so the rest of the chunk goes on.
         """
         chat: list = [None] * len(chats)
-        plain = [i for i, c in enumerate(chats) if c.esc is None]
-        if self._backend is not None:
-            encs = self._backend.encode_batch([chats[i].full for i in plain], add_special_tokens=False)
+        plain = [i for i, c in enumerate(chats) if c.esc is None and not self._takes_prefix(c)]
+        if self._backend is not None and plain:
+            texts = [chats[i].full for i in plain]
+            self.tokenised_chars += sum(map(len, texts))
+            encs = self._backend.encode_batch(texts, add_special_tokens=False)
             for i, e in zip(plain, encs):
-                chat[i] = (e.ids, _end_offsets(e))
+                chat[i] = (e.ids, _end_offsets(e), None)
         for i, c in enumerate(chats):
             if chat[i] is None:
                 try:
-                    chat[i] = self._tokenise(c.full, with_offsets=True, esc=c.esc)
+                    if self._takes_prefix(c):
+                        chat[i] = self._tokenise_prefix(c.full, c.esc, self.max_length + 1)
+                    else:
+                        chat[i] = (*self._tokenise(c.full, with_offsets=True, esc=c.esc), None)
                 except BadRecord as err:
                     chat[i] = err
         return chat, (self._tokenise_texts(plain_texts) if plain_texts else [])
@@ -332,18 +415,25 @@ class ChatTokeniser:
                     tokens = next(chat_it)
                     if isinstance(tokens, BadRecord):
                         raise tokens
-                    yield self._encode_rendered(item, *tokens)
+                    yield self._encode_tokens(item, *tokens)
             except BadRecord as err:
                 yield err
 
-    def _encode_rendered(self, conv: "_Prepared", ids: list[int], ends: np.ndarray | None) -> TokenisedSample:
+    def _encode_rendered(self, conv: "_Prepared", ids: list[int], ends: np.ndarray | None,
+                         tail: int | None = None) -> TokenisedSample:
         """The mask of a conversation whose full render ``conv.full`` tokenised to ``ids`` (end offsets
-        ``ends``, in the real render's characters: the placeholders replaced by their strings)."""
+        ``ends``, in the real render's characters: the placeholders replaced by their strings).
+
+        With ``tail`` (:meth:`_tokenise_prefix`), ``ids`` are only the render's first tokens (more
+        than ``max_length``) and ``conv.full[tail:]`` holds every end-of-turn token after them: the
+        mask of those tokens is what the whole row's would be, or :class:`_NeedFull` is raised.
+        """
         rid, messages, full, esc = conv.record_id, conv.messages, conv.full, conv.esc
         ids_S = np.asarray(ids, dtype=np.int32)
         self._check_length(rid, ids_S.shape[0])  # before the prefix renders: a dropped row costs none
         eot_pos = np.flatnonzero(np.isin(ids_S, self._eot_array))
         loss_mask_S = np.zeros(ids_S.shape[0], dtype=np.uint8)
+        partial = tail is not None
 
         prev_end = -1
         for i, msg in enumerate(messages):
@@ -354,13 +444,27 @@ class ChatTokeniser:
                 # First token that is not entirely inside the prompt text (ends are non-decreasing).
                 prompt_chars = len(prompt) if esc is None else len(esc.unescape(prompt))
                 start = int(np.searchsorted(ends, prompt_chars, side="right"))
+                if partial and start >= ids_S.shape[0]:
+                    # The reply starts after the prefix's tokens, so after max_length: the whole row
+                    # would give it an end-of-turn token iff the render has one after the prompt.
+                    if self._eot_string_after(full, len(prompt)):
+                        break
+                    raise _NeedFull
             else:
-                start = self._start_by_token_ids(rid, i, prompt, ids_S, eot_pos, esc)
+                start = self._start_by_token_ids(rid, i, prompt, ids_S, eot_pos, esc, full if partial else None)
+                if start is None:  # partial: the reply starts after the prefix, with its end-of-turn token
+                    break
             if start <= prev_end:
                 raise BadRecord(rid, "template_error",
                                 f"assistant turn {i} would start at token {start}, inside the previous "
                                 f"reply (ends at {prev_end}): the template's prefix renders do not line up")
             k = int(np.searchsorted(eot_pos, start, side="left"))
+            if k >= eot_pos.shape[0] and partial:
+                # The reply's end-of-turn token, if any, is after the prefix, so after max_length.
+                if conv.unfinished and i in conv.unfinished or not self._eot_string_after(full, tail):
+                    raise _NeedFull
+                loss_mask_S[start:] = 1
+                break
             if k >= eot_pos.shape[0]:
                 raise BadRecord(rid, "template_error",
                                 f"assistant turn {i}: no end-of-turn token {sorted(self.end_of_turn_ids)} "
@@ -518,10 +622,72 @@ class ChatTokeniser:
         """
         if esc is not None:
             return self._tokenise_escaped(text, esc, with_offsets=with_offsets)
+        self.tokenised_chars += len(text)
         if self._backend is not None:
             enc = self._backend.encode(text, add_special_tokens=False)
             return enc.ids, (_end_offsets(enc) if with_offsets else None)
         return self.tokenizer.encode(text, add_special_tokens=False), None
+
+    def _tokenise_prefix(self, text: str, esc: "_ContentEscape | None", need: int
+                         ) -> tuple[list[int], np.ndarray, int | None]:
+        """(ids, end offsets, tail) of the render ``text``, or of as short a prefix of it as gives at
+        least ``need`` tokens: the render's first ``len(ids)`` tokens exactly (module docstring,
+        "Truncation by prefix"). ``tail`` is None when the whole render was tokenised, else the
+        position in ``text`` where the untokenised rest starts: no end-of-turn token of the whole
+        row that is not in ``ids`` comes from before it (a cut inside a piece of a render with
+        placeholders gives the piece's start). The same BadRecord as :meth:`_tokenise`.
+        """
+        if esc is None:
+            ids, ends, cut = self._encode_prefix(self._backend, text, need)
+            return ids, ends, (cut if cut < len(text) else None)
+        texts, specials, starts = self._escaped_pieces(text, esc)
+        ids: list[int] = []
+        ends: list[np.ndarray] = []
+        chars = 0
+        text_tokenizer = self._text_backend()
+        for k, piece in enumerate(texts):
+            if len(ids) >= need:
+                return ids, np.concatenate(ends), starts[k][0]
+            piece_ids, piece_ends, cut = self._encode_prefix(text_tokenizer, piece, need - len(ids))
+            ids.extend(piece_ids)
+            ends.append(piece_ends + chars)
+            if cut < len(piece):
+                return ids, np.concatenate(ends), starts[k][0]
+            chars += len(piece)
+            if k < len(specials):
+                if len(ids) >= need:
+                    return ids, np.concatenate(ends), starts[k][1]
+                token_text, token_id = specials[k]
+                ids.append(token_id)
+                chars += len(token_text)
+                ends.append(np.array([chars], dtype=np.int64))
+        return ids, np.concatenate(ends), None
+
+    def _encode_prefix(self, backend, text: str, need: int) -> tuple[list[int], np.ndarray, int]:
+        """(ids, end offsets, cut) of ``text[:cut]`` with ``backend`` (no special tokens added): the
+        whole text (``cut == len(text)``), or a prefix cut by :func:`_safe_cut` whose tokens, at least
+        ``need`` of them, are the whole text's first tokens. The prefix starts at
+        ``_PREFIX_START_CHARS_PER_TOKEN`` characters a token wanted and doubles until it gives enough."""
+        size = max(_PREFIX_START_CHARS_PER_TOKEN * need, 256)
+        while True:
+            cut = _safe_cut(text, size, self._added_strings) if size < len(text) else len(text)
+            self.tokenised_chars += cut
+            enc = backend.encode(text[:cut] if cut < len(text) else text, add_special_tokens=False)
+            if cut == len(text) or len(enc.ids) >= need:
+                return enc.ids, _end_offsets(enc), cut
+            size = 2 * cut
+
+    def _eot_string_after(self, text: str, pos: int) -> bool:
+        """Whether an end-of-turn token's string in the render ``text`` ends after ``pos`` (so the
+        row has that token after the tokens that end by ``pos``); False when not countable in text."""
+        return self._eot_strings is not None and any(
+            text.find(t, max(0, pos - len(t) + 1)) >= 0 for t in self._eot_strings)
+
+    def _count_eot(self, text: str) -> int:
+        """End-of-turn tokens in the tokens of the render ``text``, counted in the text."""
+        if self._eot_strings is None:
+            raise _NeedFull
+        return sum(text.count(t) for t in self._eot_strings)
 
     def _tokenise_escaped(self, rendered: str, esc: "_ContentEscape", *, with_offsets: bool
                           ) -> tuple[list[int], np.ndarray | None]:
@@ -536,20 +702,7 @@ class ChatTokeniser:
         Raises BadRecord ``template_error`` when a piece still holds the placeholder marker (the
         template altered a placeholder).
         """
-        pieces, specials, pos = [], [], 0
-        for m in self._cut_re.finditer(rendered):
-            pieces.append(rendered[pos:m.start()])
-            specials.append((m.group(), self._cut_ids[self._cut[int(m.lastgroup[1:])]]))
-            pos = m.end()
-        pieces.append(rendered[pos:])
-        texts = [esc.unescape(p) for p in pieces]
-        marker = esc.marker.lower()
-        for text in texts:
-            if marker in text.lower():
-                raise BadRecord(esc.record_id, "template_error",
-                                f"the chat template altered the placeholder {esc.marker!r}... that stands for a "
-                                "special-token (or added-token) string of the content; use --special-tokens-in-content "
-                                "special (and --added-tokens-in-content token) to tokenise such strings as tokens instead")
+        texts, specials, _ = self._escaped_pieces(rendered, esc)
         encoded = self._encode_as_text(texts, with_offsets=with_offsets)
         ids: list[int] = []
         ends: list[np.ndarray] = []
@@ -567,6 +720,29 @@ class ChatTokeniser:
                     ends.append(np.array([chars], dtype=np.int64))
         return ids, (np.concatenate(ends) if with_offsets else None)
 
+    def _escaped_pieces(self, rendered: str, esc: "_ContentEscape"
+                        ) -> tuple[list[str], list[tuple[str, int]], list[tuple[int, int]]]:
+        """The cut of :meth:`_tokenise_escaped`: the pieces' texts (placeholders replaced), the
+        template's special tokens between them (text, id), and where each piece and the special
+        token after it start in ``rendered``. Raises its BadRecord."""
+        pieces, specials, starts, pos = [], [], [], 0
+        for m in self._cut_re.finditer(rendered):
+            pieces.append(rendered[pos:m.start()])
+            specials.append((m.group(), self._cut_ids[self._cut[int(m.lastgroup[1:])]]))
+            starts.append((pos, m.start()))
+            pos = m.end()
+        pieces.append(rendered[pos:])
+        starts.append((pos, len(rendered)))
+        texts = [esc.unescape(p) for p in pieces]
+        marker = esc.marker.lower()
+        for text in texts:
+            if marker in text.lower():
+                raise BadRecord(esc.record_id, "template_error",
+                                f"the chat template altered the placeholder {esc.marker!r}... that stands for a "
+                                "special-token (or added-token) string of the content; use --special-tokens-in-content "
+                                "special (and --added-tokens-in-content token) to tokenise such strings as tokens instead")
+        return texts, specials, starts
+
     def _encode_as_text(self, texts: list[str], *, with_offsets: bool) -> list[tuple[list[int], np.ndarray | None]]:
         """(ids, end offsets or None) of each text, special-token strings tokenised as plain text.
 
@@ -578,9 +754,15 @@ class ChatTokeniser:
         so that flag leaves them unmatched too (``encode_special_tokens`` skips special ones only).
         A slow tokenizer: ``split_special_tokens=True``, no offsets.
         """
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None:
+        self.tokenised_chars += sum(map(len, texts))
+        if getattr(self.tokenizer, "backend_tokenizer", None) is None:
             return [(self.tokenizer.encode(t, add_special_tokens=False, split_special_tokens=True), None) for t in texts]
+        encs = self._text_backend().encode_batch(texts, add_special_tokens=False)
+        return [(e.ids, _end_offsets(e) if with_offsets else None) for e in encs]
+
+    def _text_backend(self):
+        """The copy of the Rust tokenizer that tokenises special-token strings as text (:meth:`_encode_as_text`)."""
+        backend = self.tokenizer.backend_tokenizer
         with self._text_lock:
             if self._text_tokenizer is None:
                 from tokenizers import Tokenizer
@@ -595,11 +777,10 @@ class ChatTokeniser:
                 text_tokenizer = Tokenizer.from_str(spec)
                 text_tokenizer.encode_special_tokens = True
                 self._text_tokenizer = text_tokenizer
-        encs = self._text_tokenizer.encode_batch(texts, add_special_tokens=False)
-        return [(e.ids, _end_offsets(e) if with_offsets else None) for e in encs]
+        return self._text_tokenizer
 
     def _start_by_token_ids(self, rid: str, i: int, prompt: str, ids_S: np.ndarray, eot_pos: np.ndarray,
-                            esc: "_ContentEscape | None" = None) -> int:
+                            esc: "_ContentEscape | None" = None, full: str | None = None) -> int | None:
         """First reply token of assistant turn i when the prompt render is not a text prefix.
 
         The longest common prefix of token ids is right when only the tail of the prompt differs
@@ -607,21 +788,43 @@ class ChatTokeniser:
         template rendered an earlier turn differently because it was last), the prompt is aligned
         on the full row by its end-of-turn count: its n-th end-of-turn token is the full row's
         n-th, and what follows (the generation prompt) is matched from there.
+
+        With ``full`` (the render, when ``ids_S`` holds only its first tokens: truncation by
+        prefix), the prompt is tokenised by prefix too; None when the reply starts after ``ids_S``
+        and the whole row has an end-of-turn token after it (either way the row then has more
+        end-of-turn tokens than the prompt); :class:`_NeedFull` when this is not settled.
         """
-        p_ids, _ = self._tokenise(prompt, with_offsets=False, esc=esc)
+        n = ids_S.shape[0]
+        if full is None:
+            p_ids, _ = self._tokenise(prompt, with_offsets=False, esc=esc)
+            p_whole = True
+        else:
+            p_ids, _, p_tail = self._tokenise_prefix(prompt, esc, n)
+            p_whole = p_tail is None
         p_ids_P = np.asarray(p_ids, dtype=np.int32)
         lcp = _common_prefix_len(p_ids_P, ids_S)
+        if full is not None and (lcp >= n or not p_whole):
+            if lcp >= n and self._count_eot(full) > self._count_eot(prompt):
+                return None
+            raise _NeedFull
         p_eot = np.flatnonzero(np.isin(p_ids_P[lcp:], self._eot_array))
         if p_eot.shape[0] == 0:
             return lcp
         n_eot = int(np.isin(p_ids_P, self._eot_array).sum())
         if n_eot > eot_pos.shape[0]:
+            if full is not None:
+                raise _NeedFull
             raise BadRecord(rid, "template_error",
                             f"assistant turn {i}: the prompt render has {n_eot} end-of-turn tokens, "
                             f"the full render only {eot_pos.shape[0]}")
         last_p_eot = lcp + int(p_eot[-1])
         anchor = int(eot_pos[n_eot - 1]) + 1
-        return anchor + _common_prefix_len(p_ids_P[last_p_eot + 1:], ids_S[anchor:])
+        start = anchor + _common_prefix_len(p_ids_P[last_p_eot + 1:], ids_S[anchor:])
+        if full is not None and start >= n:
+            if self._count_eot(full) > n_eot:
+                return None
+            raise _NeedFull
+        return start
 
     def _probe_end_of_turn_ids(self) -> frozenset[int]:
         """The special token the template writes right after an assistant reply, plus eos."""
@@ -757,3 +960,131 @@ def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(a.shape[0], b.shape[0])
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.shape[0] else n
+
+
+# Truncation by prefix ---------------------------------------------------------------------------
+
+
+class _NeedFull(Exception):
+    """A render's prefix did not settle its sample exactly: tokenise the render whole (rare)."""
+
+
+#: Code points whose pre-tokenizer class (``\p{L}``, ``\p{N}``, other) and NFC behaviour are known for
+#: sure besides ASCII: long-assigned letters, digits and punctuation (Latin-1 and Latin Extended-A
+#: letters, basic Greek and Cyrillic, CJK punctuation and brackets, kana, CJK unified ideographs of
+#: Unicode 1.1, Hangul syllables, fullwidth ASCII). Each is a starter that NFC leaves as it is and
+#: never composes with a character before it, so NFC of a text cut before one of them is the NFC of
+#: the two sides. Anything else is never a side of a cut.
+_KNOWN_RANGES = ((0xC0, 0xD6), (0xD8, 0xF6), (0xF8, 0x17F), (0x391, 0x3A1), (0x3A3, 0x3A9), (0x3B1, 0x3C9),
+                 (0x410, 0x44F), (0x3001, 0x3003), (0x3008, 0x3011), (0x3041, 0x3094), (0x30A1, 0x30FA),
+                 (0x4E00, 0x9FA5), (0xAC00, 0xD7A3), (0xFF01, 0xFF5E))
+_KNOWN_CLASS = {"L": "L", "N": "N", "P": "P", "S": "P"}
+_LETTERS = "A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u017f\u0391-\u03a9\u03b1-\u03c9\u0410-\u044f\u3041-\u3094\u30a1-\u30fa\u4e00-\u9fa5\uac00-\ud7a3\uff21-\uff3a\uff41-\uff5a"
+_DIGITS = "0-9\uff10-\uff19"
+_PUNCT = "!-/:-@\\[-`{-~\u3001-\u3003\u3008-\u3011\uff01-\uff0f\uff1a-\uff20\uff3b-\uff40\uff5b-\uff5e"
+#: A superset of the positions :func:`_safe_pair` accepts (the character after the cut), so that the
+#: search skips runs (a megabyte of letters, spaces, ideographs or emoji) at regex speed.
+_CUT_CANDIDATE = re.compile(
+    f"(?<=[{_DIGITS}])[\\s\\S]|(?<=[{_LETTERS}{_PUNCT}])[{_DIGITS}]|(?<=[{_LETTERS}])[^{_LETTERS}]"
+    f"|(?<=[{_PUNCT}])[ \\t]|(?<=[\\r\\n])[{_LETTERS}{_DIGITS}{_PUNCT}]")
+
+
+def _char_class(ch: str) -> str | None:
+    """The class of ``ch`` for the Qwen2 pre-tokenizer regex: ``L`` (``\\p{L}``), ``N`` (``\\p{N}``),
+    ``P`` (neither, nor whitespace), ``R`` (``\\r``, ``\\n``), ``W`` (space, tab), or None (not known)."""
+    o = ord(ch)
+    if o < 0x80:
+        if ch.isalpha():
+            return "L"
+        if ch.isdigit():
+            return "N"
+        if ch in "\r\n":
+            return "R"
+        if ch in " \t":
+            return "W"
+        return "P" if 0x21 <= o <= 0x7E else None
+    for lo, hi in _KNOWN_RANGES:
+        if lo <= o <= hi:
+            return _KNOWN_CLASS.get(unicodedata.category(ch)[0])
+    return None
+
+
+def _safe_pair(x: str, y: str) -> bool:
+    """True when a text cut between ``x`` and ``y`` is tokenised, before the cut, exactly as the
+    whole text is (Qwen2 regex, NFC or no normalizer; module docstring). Every match of that regex
+    ends where a run of its class ends; the match that holds ``x`` ends at the cut, and reads the
+    same whether it meets ``y`` or the end of the text, when: ``x`` is a digit (always a pre-token of
+    its own); ``y`` is a digit after a letter, digit or punctuation; ``x`` is a letter and ``y`` is
+    not; ``x`` is punctuation and ``y`` a space or tab (``[\\r\\n]*`` would take a newline); ``x`` is a
+    newline and ``y`` not whitespace. Never after whitespace: ``\\s+(?!\\S)`` reads the end of the text
+    differently from a letter."""
+    xc, yc = _char_class(x), _char_class(y)
+    if xc is None or yc is None:
+        return False
+    if xc == "N":
+        return True
+    if yc == "N":
+        return xc in ("L", "P")
+    if xc == "L":
+        return yc in ("P", "W", "R")
+    if xc == "P":
+        return y in " \t"
+    if xc == "R":
+        return yc in ("L", "P")
+    return False
+
+
+def _safe_cut(text: str, at: int, added: tuple[str, ...]) -> int:
+    """The first cut point ``c >= at`` of ``text`` (``0 < c < len(text)``) before which the text
+    tokenises exactly as the whole text does (:func:`_safe_pair`, and no added-token string spans
+    it), or ``len(text)`` when there is none."""
+    pos = max(at, 1)
+    while (m := _CUT_CANDIDATE.search(text, pos)) is not None:
+        c = m.start()
+        if _safe_pair(text[c - 1], text[c]) and not any(
+                0 <= text.find(s, max(0, c - len(s) + 1), c + len(s) - 1) < c for s in added):
+            return c
+        pos = c + 1
+    return len(text)
+
+
+def _prefix_tokenisable(tokenizer, backend) -> bool:
+    """Whether a prefix of a render cut by :func:`_safe_cut` tokenises exactly as the render's first
+    tokens with this tokenizer: a fast one with no or NFC normalizer, the Qwen2 pre-tokenizer regex
+    then byte-level, BPE without dropout, a post-processor that adds nothing without special tokens
+    and leaves offsets per token, no truncation or padding set, and added tokens without
+    lstrip / rstrip / single_word / normalized flags. Anything else keeps whole tokenisation."""
+    if backend is None:
+        return False
+    try:
+        state = lambda part: None if part is None else json.loads(part.__getstate__())  # noqa: E731
+        normalizer, pre, post = state(backend.normalizer), state(backend.pre_tokenizer), state(backend.post_processor)
+        model = backend.model  # (its __getstate__ would serialise the whole vocabulary)
+    except Exception:  # an unknown component: keep whole tokenisation
+        return False
+    split = {"type": "Split", "pattern": {"Regex": _QWEN2_SPLIT}, "behavior": "Isolated", "invert": False}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}
+    return (
+        (normalizer is None or normalizer.get("type") == "NFC")
+        and isinstance(pre, dict) and pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 2
+        and pre["pretokenizers"][0] == split
+        and {k: pre["pretokenizers"][1].get(k) for k in byte_level} == byte_level
+        and type(model).__name__ == "BPE" and getattr(model, "dropout", 1.0) in (None, 0.0)
+        and (post is None or post.get("type") in ("TemplateProcessing", "ByteLevel"))
+        and backend.truncation is None and backend.padding is None
+        and not any(t.lstrip or t.rstrip or t.single_word or t.normalized
+                    for t in getattr(tokenizer, "added_tokens_decoder", {}).values())
+    )
+
+
+def _never_overlap(strings: Iterable[str]) -> bool:
+    """No occurrence of one of ``strings`` can overlap or hold another occurrence (no string holds
+    another, no proper suffix of one is a prefix of one): then every occurrence in a text is a token."""
+    strings = [s for s in strings if s]
+    for a in strings:
+        for b in strings:
+            if a != b and b in a:
+                return False
+            if any(b.startswith(a[k:]) for k in range(1, len(a))):
+                return False
+    return True
