@@ -375,7 +375,8 @@ class ChatTokeniser:
     def _tokenise_batch(self, chats: list["_Prepared"], plain_texts: list[str]) -> tuple[list, list]:
         """(ids, end offsets, tail) or BadRecord of each chat render, (ids, added-token flags) of each plain text.
 
-        ``tail`` is None, or, for a render tokenised by prefix (:meth:`_tokenise_prefix`), where its untokenised rest starts.
+        ``tail`` is None, or, for a render tokenised by prefix (:meth:`_tokenise_prefix`), where its
+        untokenised rest starts.
 
         Renders whose content holds special-token strings (rare) take :meth:`_tokenise_escaped`, one
         by one; its BadRecord is returned in place, not raised, so the rest of the chunk goes on.
@@ -979,7 +980,8 @@ _KNOWN_RANGES = ((0xC0, 0xD6), (0xD8, 0xF6), (0xF8, 0x17F), (0x391, 0x3A1), (0x3
                  (0x410, 0x44F), (0x3001, 0x3003), (0x3008, 0x3011), (0x3041, 0x3094), (0x30A1, 0x30FA),
                  (0x4E00, 0x9FA5), (0xAC00, 0xD7A3), (0xFF01, 0xFF5E))
 _KNOWN_CLASS = {"L": "L", "N": "N", "P": "P", "S": "P"}
-_LETTERS = "A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u017f\u0391-\u03a9\u03b1-\u03c9\u0410-\u044f\u3041-\u3094\u30a1-\u30fa\u4e00-\u9fa5\uac00-\ud7a3\uff21-\uff3a\uff41-\uff5a"
+_LETTERS = ("A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u017f\u0391-\u03a9\u03b1-\u03c9\u0410-\u044f\u3041-\u3094"
+            "\u30a1-\u30fa\u4e00-\u9fa5\uac00-\ud7a3\uff21-\uff3a\uff41-\uff5a")
 _DIGITS = "0-9\uff10-\uff19"
 _PUNCT = "!-/:-@\\[-`{-~\u3001-\u3003\u3008-\u3011\uff01-\uff0f\uff1a-\uff20\uff3b-\uff40\uff5b-\uff5e"
 #: A superset of the positions :func:`_safe_pair` accepts (the character after the cut), so that the
