@@ -584,13 +584,12 @@ def run_ceiling(data: Path, offsets_path: Path, records: int, procs: int, cache_
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if procs > 1 or pin_cpu is not None:
         env["TOKENIZERS_PARALLELISM"] = "false"  # what the planner's tokenising processes set
-    preexec = (lambda: os.sched_setaffinity(0, {pin_cpu})) if pin_cpu is not None else None
+    pin = [] if pin_cpu is None else [str(pin_cpu)]  # the process pins itself first (sched_setaffinity)
     cmds = [[sys.executable, str(Path(__file__).resolve()), "ceiling-worker", str(data), str(int(offsets[a])),
-             str(b - a), str(cache_dir)] for a, b in zip(bounds, bounds[1:])]
+             str(b - a), str(cache_dir), *pin] for a, b in zip(bounds, bounds[1:])]
     load_before = _loadavg()
     t0 = time.perf_counter()
-    running = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                preexec_fn=preexec) for c in cmds]
+    running = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for c in cmds]
     outs = [p.communicate() for p in running]
     wall = time.perf_counter() - t0
     parts = []
@@ -889,6 +888,8 @@ def main(argv: list[str] | None = None) -> int:
         return profile_cli(argv[1], argv[2:])
     if argv[:1] == ["ceiling-worker"]:  # one process of the ceiling (run_ceiling starts them)
         data, offset, count, cache = argv[1:5]
+        if argv[5:]:  # the single-core reference: pinned to that CPU before any work
+            os.sched_setaffinity(0, {int(argv[5])})
         print(json.dumps(ceiling_worker(data, int(offset), int(count), cache)), flush=True)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -17,10 +17,12 @@ Only a command whose environment outside ``HSX_*`` is this server's own is forke
 library could read at import gets a fresh interpreter. ``TEST_FORK_SERVER=0`` turns the server off.
 
 A process forked here starts its own Python children the same way (:func:`_route_children`): its
-``subprocess.Popen([sys.executable, "-m", "celery" | "workers" | "producer", ...])`` asks this server
-for the child over the Unix socket ``<dir>/fork.sock`` (the stdio file descriptors passed with the
-request) when the child's environment allows, so that ``producer run``'s launcher and the launcher's
-Celery workers (in the tests, benches and ``producer run`` as processes) are forked too, not fresh
+``subprocess.Popen([sys.executable, "-m", "celery" | "workers" | "producer", ...])`` or
+``subprocess.Popen([sys.executable, "script.py", ...])`` asks this server for the child over the Unix
+socket ``<dir>/fork.sock`` (the child's ends of its stdio passed with the request: inherited streams,
+files, ``DEVNULL`` and ``PIPE`` alike) when the child's environment allows, so that ``producer run``'s
+launcher and the launcher's Celery workers (in the tests, benches and ``producer run`` as processes),
+and the benches' helper processes (``bench/planning.py ceiling-worker``), are forked too, not fresh
 interpreters importing torch and transformers again (~8 CPU-s per worker start on this machine). What
 differs from a real child: its parent is this server (a tree read with psutil does not show it, and
 its ``cmdline`` is the server's), it has a session of its own, and the launcher's parent-death
@@ -179,19 +181,38 @@ def _signal_when_gone(pid: int, sig: int) -> None:
     threading.Thread(target=watch, name="parent-death", daemon=True).start()
 
 
-#: The ``python -m`` commands a forked process starts through this server (:func:`_route_children`).
+#: The ``python -m`` commands a forked process starts through this server (:func:`_route_children`). Not
+#: their modules: ``workers.follower`` (a tensor-parallel group's rank) checks that its parent is its
+#: leader, and a routed child's parent is this server.
 ROUTED_MODULES = frozenset({"celery", "workers", "producer"})
 #: ``Popen`` arguments a routed child honours; any other makes a real ``Popen``.
 ROUTED_KWARGS = frozenset({"env", "cwd", "stdin", "stdout", "stderr", "start_new_session", "preexec_fn", "close_fds",
-                           "text", "universal_newlines", "encoding", "errors"})
+                           "text", "universal_newlines", "encoding", "errors", "bufsize"})
+
+
+def routed_command(args) -> bool:
+    """Whether ``args`` is a command this server forks for a forked process: ``[sys.executable, "-m",
+    <one of ROUTED_MODULES>, ...]`` or ``[sys.executable, "<script>.py", ...]`` (the benches'
+    own helper processes: ``bench/planning.py ceiling-worker``...), every argument a string."""
+    if not isinstance(args, (list, tuple)) or len(args) < 2 or args[0] != sys.executable:
+        return False
+    if not all(isinstance(a, str) for a in args):
+        return False
+    if args[1] == "-m":
+        return len(args) >= 3 and args[2] in ROUTED_MODULES
+    return args[1].endswith(".py") and not args[1].startswith("-") and os.path.isfile(args[1])
 
 
 def _route_children(exits_dir: str, server_env: dict[str, str]) -> None:
     """In a forked child: ``subprocess.Popen`` becomes a subclass that asks this server to fork the
-    commands it can (``[sys.executable, "-m", <ROUTED_MODULES>, ...]``, an environment the server could
-    fork (``jobfixtures.same_libraries_env``), stdio that are inherited, ``DEVNULL`` or open files, no
-    ``preexec_fn`` but the launcher's parent-death one) and starts the rest as ``Popen`` does. A routed
-    child's ``returncode`` (``-N`` for signal N) is the one the server wrote when it reaped it."""
+    commands it can (:func:`routed_command`, an environment the server could fork
+    (``jobfixtures.same_libraries_env``), no ``preexec_fn`` but the launcher's parent-death one) and
+    starts the rest as ``Popen`` does. ``Popen`` itself makes the pipes (``PIPE``), opens ``DEVNULL``
+    and wraps the streams (``text``...); only the start of the child (``_execute_child``: the child's
+    ends of its stdin, stdout and stderr go to the server instead of a fork and exec) and the reaping
+    (``_internal_poll``, ``_wait``: the exit code, ``-N`` for signal N, is the one the server wrote
+    when it reaped the child) differ, so ``communicate``, ``wait``, ``poll`` and ``send_signal`` work
+    as for any child."""
     import subprocess
     from pathlib import Path
 
@@ -200,12 +221,8 @@ def _route_children(exits_dir: str, server_env: dict[str, str]) -> None:
     popen = subprocess.Popen
     sock_path = os.path.join(exits_dir, "fork.sock")
 
-    def request_for(args, positional, kwargs) -> tuple[dict, list[int], list[int]] | None:
-        if positional or not set(kwargs) <= ROUTED_KWARGS or not isinstance(args, (list, tuple)) or len(args) < 3:
-            return None
-        if args[0] != sys.executable or args[1] != "-m" or args[2] not in ROUTED_MODULES:
-            return None
-        if not all(isinstance(a, str) for a in args):
+    def request_for(args, positional, kwargs) -> dict | None:
+        if positional or not set(kwargs) <= ROUTED_KWARGS or not routed_command(args):
             return None
         preexec = kwargs.get("preexec_fn")
         if preexec is not None and "die_with_parent" not in getattr(preexec, "__qualname__", ""):
@@ -213,92 +230,52 @@ def _route_children(exits_dir: str, server_env: dict[str, str]) -> None:
         env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
         if not same_libraries_env(env, server_env):
             return None
-        opened: list[int] = []
-
-        def fd(stream, default: int) -> int | None:
-            if stream is None:
-                return default
-            if stream == subprocess.DEVNULL:
-                opened.append(os.open(os.devnull, os.O_RDWR))
-                return opened[-1]
-            if isinstance(stream, int) and stream >= 0:
-                return stream
-            if hasattr(stream, "fileno"):
-                stream.flush()
-                return stream.fileno()
-            return None  # PIPE and the like: a real Popen
-
-        stdin = fd(kwargs.get("stdin"), 0)
-        stdout = fd(kwargs.get("stdout"), 1)
-        stderr = stdout if kwargs.get("stderr") == subprocess.STDOUT else fd(kwargs.get("stderr"), 2)
-        if None in (stdin, stdout, stderr) or kwargs.get("stdin") == subprocess.PIPE:
-            for f in opened:
-                os.close(f)
-            return None
-        request = {"argv": list(args[1:]), "env": env, "cwd": os.fspath(kwargs.get("cwd") or os.getcwd()),
-                   "parent_death": os.getpid() if preexec is not None else None}
-        return request, [stdin, stdout, stderr], opened
+        return {"argv": list(args[1:]), "env": env, "cwd": os.fspath(kwargs.get("cwd") or os.getcwd()),
+                "parent_death": os.getpid() if preexec is not None else None}
 
     class RoutedPopen(popen):
         def __init__(self, args, *positional, **kwargs):
             self._routed = False
-            routed = request_for(args, positional, kwargs)
-            if routed is None:
-                super().__init__(args, *positional, **kwargs)
-                return
-            request, fds, opened = routed
+            self._forked = None
+            self._request = request_for(args, positional, kwargs)
+            super().__init__(args, *positional, **kwargs)
+
+        def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                           creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
+            if self._request is None:
+                return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                                              startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
+                                              c2pwrite, errread, errwrite, *rest)
+            # the child's ends (-1: inherited from this process)
+            fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
+                   errwrite if errwrite != -1 else 2]
             try:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
                     s.connect(sock_path)
-                    socket.send_fds(s, [json.dumps(request).encode()], fds)
+                    socket.send_fds(s, [json.dumps(self._request).encode()], fds)
                     reply = s.recv(4096)
             finally:
-                for f in opened:
-                    os.close(f)
+                self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
             if not reply:
                 raise OSError(f"the tests' fork server did not start {args!r}")
-            self._routed = True
-            self._child_created = False
-            self.args = args
             self.pid = json.loads(reply)["pid"]
-            self.returncode = None
-            self.stdin = self.stdout = self.stderr = None
-            self._forked = ForkedProcess(self.pid, args, Path(exits_dir) / f"{self.pid}.exit")
+            self._child_created = True
+            self._routed = True
+            self._forked = ForkedProcess(self.pid, list(args), Path(exits_dir) / f"{self.pid}.exit")
 
-        def poll(self):
-            if not self._routed:
-                return super().poll()
-            self.returncode = self._forked.poll()
+        def _internal_poll(self, *args, **kwargs):
+            if self._forked is None:
+                return super()._internal_poll(*args, **kwargs)
+            if self.returncode is None:
+                self.returncode = self._forked.poll()
             return self.returncode
 
-        def wait(self, timeout=None):
-            if not self._routed:
-                return super().wait(timeout)
-            self.returncode = self._forked.wait(timeout)
+        def _wait(self, timeout):
+            if self._forked is None:
+                return super()._wait(timeout)
+            if self.returncode is None:
+                self.returncode = self._forked.wait(timeout)
             return self.returncode
-
-        def communicate(self, input=None, timeout=None):
-            if not self._routed:
-                return super().communicate(input, timeout)
-            self.wait(timeout)
-            return None, None
-
-        def send_signal(self, sig):
-            if not self._routed:
-                return super().send_signal(sig)
-            try:
-                self._forked.send_signal(sig)
-            except ProcessLookupError:  # it ended between the poll and the kill
-                pass
-
-        def __exit__(self, *exc):
-            if not self._routed:
-                return super().__exit__(*exc)
-            self.wait()
-
-        def __del__(self):
-            if not getattr(self, "_routed", False):
-                super().__del__()
 
     subprocess.Popen = RoutedPopen
 

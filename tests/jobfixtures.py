@@ -197,9 +197,13 @@ NOT_READ_AT_IMPORT = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"
 def same_libraries_env(env: dict[str, str], server_env: dict[str, str]) -> bool:
     """Whether a process with ``env`` sees, in what the fork server's libraries read at import, what
     the server saw: every variable outside ``HSX_*`` (the project's settings, read by the child's own
-    imports) and :data:`NOT_READ_AT_IMPORT` is the same."""
+    imports) and :data:`NOT_READ_AT_IMPORT` is the same; ``PYTHONPATH`` compared as its directories
+    with repeats dropped (``ROOT:ROOT`` finds what ``ROOT`` finds: a bench puts the repo first again)."""
     def outside(e):
-        return {k: v for k, v in e.items() if not k.startswith("HSX_") and k not in NOT_READ_AT_IMPORT}
+        out = {k: v for k, v in e.items() if not k.startswith("HSX_") and k not in NOT_READ_AT_IMPORT}
+        if "PYTHONPATH" in out:
+            out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(out["PYTHONPATH"].split(os.pathsep)))
+        return out
 
     return outside(env) == outside(server_env)
 

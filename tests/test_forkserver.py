@@ -81,25 +81,46 @@ def test_a_process_whose_other_variables_differ_gets_a_fresh_interpreter(server)
 
 
 ROUTED = """
-import json, subprocess, sys
+import json, os, subprocess, sys
 with open(sys.argv[1], "w") as out:
     routed = subprocess.Popen([sys.executable, "-m", "producer", "--help"], stdout=out, stderr=subprocess.STDOUT)
     code = routed.wait(60)
-piped = subprocess.run([sys.executable, "-m", "producer", "--help"], capture_output=True, text=True)
+piped = subprocess.Popen([sys.executable, "-m", "producer", "--help"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+piped_out, piped_err = piped.communicate(timeout=60)
+ran = subprocess.run([sys.executable, "-m", "producer", "--help"], capture_output=True, text=True)
+script = subprocess.run([sys.executable, sys.argv[2], "a b"], capture_output=True, timeout=60)
 failed = subprocess.Popen([sys.executable, "-m", "producer", "no-such-command"], stderr=subprocess.DEVNULL)
-print(json.dumps({"routed": routed._routed, "code": code, "piped": piped._routed if hasattr(piped, "_routed") else None,
-                  "piped_out": "usage:" in piped.stdout, "failed": failed.wait(60), "failed_routed": failed._routed}))
+fresh = subprocess.Popen([sys.executable, sys.argv[2], "x"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "SOME_LIBRARY_SETTING": "1"})
+print(json.dumps({"routed": routed._routed, "code": code, "piped": piped._routed, "piped_code": piped.returncode,
+                  "piped_out": "usage:" in piped_out and piped_err == "", "ran": "usage:" in ran.stdout,
+                  "script": [script.returncode, script.stdout.decode(), script.stderr.decode()],
+                  "failed": failed.wait(60), "failed_routed": failed._routed, "fresh": fresh._routed,
+                  "fresh_code": fresh.wait(60)}))
+"""
+
+SCRIPT = """
+import os, sys
+print(sys.argv[1:], os.path.basename(sys.path[0]))
+sys.stderr.write("to stderr")
+sys.exit(3)
 """
 
 
 def test_a_forked_command_s_own_python_children_are_forked_here_too(server, tmp_path):
     """``producer run`` -> launcher -> Celery worker: a forked process's ``Popen`` of ``python -m
-    producer|workers|celery`` goes to the server (stdio passed, exit code kept); one with a pipe is a real
+    producer|workers|celery`` or of a ``.py`` script (the benches' helpers) goes
+    to the server (stdio passed, pipes too, exit code kept); one whose environment differs is a real
     ``Popen``."""
-    proc = run_python(["-c", ROUTED, str(tmp_path / "help.txt")], clean_env())
+    script = tmp_path / "child.py"
+    script.write_text(SCRIPT)
+    proc = run_python(["-c", ROUTED, str(tmp_path / "help.txt"), str(script)], clean_env())
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
-    assert got == {"routed": True, "code": 0, "piped": None, "piped_out": True, "failed": 2, "failed_routed": True}, got
+    assert got == {"routed": True, "code": 0, "piped": True, "piped_code": 0, "piped_out": True, "ran": True,
+                   "script": [3, f"['a b'] {tmp_path.name}\n", "to stderr"], "failed": 2, "failed_routed": True,
+                   "fresh": False, "fresh_code": 3}, got
     assert "usage:" in (tmp_path / "help.txt").read_text()
 
 
