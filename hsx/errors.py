@@ -15,17 +15,25 @@ class BadRecord(HsxError):
     """One dataset record cannot become a training sample; it is skipped and counted.
 
     ``reason`` is a short stable code (``no_turns``, ``unknown_role``, ``no_supervised_tokens``...)
-    used as the key of the skip counters; ``detail`` is for humans.
+    used as the key of the skip counters; ``detail`` is for humans. ``line``: the record's 1-based
+    line in a JSON-lines file, when known (a record's positional id ``file:N`` counts records from 0
+    and leaves blank lines out, so it is not its line).
     """
 
-    def __init__(self, record_id: str, reason: str, detail: str = ""):
+    def __init__(self, record_id: str, reason: str, detail: str = "", line: int | None = None):
         self.record_id = record_id
         self.reason = reason
         self.detail = detail
-        super().__init__(f"record {record_id}: {reason}" + (f" ({detail})" if detail else ""))
+        self.line = line
+        where = f" (line {line})" if line else ""
+        super().__init__(f"record {record_id}{where}: {reason}" + (f" ({detail})" if detail else ""))
+
+    def at_line(self, line: int | None) -> "BadRecord":
+        """This error with its record's ``line`` (itself when the line is known already or ``line`` is None)."""
+        return self if self.line or not line else BadRecord(self.record_id, self.reason, self.detail, line)
 
     def __reduce__(self):  # picklable: the planner's tokenising processes send them back
-        return (BadRecord, (self.record_id, self.reason, self.detail))
+        return (BadRecord, (self.record_id, self.reason, self.detail, self.line))
 
 
 class BadConfig(HsxError):

@@ -188,7 +188,8 @@ class SkipCounter:
         n = self.counts.get(err.reason, 0) + 1
         self.counts[err.reason] = n
         if n <= EXAMPLES_PER_REASON:
-            self.examples.setdefault(err.reason, []).append(f"{err.record_id}: {err.detail}")
+            where = f" (line {err.line})" if err.line else ""  # the id file:N counts records from 0, not lines
+            self.examples.setdefault(err.reason, []).append(f"{err.record_id}{where}: {err.detail}")
         log.debug("skipped %s", err)
 
     def fix(self, name: str) -> None:
@@ -294,14 +295,16 @@ def iter_conversations(
     seen: set[str] = set()
     yielded = 0
     for path in dataset_files(source):
-        for index, raw in enumerate(iter_raw_records(path, skips)):
+        for index, raw in enumerate(iter_raw_records(path, skips, lazy=True)):
             fallback_id = f"{path.name}:{index}"
+            line = getattr(raw, "lineno", None)  # a JSON-lines record's line, for its skip's example
+            raw = parse_raw(raw)
             try:
                 if isinstance(raw, BadRecord):  # a line that did not parse
                     raise raw
                 conv = _normalise(raw, fallback_id, seen, skips, allow_text=allow_text)
             except BadRecord as err:
-                skips.add(err)
+                skips.add(err.at_line(line))
                 continue
             yield conv
             yielded += 1
@@ -361,15 +364,14 @@ def parse_raw(raw: Any) -> Any:
     try:
         text = raw.data.decode("utf-8")
     except UnicodeDecodeError as err:
-        return BadRecord(raw.record_id, "invalid_utf8", f"at line {raw.lineno} of the file, byte {err.start}: {err.reason}")
+        return BadRecord(raw.record_id, "invalid_utf8", f"byte {err.start} of the line: {err.reason}", raw.lineno)
     text = text.rstrip()  # the line's own newline: an error past the last character is at the line's end, not the next
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
         where = "at its end (the record is cut off)" if err.pos >= len(text) else f"column {err.colno}"
         # json's own messages may end in " at" ("Invalid control character at"): the place follows it once
-        return BadRecord(raw.record_id, "malformed_json",
-                         f"at line {raw.lineno} of the file, {where}: {err.msg.removesuffix(' at')}")
+        return BadRecord(raw.record_id, "malformed_json", f"{where}: {err.msg.removesuffix(' at')}", raw.lineno)
 
 
 def _iter_json_lines(path: Path, opener=_open_binary, lazy: bool = False) -> Iterator[Any]:

@@ -133,7 +133,9 @@ def encode_chunk(items: list[tuple[str, object]], chat=None, allow_text: bool | 
     allow_text = _ALLOW_TEXT if allow_text is None else allow_text
     out: list[Outcome | None] = [None] * len(items)
     records, where = [], []
+    lines: list[int | None] = [None] * len(items)  # a JSON-lines record's line, for its skip's example
     for k, (fallback_id, raw) in enumerate(items):
+        lines[k] = getattr(raw, "lineno", None)
         raw = parse_raw(raw)
         if isinstance(raw, BadRecord):  # a line that did not parse
             out[k] = Outcome(None, None, raw)
@@ -142,7 +144,7 @@ def encode_chunk(items: list[tuple[str, object]], chat=None, allow_text: bool | 
         try:
             record = _normalise(raw, fallback_id, set(), local, allow_text=allow_text)
         except BadRecord as err:
-            out[k] = Outcome(None, None, err)
+            out[k] = Outcome(None, None, err.at_line(lines[k]))
             continue
         out[k] = Outcome(record.record_id, None, None, tuple(name for name, n in local.fixes.items() for _ in range(n)))
         records.append(record)
@@ -150,7 +152,7 @@ def encode_chunk(items: list[tuple[str, object]], chat=None, allow_text: bool | 
     ids, masks = [], []
     for k, result in zip(where, chat.encode_many(records, chunk_records=max(1, len(records)))):
         if isinstance(result, BadRecord):
-            out[k].skip = result
+            out[k].skip = result.at_line(lines[k])
         else:
             ids.append(result.input_ids)
             masks.append(result.loss_mask)

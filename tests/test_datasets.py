@@ -104,10 +104,12 @@ def test_every_pathology_is_counted_under_its_reason_and_every_good_record_is_yi
     }
     assert list(convs) == ["good", "roles", "lead", "7"]
     (example,) = skips.examples["unknown_role"]
-    assert example.startswith("narrator: turn 1 role 'narrator'; known roles: system, human, user, gpt, assistant"), example
-    assert skips.examples["not_an_object"][0].startswith("patho.jsonl:3:")
+    assert example.startswith("narrator (line 9): turn 1 role 'narrator'; known roles: system, human, user, gpt, assistant"), example
+    # a record's positional id counts records from 0; its example also names its 1-based line (a new user
+    # read `file:N` as a line number and looked one line too early)
+    assert skips.examples["not_an_object"][0].startswith("patho.jsonl:3 (line 4): a JSON list")
     # a record cut off mid-object is said at the end of its own line (its newline once made it "line 3, column 1")
-    assert skips.examples["malformed_json"] == ["patho.jsonl:1: at line 2 of the file, at its end (the record is cut off): "
+    assert skips.examples["malformed_json"] == ["patho.jsonl:1 (line 2): at its end (the record is cut off): "
                                                 "Expecting ',' delimiter"], skips.examples["malformed_json"]
     assert [m["role"] for m in convs["roles"].messages] == ["user", "assistant"] * 3
     assert convs["lead"].messages == (
@@ -319,10 +321,10 @@ def test_pretokenised_records_are_checked_for_shape_and_kept_as_arrays(tmp_path)
     assert recs[1].loss_mask.tolist() == [1, 1]
     assert skips.counts == {"bad_pretokenised": 8, "duplicate_id": 1}
     examples = skips.examples["bad_pretokenised"]
-    assert examples[0] == "lengths: input_ids has 3 tokens, loss_mask 2 values: they must have equal length"
-    assert examples[1].startswith("floats: 'input_ids' must be a flat list of integers")
-    assert examples[3] == "negative: input_ids[1] = -2: token ids must be >= 0"
-    assert examples[4] == "mask2: loss_mask[1] = 2: must be 0 or 1"
+    assert examples[0] == "lengths (line 3): input_ids has 3 tokens, loss_mask 2 values: they must have equal length"
+    assert examples[1].startswith("floats (line 4): 'input_ids' must be a flat list of integers")
+    assert examples[3] == "negative (line 6): input_ids[1] = -2: token ids must be >= 0"
+    assert examples[4] == "mask2 (line 7): loss_mask[1] = 2: must be 0 or 1"
 
 
 def test_text_records_are_used_only_when_allowed(tmp_path):
@@ -333,7 +335,7 @@ def test_text_records_are_used_only_when_allowed(tmp_path):
     skips = SkipCounter()
     assert [r.record_id for r in iter_conversations(path, skips)] == ["chat"]
     assert skips.counts == {"text_not_allowed": 3}
-    assert skips.examples["text_not_allowed"][0] == ("t: a plain-text record: pass --allow-text to train on "
+    assert skips.examples["text_not_allowed"][0] == ("t (line 1): a plain-text record: pass --allow-text to train on "
                                                      "every token of such records")
     skips = SkipCounter()
     recs = list(iter_conversations(path, skips, allow_text=True))

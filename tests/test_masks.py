@@ -685,8 +685,8 @@ def test_a_bad_unfinished_turns_list_is_a_skipped_record_naming_it(tmp_path):
     assert [c.record_id for c in iter_conversations(path, skips)] == ["good"]
     assert skips.counts == {"bad_turn": 4}
     assert skips.examples["bad_turn"] == [
-        "not-a-list: hsx_unfinished_turns is not a list of turn indices",
-        "a-user-turn: hsx_unfinished_turns: turn 5 is not an assistant turn of the 7",
-        "past-the-end: hsx_unfinished_turns: turn 7 is not an assistant turn of the 7",
-        "not-supervised: hsx_unfinished_turns: turn 4 is not one of the hsx_supervised_turns [6]",
+        "not-a-list (line 2): hsx_unfinished_turns is not a list of turn indices",
+        "a-user-turn (line 3): hsx_unfinished_turns: turn 5 is not an assistant turn of the 7",
+        "past-the-end (line 4): hsx_unfinished_turns: turn 7 is not an assistant turn of the 7",
+        "not-supervised (line 5): hsx_unfinished_turns: turn 4 is not one of the hsx_supervised_turns [6]",
     ]
