@@ -17,8 +17,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from jobfixtures import ROOT, clean_env, run_here, wait_until
+from jobfixtures import ROOT, clean_env, python_popen, run_here, wait_until
 from streamplan import FIRST_WINDOW, plan_options, plan_settings, small_windows
 
 from hsx.errors import HsxError
@@ -79,23 +77,37 @@ def _rank_with_batches(first: list[str], later: list[str]) -> int:
 
 
 class PausedPlanner:
-    """``python tests/streamplan.py`` in its own process, paused after window ``pause_after`` until released."""
+    """``python tests/streamplan.py`` in its own process (forked from the fork server: ``python_popen``),
+    paused after window ``pause_after`` until released. Its JSON lines go to a file, read as they come."""
 
     def __init__(self, cache: Path, out: Path, tmp: Path, pause_after: int = 0):
         self.release_file = tmp / "release"
         self.lines: list[dict] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "streamplan.py"), str(cache), str(out), str(LIMIT),
-             "--pause-after", str(pause_after), "--release", str(self.release_file)],
-            cwd=ROOT, env=clean_env(cache_dir=cache), stdout=subprocess.PIPE, stderr=open(tmp / "planner.log", "w"),
-            text=True, start_new_session=True)
+        self.log = tmp / "planner.log"
+        self._out = tmp / "planner.out"
+        with open(self._out, "w") as stdout, open(self.log, "w") as stderr:
+            self.proc = python_popen(
+                [str(ROOT / "tests" / "streamplan.py"), str(cache), str(out), str(LIMIT),
+                 "--pause-after", str(pause_after), "--release", str(self.release_file)],
+                clean_env(cache_dir=cache), stdout=stdout, stderr=stderr)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.log = tmp / "planner.log"
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(json.loads(line))
+        with open(self._out) as f:
+            pending, exited = "", False
+            while True:
+                chunk = f.readline()
+                if not chunk:
+                    if exited:  # read once more after the exit: every line it wrote is in
+                        return
+                    exited = self.proc.poll() is not None
+                    time.sleep(0.02)
+                    continue
+                pending += chunk
+                if pending.endswith("\n"):
+                    self.lines.append(json.loads(pending))
+                    pending = ""
 
     def wait(self, what, timeout_s: float = 120) -> dict:
         def found():
