@@ -524,13 +524,15 @@ class RunWatch:
         parts = [parked_line(g) for g in parked]
         if lost:
             parts.append(f"{len(lost)} lost (no heartbeat): " + ", ".join(f"{w['host']}-{w['pid']}" for w in lost))
+        restarting = self.broker == "embedded" and self.embedded_live and not planning
         if idle:
             known = [w for w in idle if w["online"]]
             unknown = len(idle) - len(known)
             parts.append(f"{len(idle)} idle" + (f" ({unknown} not known to be alive: an idle worker writes no more "
                                                 "records for a run; ask the broker, without --no-broker)" if unknown
                                                 else "")
-                         + f" (is anything queued? `python -m producer reconcile {self.run_store.url}`)")
+                         # a live `producer run` enqueues its batches itself: nothing for the user to reconcile
+                         + ("" if restarting else f" (is anything queued? `python -m producer reconcile {self.run_store.url}`)"))
         if stopped:
             parts.append(f"{len(stopped)} worker{'s' if len(stopped) != 1 else ''} stopped (the process exited)")
         if not parts:
@@ -540,10 +542,10 @@ class RunWatch:
         if self.broker == "embedded" and self.embedded_live is False:  # its workers were that command's own
             why = ("the `python -m producer run` that ran it is not running on this machine (stopped by a Ctrl-C, or "
                    "it failed): its finished batches keep their markers; " + why)
-        elif self.broker == "embedded" and self.embedded_live and not planning:
+        elif restarting:
             # that command still runs: it restarts a worker that died (workers/launcher.py), or stops with the error
-            why += ("; the `python -m producer run` on this machine still runs and restarts its workers that died "
-                    "(up to its restart limit, then it stops and says why)")
+            why = ("restarting: the `python -m producer run` on this machine still runs and restarts its workers that "
+                   "died (up to its restart limit, then it stops and says why); meanwhile " + why)
             first = f"for the parked batches: {parked[0]['fix']}; then " if parked else ""
             restart = (f"{first}nothing while that command runs: it restarts its workers; why one died is in "
                        f"HSX_CACHE_DIR/logs/workers-{self.config.run_id}.log")

@@ -452,13 +452,16 @@ def test_a_producer_run_stopped_midway_says_so_in_its_stall(small_run, tmp_path)
 
 def test_a_producer_run_whose_worker_died_says_it_restarts_it_not_to_run_it_again(small_run, tmp_path):
     """A worker of a live ``producer run`` killed mid-run (SIGKILL): until its launcher has started
-    the new one, no worker works on the run, so ``status`` says ``stalled``; the reason says that the
-    command still runs and restarts its workers, and the advice is not to run the command again
+    the new one, no worker works on the run, so ``status`` says ``stalled``; the reason opens with
+    ``restarting``: the command still runs and restarts its workers (no ``reconcile`` advice: a new user
+    was told to reconcile a run whose worker was being restarted), and the advice is not to run the command again
     (which would be refused: the embedded broker is that command's)."""
     status = _embedded_watch(_run_left_with_its_workers_stopped(small_run, tmp_path, done=1), live=True).poll()
     assert status["state"] == "stalled", status
-    assert status["stalled_reason"].endswith("the `python -m producer run` on this machine still runs and restarts "
-                                             "its workers that died (up to its restart limit, then it stops and says why)"
-                                             ), status["stalled_reason"]
+    assert status["stalled_reason"].startswith("restarting: the `python -m producer run` on this machine still runs "
+                                               "and restarts its workers that died (up to its restart limit, then it "
+                                               "stops and says why); meanwhile no worker is working on the run"
+                                               ), status["stalled_reason"]
+    assert "reconcile" not in status["stalled_reason"]  # that command enqueues its batches itself
     assert status["restart"].startswith("nothing while that command runs: it restarts its workers"), status["restart"]
     assert "run the same" not in status["restart"]
