@@ -355,11 +355,17 @@ def check_against_files(model, path: Path, every: int = 8) -> dict:
     return {"checked": checked, "mismatched": bad}
 
 
+def child_command(checkpoint: Path, loader: str, *, cache_dir: Path, device: str | None, store: str | None = None,
+                  check_every: int = 8) -> list[str]:
+    """The command line of :func:`child` (``python bench/load.py child ...``), run from the repository root."""
+    return [sys.executable, str(Path(__file__).resolve()), "child", str(checkpoint), "--loader", loader,
+            "--cache-dir", str(cache_dir), "--check-every", str(check_every)] + (["--device", device] if device else []) + (["--store", store] if store else [])
+
+
 def run_child(checkpoint: Path, loader: str, *, cache_dir: Path, device: str | None, store: str | None = None,
               env: dict | None = None, timeout_s: float = 3600, check_every: int = 8) -> dict:
     """:func:`child` in a fresh process; returns its record. Raises RuntimeError with its stderr if it fails."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "child", str(checkpoint), "--loader", loader,
-           "--cache-dir", str(cache_dir), "--check-every", str(check_every)] + (["--device", device] if device else []) + (["--store", store] if store else [])
+    cmd = child_command(checkpoint, loader, cache_dir=cache_dir, device=device, store=store, check_every=check_every)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env or dict(os.environ), cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{loader} load of {checkpoint} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -1,7 +1,7 @@
 """How a worker loads its target (issue 20, item 2): straight from the safetensors files to its
 device, without a second copy of the weights in host memory.
 
-The memory figure is measured the way ``bench/load.py`` measures it on the GPU, in a fresh process
+The memory figure is measured the way ``bench/load.py`` measures it on the GPU, in a process of its own
 on a checkpoint of a few hundred MB (random weights from the real Qwen3-8B config, one layer):
 the peak of the process's private memory (``RssAnon``) above its level before the load. A loader
 that reads the files into host memory (transformers' own ``disable_mmap=True`` path) is measured
@@ -10,6 +10,7 @@ beside it, so the test shows that the figure sees a second copy when there is on
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -25,6 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import load as load_bench  # noqa: E402  (bench/load.py)
+
+
+def run_child(checkpoint: Path, loader: str, **kw) -> dict:
+    """``load_bench.run_child``: one load in a process of its own (``bench/load.py child``), forked from
+    the tests' fork server (``jobfixtures.run_python``: the same separate process, less the imports of
+    torch and transformers; what it measures is taken from its own start, after them)."""
+    from jobfixtures import clean_env, run_python
+
+    proc = run_python(load_bench.child_command(checkpoint, loader, **kw)[1:], clean_env(), timeout_s=900)
+    assert proc.returncode == 0, f"{loader} load of {checkpoint} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_the_loaded_parameters_are_on_the_workers_device_and_equal_the_files_tensors(tmp_path, tiny_cache):
@@ -60,8 +72,8 @@ def test_a_loading_worker_holds_no_second_copy_of_the_weights_in_host_memory(che
     size = load_bench.checkpoint_bytes(checkpoint_840mb)
     assert size > 800e6
     cache = tmp_path / "cache"
-    worker = load_bench.run_child(checkpoint_840mb, "worker", cache_dir=cache, device="cpu")
-    read = load_bench.run_child(checkpoint_840mb, "read", cache_dir=cache, device="cpu")
+    worker = run_child(checkpoint_840mb, "worker", cache_dir=cache, device="cpu")
+    read = run_child(checkpoint_840mb, "read", cache_dir=cache, device="cpu")
     assert worker["params_on_device"] and worker["param_bytes"] >= size - 1e6
     assert worker["anon_peak_bytes"] < 0.3 * size, worker
     assert read["anon_peak_bytes"] > 1.0 * size, read  # the figure does see a full second copy
@@ -73,7 +85,7 @@ def test_the_switch_bench_loads_a_second_target_after_the_first_with_the_files_v
     holds at the end is the second, with every checked parameter equal to the files' tensors."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(resolve_model_path("tiny-qwen3.5", tiny_cache), ckpt)
-    record = load_bench.run_child(ckpt, "switch", cache_dir=tmp_path / "cache", device="cpu", check_every=1)
+    record = run_child(ckpt, "switch", cache_dir=tmp_path / "cache", device="cpu", check_every=1)
     assert record["first_load_s"] > 0 and record["load_s"] > 0 and record["allocator_warm_up"] is False
     assert record["held"] == str(tmp_path / "ckpt.switch")
     assert (tmp_path / "ckpt.switch" / "model.safetensors").stat().st_ino == (ckpt / "model.safetensors").stat().st_ino
