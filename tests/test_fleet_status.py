@@ -19,13 +19,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from clusters import assert_complete, copy_plan, wait_done
-from jobfixtures import ROOT, clean_env, run_here, wait_until
+from jobfixtures import clean_env, python_popen, run_here, wait_until
 
 from hsx.broker import redis_client
 from hsx.fleet import HeldTask, Presence, read_parked, write_presence
@@ -138,9 +137,9 @@ def test_producer_run_says_a_full_store_pause_and_status_shows_it_from_the_broke
             f.write(b"\0" * max(0, shutil.disk_usage(root).free - 48 * 1024))
         env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool", heartbeat_s=1)
         err = tmp_path / "run.stderr"
-        proc = subprocess.Popen([sys.executable, "-m", "producer", "run", *JOB, "--output", str(root), "--json"],
-                                cwd=ROOT, env={**env, "COLUMNS": "400"}, stdout=subprocess.PIPE,
-                                stderr=open(err, "w"), text=True, start_new_session=True)
+        with open(err, "w") as stderr:  # forked from the fork server (its launcher and worker too)
+            proc = python_popen(["-m", "producer", "run", *JOB, "--output", str(root), "--json"],
+                                {**env, "COLUMNS": "400"}, stdout=subprocess.PIPE, stderr=stderr)
 
         def said() -> str:
             assert proc.poll() is None, err.read_text()[-3000:]
