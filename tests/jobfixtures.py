@@ -189,11 +189,12 @@ class ForkServer:
 
 
 #: Variables that differ between the tests' environments and are read by no library at import: the
-#: running test's name (pytest), the cache directory torch's inductor puts into os.environ when
-#: a test first compiles (its default, read when it compiles), and the terminal's size (``COLUMNS``,
-#: ``LINES``: rich reads them when a console is made, and the server imports no rich; the CLI's
-#: consoles are made by the child's own import of ``producer``).
-NOT_READ_AT_IMPORT = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "COLUMNS", "LINES"})
+#: running test's name (pytest), the cache directories torch's inductor and Triton compile into
+#: (``TORCHINDUCTOR_CACHE_DIR``, which inductor puts into os.environ when a test first compiles, and
+#: ``TRITON_CACHE_DIR``, which the benches set for their workers: read when a kernel compiles), and the
+#: terminal's size (``COLUMNS``, ``LINES``: rich reads them when a console is made, and the server
+#: imports no rich; the CLI's consoles are made by the child's own import of ``producer``).
+NOT_READ_AT_IMPORT = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "COLUMNS", "LINES"})
 
 
 def same_libraries_env(env: dict[str, str], server_env: dict[str, str]) -> bool:
