@@ -992,15 +992,19 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, PlanningInterrupted):
             console.print(str(exc), highlight=False)
         else:
-            counted = ""
+            counted, done, total = "", None, None
             try:  # `run` stopped during extraction: how many batches have their marker now
                 done, total = exc.batches_done() if hasattr(exc, "batches_done") else (None, None)
                 if total is not None:
                     counted = f"{done:,}/{total:,} {noun(total, 'batch')} done; "
             except Exception:  # a store that cannot be read now: the line without the count
                 pass
-            console.print(f"interrupted: {counted}finished batches keep their markers; run the same command again to "
-                          "resume", highlight=False)
+            if total is not None and done == total:  # the workers finished the last ones while stopping
+                console.print(f"interrupted, but the run is complete: {counted}every batch has its marker (running "
+                              "the same command again finds nothing to do)", highlight=False)
+            else:
+                console.print(f"interrupted: {counted}finished batches keep their markers; run the same command again "
+                              "to resume", highlight=False)
         return interrupts.exit_code()
     finally:
         interrupts.uninstall()

@@ -30,7 +30,7 @@ from producer.enqueue import WindowSender
 from producer.reconcile import RunReconciler
 from producer.planner import PlanJob, PlanOptions, PlannedRun, check_extraction_layers, prepare_plan
 from producer.status import recent_rate, workers_log_path
-from producer.words import plural
+from producer.words import noun, plural
 from settings import Settings
 
 log = logging.getLogger(__name__)
@@ -81,14 +81,24 @@ class LocalWorkers:
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 60.0) -> None:
+    def stop(self, timeout_s: float = 60.0, say=None, every_s: float = 10.0) -> None:
+        """Warm shutdown: SIGTERM, wait up to ``timeout_s`` for the workers to finish the batches they
+        hold, then SIGKILL. ``say(waited_s)`` is called every ``every_s`` seconds of the wait (the
+        user sees the stop drain, not a frozen bar)."""
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                return
+            start = time.monotonic()
+            while True:
+                left = timeout_s - (time.monotonic() - start)
+                try:
+                    self.proc.wait(max(0.0, min(every_s, left)))
+                    break
+                except subprocess.TimeoutExpired:
+                    if left <= every_s:
+                        self.kill()
+                        return
+                    if say is not None:
+                        say(time.monotonic() - start)
         self._log.close()
 
     def kill(self) -> None:
@@ -305,22 +315,34 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
     return {"done": len(seen), "failed": _failed(run_store, seen), "workers_died": False, "cancelled": None}
 
 
-def stopping_line(workers: bool, embedded_broker: bool) -> str:
-    """What ``run`` prints at once on Ctrl-C / SIGTERM, before it stops what it started."""
+def stopping_line(workers: bool, embedded_broker: bool, signum: int | None = None) -> str:
+    """What ``run`` prints at once on Ctrl-C / SIGTERM / SIGHUP (``signum``; None: Ctrl-C), before it
+    stops what it started; a second signal of any of them kills the workers."""
+    again = {signal.SIGTERM: "a second SIGTERM (or Ctrl-C)", signal.SIGHUP: "a SIGTERM"}.get(signum, "Ctrl-C again")
     steps = []
     if workers:
-        steps.append("the workers finish the batches they have taken, up to one per task thread (Ctrl-C again to kill "
+        steps.append(f"the workers finish the batches they have taken, up to one per task thread ({again} to kill "
                      "them now)")
     if embedded_broker:
         steps.append("the embedded broker stops (the same command again enqueues every batch without a marker)")
     return "stopping: " + ("; then ".join(steps) if steps else "nothing was started yet")
 
 
-def _stop_started(local: LocalWorkers | None, broker, console) -> None:
-    """Stop the workers (warm shutdown) and the broker that ``run`` started; a second Ctrl-C kills the workers."""
+def _stop_started(local: LocalWorkers | None, broker, console, counted=None) -> None:
+    """Stop the workers (warm shutdown) and the broker that ``run`` started; a second Ctrl-C kills the workers.
+    ``counted()``: ``(done, total)`` batches of the run, said every 10 s while the workers finish theirs."""
+    def say(waited_s: float) -> None:
+        try:
+            done, total = counted() if counted is not None else (None, None)
+        except Exception:  # a store that does not answer now: the line without the count
+            done = total = None
+        count = f"{done:,}/{total:,} {noun(total, 'batch')} done; " if total is not None else ""
+        console.print(f"stopping: {count}the workers are finishing the batches they hold ({waited_s:.0f} s)",
+                      highlight=False)
+
     try:
         if local is not None:
-            local.stop()
+            local.stop(say=say) if counted is not None else local.stop()
     except KeyboardInterrupt:
         console.print("killing the workers: the batches they were running get no marker and are redone by the next run")
         local.kill()
@@ -521,6 +543,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
     launch = None
     planned = None
     interrupted: KeyboardInterrupt | None = None
+    draining = False  # cancelled: the workers finish what they hold, the user told so
     code = 0
     try:
         with progress_factory() as progress:
@@ -551,9 +574,16 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
                 code = 1
             elif waited["failed"] or waited["cancelled"]:
                 code = 1
+            if waited["cancelled"] and launch.local is not None:  # said now: the workers may take a while
+                draining = True
+                by = waited["cancelled"]
+                console.print(f"cancelled ({by.get('by')}, {by.get('at')}): no batch of the run starts; the workers "
+                              "finish the batches they hold" + (" (--now: stopped before their marker)" if by.get("now")
+                                                               else "") + ", then stop", highlight=False)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (the CLI turns it into KeyboardInterrupt)
         local = launch.local if launch is not None else None
-        console.print(stopping_line(local is not None, broker is not None and broker.proc is not None))
+        console.print(stopping_line(local is not None, broker is not None and broker.proc is not None,
+                                    interrupts.received()))
         if planned is not None and not isinstance(exc, PlanningInterrupted):
             # counted by the CLI once the workers have stopped (the finally below): their last batches count
             run_store, names = planned.run_store, {b.batch for b in planned.batches}
@@ -561,8 +591,12 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         interrupted = exc
         raise
     finally:
+        counted = None
+        if planned is not None and (interrupted is not None or draining):  # a stop the user waits on: said
+            names_all = {b.batch for b in planned.batches}
+            counted = lambda: (len(done_batches(planned.run_store) & names_all), len(names_all))  # noqa: E731
         try:
-            _stop_started(launch.local if launch is not None else None, broker, console)
+            _stop_started(launch.local if launch is not None else None, broker, console, counted)
         except KeyboardInterrupt as again:  # a second Ctrl-C killed the workers: the first one's account stands
             if isinstance(interrupted, PlanningInterrupted):
                 raise PlanningInterrupted(str(interrupted)) from None

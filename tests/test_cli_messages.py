@@ -130,6 +130,48 @@ def test_hub_ids_and_builtin_names_are_not_taken_for_paths(tiny_cache):
 def test_stopping_line_names_what_is_stopped():
     assert stopping_line(True, True).startswith("stopping: the workers finish the batches they have taken")
     assert "embedded broker" in stopping_line(True, True) and "embedded broker" not in stopping_line(True, False)
+    # the way to kill them now is the signal the user has: a supervisor's SIGTERM has no Ctrl-C
+    assert "(Ctrl-C again to kill them now)" in stopping_line(True, True, signal.SIGINT)
+    assert "(a second SIGTERM (or Ctrl-C) to kill them now)" in stopping_line(True, True, signal.SIGTERM)
+    assert "Ctrl-C" not in stopping_line(True, True, signal.SIGHUP)
+
+
+def test_the_stop_says_how_it_drains_while_the_workers_finish_their_batches(tmp_path):
+    """While the workers finish the batches they hold (up to a minute), ``run`` says so every few
+    seconds with the count, instead of a frozen bar (a new user saw nothing for 40-60 s)."""
+    import subprocess
+    import sys
+
+    from producer.run import LocalWorkers
+
+    workers = LocalWorkers.__new__(LocalWorkers)  # a stand-in process that takes 1.5 s to finish after SIGTERM
+    workers.log_path = tmp_path / "w.log"
+    workers._log = open(workers.log_path, "ab")
+    workers.proc = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
+                                     "signal.signal(signal.SIGTERM, lambda *a: None)\nprint('up', flush=True)\ntime.sleep(1.5)"],
+                                    stdout=subprocess.PIPE)
+    workers.proc.stdout.readline()  # its handler is set
+    said = []
+    workers.stop(timeout_s=30, say=said.append, every_s=0.3)
+    assert workers.proc.returncode == 0 and 2 <= len(said) <= 6 and said == sorted(said), said
+
+
+def test_a_stop_that_ends_with_every_batch_done_says_the_run_is_complete(tmp_path, tiny_cache, monkeypatch):
+    """Ctrl-C, and the workers finish the last batches while stopping: not "run the same command
+    again to resume" (a new user was told to resume a complete run), but that it is complete."""
+    from jobfixtures import run_here
+
+    def stopped_with_all_done(*args, **kwargs):
+        exc = KeyboardInterrupt()
+        exc.batches_done = lambda: (14, 14)
+        raise exc
+
+    monkeypatch.setattr("producer.run.run_job", stopped_with_all_done)
+    env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state")
+    proc = run_here(["run", "sharegpt", "--limit", "3", "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out")], env)
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted, but the run is complete: 14/14 batches done; every batch has its marker" in proc.stderr, proc.stderr
+    assert "to resume" not in proc.stderr
 
 
 def test_run_says_stopping_at_once_when_interrupted(tmp_path, tiny_cache):
@@ -154,16 +196,18 @@ def test_run_says_stopping_at_once_when_interrupted(tmp_path, tiny_cache):
         assert proc.poll() is None, "the stopping line comes before the workers have stopped"
         assert proc.wait(120) == 143  # 128 + SIGTERM
         stderr = (tmp_path / "stderr").read_text()
-        assert stderr.index("stopping:") < stderr.index("interrupted:")
+        assert stderr.index("stopping:") < stderr.index("interrupted")
         # and how far it got, counted once the workers had finished what they held (a helper found the bar's
         # last 22/36 under a stop line that said nothing, with 28 markers in the store)
         from hsx.store import open_store
         from producer.run import done_batches
 
-        said = re.search(r"interrupted: (\d+)/(\d+) batch(?:es)? done; finished batches keep their markers", stderr)
+        said = re.search(r"interrupted(?:: |, but the run is complete: )(\d+)/(\d+) batch(?:es)? done; "
+                         r"(finished batches keep their markers|every batch has its marker)", stderr)
         assert said, stderr[-2000:]
         (run_dir,) = [p.parent for p in (tmp_path / "store").glob("*/run.json")]
         assert int(said.group(1)) == len(done_batches(open_store(str(run_dir), create=False))) >= 1
+        assert (said.group(3) == "every batch has its marker") == (said.group(1) == said.group(2))  # complete: said so
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -249,7 +293,7 @@ def test_a_second_ctrl_c_while_planning_keeps_the_first_ones_account(tmp_path, t
     def planning(*args, **kwargs):
         raise run_module.PlanningInterrupted(said)
 
-    def second_ctrl_c(local, broker, console):
+    def second_ctrl_c(local, broker, console, counted=None):
         raise KeyboardInterrupt  # what _stop_started raises when a Ctrl-C comes while the workers stop
 
     monkeypatch.setattr(run_module, "plan_or_interrupted", planning)
