@@ -258,7 +258,7 @@ def _plan_table(title: str | None, report: dict) -> Table:
             t.add_row("tokens", f"{stats.get('tokens', 0):,} in the conversations as given (the prompts and original answers)")
         else:
             t.add_row("tokens", f"{stats.get('tokens', 0):,} ({stats.get('supervised_tokens', 0):,} supervised)")
-        t.add_row("truncated", f"{stats.get('truncated_samples', 0):,}")
+        t.add_row("truncated", f"{stats.get('truncated_samples', 0):,} of the samples, cut at --max-length")
         t.add_row("batches", f"{stats.get('batches', 0):,} (padding waste {100 * stats.get('padding_waste', 0):.1f}%)")
         skipped = stats.get("skipped", {})
         counts = skipped.get("counts", {})
