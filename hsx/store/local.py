@@ -80,8 +80,9 @@ class LocalStore:
         except OSError as e:
             blocker = next((p for p in (self.root, *self.root.parents) if p.exists() and not p.is_dir()), None)
             if blocker is not None:
-                raise StoreError(f"store {self.url}: {blocker} is a file, not a directory, so {self.root} cannot be "
-                                 "made there; fix: give a directory (or a path that does not exist yet)") from e
+                made = "it cannot be a store's directory" if blocker == self.root else f"{self.root} cannot be made in it"
+                raise StoreError(f"store {self.url}: {blocker} is a file, not a directory, so {made}; fix: give a "
+                                 "directory (or a path that does not exist yet)") from e
             raise StoreError(f"store {self.url}: cannot create directory {self.root}: {e}") from e
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise StoreError(f"store {self.url}: directory {self.root} is not writable; fix its permissions")
