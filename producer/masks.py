@@ -156,6 +156,11 @@ SPECIAL_TOKENS_IN_CONTENT = ("text", "special")
 #: (plain text, like special-token strings in ``text`` mode). Recorded in run.json.
 ADDED_TOKENS_IN_CONTENT = ("token", "text")
 
+#: The text-mode copies of Rust tokenizers (``ChatTokeniser._text_backend``), by the tokenizer's
+#: ``id`` (the tokenizer is held beside its copy, so the id is not reused) and the content modes.
+_TEXT_BACKENDS: dict[tuple, tuple] = {}
+_TEXT_BACKENDS_LOCK = threading.Lock()
+
 _PROBE = [{"role": "user", "content": "PING"}, {"role": "assistant", "content": "PONG"}]
 #: First part of the placeholders that stand for special-token strings of content while the template
 #: renders it (see the module docstring): ``hsxesc<n>q<k>q``.
@@ -762,23 +767,35 @@ class ChatTokeniser:
         return [(e.ids, _end_offsets(e) if with_offsets else None) for e in encs]
 
     def _text_backend(self):
-        """The copy of the Rust tokenizer that tokenises special-token strings as text (:meth:`_encode_as_text`)."""
+        """The copy of the Rust tokenizer that tokenises special-token strings as text (:meth:`_encode_as_text`);
+        one per tokenizer and mode in a process (:data:`_TEXT_BACKENDS`: building it takes 1-2 s)."""
         backend = self.tokenizer.backend_tokenizer
         with self._text_lock:
             if self._text_tokenizer is None:
-                from tokenizers import Tokenizer
-
-                spec = backend.to_str()
-                if self.added_tokens_in_content == "text":
-                    raw = json.loads(spec)
-                    for token in raw.get("added_tokens", []):
-                        if token.get("content") in self.added_tokens:
-                            token["special"] = True
-                    spec = json.dumps(raw)
-                text_tokenizer = Tokenizer.from_str(spec)
-                text_tokenizer.encode_special_tokens = True
-                self._text_tokenizer = text_tokenizer
+                key = (id(backend), self.added_tokens_in_content, tuple(sorted(self.added_tokens)))
+                with _TEXT_BACKENDS_LOCK:
+                    held = _TEXT_BACKENDS.get(key)
+                    if held is None or held[0] is not backend:
+                        held = (backend, self._build_text_backend(backend))
+                        if len(_TEXT_BACKENDS) >= 8:
+                            _TEXT_BACKENDS.clear()
+                        _TEXT_BACKENDS[key] = held
+                self._text_tokenizer = held[1]
         return self._text_tokenizer
+
+    def _build_text_backend(self, backend):
+        from tokenizers import Tokenizer
+
+        spec = backend.to_str()
+        if self.added_tokens_in_content == "text":
+            raw = json.loads(spec)
+            for token in raw.get("added_tokens", []):
+                if token.get("content") in self.added_tokens:
+                    token["special"] = True
+            spec = json.dumps(raw)
+        text_tokenizer = Tokenizer.from_str(spec)
+        text_tokenizer.encode_special_tokens = True
+        return text_tokenizer
 
     def _start_by_token_ids(self, rid: str, i: int, prompt: str, ids_S: np.ndarray, eot_pos: np.ndarray,
                             esc: "_ContentEscape | None" = None, full: str | None = None) -> int | None:
