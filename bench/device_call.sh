@@ -1,0 +1,26 @@
+#!/bin/bash
+# One lent-device call for what issue 20 still needs measured (see BENCHMARKS.md, "Sixth session"):
+# on an H200 (over 100 GB of GPU memory, or `next48`) the 48-layer FP8 Qwen3-Next row; otherwise the
+# 27B load, target switch and read-ahead measurements. Run as: bash bench/device_call.sh [auto|next48|load],
+# carrying .whl (../shared/gpu/fetch-wheels.sh .whl) and .benchdata (python bench/e2e_throughput.py --make-dataset
+# .benchdata/e2e-sharegpt.parquet); results under $OUT.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/hsx-triton
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee $OUT/gpu.txt; free -g | head -2 | tee -a $OUT/gpu.txt; df -h /dev/shm /root /tmp | tee -a $OUT/gpu.txt
+MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+MODE=${1:-auto}
+if [ "$MODE" = next48 ] || { [ "$MODE" = auto ] && [ "$MEM" -gt 100000 ]; }; then
+  rm -rf /dev/shm/ck* /root/hsx-store
+  timeout 560 python bench/e2e_throughput.py --shape qwen3-next-80b-a3b --weights fp8 --dataset .benchdata/e2e-sharegpt.parquet --limit 1500 --stores disk:/root/hsx-store --store-dtype fp8 --checkpoint-dir /dev/shm/ck48fp8 --workdir /tmp/e2e48 --shared-triton-cache --timeout-s 400 --deadline-s 545 --min-window-s 10 --ceiling-s 3 --json $OUT/next48fp8.json > $OUT/next48fp8.out 2>&1
+  echo "rc=$?" >> $OUT/next48fp8.out
+  mkdir -p $OUT/logs; cp /tmp/e2e48/cache-disk/logs/*.log $OUT/logs/ 2>/dev/null
+  tail -30 $OUT/next48fp8.out
+else
+  rm -rf /dev/shm/ck*
+  timeout 180 python bench/load.py --build tests/data/configs/qwen3.5-27b.json --dest /dev/shm/ckpt-27b > $OUT/build27.out 2>&1; echo "build rc=$?" >> $OUT/build27.out
+  tail -3 $OUT/build27.out
+  timeout 150 python bench/load.py /dev/shm/ckpt-27b --loader worker,switch,switch_warm_up --cache-dir /tmp/hc --json $OUT/load27.json > $OUT/load27.out 2>&1; echo "rc=$?" >> $OUT/load27.out
+  tail -25 $OUT/load27.out
+  HSX_LOAD_PREFETCH_THREADS=0 timeout 90 python bench/load.py /dev/shm/ckpt-27b --loader worker --cache-dir /tmp/hc --json $OUT/load27-noprefetch.json > $OUT/load27-noprefetch.out 2>&1; echo "rc=$?" >> $OUT/load27-noprefetch.out
+  tail -12 $OUT/load27-noprefetch.out
+fi
