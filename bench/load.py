@@ -366,7 +366,11 @@ def run_child(checkpoint: Path, loader: str, *, cache_dir: Path, device: str | N
               env: dict | None = None, timeout_s: float = 3600, check_every: int = 8) -> dict:
     """:func:`child` in a fresh process; returns its record. Raises RuntimeError with its stderr if it fails."""
     cmd = child_command(checkpoint, loader, cache_dir=cache_dir, device=device, store=store, check_every=check_every)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env or dict(os.environ), cwd=ROOT)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env or dict(os.environ), cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:  # where it was: the child's log so far
+        tail = (exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or "")[-4000:]
+        raise RuntimeError(f"{loader} load of {checkpoint} did not finish in {timeout_s:.0f} s:\n{tail}") from None
     if proc.returncode != 0:
         raise RuntimeError(f"{loader} load of {checkpoint} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -478,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
                         "safetensors' own read of the file (worker loaders)")
     parser.add_argument("--cases", default="first,from_store,no_store", help="--cold-start: which of its children")
     parser.add_argument("--cold", action="store_true", help="do not read the files into the page cache first")
+    parser.add_argument("--child-timeout-s", type=float, default=3600.0,
+                        help="seconds one child load may take; a slower one is recorded as failed with its log")
     parser.add_argument("--json", default=None, help="write the result here (default: stdout only)")
     parser.add_argument("--build", default=None, metavar="CONFIG", help="build a random checkpoint from this config.json")
     parser.add_argument("--dest", default=None, help="with --build: the checkpoint directory to write")
@@ -489,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.checkpoint == "child":
+        import logging
+
+        # the worker's own lines (load, warm-up, memory probe) on stderr: a child that times out shows where it was
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
         args.checkpoint = args.rest
         print(json.dumps(child(args)))
         return 0
@@ -512,8 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"bench": "load", "environment": environment(), "checkpoint": str(checkpoint),
                     "checkpoint_bytes": checkpoint_bytes(checkpoint), "first_identity_s": round(time.perf_counter() - t0, 2),
                     "page_cache_warm": not args.cold}
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 (a call that times out shows where)
+    say(f"identity: {result['first_identity_s']} s for {result['checkpoint_bytes'] / 1e9:.1f} GB")
     if not args.cold:
         result["read_files_s"] = round(read_files(checkpoint), 2)
+        say(f"page cache warm: {result['read_files_s']} s")
     if args.cold_start:
         store = args.store or str(work / "store")
         result["cold_start"] = cold_start(checkpoint, cache_dir=cache_dir, device=args.device, store=store, work=work,
@@ -523,10 +536,11 @@ def main(argv: list[str] | None = None) -> int:
             model_info(str(switch_twin(checkpoint)), cache_dir)  # its identity in the hash cache too
         result["loads"] = {}
         for loader in args.loader.split(","):
+            say(f"{loader}: a child process loads (a worker's load includes its warm-up: minutes on an empty Triton cache)")
             try:
                 result["loads"][loader] = run_child(checkpoint, loader, cache_dir=cache_dir, device=args.device,
-                                                    check_every=args.check_every)
-            except RuntimeError as exc:  # kept, with the rest measured (a switch that runs out of GPU memory)
+                                                    check_every=args.check_every, timeout_s=args.child_timeout_s)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # kept, with the rest measured
                 result["loads"][loader] = {"loader": loader, "failed": str(exc)[-3000:]}
             print(f"{loader}: {json.dumps(result['loads'][loader])[:600]}", file=sys.stderr, flush=True)
     text = json.dumps(result, indent=2)
