@@ -592,9 +592,11 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
         raise
     finally:
         counted = None
-        if planned is not None and (interrupted is not None or draining):  # a stop the user waits on: said
-            names_all = {b.batch for b in planned.batches}
-            counted = lambda: (len(done_batches(planned.run_store) & names_all), len(names_all))  # noqa: E731
+        if interrupted is not None or draining:  # a stop the user waits on: said as it drains
+            counted = lambda: (None, None)  # noqa: E731 (stopped while planning: no batch list to count yet)
+            if planned is not None:
+                names_all = {b.batch for b in planned.batches}
+                counted = lambda: (len(done_batches(planned.run_store) & names_all), len(names_all))  # noqa: E731
         try:
             _stop_started(launch.local if launch is not None else None, broker, console, counted)
         except KeyboardInterrupt as again:  # a second Ctrl-C killed the workers: the first one's account stands
