@@ -56,6 +56,10 @@ def worker_env(settings: Settings, broker_url: str, model: str, batch_tokens: in
     return settings_env(settings, broker_url=broker_url, model=model, batch_tokens=batch_tokens)
 
 
+#: Seconds ``run`` waits for its workers to finish the batches they hold when it stops; then it kills them.
+WORKERS_STOP_TIMEOUT_S = 60.0
+
+
 class LocalWorkers:
     """``python -m workers`` as a child process, logging to a file; stopped with SIGTERM (warm shutdown)."""
 
@@ -81,10 +85,11 @@ class LocalWorkers:
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 60.0, say=None, every_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float | None = None, say=None, every_s: float = 10.0, on_kill=None) -> None:
         """Warm shutdown: SIGTERM, wait up to ``timeout_s`` for the workers to finish the batches they
-        hold, then SIGKILL. ``say(waited_s)`` is called every ``every_s`` seconds of the wait (the
-        user sees the stop drain, not a frozen bar)."""
+        hold, then SIGKILL (``on_kill()`` first, to say so). ``say(waited_s)`` is called every
+        ``every_s`` seconds of the wait (the user sees the stop drain, not a frozen bar)."""
+        timeout_s = WORKERS_STOP_TIMEOUT_S if timeout_s is None else timeout_s
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
             start = time.monotonic()
@@ -95,6 +100,8 @@ class LocalWorkers:
                     break
                 except subprocess.TimeoutExpired:
                     if left <= every_s:
+                        if on_kill is not None:
+                            on_kill()
                         self.kill()
                         return
                     if say is not None:
@@ -340,9 +347,13 @@ def _stop_started(local: LocalWorkers | None, broker, console, counted=None) -> 
         console.print(f"stopping: {count}the workers are finishing the batches they hold ({waited_s:.0f} s)",
                       highlight=False)
 
+    def killing() -> None:
+        console.print(f"stopping: the workers did not finish within {WORKERS_STOP_TIMEOUT_S:.0f} s: killing them; the "
+                      "batches they were running get no marker and are redone by the next run", highlight=False)
+
     try:
         if local is not None:
-            local.stop(say=say) if counted is not None else local.stop()
+            local.stop(say=say if counted is not None else None, on_kill=killing)
     except KeyboardInterrupt:
         console.print("killing the workers: the batches they were running get no marker and are redone by the next run")
         local.kill()

@@ -565,7 +565,7 @@ class _SharedWorkerHandle:
     def log_tail(self, n: int = 30) -> str:
         return "\n".join(self.shared.log().splitlines()[-n:])
 
-    def stop(self, timeout_s: float = 60.0) -> None:
+    def stop(self, timeout_s: float = 60.0, say=None, every_s: float = 10.0, on_kill=None) -> None:
         pass
 
     def kill(self) -> None:

@@ -154,6 +154,15 @@ def test_the_stop_says_how_it_drains_while_the_workers_finish_their_batches(tmp_
     said = []
     workers.stop(timeout_s=30, say=said.append, every_s=0.3)
     assert workers.proc.returncode == 0 and 2 <= len(said) <= 6 and said == sorted(said), said
+    # one that does not finish in time is killed, and that is said first
+    workers._log = open(workers.log_path, "ab")
+    workers.proc = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
+                                     "signal.signal(signal.SIGTERM, lambda *a: None)\nprint('up', flush=True)\ntime.sleep(60)"],
+                                    stdout=subprocess.PIPE, start_new_session=True)
+    workers.proc.stdout.readline()
+    killed = []
+    workers.stop(timeout_s=1.0, every_s=0.3, on_kill=lambda: killed.append(workers.proc.poll()))
+    assert killed == [None] and workers.proc.returncode == -9  # said while it still ran, then SIGKILLed
 
 
 def test_a_stop_that_ends_with_every_batch_done_says_the_run_is_complete(tmp_path, tiny_cache, monkeypatch):
