@@ -93,6 +93,36 @@ def test_the_switch_bench_loads_a_second_target_after_the_first_with_the_files_v
     assert record["params_on_device"]
 
 
+def test_a_worker_switching_targets_has_let_go_of_the_first_model_before_it_loads_the_second(tmp_path, tiny_cache, monkeypatch):
+    """One model per worker process: when a task asks for another target, nothing of the first is
+    still referenced while the second loads (on a GPU the two together need twice the memory; a
+    27B switch ran out of memory on an H100 while a list of the released targets was still held)."""
+    import gc
+    import weakref
+
+    from workers import target as worker_target
+
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    for d in (first_dir, second_dir):
+        shutil.copytree(resolve_model_path("tiny-qwen3.5", tiny_cache), d)
+    settings = Settings(_env_file=None, cache_dir=tmp_path / "cache", device="cpu")
+    first = worker_target.get_target(str(first_dir), settings)
+    first_model, first_param = weakref.ref(first.model), weakref.ref(next(first.model.parameters()))
+    del first
+    load = worker_target.load_target
+    alive_at_load: list[bool] = []
+
+    def observed_load(name, settings):
+        gc.collect()
+        alive_at_load.append(first_model() is not None or first_param() is not None)
+        return load(name, settings)
+
+    monkeypatch.setattr(worker_target, "load_target", observed_load)
+    second = worker_target.get_target(str(second_dir), settings)
+    assert alive_at_load == [False]
+    assert [t.name for t in worker_target.loaded_targets()] == [str(second_dir)] and second.name == str(second_dir)
+
+
 # --- the streamed loader (workers/loading.py): what the GPU worker runs, checked here on the CPU ---
 
 sys.path.insert(0, str(ROOT / "tests"))

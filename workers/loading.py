@@ -523,6 +523,7 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        t_class = time.perf_counter()
         # the class and config AutoModelForCausalLM picks (the auto class itself needs a path): a multimodal
         # release's text model with its text config, the parent's quantization_config copied onto it
         # (transformers 5.24, models/auto/auto_factory.py, _BaseAutoModelClass.from_pretrained l. 456-468)
@@ -543,6 +544,7 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
     read_s = (ckpt.last_read - ckpt.first_read) if ckpt.first_read is not None else 0.0
     last_load.clear()
     last_load.update(bytes=ckpt.bytes_read, config_and_import_s=round(t0 - t_config, 3),
+                     config_s=round(t_class - t_config, 3), import_s=round(t0 - t_class, 3),
                      from_pretrained_s=round(t1 - t0, 3), read_s=round(read_s, 3),
                      before_first_read_s=round((ckpt.first_read or t1) - t0, 3),
                      after_last_read_s=round(t1 - (ckpt.last_read or t1), 3),

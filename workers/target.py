@@ -591,19 +591,21 @@ def loaded_targets() -> list[Target]:
     return list(_loaded.values())
 
 
-def _say_memory_kept(previous: dict[str, Target], name: str) -> None:
-    """Warn when the GPU memory of the target(s) ``previous`` is not given back before ``name`` loads
-    (live tensors: something still holds the model; reserved only: a segment kept by a small live
-    tensor, as transformers' one-allocation warm-up can leave one; BENCHMARKS.md, the FP8 row): the
-    load that follows may then run out of GPU memory, and this says why."""
-    for target in previous.values():
-        if target.device.type != "cuda":
+def _say_memory_kept(previous: list[tuple[str, torch.device]], name: str) -> None:
+    """Warn when the GPU memory of the released target(s) ``previous`` (name, device) is not given
+    back before ``name`` loads (live tensors: something still holds the model; reserved only: a
+    segment kept by a small live tensor, as transformers' one-allocation warm-up can leave one;
+    BENCHMARKS.md, the FP8 row): the load that follows may then run out of GPU memory, and this
+    says why. Takes names, not the targets: a reference held here kept the whole previous model
+    alive through the next load (an H100 ran out of memory switching 27B targets, 2026-12-06)."""
+    for previous_name, device in previous:
+        if device.type != "cuda":
             continue
-        reserved, allocated = torch.cuda.memory_reserved(target.device), torch.cuda.memory_allocated(target.device)
+        reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
         if reserved > (1 << 30):
             log.warning("switching from target %s to %s: %.1f GB of GPU memory is still reserved after the previous "
                         "model was released (%.1f GB of it in live tensors); if the next load runs out of GPU memory, "
-                        "restart the worker (or pin it to one model with HSX_MODEL)", target.name, name,
+                        "restart the worker (or pin it to one model with HSX_MODEL)", previous_name, name,
                         reserved / 1e9, allocated / 1e9)
 
 
@@ -618,7 +620,7 @@ def get_target(name: str, settings: Settings) -> Target:
                                  f"loaded with {group.model!r}, and a group serves the one model it loaded; fix: "
                                  "send the run to workers of its model (HSX_MODEL), or restart this worker")
         if name not in _loaded:
-            previous = _loaded.copy()
+            previous = [(t.name, t.device) for t in _loaded.values()]  # names only: no reference to the models
             _loaded.clear()  # free the previous model before loading another
             gc.collect()  # a model in a reference cycle is freed only by the collector
             if torch.cuda.is_available():
