@@ -17,7 +17,11 @@ import cProfile
 import io
 import json
 import pstats
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's packages (workers, hsx)
 
 
 def main() -> int:
