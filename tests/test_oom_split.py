@@ -5,6 +5,7 @@ is a stand-in that runs out of memory above a number of padded tokens (no GPU on
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,6 +15,10 @@ import torch
 from workers import extract
 
 
+class _Activation:
+    """Stands for the failed forward's activations (a weak reference tells when they are freed)."""
+
+
 class _Gpu:
     """A target whose forwards run out of memory above ``fits`` padded tokens (rows x longest row)."""
 
@@ -21,10 +26,13 @@ class _Gpu:
         self.device = torch.device(device) if device == "cpu" else SimpleNamespace(type=device)
         self.fits, self.pad_token_id, self.max_forward_tokens = fits, 0, None
         self.launched: list[int] = []
+        self.activations: list = []  # weak references to each failed forward's activations
 
     def launch(self, rows, selection, store_dtype=None, host_buffer=None):
         B, S, _ = rows.shape
         if B * S > self.fits:
+            activations = _Activation()  # a local of this frame: alive as long as the exception's traceback
+            self.activations.append(weakref.ref(activations))
             raise torch.OutOfMemoryError(f"CUDA out of memory at {B * S} padded tokens (stand-in)")
         self.launched.append(B * S)
         return SimpleNamespace(rows=B, wait=lambda: None)
@@ -52,6 +60,16 @@ def test_a_forward_out_of_gpu_memory_halves_the_limit_and_runs_the_batch_in_smal
     pending = extract._launch(work, SimpleNamespace(batch="b000001", buffer=None))
     assert gpu.max_forward_tokens == 20, "the process's limit, for its later batches too"
     assert work.ranges == [(0, 2), (2, 4)] and [p.rows for p in pending] == [2, 2] and gpu.launched == [20, 20]
+
+
+def test_the_gpu_cache_is_emptied_after_the_failed_forwards_tensors_are_freed(monkeypatch):
+    """``torch.cuda.empty_cache`` before the retry gives the failed forward's blocks back only once
+    nothing holds them: called inside the ``except``, the exception's frames still held them."""
+    gpu = _Gpu(fits=20)
+    alive_when_emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: alive_when_emptied.append(gpu.activations[-1]() is not None))
+    extract._launch(_work(gpu, [10, 10, 10, 10]), SimpleNamespace(batch="b000001", buffer=None))
+    assert alive_when_emptied == [False] and gpu.launched == [20, 20]
 
 
 def test_a_sample_alone_out_of_gpu_memory_fails_the_task_and_keeps_the_limit():

@@ -414,11 +414,13 @@ def _launch(work: Prepared, job: _Job) -> list:
             ranges, rows = _lay_out(work.claimed.plan, target, padded // 2)
             if not work.on_cuda or len(ranges) == len(work.ranges):
                 raise
-            torch.cuda.empty_cache()
-            target.max_forward_tokens = padded // 2
-            log.warning("batch %s: out of GPU memory at %s padded tokens per forward; retrying with at most %s",
-                        job.batch, f"{padded:,}", f"{target.max_forward_tokens:,}")
-            work.ranges, work.rows = ranges, rows
+        # outside the handler: the failed forward's tensors, held by the exception's frames until
+        # here, are freed, so their blocks go back to the GPU rather than staying cached
+        torch.cuda.empty_cache()
+        target.max_forward_tokens = padded // 2
+        log.warning("batch %s: out of GPU memory at %s padded tokens per forward; retrying with at most %s",
+                    job.batch, f"{padded:,}", f"{target.max_forward_tokens:,}")
+        work.ranges, work.rows = ranges, rows
 
 
 def write(work: Prepared, forwarded: Forwarded, job: _Job, write_spool) -> Written:
