@@ -40,13 +40,15 @@ def forward_tokens_that_fit(model: torch.nn.Module, *, headroom: float = 0.8, pr
             torch.cuda.synchronize(device)
             peaks.append(torch.cuda.max_memory_allocated(device) - base)
     except torch.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        fit = probe_len if peaks else probe_len // 2  # one probe row fitted, or not even that
-        log.warning("the GPU memory probe ran out of memory: at most %d padded tokens per forward", fit)
-        return fit
+        peaks.append(None)  # the probe's blocks are given back below, once the exception no longer holds them
     except Exception:  # the probe must not stop a worker: without it, batches run as planned
         log.warning("could not measure activation memory; batches run as planned, in one forward each", exc_info=True)
         return None
+    if peaks[-1] is None:
+        torch.cuda.empty_cache()
+        fit = probe_len if len(peaks) > 1 else probe_len // 2  # one probe row fitted, or not even that
+        log.warning("the GPU memory probe ran out of memory: at most %d padded tokens per forward", fit)
+        return fit
     per_token = max((peaks[1] - peaks[0]) / (3 * probe_len), 1.0)
     fixed = max(peaks[0] - per_token * probe_len, 0.0)
     free, _total = torch.cuda.mem_get_info(device)
