@@ -1,8 +1,10 @@
 #!/bin/bash
-# One lent-device call for what issue 20 still needs measured (see BENCHMARKS.md, "Sixth session"):
-# on an H200 (over 100 GB of GPU memory, or `next48`) the 48-layer FP8 Qwen3-Next row; otherwise the
-# 27B load, target switch and read-ahead measurements. Run as: bash bench/device_call.sh [auto|next48|load|switch],
-# carrying .whl (../shared/gpu/fetch-wheels.sh .whl) and .benchdata (python bench/e2e_throughput.py --make-dataset
+# One lent-device call for what issue 20 still needs measured (see BENCHMARKS.md, "Seventh session"):
+# on an H200 (over 100 GB of GPU memory, or `next48`) the 48-layer FP8 Qwen3-Next row; on an H100 (`auto`,
+# or `next16`) the 16-layer bf16 Qwen3-Next row (issue 20's 0.768 row, not run since the warm-up and fp8-step
+# changes); `load` and `switch`: the 27B's load, read-ahead, switch and cold start (measured 2026-12-06, seventh
+# session). Run as: bash bench/device_call.sh [auto|next48|next16|load|switch], carrying .whl
+# (../shared/gpu/fetch-wheels.sh .whl) and .benchdata (python bench/e2e_throughput.py --make-dataset
 # .benchdata/e2e-sharegpt.parquet); results under $OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/hsx-triton
@@ -15,6 +17,12 @@ if [ "$MODE" = next48 ] || { [ "$MODE" = auto ] && [ "$MEM" -gt 100000 ]; }; the
   echo "rc=$?" >> $OUT/next48fp8.out
   mkdir -p $OUT/logs; cp /tmp/e2e48/cache-disk/logs/*.log $OUT/logs/ 2>/dev/null
   tail -30 $OUT/next48fp8.out
+elif [ "$MODE" = next16 ] || [ "$MODE" = auto ]; then
+  rm -rf /dev/shm/ck* /dev/shm/hsx-store
+  timeout 560 python bench/e2e_throughput.py --shape qwen3-next-80b-a3b --num-layers 16 --dataset .benchdata/e2e-sharegpt.parquet --limit 2500 --stores disk:/dev/shm/hsx-store --store-dtype fp8 --checkpoint-dir /dev/shm/ck16 --workdir /tmp/e2e16 --plan-ceiling --shared-triton-cache --timeout-s 400 --deadline-s 540 --min-window-s 10 --ceiling-s 3 --bandwidth-gb 2 --json $OUT/next16bf16.json > $OUT/next16bf16.out 2>&1
+  echo "rc=$?" >> $OUT/next16bf16.out
+  mkdir -p $OUT/logs; cp /tmp/e2e16/cache-disk/logs/*.log $OUT/logs/ 2>/dev/null
+  tail -30 $OUT/next16bf16.out
 else
   # the 27B: built once per machine (114 s on an H100); a worker's load includes its warm-up (fla's JIT, ~50 s on
   # an empty Triton cache; TRITON_CACHE_DIR is shared, so the next child's is short), so `load` (read-ahead on,
