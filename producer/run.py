@@ -67,8 +67,8 @@ class LocalWorkers:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
-        # One JSON line per worker death, said as it happens (producer/deaths.py); a new file per start.
-        self.events_path = log_path.with_suffix(".deaths.jsonl")
+        # One JSON line per worker death or worker ready, said as it happens (producer/worker_events.py); a new file per start.
+        self.events_path = log_path.with_suffix(".events.jsonl")
         self.events_path.unlink(missing_ok=True)
         # --exit-with-parent: if this process dies without stopping them (SIGKILL, a crash), the
         # workers shut down instead of serving the next run's broker with this run's environment.
@@ -214,7 +214,7 @@ def wait_for_markers(planned: PlannedRun, workers: LocalWorkers | None, progress
     ``task``: the progress task to show the markers on (``run``'s, shown since the first window);
     None: a new ``extracting`` task (``regenerating`` for a regenerate run, whose bar counts the
     answered conversations and their rate, :func:`progress_label`). ``pauses``: a :class:`PauseWatch` checked as it waits;
-    ``deaths``: a :class:`producer.deaths.WorkerDeaths`, each worker death said as it is seen;
+    ``deaths``: a :class:`producer.worker_events.WorkerEvents`, each worker death (and ready) said as it is seen;
     ``clock``: seconds, monotonic (the recent rate's and the reconcile's times).
 
     ``reconcile`` (a :class:`producer.reconcile.RunReconciler`) is called when every unfinished
@@ -441,7 +441,7 @@ class _Launch:
         self.task = None  # "extracting" ("regenerating"): batches planned so far, and their markers
         self.planned = 0
         self.pauses: PauseWatch | None = None  # a full store, said while the plan is still written too
-        self.deaths = None  # producer.deaths.WorkerDeaths: each worker death, said as it happens
+        self.deaths = None  # producer.worker_events.WorkerEvents: each worker death (and ready), said as it happens
 
     def __call__(self, job: PlanJob, batches: list[BatchSummary]) -> None:
         interrupts.check()  # a Ctrl-C meanwhile starts nothing more, enqueues nothing more
@@ -496,11 +496,13 @@ class _Launch:
         self.sender = WindowSender(settings, self.broker_url, self.progress)
         self.pauses = PauseWatch(settings, self.broker_url, job.run_url,
                                  lambda line: console.print(line, highlight=False, soft_wrap=True))
-        from producer.deaths import WorkerDeaths
+        from producer.worker_events import WorkerEvents
 
         events = getattr(self.local, "events_path", None)  # a stand-in for LocalWorkers (tests) may have none
-        self.deaths = events and WorkerDeaths(events, job.run_store,
-                                              lambda line: console.print(line, style="red", highlight=False, soft_wrap=True))
+        self.deaths = events and WorkerEvents(
+            events, job.run_store, lambda line: console.print(line, style="red", highlight=False, soft_wrap=True),
+            say_info=lambda line: console.print(line, style="dim", highlight=False, soft_wrap=True),
+            log_path=log_path)
 
 
 def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | None = None, progress_factory=None) -> tuple[int, dict]:

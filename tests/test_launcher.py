@@ -119,13 +119,26 @@ def test_an_exit_is_described_by_its_signal_or_its_code():
     assert describe_exit(1) == "exited with code 1"
 
 
-def test_a_killed_worker_is_logged_with_its_signal_and_restarted(tmp_path, launcher_env, launchers):
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_killed_worker_is_logged_with_its_signal_and_restarted(tmp_path, launcher_env, launchers, tiny_cache):
     """SIGKILL of one of two workers: the launcher reaps it (no zombie), logs SIGKILL, starts a new one
     under the same node name that becomes ready, leaves the other alone; SIGTERM then stops both
-    and exits 0 without restarting anything."""
-    launcher = Launcher(tmp_path, launcher_env(), "--count", "2")
+    and exits 0 without restarting anything. With ``HSX_MODEL`` each worker loads its target as it
+    starts, and ``--events`` gets a ``ready`` line for each start (the restarted one's too) with what
+    its load and warm-up took, beside the death's line."""
+    events = tmp_path / "events.jsonl"
+    launcher = Launcher(tmp_path, launcher_env(model="tiny-qwen3.5", cache_dir=tiny_cache), "--count", "2",
+                        "--events", str(events))
     launchers.append(launcher)
     wait_until(lambda: launcher.ready_count("cpu0") and launcher.ready_count("cpu1"), START_S, "both workers ready")
+    wait_until(lambda: len(_events(events)) == 2, START_S, "both workers' ready lines")
+    first = {e["worker"]: e for e in _events(events)}
+    assert sorted(first) == ["cpu0", "cpu1"] and {e["action"] for e in first.values()} == {"ready"}, first
+    for e in first.values():
+        assert e["device"] == "cpu" and e["kernels"] is None and e["ran_s"] >= e["load_s"] + e["warmup_s"] > 0, e
     before = launcher.children()
     assert sorted(before) == ["cpu0", "cpu1"], before
     victim = before["cpu1"]  # the second: the old loop never looked past a live first child
@@ -137,6 +150,10 @@ def test_a_killed_worker_is_logged_with_its_signal_and_restarted(tmp_path, launc
                      r"\(restart 1 of at most 5 within 600 s\)", log), log[-3000:]
     assert launcher.children()["cpu0"].pid == before["cpu0"].pid
     wait_until(lambda: launcher.ready_count("cpu1") == 2, START_S, "the restarted cpu1 ready")
+    wait_until(lambda: len(_events(events)) == 4, START_S, "the death's line and the restarted worker's ready line")
+    death, again = _events(events)[2:]
+    assert (death["worker"], death["pid"], death["action"]) == ("cpu1", victim.pid, "restart"), death
+    assert (again["worker"], again["action"]) == ("cpu1", "ready") and again["pid"] == launcher.children()["cpu1"].pid
 
     survivors = list(launcher.children().values())
     logged = len(launcher.log())

@@ -67,3 +67,57 @@ def test_a_sigkill_while_loading_a_checkpoint_larger_than_the_available_memory_n
     assert describe_death(1, False, settings, short) == "exited with code 1 while loading the model"
     assert describe_death(-signal.SIGKILL, True, settings, short).startswith(
         "killed by SIGKILL while serving: sent by a person, a supervisor or the kernel's OOM killer")
+
+
+# --- ready workers and a long load, as `producer run` says them (producer/worker_events.py) ---
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _append(path: Path, *events: dict) -> None:
+    with open(path, "a") as f:
+        for e in events:
+            f.write(json.dumps(e) + "\n")
+
+
+def test_until_a_worker_is_ready_a_line_every_minute_says_they_are_still_loading_then_the_ready_line(tmp_path):
+    """A first GPU worker can compile kernels for minutes before its first batch: the user sees that it
+    is loading (with the log to read), not a bar at 0; the ready line says what the start took; a worker
+    that dies after it was ready and is restarted brings the waiting lines back."""
+    from producer.worker_events import WorkerEvents
+
+    clock, said = _Clock(), []
+    path = tmp_path / "events.jsonl"
+    events = WorkerEvents(path, None, lambda line: said.append(("death", line)), say_info=lambda line: said.append(("info", line)),
+                          log_path=tmp_path / "workers.log", wait_s=60.0, clock=clock)
+    clock.now += 59
+    assert events.check() == [] and said == []
+    clock.now += 2
+    events.check()
+    clock.now += 30
+    events.check()  # not again within the minute
+    assert said == [("info", "workers: still loading the target, 61 s since they started (a first worker on a GPU fleet "
+                             "compiles its kernels for minutes, once: later ones take them from the store; its log: "
+                             f"{tmp_path / 'workers.log'})")]
+    _append(path, {"worker": "gpu0", "pid": 7, "action": "ready", "ran_s": 95.2, "load_s": 16.0, "warmup_s": 3.2,
+                   "device": "cuda:0", "kernels": "from the store"})
+    clock.now += 60
+    events.check()
+    assert said[-1] == ("info", "worker gpu0 (pid 7) ready after 95.2 s: target loaded in 16 s, warm-up 3.2 s, kernels "
+                                "from the store's compile cache")
+    clock.now += 600
+    events.check()
+    assert len(said) == 2, "no waiting line once a worker is ready"
+
+    _append(path, {"worker": "gpu0", "pid": 7, "host": None, "exit": "killed by SIGKILL while serving", "ran_s": 800.0,
+                   "action": "restart", "restart_in_s": 1.0, "restarts": 1, "limit": 5, "window_s": 600.0})
+    assert [e["pid"] for e in events.check()] == [7] and said[-1][0] == "death"
+    clock.now += 61
+    events.check()
+    assert said[-1][1].startswith("workers: still loading the target, ") and len(events.ready) == 1

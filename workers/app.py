@@ -51,15 +51,15 @@ def _preload(**_kwargs) -> None:
     if _settings.model:
         from workers.target import get_target
 
-        get_target(_settings.model, _settings)
+        target = get_target(_settings.model, _settings)
         listed = runs_dir()
-        if listed:  # the launcher tells a death while loading from one after it (workers/launcher.py)
+        if listed:  # the launcher tells a death while loading from one after it, and says the worker is ready
             import os
 
-            from workers.launcher import READY_SUFFIX
+            from workers.launcher import write_ready
 
             try:
-                (listed / f"{os.getpid()}{READY_SUFFIX}").touch()
+                write_ready(listed / str(os.getpid()), target)
             except OSError as exc:
                 log.warning("ready file not written in %s: %s", listed, exc)
 

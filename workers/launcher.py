@@ -14,6 +14,9 @@ exits 1, so that whatever supervises it (docker's restart policy, systemd, ``pro
 the failure. A worker that exits 0 was asked to stop (a SIGTERM sent to it, ``celery control
 shutdown``): it is not restarted.
 
+A worker process with ``HSX_MODEL`` is said ready once its target is loaded and warmed up (logged,
+and a line of ``--events``, with what the load and the warm-up took: :func:`write_ready`).
+
 A worker process that dies is also marked on the broker: every claim its presence listed goes
 back to the head of the queue at once, then its presence says ``stopped`` (``workers/lease.py``,
 "A death the launcher saw"), so a crashed or OOM-killed GPU worker's batch runs again within seconds.
@@ -35,6 +38,7 @@ transient and exits with code 75, and is restarted here, group and all, like any
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -202,6 +206,42 @@ def checkpoint_bytes(settings: Settings) -> int | None:
 #: Name of the file a worker process writes in HSX_WORKER_RUNS_DIR once its model is loaded
 #: (``workers/app.py``): a death before it happened while loading.
 READY_SUFFIX = ".ready"
+
+
+def write_ready(stem: Path, target) -> None:
+    """Write ``<stem>.ready`` (``<runs dir>/<pid>``) once the worker's target is loaded and warmed up:
+    its existence tells a death while loading from one while serving (:func:`describe_death`), and
+    its JSON (:func:`ready_fields` of ``target``, a ``workers.target.Target``) is what the launcher
+    says of the start. Written whole, then renamed, so the launcher never reads half of it.
+
+    Raises:
+        OSError: the runs directory cannot be written.
+    """
+    tmp = stem.with_name(stem.name + READY_SUFFIX + ".tmp")
+    tmp.write_text(json.dumps(ready_fields(target)))
+    os.replace(tmp, stem.with_name(stem.name + READY_SUFFIX))
+
+
+def ready_fields(target) -> dict:
+    """What a worker's start took, for its ready event: ``load_s`` and ``warmup_s`` (seconds, one
+    decimal), ``device``, and ``kernels``: ``"from the store"`` when the warm-up unpacked the store's
+    compile cache (``workers/compile_cache.py``), ``"compiled, stored"`` when it compiled them and
+    stored the cache, ``"compiled"`` otherwise (no cache, the CPU), None when unknown."""
+    cache = getattr(target, "compile_cache", None) or {}
+    kernels = ("from the store" if cache.get("restored") else "compiled, stored" if cache.get("saved")
+               else "compiled" if getattr(target, "device", None) is not None and target.device.type == "cuda" else None)
+    return {"load_s": round(float(target.load_s), 1), "warmup_s": round(float(target.warmup_s), 1),
+            "device": str(target.device), "kernels": kernels}
+
+
+def read_ready(path: Path) -> dict:
+    """The fields a worker wrote in its ready file (:func:`write_ready`); {} for an empty or unreadable
+    one (a worker of an earlier version touched it empty)."""
+    try:
+        fields = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return fields if isinstance(fields, dict) else {}
 
 
 def describe_death(returncode: int, loaded: bool, settings: Settings, memory: dict[str, int] | None = None) -> str:
@@ -383,11 +423,14 @@ class WorkerSlot:
     restart_at: float | None = None
     terminated: bool = False
     """SIGTERM sent to the current process (sent once: Celery's warm shutdown needs it once)."""
+    ready_said: bool = False
+    """The current process's ready event was written (its ready file seen)."""
 
     def start(self) -> None:
         """Start the process. Raises OSError when it cannot be started (fork or exec failed)."""
         self.restart_at = None
         self.terminated = False
+        self.ready_said = False
         self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=die_with_parent())
         self.started_at = time.monotonic()
 
@@ -474,7 +517,10 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
     ``events``: a file that gets one JSON line per worker death, as it is seen (``producer run``
     prints them): ``worker``, ``pid``, ``host``, ``exit`` (:func:`describe_death`), ``ran_s``,
     ``action`` (``restart``, ``gave_up``, ``not_restarted`` or ``stopping``), ``restart_in_s``,
-    ``restarts``, ``limit``, ``window_s``, ``at`` (UTC ISO 8601).
+    ``restarts``, ``limit``, ``window_s``, ``at`` (UTC ISO 8601). With ``HSX_MODEL`` set, also one line
+    per worker process whose target is loaded and warmed up: ``action`` ``ready``, ``worker``, ``pid``,
+    ``host``, ``ran_s`` (since its start), ``load_s``, ``warmup_s``, ``device``, ``kernels``
+    (:func:`ready_fields`), ``at``.
     """
     policy = policy or RestartPolicy.from_settings(settings)
     env = dict(os.environ)
@@ -487,8 +533,6 @@ def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INF
 def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: int | None, loglevel: str, grace_s: float,
                exit_with_parent: int | None, policy: RestartPolicy, events: Path | None = None) -> int:
     """The body of :func:`launch`: start the children, then watch them until none is left."""
-    import json
-
     def event(slot: WorkerSlot, pid: int | None, how: str, ran_s: float, action: str, restart_in_s: float | None) -> None:
         if events is None:
             return
@@ -500,6 +544,25 @@ def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: i
                 f.write(json.dumps(line) + "\n")
         except OSError as exc:
             log.warning("death of worker %s not written to %s: %s", slot.name, events, exc)
+
+    def ready(slot: WorkerSlot, now: float) -> None:
+        """Say (log, and an event line with ``action: ready``) a worker whose target is loaded and warmed up."""
+        slot.ready_said = True
+        pid = slot.proc.pid
+        fields = read_ready(runs_dir / f"{pid}{READY_SUFFIX}")
+        ran_s = round(now - slot.started_at, 1)
+        log.info("worker %s (pid %d) ready after %.1f s%s", slot.name, pid, ran_s,
+                 f" (target loaded in {fields['load_s']} s, warm-up {fields['warmup_s']} s)" if "load_s" in fields else "")
+        if events is None:
+            return
+        line = {"worker": slot.name, "pid": pid, "host": socket.gethostname(), "action": "ready", "ran_s": ran_s,
+                **{k: fields.get(k) for k in ("load_s", "warmup_s", "device", "kernels")},
+                "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        try:
+            with open(events, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as exc:
+            log.warning("ready event of worker %s not written to %s: %s", slot.name, events, exc)
 
     marking: list[threading.Thread] = []
     slots, gpus = plan_slots(settings, env, count, loglevel)
@@ -586,6 +649,9 @@ def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: i
                 # Poll every child each time (reaping it), not only until the first live one.
                 if slot.proc is not None and slot.proc.poll() is not None:
                     exited(slot, now)
+                elif (slot.proc is not None and not slot.ready_said and settings.model
+                      and (runs_dir / f"{slot.proc.pid}{READY_SUFFIX}").exists()):
+                    ready(slot, now)
                 if slot.restart_at is not None and now >= slot.restart_at and state["stopping_at"] is None:
                     start(slot, now)
                     if slot.proc is not None:
@@ -665,7 +731,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                         help="stop the workers (warm shutdown) when process PID is gone (producer run passes its own)")
     parser.add_argument("--events", default=None, metavar="FILE",
-                        help="append one JSON line per worker death to FILE (producer run prints them as they happen)")
+                        help="append one JSON line per worker death, and one per worker ready (HSX_MODEL loaded and warmed "
+                             "up), to FILE (producer run prints them as they happen)")
     parser.add_argument("--allow-slow-kernels", action="store_true",
                         help="run a Gated DeltaNet model on CUDA without the fla kernels (slow; refused otherwise)")
     args = parser.parse_args(argv)
