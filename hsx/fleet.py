@@ -97,7 +97,10 @@ class Presence(BaseModel):
     """Its ``HSX_MODEL`` (None: it loads each run's own model)."""
     device: str | None = None
     state: str = "idle"
-    """``idle``, ``working``, ``paused`` (``paused_reason`` says why) or ``stopped`` (exited)."""
+    """``idle``, ``loading`` (its ``HSX_MODEL`` target is being loaded and warmed up, since
+    ``loading_since``), ``working``, ``paused`` (``paused_reason`` says why) or ``stopped`` (exited)."""
+    loading_since: float | None = None
+    """Unix time (the worker's clock) at which its load began, while ``state`` is ``loading``."""
     paused_reason: str | None = None
     paused_since: float | None = None
     """Broker time at which the pause began."""

@@ -115,11 +115,14 @@ def parked_line(group: dict) -> str:
 
 def presence_row(p: Presence, now: float, live: bool) -> dict:
     """One worker of the fleet view (``status`` without a run): the presence as JSON, plus
-    ``live``, ``age_s`` (seconds of broker time since it was written) and ``paused_s``."""
+    ``live``, ``age_s`` (seconds of broker time since it was written), ``paused_s`` and ``loading_s``
+    (seconds since its load began: its ``loading_since`` is the worker's clock, read against ours)."""
     row = p.model_dump()
     row["live"] = live
     row["age_s"] = round(max(now - p.stamp, 0.0), 1)
     row["paused_s"] = round(max(now - p.paused_since, 0.0), 1) if p.state == "paused" and p.paused_since else None
+    row["loading_s"] = (round(max(time.time() - p.loading_since, 0.0), 1)
+                        if p.state == "loading" and p.loading_since else None)
     if not live and p.state != "stopped":
         row["state"] = "lost"
     return row

@@ -13,7 +13,7 @@ Where a worker row's fields come from, in order of precedence:
 
 | source | what | when |
 |---|---|---|
-| presence (``hsx:<queue>:workers``) | online, state (working, paused with the reason: a full store, the spool; idle), the batches of this run it holds with their phase, Celery node name | a broker is known and the presence was written within :data:`HEARTBEAT_STALE_BEATS` heartbeats; the worker serves the run's root or holds a batch of it |
+| presence (``hsx:<queue>:workers``) | online, state (working, paused with the reason: a full store, the spool; loading its target at its start, since when; idle), the batches of this run it holds with their phase, Celery node name | a broker is known and the presence was written within :data:`HEARTBEAT_STALE_BEATS` heartbeats; the worker serves the run's root or holds a batch of it |
 | ``gpu_stats`` reply | GPU readings, recent tokens/s | a broker URL is known and the worker answers within ``HSX_INSPECT_TIMEOUT_S`` |
 | ``<run>/workers/<host>-<pid>.json`` (``workers/heartbeat.py``) | state (working, paused, idle, stopped), the batches in progress with their phase, why it is paused (spool backpressure, a full store), spool use, last heartbeat | the worker served a batch of this run |
 | markers | batches and tokens it certified for this run, its tokens/s over the last :data:`RATE_WINDOW_S` | always |
@@ -132,6 +132,11 @@ HEARTBEAT_DEFAULT_S = 5.0
 #: this long: the batches of a window just written are still being enqueued and picked up, and
 #: workers that finished every earlier batch wait, idle, for them.
 PLANNING_STALL_GRACE_S = HEARTBEAT_STALE_BEATS * HEARTBEAT_DEFAULT_S
+
+#: Seconds a worker may say ``loading`` (its target loaded and warmed up at its start) before the run
+#: is called stalled for it: a first GPU worker compiles its kernels for minutes (a 27B's first node
+#: took 134 s from start to ready on an H100, BENCHMARKS.md, "Seventh session"); half an hour is not that.
+LOADING_STALL_S = 1800.0
 #: threads that read window records.
 WINDOW_READ_THREADS = 8
 
@@ -505,9 +510,12 @@ class RunWatch:
     @staticmethod
     def _works_on_it(w: dict, now: float) -> bool:
         """A live worker row that runs a batch of the run, or certified one within three heartbeats
-        (the moment between two batches is not a stall)."""
+        (the moment between two batches is not a stall), or loads its target at its start (for at
+        most :data:`LOADING_STALL_S`)."""
         if not w["online"]:
             return False
+        if w.get("state") == "loading":
+            return w.get("loading_s") is None or w["loading_s"] <= LOADING_STALL_S
         last = _ts(w.get("last_batch_at"))
         return bool(w["running"]) or (last is not None and now - last <= HEARTBEAT_STALE_BEATS * HEARTBEAT_DEFAULT_S)
 
@@ -518,10 +526,15 @@ class RunWatch:
 
         lost = [w for w in workers if w.get("state") == "lost"]
         stopped = [w for w in workers if w.get("state") == "stopped"]
+        loading = [w for w in workers if w.get("state") == "loading" and w["online"]]
         # live ones, and idle records the store cannot date (rows known from markers alone say nothing)
-        idle = [w for w in workers if w.get("state") not in ("lost", "stopped")
+        idle = [w for w in workers if w.get("state") not in ("lost", "stopped", "loading")
                 and (w["online"] or (w["online"] is None and w.get("state") == "idle"))]
         parts = [parked_line(g) for g in parked]
+        if loading:
+            longest = max(w.get("loading_s") or 0.0 for w in loading)
+            parts.append(f"{len(loading)} still loading the target after {longest / 60:.0f} min (stuck? see the "
+                         "worker's log)")
         if lost:
             parts.append(f"{len(lost)} lost (no heartbeat): " + ", ".join(f"{w['host']}-{w['pid']}" for w in lost))
         restarting = self.broker == "embedded" and self.embedded_live and not planning
@@ -651,7 +664,7 @@ class RunWatch:
             key = (host, pid)
             if key not in rows:
                 rows[key] = {"name": None, "host": host, "pid": pid, "device": None, "gpu": None, "no_gpu": None,
-                             "state": None, "running": [], "tokens_per_s": None, "batches_done": 0, "tokens_done": 0,
+                             "state": None, "loading_s": None, "running": [], "tokens_per_s": None, "batches_done": 0, "tokens_done": 0,
                              "last_batch_at": None, "last_heartbeat": None, "heartbeat_age_s": None, "paused": None,
                              "paused_since": None, "spool": None, "online": None, "sources": []}
             return rows[key]
@@ -759,7 +772,10 @@ class RunWatch:
             r["name"] = p.node or r["name"]
             r["device"] = p.device or r["device"]
             r["online"] = True
-            r["state"] = "paused" if p.state == "paused" else "working" if mine else "idle"
+            r["state"] = ("paused" if p.state == "paused" else "working" if mine
+                          else "loading" if p.state == "loading" else "idle")
+            if r["state"] == "loading" and p.loading_since:
+                r["loading_s"] = round(max(time.time() - p.loading_since, 0.0), 1)  # the worker's clock and ours
             r["running"] = [f"{t.batch} ({t.phase})" for t in mine if t.batch not in self.markers]
             r["paused"] = p.paused_reason if p.state == "paused" else None
             r["paused_since"] = _iso(p.paused_since) if p.state == "paused" and p.paused_since else None

@@ -203,7 +203,9 @@ def workers_table(status: dict) -> RenderableType:
     for r in rows:
         who = r.get("name") or f"{r.get('host')}:{r.get('pid')}"
         beat = "-" if r.get("heartbeat_age_s") is None else f"{fmt_duration(r['heartbeat_age_s'])} ago"
-        if r.get("state"):
+        if r.get("state") == "loading" and r.get("loading_s") is not None:
+            beat = f"loading the target ({fmt_duration(r['loading_s'])}), {beat}"
+        elif r.get("state"):
             beat = f"{r['state']}, {beat}"
         style = "dim" if r.get("online") is False else ""
         t.add_row(who, _device_cell(r), "\n".join(map(str, r.get("running") or [])) or "-",
@@ -262,6 +264,8 @@ def fleet_view(fleet: dict) -> RenderableType:
             if state == "paused" and w.get("paused_reason"):
                 state = f"paused: {w['paused_reason']}" + (f" (for {fmt_duration(w['paused_s'])})" if w.get("paused_s")
                                                            else "")
+            elif state == "loading" and w.get("loading_s") is not None:
+                state = f"loading the target (for {fmt_duration(w['loading_s'])})"
             tasks = ", ".join(f"{t['run_url'].rstrip('/').rsplit('/', 1)[-1]}/{t['batch']} ({t['phase']})"
                               for t in w["tasks"][:6]) + (" ..." if len(w["tasks"]) > 6 else "")
             style = "" if w["live"] else "dim"

@@ -204,3 +204,44 @@ def test_the_pause_is_said_once_then_once_a_minute_then_its_end(cluster, tmp_pat
     watch.check()
     assert lines[2] == "resumed: the store has room again, after 1m24s paused", lines
     assert watch.pauses == 1
+
+
+def test_a_worker_loading_its_target_is_shown_loading_and_the_run_is_not_called_stalled(cluster, template, tmp_path):
+    """A first GPU worker compiles its kernels for minutes before it takes a batch (134 s from start to
+    ready for a 27B on an H100, BENCHMARKS.md). Its presence says ``loading`` from when; ``status`` of a
+    run it serves shows its row ``loading the target (...)`` and the run ``running``, not ``stalled``
+    with an idle worker and reconcile advice; once loaded it says ``idle`` and takes the batches. A real
+    worker, held in its load by ``HSX_FAULTS=pause_load``. A load past ``LOADING_STALL_S`` is a stall."""
+    from hsx.fleet import read_presences
+    from producer.status import LOADING_STALL_S
+
+    from clusters import wait_log
+
+    run_store = copy_plan(template, str(tmp_path / "out"), cluster.settings)
+    worker = cluster.worker("cpu0", wait=False, faults="pause_load=6")
+    wait_log(worker, "fault injection: pausing 6 s while it loads its model", 90)
+    client = redis_client(cluster.broker.url)
+    (presence,) = wait_until(lambda: [p for p in read_presences(client, cluster.settings.queue)
+                                      if p.pid == worker.proc.pid and p.state == "loading"] or None, 10, "a loading presence")
+    assert presence.loading_since is not None
+    env = cluster.env() | {"COLUMNS": "200"}
+    status = json.loads(run_here(["status", run_store.url, "--json"], env).stdout)
+    assert status["state"] == "running" and status["stalled_reason"] is None, status
+    (row,) = status["workers"]
+    assert row["state"] == "loading" and 0 <= row["loading_s"] < 60, row
+    assert "loading the target (" in run_here(["status", run_store.url], env).stdout
+    assert "loading the target (for " in run_here(["status"], env).stdout  # the fleet view
+
+    worker.wait_ready()
+    wait_until(lambda: [p for p in read_presences(client, cluster.settings.queue)
+                        if p.pid == worker.proc.pid and p.state == "idle" and p.loading_since is None] or None, 30,
+               "the presence idle once loaded")
+    # another node's worker that has said `loading` for over LOADING_STALL_S (its presence, as it would write it)
+    stuck_worker = presence.model_copy(update={"worker": "nodeB-9", "host": "nodeB", "pid": 9, "node": "gpu0@nodeB",
+                                               "loading_since": presence.loading_since - LOADING_STALL_S - 60})
+    write_presence(client, cluster.settings.queue, stuck_worker)
+    stuck = json.loads(run_here(["status", run_store.url, "--json"], env).stdout)
+    assert stuck["state"] == "stalled" and "1 still loading the target after 31 min (stuck? see the worker's log)" in \
+        stuck["stalled_reason"], stuck["stalled_reason"]
+    cluster.enqueue_all(run_store)
+    wait_done(run_store)

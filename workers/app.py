@@ -51,7 +51,12 @@ def _preload(**_kwargs) -> None:
     if _settings.model:
         from workers.target import get_target
 
-        target = get_target(_settings.model, _settings)
+        heartbeat = process_heartbeat(_settings.heartbeat_s)
+        heartbeat.loading(True)  # the presence says so: a first GPU worker compiles kernels for minutes
+        try:
+            target = get_target(_settings.model, _settings)
+        finally:
+            heartbeat.loading(False)
         listed = runs_dir()
         if listed:  # the launcher tells a death while loading from one after it, and says the worker is ready
             import os

@@ -17,6 +17,7 @@ a while: ``pause_<point>=S`` sleeps S seconds at ``point`` of every batch and lo
 | ``pause_upload=S`` | before the write step (its states in a host buffer, nothing stored yet) |
 | ``pause_store=S`` | in the middle of a shard write: after its first piece (the header) went out |
 | ``pause_marker=S`` | after the write step (the shard stored), before the certify step writes the marker |
+| ``pause_load=S`` | while the worker loads its model at its start (``HSX_MODEL``), after the weights are read: a first GPU worker compiling its kernels for minutes; logs ``fault injection: pausing S s while it loads its model`` |
 | ``pause_follow=S`` | in a follower rank of a worker's group (``workers/follower.py``), after rank 0's batch arrived, before its forward: rank 0 waits inside the forward's first collective; the line names the follower's pid |
 | ``store_down=N`` | the first N shard writes of this process fail as if the store did not answer (a transient ``StoreError``): the shard takes the overflow path through the spool |
 | ``store_full=N`` | the first N shard writes of this process fail with ENOSPC after their first piece (a full store) |
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 #: the environment variable this module reads (the tests' launchers set it like any ``HSX_*``).
 ENV = "HSX_FAULTS"
-POINTS = ("forward", "upload", "store", "marker", "follow")
+POINTS = ("forward", "upload", "store", "marker", "follow", "load")
 COUNTED = ("spool_full", "store_down", "store_full")
 SIGNALLED = ("die_load", "die_received")
 
@@ -139,7 +140,11 @@ class Faults(NoFaults):
         return faulty_write
 
     def at_load(self) -> None:
-        """Kill this process with ``die_load``'s signal, if the spec has it."""
+        """Sleep ``pause_load`` seconds, then kill this process with ``die_load``'s signal, as the spec has them."""
+        seconds = self.faults.get("pause_load")
+        if seconds:
+            log.warning("fault injection: pausing %g s while it loads its model", seconds)
+            time.sleep(seconds)
         self._die("die_load", "while it loads its model")
 
     def at_received(self) -> None:

@@ -94,6 +94,7 @@ class Heartbeat:
         self._runs: dict[str, dict] = {}  # run_url -> {"store", "batches", "done", "dirty", "last", "final"}
         self._thread: threading.Thread | None = None
         self.paused: dict | None = None  # {"reason", "since"}: the process waits for room in a full store
+        self.loading_since: float | None = None  # unix time: the worker's target is being loaded at its start
         # the broker presence (hsx/fleet.py): set by attach_broker at worker start
         self._broker = None  # {"url", "queue", "roots", "model", "node"}
         self._redis = None  # one client (and connection pool) for every presence write
@@ -166,6 +167,15 @@ class Heartbeat:
             self._presence_dirty = True
             for run in self._runs.values():
                 run["dirty"], run["final"] = True, None
+        self._wake_all()
+
+    def loading(self, active: bool) -> None:
+        """The process loads and warms up its target before it takes tasks (``HSX_MODEL``,
+        ``workers/app.py``): its presence says ``loading`` from when, so that ``status`` does not
+        call a worker that compiles kernels for minutes idle (nor the run stalled). Written at once."""
+        with self._lock:
+            self.loading_since = time.time() if active else None
+            self._presence_dirty = True
         self._wake_all()
 
     def resume(self) -> None:
@@ -292,20 +302,22 @@ class Heartbeat:
             held = [HeldTask(**h) for h in self._held.values()]
             paused = dict(self.paused) if self.paused else None
             served, done = list(self._served), self._done_total
+            loading_since = self.loading_since
         busy = [h for h in held if h.phase != "received"]
         if state_override:
             state = state_override
         elif paused or any(h.phase == "paused" for h in held):
             state = "paused"
         else:
-            state = "working" if busy else "idle"
+            state = "working" if busy else "loading" if loading_since is not None else "idle"
         reason = paused["reason"] if paused else None
         if reason is None and state == "paused" and self.spool is not None:
             reason = self.spool.paused_reason
         return Presence(worker=worker_name(), host=socket.gethostname(), pid=os.getpid(), node=broker.get("node"),
                         roots=broker.get("roots", []), model=broker.get("model"), device=self.device, state=state,
                         paused_reason=reason, paused_since=(paused or {}).get("broker_since"), tasks=held,
-                        runs=served, batches_done=done, started=self._started_broker)
+                        runs=served, batches_done=done, started=self._started_broker,
+                        loading_since=loading_since if state == "loading" else None)
 
     def write_presence(self, state_override: str | None = None) -> None:
         """Write the presence now (best effort: a broker that is down delays it, never a batch)."""
