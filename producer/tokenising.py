@@ -21,7 +21,8 @@ import os
 import shutil
 import signal
 import tempfile
-from collections import deque
+import threading
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
@@ -60,19 +61,98 @@ class TokeniserSpec:
     added_tokens_in_content: str = "token"
 
     def build(self, tokenizer=None):
-        """The tokenizer (loaded from the model, unless given) and its ChatTokeniser. Raises BadConfig."""
+        """The tokenizer (unless given: :func:`shared_tokenizer`'s, shared with this process's other
+        builds of the same model, files and template, so never to be changed) and its ChatTokeniser.
+        Raises BadConfig."""
         from producer.masks import ChatTokeniser
 
         if tokenizer is None:
-            from hsx.models import load_tokenizer
-
-            tokenizer = load_tokenizer(self.model, Path(self.cache_dir), trust_remote_code=self.trust_remote_code)
-            if self.chat_template is not None:
-                tokenizer.chat_template = self.chat_template
+            tokenizer = shared_tokenizer(self.model, Path(self.cache_dir), trust_remote_code=self.trust_remote_code,
+                                         chat_template=self.chat_template)
         return tokenizer, ChatTokeniser(tokenizer, max_length=self.max_length, enable_thinking=self.enable_thinking,
                                         over_length=self.over_length,
                                         special_tokens_in_content=self.special_tokens_in_content,
                                         added_tokens_in_content=self.added_tokens_in_content)
+
+
+#: Tokenizers :func:`shared_tokenizer` loaded in this process, most recently used last: key -> tokenizer.
+_TOKENIZERS: "OrderedDict[tuple, object]" = OrderedDict()
+_TOKENIZERS_LOCK = threading.Lock()
+#: Tokenizers kept at most (each ~30 MB for a 150k vocabulary); the least recently used goes first.
+TOKENIZER_CACHE_SIZE = 4
+
+
+def _files_signature(directory: Path) -> tuple:
+    """``(relative path, size, mtime_ns, inode, ctime_ns)`` of every file in ``directory`` and its
+    immediate subdirectories (``additional_chat_templates/``), sorted; symlinks followed (a hub
+    snapshot's links to blobs). What :func:`shared_tokenizer` compares to know the files unchanged."""
+    out = []
+    for entry in os.scandir(directory):
+        entries = [entry]
+        if entry.is_dir():
+            try:
+                entries = list(os.scandir(entry.path))
+            except OSError:
+                entries = []
+        for e in entries:
+            try:
+                st = os.stat(e.path)
+            except OSError:  # a dangling link: part of the key as such
+                out.append((os.path.relpath(e.path, directory), None))
+                continue
+            if not os.path.isdir(e.path):
+                out.append((os.path.relpath(e.path, directory), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns))
+    return tuple(sorted(out, key=lambda t: t[0]))
+
+
+def shared_tokenizer(model: str, cache_dir: Path, *, trust_remote_code: bool = False,
+                     chat_template: str | None = None):
+    """The tokenizer of ``model`` (:func:`hsx.models.load_tokenizer`) with ``chat_template`` in place of
+    its own when given, loaded once per process for the same files: callers share it and must not
+    change it (its chat template, tokens, padding or truncation settings).
+
+    Why: loading a tokenizer builds its vocabulary in Rust again (~0.2-0.4 CPU-s for Qwen's 151k
+    tokens; a copy costs as much), and a process that plans several times (the tests, a worker's
+    regenerate runs) paid it at every plan. Sharing is safe because its users only read it: the
+    ChatTokeniser calls the Rust tokenizer's ``encode`` / ``encode_batch`` and renders templates; the
+    wrapper's own ``encode`` sets no truncation, padding or special-token splitting on a fast
+    tokenizer that is not already set (``split_special_tokens=True`` is used for slow ones only, which
+    have no Rust backend).
+
+    The key: the model's resolved local directory (``resolve_model_path``), the size, mtime, inode and
+    ctime of every file in it (:func:`_files_signature`: a file rewritten, added or removed loads the
+    tokenizer again), and the template. A hub id (no local directory) and ``trust_remote_code`` (code
+    that may keep state) are not cached: each call loads, as :func:`~hsx.models.load_tokenizer` does.
+    At most :data:`TOKENIZER_CACHE_SIZE` are kept. Thread-safe (one load at a time).
+
+    Raises:
+        BadConfig: the model or its tokenizer cannot be loaded (as :func:`~hsx.models.load_tokenizer`);
+            nothing is cached then.
+    """
+    from hsx.models import load_tokenizer, resolve_model_path
+
+    def load():
+        tokenizer = load_tokenizer(model, cache_dir, trust_remote_code=trust_remote_code)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        return tokenizer
+
+    if trust_remote_code:
+        return load()
+    path = resolve_model_path(model, cache_dir)
+    if not os.path.isdir(path):
+        return load()
+    with _TOKENIZERS_LOCK:
+        key = (os.path.realpath(path), _files_signature(Path(path)), chat_template)
+        tokenizer = _TOKENIZERS.get(key)
+        if tokenizer is not None:
+            _TOKENIZERS.move_to_end(key)
+            return tokenizer
+        tokenizer = load()
+        _TOKENIZERS[key] = tokenizer
+        while len(_TOKENIZERS) > TOKENIZER_CACHE_SIZE:
+            _TOKENIZERS.popitem(last=False)
+        return tokenizer
 
 
 @dataclass
