@@ -56,6 +56,8 @@ def main() -> int:
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(args.top)
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.top)  # where, outside the importer
+    # who registers torch custom ops (28 of them took 5.1 s on the H100, 2026-12-06) and who imports torch._inductor
+    pstats.Stats(profile, stream=out).print_callers(r"custom_ops.py.*\(custom_op\)|inductor_prims.py.*<module>")
     print(json.dumps(record))
     print(out.getvalue())
     if args.json:
