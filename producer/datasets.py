@@ -393,89 +393,114 @@ def _iter_json_lines(path: Path, opener=_open_binary, lazy: bool = False) -> Ite
 
 
 def _iter_json_array(path: Path, skips: SkipCounter, opener=_open_binary) -> Iterator[Any]:
-    """Elements of a top-level JSON array, parsed one by one from a sliding buffer.
+    """Elements of a top-level JSON array, parsed one by one from a sliding buffer
+    (:func:`scan_json_array`). Invalid UTF-8 bytes become lone surrogates (``surrogateescape``) so
+    that the parse goes on; :func:`_normalise` then skips the record as ``invalid_utf8``. A last
+    element cut off by the end of the file (a truncated file) is ignored and its size recorded in
+    ``skips.truncated_bytes``. Raises BadDataset for an element that is malformed before the end of
+    the file."""
+    with opener(path) as f:
+        for value, _at, _data in scan_json_array(path, f, skips):
+            yield value
+    if skips.truncated_bytes.get(str(path)):
+        log.info("%s ends inside a record (truncated file): ignored its last %d bytes", path,
+                 skips.truncated_bytes[str(path)])
 
-    Invalid UTF-8 bytes become lone surrogates (``surrogateescape``) so that the parse goes on;
-    :func:`_normalise` then skips the record as ``invalid_utf8``. A last element cut off by the end
-    of the file (a truncated file) is ignored and its size recorded in ``skips.truncated_bytes``.
-    Raises BadDataset for an element that is malformed before the end of the file.
+
+def scan_json_array(path: Path, f, skips: SkipCounter, *, offsets: bool = False) -> Iterator[tuple[Any, int, bytes | None]]:
+    """``(element, byte offset, bytes)`` for each element of the top-level JSON array in the binary
+    file ``f`` (``path`` names it in errors), parsed one by one from a sliding buffer of about
+    :data:`READ_CHUNK_BYTES` plus one element. ``offsets``: also where each element starts in the
+    file and its bytes as they are there (``producer/selection.py`` indexes the file by them);
+    without, the offset is -1 and the bytes None (the elements alone cost no re-encoding).
+
+    Invalid UTF-8 bytes become lone surrogates (``surrogateescape``) and go back to the same bytes.
+    A UTF-8 byte order mark is skipped. A last element cut off by the end of the file (a truncated
+    file) ends the scan and its size goes to ``skips.truncated_bytes[str(path)]`` (0: every element
+    complete, the closing ``]`` missing); a closed array records nothing.
+
+    Raises:
+        BadDataset: the file does not start with ``[``, an element is malformed before the end of
+            the file (its byte offset), or one is still incomplete after :data:`MAX_RECORD_BYTES`.
     """
     decoder = json.JSONDecoder()
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
-    buf = ""
-    pos = 0
-    eof = False
-    started = False  # the opening '[' was consumed
-    consumed_bytes = 0  # bytes of the file before buf[0], for error messages and the tail count
+    buf, pos, eof, started = "", 0, False, False
+    consumed_bytes = 0  # bytes of the file before buf[0] (error messages)
+    at = 0  # byte offset of buf[pos] in the file, kept with ``offsets``
 
-    with opener(path) as f:
+    def refill() -> bool:
+        nonlocal buf, pos, eof, consumed_bytes
+        if eof:
+            return False
+        # Drop what is parsed, so the buffer holds about one chunk plus one record.
+        consumed_bytes += len(buf[:pos].encode("utf-8", "surrogateescape"))
+        buf = buf[pos:]
+        pos = 0
+        chunk = f.read(READ_CHUNK_BYTES)
+        if not chunk:
+            eof = True
+            buf += utf8.decode(b"", final=True)
+            return False
+        buf += utf8.decode(chunk)
+        return True
 
-        def refill() -> bool:
-            nonlocal buf, pos, eof, consumed_bytes
-            if eof:
-                return False
-            # Drop what is parsed, so the buffer holds about one chunk plus one record.
-            consumed_bytes += len(buf[:pos].encode("utf-8", "surrogateescape"))
-            buf = buf[pos:]
-            pos = 0
-            chunk = f.read(READ_CHUNK_BYTES)
-            if not chunk:
-                eof = True
-                buf += utf8.decode(b"", final=True)
-                return False
-            buf += utf8.decode(chunk)
-            return True
-
-        refill()
-        if buf.startswith("\ufeff"):
-            buf = buf[1:]
-        while True:
-            # Skip whitespace and the separators between elements.
-            n = len(buf)
-            while pos < n and buf[pos] in " \t\r\n,":
-                pos += 1
-            if pos >= n:
-                if refill() or pos < len(buf):
-                    continue
-                break  # end of file
-            ch = buf[pos]
-            if not started:
-                if ch != "[":
-                    raise BadDataset(f"{path} does not start with a JSON array ('['): convert it to JSON lines")
-                started = True
-                pos += 1
+    refill()
+    if buf.startswith("\ufeff"):
+        buf = buf[1:]
+        at = consumed_bytes = 3
+    while True:
+        # Skip whitespace and the separators between elements (ASCII: one byte a character).
+        n = len(buf)
+        start = pos
+        while pos < n and buf[pos] in " \t\r\n,":
+            pos += 1
+        at += pos - start
+        if pos >= n:
+            if refill() or pos < len(buf):
                 continue
-            if ch == "]":
-                return  # closed array: a complete file
-            try:
-                value, end = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError as err:
-                if not _may_be_incomplete(err, buf):
-                    at = consumed_bytes + len(buf[:err.pos].encode("utf-8", "surrogateescape"))
-                    raise BadDataset(
-                        f"{path} is not valid JSON near byte {at}: {err.msg}; fix the file or "
-                        "convert it to JSON lines, where a bad line is skipped instead"
-                    ) from None
-                if len(buf) - pos > MAX_RECORD_BYTES:
-                    raise BadDataset(
-                        f"{path}: a record near byte {consumed_bytes} is still incomplete after "
-                        f"{MAX_RECORD_BYTES:,} bytes: the file is malformed; fix it or convert it to JSON lines"
-                    )
-                if refill():
-                    continue
-                break  # end of file inside an element: the file is truncated
-            if end >= len(buf) and not eof:
-                # A number at the very end of the buffer may continue in the next chunk.
-                if refill():
-                    continue
-            pos = end
-            yield value
-
+            break  # end of file
+        ch = buf[pos]
+        if not started:
+            if ch != "[":
+                raise BadDataset(f"{path} does not start with a JSON array ('['): convert it to JSON lines")
+            started = True
+            pos += 1
+            at += 1
+            continue
+        if ch == "]":
+            return  # closed array: a complete file
+        try:
+            value, end = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError as err:
+            if not _may_be_incomplete(err, buf):
+                where = consumed_bytes + len(buf[:err.pos].encode("utf-8", "surrogateescape"))
+                raise BadDataset(
+                    f"{path} is not valid JSON near byte {where}: {err.msg}; fix the file or "
+                    "convert it to JSON lines, where a bad line is skipped instead"
+                ) from None
+            if len(buf) - pos > MAX_RECORD_BYTES:
+                raise BadDataset(
+                    f"{path}: a record near byte {consumed_bytes} is still incomplete after "
+                    f"{MAX_RECORD_BYTES:,} bytes: the file is malformed; fix it or convert it to JSON lines"
+                )
+            if refill():
+                continue
+            break  # end of file inside an element: the file is truncated
+        if end >= len(buf) and not eof:
+            # A number at the very end of the buffer may continue in the next chunk.
+            if refill():
+                continue
+        if offsets:
+            data = buf[pos:end].encode("utf-8", "surrogateescape")
+            yield value, at, data
+            at += len(data)
+        else:
+            yield value, -1, None
+        pos = end
     tail = buf[pos:].strip()
     if tail:
-        n = len(tail.encode("utf-8", "surrogateescape"))
-        skips.truncated_bytes[str(path)] = n
-        log.info("%s ends inside a record (truncated file): ignored its last %d bytes", path, n)
+        skips.truncated_bytes[str(path)] = len(tail.encode("utf-8", "surrogateescape"))
     elif started:
         # All elements were complete but the closing ']' is missing: still a truncated file.
         skips.truncated_bytes[str(path)] = 0

@@ -28,7 +28,6 @@ shuffling: a record has the same id whatever the order it is read in.
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
 import os
@@ -39,7 +38,7 @@ from typing import Iterator
 import numpy as np
 
 from hsx.errors import BadDataset
-from producer.datasets import MAX_RECORD_BYTES, READ_CHUNK_BYTES, RawLine, SkipCounter, _may_be_incomplete
+from producer.datasets import RawLine, SkipCounter, scan_json_array
 from producer.sourcebase import CheckedFiles, DatasetChanged, RawItem, SourceOptions
 
 #: Chosen records handled at a time when reading back (parquet rows of one chunk are held in memory).
@@ -171,83 +170,11 @@ def _index_json_lines(f) -> _FileIndex:
 
 
 def _index_json_array(path, f, skips: SkipCounter) -> _FileIndex:
-    """Byte ranges of a top-level JSON array's elements: the parse of ``producer/datasets.py``
-    ``_iter_json_array`` (same elements, same truncated tail, same errors), counting bytes."""
-    decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    """Byte ranges of a top-level JSON array's elements: the same scan as the reader's
+    (``producer.datasets.scan_json_array``: same elements, same truncated tail, same errors)."""
     ranges = _Ranges()
-    buf, pos, eof, started = "", 0, False, False
-    consumed_bytes = 0  # bytes of the file before buf[0] (error messages)
-    at = 0  # byte offset of buf[pos] in the file
-
-    def refill() -> bool:
-        nonlocal buf, pos, eof, consumed_bytes
-        if eof:
-            return False
-        consumed_bytes += len(buf[:pos].encode("utf-8", "surrogateescape"))
-        buf = buf[pos:]
-        pos = 0
-        chunk = f.read(READ_CHUNK_BYTES)
-        if not chunk:
-            eof = True
-            buf += utf8.decode(b"", final=True)
-            return False
-        buf += utf8.decode(chunk)
-        return True
-
-    refill()
-    if buf.startswith("\ufeff"):
-        buf = buf[1:]
-        at = consumed_bytes = 3
-    while True:
-        n = len(buf)
-        start = pos
-        while pos < n and buf[pos] in " \t\r\n,":
-            pos += 1
-        at += pos - start  # ASCII: one byte a character
-        if pos >= n:
-            if refill() or pos < len(buf):
-                continue
-            break
-        ch = buf[pos]
-        if not started:
-            if ch != "[":
-                raise BadDataset(f"{path} does not start with a JSON array ('['): convert it to JSON lines")
-            started = True
-            pos += 1
-            at += 1
-            continue
-        if ch == "]":
-            return ranges.into(_FileIndex("array"))
-        try:
-            _value, end = decoder.raw_decode(buf, pos)
-        except json.JSONDecodeError as err:
-            if not _may_be_incomplete(err, buf):
-                where = consumed_bytes + len(buf[:err.pos].encode("utf-8", "surrogateescape"))
-                raise BadDataset(
-                    f"{path} is not valid JSON near byte {where}: {err.msg}; fix the file or "
-                    "convert it to JSON lines, where a bad line is skipped instead"
-                ) from None
-            if len(buf) - pos > MAX_RECORD_BYTES:
-                raise BadDataset(
-                    f"{path}: a record near byte {consumed_bytes} is still incomplete after "
-                    f"{MAX_RECORD_BYTES:,} bytes: the file is malformed; fix it or convert it to JSON lines"
-                )
-            if refill():
-                continue
-            break
-        if end >= len(buf) and not eof:
-            if refill():
-                continue
-        data = buf[pos:end].encode("utf-8", "surrogateescape")
+    for _value, at, data in scan_json_array(path, f, skips, offsets=True):
         ranges.add(at, data)
-        at += len(data)
-        pos = end
-    tail = buf[pos:].strip()
-    if tail:
-        skips.truncated_bytes[str(path)] = len(tail.encode("utf-8", "surrogateescape"))
-    elif started:
-        skips.truncated_bytes[str(path)] = 0
     return ranges.into(_FileIndex("array"))
 
 
