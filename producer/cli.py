@@ -19,7 +19,7 @@ from hsx.cliparse import Parser
 from hsx.errors import BadSettings, HsxError
 from hsx.layout import RUN_JSON
 from hsx.shard import Final, StoreDtype
-from hsx.store import MissingKey, mask_url, open_store
+from hsx.store import MissingKey, exists, mask_url, open_store
 from producer import interrupts
 from producer.words import fmt_bytes, noun, plural
 from settings import Settings, get_settings
@@ -697,9 +697,18 @@ def cmd_export(args, settings: Settings) -> int:
         with progress_factory() as progress:
             report = export_run(run_store, args.format, target, group_size=args.group_size, partial=args.partial,
                                 settings=settings, progress=progress)
-    except MissingKey:
-        console.print(_no_run_message(args.run_address, run_store), highlight=False)
-        return 2
+    except MissingKey as exc:
+        remove_partial()
+        if not exists(run_store, "run.json"):
+            console.print(_no_run_message(args.run_address, run_store), highlight=False)
+            return 2
+        # the run is there, a file its markers name is not (a shard deleted or lost since it was certified)
+        left = f"{target} removed" if created else f"{target} emptied again"
+        console.print(f"export stopped: {exc}, a file the run's markers name; nothing of the export is left ({left}). "
+                      f"`python -m producer verify {run_store.url}` lists every missing or altered shard; "
+                      f"`python -m producer reconcile {run_store.url} --repair` drops their markers, and the run's "
+                      "command run again extracts those batches again", highlight=False)
+        return 1
     except KeyboardInterrupt:
         remove_partial()
         left = f"{target} removed" if created else f"{target} emptied again"

@@ -393,3 +393,21 @@ def test_a_ctrl_c_whose_keyboard_interrupt_was_dropped_still_stops_the_export(sm
     said = " ".join(proc.stderr.split() + proc.stdout.split())
     assert dropped.is_set() and proc.returncode == 130, said
     assert "interrupted: the export was stopped" in said and not target.exists()
+
+
+def test_an_export_that_meets_a_missing_shard_says_which_and_leaves_nothing(small_run, tmp_path):
+    """A shard deleted after its batch was certified: ``export`` stops naming the missing shard and the
+    commands that find and redo it (not "no run.json", which a new user was told with run.json in
+    place), exit 1, and removes what it had written, so the same command can run again."""
+    run_dir = copy_run(small_run, tmp_path)
+    shards = sorted((run_dir / "shards").glob("*.safetensors"))
+    assert len(shards) >= 2
+    shards[-1].unlink()  # the last batch's: the earlier ones are written first
+    target = tmp_path / "dflash-data"
+    proc = run_here(["export", str(run_dir), "--format", "specforge-dflash", str(target)], small_run["env"])
+    said = " ".join(proc.stderr.split() + proc.stdout.split())
+    assert proc.returncode == 1, said
+    assert f"export stopped: '{'shards/' + shards[-1].name}' not found in" in said, said
+    assert "a file the run's markers name; nothing of the export is left" in said and "no run.json" not in said, said
+    assert "producer verify" in said and "reconcile" in said and "--repair" in said, said
+    assert not target.exists()
