@@ -63,6 +63,27 @@ class EmbeddedBroker:
         assert self.socket_path is not None, "broker not started"
         return f"redis+socket://{self.socket_path}?virtual_host=0"
 
+    @staticmethod
+    def holder_alive(state_dir: Path) -> bool | None:
+        """Whether the process that last took ``state_dir``'s broker lock (a ``producer run``: its pid
+        is in ``broker.lock``) is still running: True, False, or None when there is no lock file or
+        pid to read. A broker that still answers is not enough: a ``producer run`` killed with
+        SIGKILL leaves its valkey-server running (the next ``run`` stops it), and ``status`` told a
+        new user to wait for a command that was gone. A pid counts only if its command line names
+        ``producer`` (a pid the system has given to another process since does not)."""
+        try:
+            pid = int((Path(state_dir) / "broker.lock").read_text().strip())
+        except (OSError, ValueError):
+            return None
+        from hsx.processes import pid_alive
+
+        if not pid_alive(pid):
+            return False
+        try:
+            return b"producer" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # no /proc (or not ours to read): alive is all that is known
+            return True
+
     def _lock(self) -> None:
         # One embedded broker per state dir: two servers on one AOF would corrupt the queue.
         import fcntl

@@ -497,7 +497,11 @@ def cmd_status(args, settings: Settings) -> int:
             watch = RunWatch(run_store, probe)
             watch.broker = run_broker(settings, watch.config.run_id, broker_url)
             if not args.no_broker:  # resolve_broker_url found the embedded broker only if it answers
-                watch.embedded_live = bool(broker_url) and broker_url.startswith("redis+socket://")
+                from hsx.broker import EmbeddedBroker
+
+                # and its `producer run` must still hold it: one killed with SIGKILL leaves the server running
+                watch.embedded_live = (bool(broker_url) and broker_url.startswith("redis+socket://")
+                                       and EmbeddedBroker.holder_alive(settings.broker_state_dir) is not False)
         except MissingKey:
             console.print(_no_run_message(args.run_address, run_store), highlight=False)
             return 2

@@ -465,3 +465,46 @@ def test_a_producer_run_whose_worker_died_says_it_restarts_it_not_to_run_it_agai
     assert "reconcile" not in status["stalled_reason"]  # that command enqueues its batches itself
     assert status["restart"].startswith("nothing while that command runs: it restarts its workers"), status["restart"]
     assert "run the same" not in status["restart"]
+
+
+def test_a_producer_run_killed_with_sigkill_is_not_said_to_be_restarting_its_workers(small_run, tmp_path):
+    """``kill -9`` of ``producer run`` leaves its embedded valkey-server answering (the next ``run`` stops
+    it): ``status`` must not take the answering broker for the command (a new user was told
+    "restarting: ... still runs" a minute after killing it). The lock file's pid decides: a live
+    process that holds it is the command; once it is gone the stall says the command is not running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from hsx.broker import EmbeddedBroker
+    from jobfixtures import ROOT
+
+    store = _run_left_with_its_workers_stopped(small_run, tmp_path, done=1)
+    state = tmp_path / "state"
+    assert EmbeddedBroker.holder_alive(state) is None  # no lock file: not known
+    # a stand-in for `producer run` (its command line names it), holding the embedded broker
+    owner = subprocess.Popen([sys.executable, "-c",
+                              "import sys, time; from hsx.broker import EmbeddedBroker; "
+                              "b = EmbeddedBroker(sys.argv[1]).start(); print(b.proc.pid, flush=True); time.sleep(600)",
+                              str(state), "producer-run-stand-in"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    server_pid = int(owner.stdout.readline())
+    try:
+        env = {**small_run["env"], "HSX_STATE_DIR": str(state)}
+        assert EmbeddedBroker.holder_alive(state) is True
+        live = json.loads(run_here(["status", store.url, "--json"], env).stdout)
+        assert live["stalled_reason"].startswith("restarting: the `python -m producer run` on this machine still runs")
+        os.kill(owner.pid, signal.SIGKILL)  # as `kill -9` of `producer run`: its broker keeps answering
+        owner.wait(30)
+        assert EmbeddedBroker.holder_alive(state) is False
+        gone = json.loads(run_here(["status", store.url, "--json"], env).stdout)
+        assert gone["state"] == "stalled" and gone["stalled_reason"].startswith(
+            "the `python -m producer run` that ran it is not running on this machine"), gone["stalled_reason"]
+        assert gone["restart"].startswith("run the same `python -m producer run` command again"), gone["restart"]
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        try:
+            os.kill(server_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
