@@ -22,6 +22,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -174,8 +175,24 @@ _CHAT = None  # this process's ChatTokeniser (worker processes: built by _init)
 _ALLOW_TEXT = False
 
 
-def _init(spec: TokeniserSpec, saved: tuple[str, str, str] | None = None) -> None:
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """A daemon thread of a tokenising process that ends it (``os._exit``) once the planner ``parent``
+    is gone: a planner killed with SIGKILL runs no shutdown, and its processes (in a pool, in their
+    own loop) were left running, a new user found them minutes later. Polled, not
+    ``PR_SET_PDEATHSIG``: that follows the thread that started the process, and the pool may start
+    them from a thread that ends before the planner does."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="hsx-exit-with-parent", daemon=True).start()
+
+
+def _init(spec: TokeniserSpec, saved: tuple[str, str, str] | None = None, parent: int | None = None) -> None:
     global _CHAT, _ALLOW_TEXT
+    if parent is not None:
+        _exit_with_parent(parent)
     # Ctrl-C (and a closed terminal's SIGHUP) reach the whole process group: the planner stops the
     # processes (one line, not a traceback from each of them)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -288,7 +305,7 @@ class Tokenisers:
                 except Exception:  # each process then loads the model's tokenizer itself
                     saved = None
             self._pool = ProcessPoolExecutor(self.num_proc, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init, initargs=(self.spec, saved))
+                                             initializer=_init, initargs=(self.spec, saved, os.getpid()))
         elif self._chat is None:
             self._chat = self.spec.build()[1]
         return self
