@@ -53,10 +53,10 @@ def both_stages(tmp_path_factory, tiny_cache, shared_worker):
     tmp = tmp_path_factory.mktemp("regenerate")
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp / "state", spool_dir=tmp / "spool")
     report = cli_json(shared_worker.producer(["run", *JOB, "--output", str(tmp / "out"), "--json"], env))
-    from hsx.models import load_tokenizer
+    from producer.tokenising import shared_tokenizer
 
     return {"tmp": tmp, "env": env, "report": report, "regen": open_store(report["regenerate"]["address"]),
-            "extract": open_store(report["extract"]["address"]), "tokenizer": load_tokenizer("tiny-qwen3.5", tiny_cache)}
+            "extract": open_store(report["extract"]["address"]), "tokenizer": shared_tokenizer("tiny-qwen3.5", tiny_cache)}
 
 
 def test_every_planned_prompt_is_answered_exactly_once(both_stages):
@@ -197,10 +197,10 @@ class _Target:
 
 @pytest.fixture(scope="module")
 def chat(tiny_cache):
-    from hsx.models import load_tokenizer
+    from producer.tokenising import shared_tokenizer
     from producer.masks import ChatTokeniser
 
-    return ChatTokeniser(load_tokenizer("tiny-qwen3.5", tiny_cache), max_length=384)
+    return ChatTokeniser(shared_tokenizer("tiny-qwen3.5", tiny_cache), max_length=384)
 
 
 def _answers(tiny_qwen35, chat, convs, seed):
@@ -957,7 +957,7 @@ def test_answers_cut_by_a_stop_string_are_counted_and_extracted_without_their_en
     """``producer run DATASET --regenerate --stop e``: the regenerate run's markers count the conversations cut before the
     stop string (``stop_cut``, said in the summary as ``cut by --stop``), and the extraction supervises each such answer
     through its last token, with loss mask 0 on the <|im_end|> the template closes it with."""
-    from hsx.models import load_tokenizer
+    from producer.tokenising import shared_tokenizer
     from hsx.plan import read_batch
 
     env = clean_env(cache_dir=tiny_cache, state_dir=tmp_path / "state", spool_dir=tmp_path / "spool")
@@ -972,7 +972,7 @@ def test_answers_cut_by_a_stop_string_are_counted_and_extracted_without_their_en
     table = " ".join(shared_worker.producer(["run", *job, "--output", str(tmp_path / "out")], env).stdout.split())
     assert f"cut by --stop │ {len(stopped)} conversations with an answer cut before a --stop string" in table, table
 
-    tok = load_tokenizer("tiny-qwen3.5", tiny_cache)
+    tok = shared_tokenizer("tiny-qwen3.5", tiny_cache)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     rows = {row.sample_index: row for w in read_windows(extract) for row in SampleRow.read_window(extract, w.name)}
     checked = 0

@@ -480,9 +480,9 @@ def test_a_chat_template_file_changes_the_tokens_the_template_hash_and_the_run_i
     """--chat-template FILE (the tokenizer's own template with a default system prompt added): every
     sample gains the system turn's tokens, ``tokenizer.chat_template_sha256`` and the run id change,
     and run.json records the file's absolute path."""
-    from hsx.models import load_tokenizer
+    from producer.tokenising import shared_tokenizer
 
-    own = load_tokenizer("tiny-qwen3.5", settings.cache_dir).chat_template
+    own = shared_tokenizer("tiny-qwen3.5", settings.cache_dir).chat_template
     anchor = "        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n    {%- endif %}"
     assert own.count(anchor) == 1
     changed = own.replace(anchor, anchor.replace("{%- endif %}", "{%- else %}\n        {{- '<|im_start|>system\\n"
@@ -523,9 +523,9 @@ def test_a_missing_empty_invalid_or_failing_chat_template_is_refused_naming_the_
 def test_a_chat_template_is_checked_as_transformers_compiles_it(tmp_path, settings, records):
     """Loop controls (``{% break %}``), which transformers' template environment has and plain Jinja
     has not, are accepted."""
-    from hsx.models import load_tokenizer
+    from producer.tokenising import shared_tokenizer
 
-    own = load_tokenizer("tiny-qwen3.5", settings.cache_dir).chat_template
+    own = shared_tokenizer("tiny-qwen3.5", settings.cache_dir).chat_template
     template = tmp_path / "with-break.jinja"
     template.write_text("{%- for m in messages %}{%- if loop.first %}{% break %}{% endif %}{%- endfor %}" + own)
     planned = _plan(tmp_path, settings, _jsonl(tmp_path / "c.jsonl", records[:3]), chat_template=str(template))
@@ -551,10 +551,10 @@ def test_the_command_lines_source_options_reach_the_plan(tmp_path, settings, rec
     saved = tmp_path / "dd"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(records[:20]),
                           "test": datasets.Dataset.from_list(records[20:])}).save_to_disk(str(saved))
-    from hsx.models import load_tokenizer
+    from producer.tokenising import shared_tokenizer
 
     template = tmp_path / "t.jinja"
-    template.write_text(load_tokenizer("tiny-qwen3.5", settings.cache_dir).chat_template)
+    template.write_text(shared_tokenizer("tiny-qwen3.5", settings.cache_dir).chat_template)
     assert cli.main(["enqueue", str(saved), "--model", "tiny-qwen3.5", "--output", str(tmp_path / "out"), "--split", "test",
                      "--shuffle", "--seed", "4", "--sample", "6", "--chat-template", str(template), "--num-proc", "1",
                      "--max-length", str(MAX_LENGTH)]) == 0

@@ -94,10 +94,14 @@ def test_a_changed_tokenizer_file_loads_the_tokenizer_again(model_dir, tiny_cach
     assert shared_tokenizer(str(moved), tiny_cache) is not fourth
 
 
-def test_remote_code_and_more_than_the_limit_are_not_kept(model_dir, tiny_cache):
+def test_remote_code_and_more_than_the_limit_are_not_kept(model_dir, tiny_cache, monkeypatch):
+    from producer import tokenising
+
+    assert tokenising.TOKENIZER_CACHE_SIZE == TOKENIZER_CACHE_SIZE >= 2
     assert shared_tokenizer(str(model_dir), tiny_cache, trust_remote_code=True) is not \
         shared_tokenizer(str(model_dir), tiny_cache, trust_remote_code=True)
+    monkeypatch.setattr(tokenising, "TOKENIZER_CACHE_SIZE", 1)  # the rule at any size, with 3 loads, not 6
     first = shared_tokenizer(str(model_dir), tiny_cache)
-    for k in range(TOKENIZER_CACHE_SIZE):
-        shared_tokenizer(str(model_dir), tiny_cache, chat_template=f"{{# template {k} #}}")
-    assert shared_tokenizer(str(model_dir), tiny_cache) is not first
+    other = shared_tokenizer(str(model_dir), tiny_cache, chat_template="{# another template #}")
+    assert len(tokenising._TOKENIZERS) == 1 and shared_tokenizer(str(model_dir), tiny_cache) is not first
+    assert other.chat_template == "{# another template #}"
