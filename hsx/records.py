@@ -536,6 +536,9 @@ class Stats(Record):
     bytes_read: int | None = None
     num_proc: int | None = None
     """Tokenising processes the plan was made with (it does not change the plan)."""
+    command: str | None = None
+    """The command line that planned it (``python -m producer run ...``): the same command resumes the
+    run; one with other options plans another run id (``status`` and ``cancel`` show it)."""
 
     @classmethod
     def read(cls, store: Store) -> "Stats | None":

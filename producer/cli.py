@@ -607,9 +607,16 @@ def cmd_cancel(args, settings: Settings) -> int:
                   soft_wrap=True)
     if not report["broker"]:
         out.print("no broker: only cancelled.json was written (workers acknowledge the run's messages unrun)")
+    from hsx.records import Stats
+
+    try:
+        command = getattr(Stats.read(run_store), "command", None)  # the command that planned it, if recorded
+    except Exception:  # a hint only
+        command = None
     out.print("status shows it as cancelled. To resume: run the same `python -m producer run` / `enqueue` command "
-              "again (the same dataset and options give the same run id): it removes cancelled.json and enqueues "
-              "every batch without a marker", highlight=False, soft_wrap=True)
+              "again (the same dataset and options give the same run id; other options plan another run): it removes "
+              "cancelled.json and enqueues every batch without a marker" + (f"; it was: {command}" if command else ""),
+              highlight=False, soft_wrap=True)
     return 0
 
 

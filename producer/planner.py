@@ -669,7 +669,7 @@ class PlanJob:
             padding_waste=round(1.0 - tokens / padded, 4) if padded else 0.0, skipped=skipped,
             plan_seconds=round(time.perf_counter() - t0, 2), windows=len(windows),
             records_read=windows[-1].records_read if windows else 0,
-            bytes_read=self.source.bytes_read or None, num_proc=self.num_proc,
+            bytes_read=self.source.bytes_read or None, num_proc=self.num_proc, command=self.opts.command,
         )
         stats.write(store)
         BatchSummary.write_list(store, [b for w in windows for b in w.batches])  # last: the plan is complete

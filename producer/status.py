@@ -447,7 +447,8 @@ class RunWatch:
         if cancelled is not None:  # `producer cancel`: nothing of it starts until the same command runs again
             state, eta, stalled_reason, restart = "cancelled", None, None, None
             resume = ("run the same `python -m producer run` / `enqueue` command again (the same dataset and "
-                      "options give the same run id): it removes cancelled.json and enqueues every batch without a marker")
+                      "options give the same run id): it removes cancelled.json and enqueues every batch without a marker"
+                      + self._planned_by())
         if self.stats is not None:
             skipped = self.stats.skipped.counts
         else:  # a plan still written: its windows' counts so far (each window counts its own records)
@@ -592,6 +593,11 @@ class RunWatch:
         return reason, (f"start workers on the broker it was enqueued on, serving its store: `{start}`; or, for a "
                         "`python -m producer run`, run the same command again")
 
+    def _planned_by(self) -> str:
+        """``; it was: `<the command that planned the run>``` (plan/stats.json), or "" when not recorded."""
+        command = getattr(self.stats, "command", None)
+        return f"; it was: `{command}`" if command else ""
+
     def _restart(self, fix_first: str | None = None, planning: bool = False) -> str:
         """The command that restarts a stalled run, for the broker it was run on; ``fix_first``: what
         its parked messages need first."""
@@ -601,7 +607,7 @@ class RunWatch:
             return (f"{first}stop the `python -m producer run` that still plans it (Ctrl-C) and run it again: it "
                     "resumes the plan after the windows written and enqueues every batch without a marker")
         if self.broker == "embedded":  # run's own broker is gone with it; a new run enqueues every missing batch
-            return f"{first}{rerun}: it enqueues every batch without a marker"
+            return f"{first}{rerun}: it enqueues every batch without a marker{self._planned_by()}"
         reconcile = (f"; then `python -m producer reconcile {self.run_store.url}` if batches are neither queued "
                      "nor running")
         if self.broker:

@@ -144,6 +144,8 @@ def test_cancel_now_stops_a_producer_run_on_the_embedded_broker_and_the_same_run
     assert "stopped before its marker" in _worker_logs(tmp_path) or "cancelled with --now" in _worker_logs(tmp_path)
     status = json.loads(run_here(["status", str(run_dir), "--json", "--no-broker"], cancel_env).stdout)
     assert status["state"] == "cancelled" and status["cancelled"]["now"] is True
+    # the command that planned it, to resume with (a new user re-ran with other options: another run id)
+    assert f"; it was: `python -m producer run {' '.join(JOB)} --output {out} --json`" in status["resume"], status["resume"]
 
     env.pop("HSX_FAULTS")
     again, err = _start_run(tmp_path, env, out)

@@ -111,7 +111,8 @@ def test_a_stalled_run_on_the_embedded_broker_is_restarted_by_running_it_again(s
     run_dir, store, now = _stalled_run(small_run, tmp_path)
     status = RunWatch(store, broker="embedded").poll(now=now)
     assert status["state"] == "stalled"
-    assert status["restart"] == "run the same `python -m producer run` command again: it enqueues every batch without a marker"
+    assert status["restart"].startswith("run the same `python -m producer run` command again: it enqueues every batch "
+                                        "without a marker; it was: `python -m producer run sharegpt "), status["restart"]
     quiet = RunWatch(store, broker="redis://:***@head:6379/0").poll(now=now)["restart"]
     assert quiet.startswith("start workers on the run's broker: `HSX_BROKER_URL=redis://:***@head:6379/0 python -m workers`")
     assert "parked" not in quiet and "parked" not in RunWatch(store).poll(now=now)["restart"]
@@ -315,7 +316,8 @@ def test_a_producer_run_stopped_before_its_workers_took_a_batch_is_stalled_and_s
     watch.embedded_live = False
     gone = watch.poll()
     assert gone["state"] == "stalled" and "is not running on this machine" in gone["stalled_reason"]
-    assert gone["restart"] == "run the same `python -m producer run` command again: it enqueues every batch without a marker"
+    assert gone["restart"].startswith("run the same `python -m producer run` command again: it enqueues every batch "
+                                        "without a marker; it was: `python -m producer run sharegpt "), gone["restart"]
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / f"workers-{gone['run_id']}.log").write_text("")
@@ -445,7 +447,8 @@ def test_a_producer_run_stopped_midway_says_so_in_its_stall(small_run, tmp_path)
                                                "(stopped by a Ctrl-C, or it failed): its finished batches keep their markers; "
                                                "no worker is working on the run: 1 worker stopped (the process exited)"
                                                ), status["stalled_reason"]
-    assert status["restart"] == "run the same `python -m producer run` command again: it enqueues every batch without a marker"
+    assert status["restart"].startswith("run the same `python -m producer run` command again: it enqueues every batch "
+                                        "without a marker; it was: `python -m producer run sharegpt "), status["restart"]
     watch.embedded_live = None  # not known (--no-broker): nothing said of the command
     assert not watch.poll()["stalled_reason"].startswith("the `python -m producer run`")
 
