@@ -396,7 +396,14 @@ def cmd_run(args, settings: Settings) -> int:
     for batch, failure in sorted((report.get("failed") or {}).items()):
         out.print(f"[red]failed[/] {batch}: {failure.get('error')}")
     if report.get("workers_log_tail"):
-        out.print("[red]the workers exited early; last lines of their log:[/]\n" + report["workers_log_tail"])
+        how = report.get("workers_exit") or "exited"
+        if report.get("workers_gave_up"):  # its last death was said as it happened, with its likely cause
+            then = "fix what made them die (above), then run the same command again to resume it"
+        else:
+            how += " (python -m workers itself: killed from outside, or it failed before starting its workers)"
+            then = "run the same command again to resume it"
+        out.print(f"[red]the workers {how} before the run was done[/]; finished batches keep their markers: {then}. "
+                  "Last lines of their log:\n" + report["workers_log_tail"], highlight=False, soft_wrap=True)
     return code
 
 

@@ -79,6 +79,13 @@ class LocalWorkers:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def exit_description(self) -> str | None:
+        """How ``python -m workers`` ended (``killed by SIGKILL``, ``exited with code 1``), None while it runs."""
+        from hsx.processes import describe_exit
+
+        code = self.proc.poll()
+        return None if code is None else describe_exit(code)
+
     def log_tail(self, n: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -583,6 +590,7 @@ def run_job(opts: PlanOptions, settings: Settings, console, *, workers: int | No
             report["cancelled"] = waited["cancelled"]
             if waited["workers_died"]:
                 report["workers_log_tail"] = launch.local.log_tail()
+                report["workers_exit"] = launch.local.exit_description()
                 report["workers_gave_up"] = launch.deaths.gave_up if launch.deaths is not None else None
                 code = 1
             elif waited["failed"] or waited["cancelled"]:

@@ -39,6 +39,9 @@ def test_a_worker_killed_while_loading_is_said_as_it_happens_and_the_run_stops_w
     assert deaths[0][2].startswith("restarting it in 0.1 s (restart 1 of at most 1 within 600 s)")
     assert deaths[1][2].startswith("it died 2 times within 600 s, more than HSX_WORKER_RESTART_LIMIT=1 allows: "
                                    "the workers gave up, so this run stops")
+    said = " ".join(out.split())
+    assert ("the workers exited with code 1 before the run was done; finished batches keep their markers: fix what "
+            "made them die (above), then run the same command again to resume it. Last lines of their log:") in said, said[-3000:]
 
     (run_dir,) = [p for p in (tmp_path / "store").iterdir() if (p / "run.json").exists()]
     status = run_cli("producer", ["status", str(run_dir), "--json"], env)
