@@ -42,6 +42,7 @@ from typing import Any, Iterator, Union
 import numpy as np
 
 from hsx.errors import BadDataset, BadRecord
+from producer.words import plural
 
 log = logging.getLogger(__name__)
 
@@ -580,7 +581,7 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *
         drop += 1
     if not any(m["role"] == "assistant" for m in messages[drop:]):
         raise BadRecord(rid, "no_assistant_turn",
-                        f"{len(messages)} turns, roles {_role_summary(messages)}")
+                        f"{plural(len(messages), 'turn')}, roles {_role_summary(messages)}")
     supervised = _supervised_turns(rid, raw.get(SUPERVISED_TURNS_KEY), messages)
     unfinished = _unfinished_turns(rid, raw.get(UNFINISHED_TURNS_KEY), messages, supervised)
     _claim_id(rid, seen)
@@ -607,8 +608,13 @@ def _supervised_turns(rid: str, value: Any, messages: list[dict]) -> frozenset[i
     wrong = [i for i in value if not 0 <= i < len(messages) or messages[i]["role"] != "assistant"]
     if wrong or not value:
         raise BadRecord(rid, "bad_turn", f"{SUPERVISED_TURNS_KEY} {value} names no assistant turn" if not value else
-                        f"{SUPERVISED_TURNS_KEY}: turn {wrong[0]} is not an assistant turn of the {len(messages)}")
+                        f"{SUPERVISED_TURNS_KEY}: turn {wrong[0]} is not an assistant turn (of {_turns_from_0(messages)})")
     return frozenset(value)
+
+
+def _turns_from_0(messages: list[dict]) -> str:
+    """``7 turns, numbered from 0`` (``1 turn, numbered 0``): how a wrong turn index is said."""
+    return f"{plural(len(messages), 'turn')}, numbered from 0" if len(messages) != 1 else "1 turn, numbered 0"
 
 
 def _unfinished_turns(rid: str, value: Any, messages: list[dict], supervised: frozenset[int] | None) -> frozenset[int]:
@@ -620,7 +626,8 @@ def _unfinished_turns(rid: str, value: Any, messages: list[dict], supervised: fr
         raise BadRecord(rid, "bad_turn", f"{UNFINISHED_TURNS_KEY} is not a list of turn indices")
     wrong = [i for i in value if not 0 <= i < len(messages) or messages[i]["role"] != "assistant"]
     if wrong:
-        raise BadRecord(rid, "bad_turn", f"{UNFINISHED_TURNS_KEY}: turn {wrong[0]} is not an assistant turn of the {len(messages)}")
+        raise BadRecord(rid, "bad_turn",
+                        f"{UNFINISHED_TURNS_KEY}: turn {wrong[0]} is not an assistant turn (of {_turns_from_0(messages)})")
     if supervised is not None and not supervised.issuperset(value):
         raise BadRecord(rid, "bad_turn", f"{UNFINISHED_TURNS_KEY}: turn {min(set(value) - supervised)} is not one of "
                         f"the {SUPERVISED_TURNS_KEY} {sorted(supervised)}")

@@ -686,7 +686,7 @@ def test_a_bad_unfinished_turns_list_is_a_skipped_record_naming_it(tmp_path):
     assert skips.counts == {"bad_turn": 4}
     assert skips.examples["bad_turn"] == [
         "not-a-list (line 2): hsx_unfinished_turns is not a list of turn indices",
-        "a-user-turn (line 3): hsx_unfinished_turns: turn 5 is not an assistant turn of the 7",
-        "past-the-end (line 4): hsx_unfinished_turns: turn 7 is not an assistant turn of the 7",
+        "a-user-turn (line 3): hsx_unfinished_turns: turn 5 is not an assistant turn (of 7 turns, numbered from 0)",
+        "past-the-end (line 4): hsx_unfinished_turns: turn 7 is not an assistant turn (of 7 turns, numbered from 0)",
         "not-supervised (line 5): hsx_unfinished_turns: turn 4 is not one of the hsx_supervised_turns [6]",
     ]
