@@ -984,7 +984,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repair", action="store_true", help="first run verify; redo every batch whose stored shard is bad")
     p.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
+    given = sys.argv[1:] if argv is None else list(argv)
+    if not given:  # no command: the commands and what each does, not only "command is required"
+        parser.print_help()
+        return 2
+    args = parser.parse_args(_join_negative_values(given))
     # Recorded in plan/planning.json (status shows it when planning failed); any URL password masked.
     args.command_line = shlex.join(["python", "-m", "producer",
                                     *(mask_url(a) for a in (sys.argv[1:] if argv is None else argv))])
