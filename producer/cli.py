@@ -840,8 +840,13 @@ def cmd_reconcile(args, settings: Settings) -> int:
         out.print(f"{'would remove' if args.dry_run else 'removed'} {key} (no marker names it)", highlight=False)
     for key in report["removed_incomplete"]:
         out.print(f"removed unfinished upload {key}", highlight=False)
+    kept = report.get("kept_shards") or []
+    if kept:
+        out.print(f"kept {plural(len(kept), 'shard')} no marker names, younger than --grace {args.grace:g} s (an attempt "
+                  f"may still be writing it): {', '.join(kept[:10])}{' ...' if len(kept) > 10 else ''}; a later reconcile "
+                  "removes it (`--grace 0`: now)", highlight=False, soft_wrap=True)
     if not (report["lost"] or report["removed_shards"] or report["removed_incomplete"] or report["repaired"]
-            or report.get("cleared_claims") or report.get("parked")):
+            or report.get("cleared_claims") or report.get("parked") or kept):
         out.print("nothing to do")
     return 0
 

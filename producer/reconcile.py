@@ -163,7 +163,9 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
     ``unparked`` (those put back on the queue; a parked batch that has its marker is only
     removed), ``cancelled`` (the run's ``cancelled.json`` as JSON, or None), ``cleared_claims``
     (batches with a marker whose stale unacknowledged deliveries were removed from the broker, one
-    entry per message; :func:`clear_finished_claims`), ``removed_shards``, ``removed_incomplete``,
+    entry per message; :func:`clear_finished_claims`), ``removed_shards``, ``kept_shards`` (shards no marker
+    names, younger than ``grace_s``: an attempt still writing, maybe; removed by a later reconcile),
+    ``removed_incomplete``,
     ``workers`` (live workers on the broker), ``workers_asked`` (whether presences were read),
     ``dry_run``, ``broker``, ``seconds``.
 
@@ -237,6 +239,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         enqueued = _enqueue(run_store, run_url, config, todo, settings, broker_url)
 
     removed_shards: list[str] = []
+    kept_shards: list[str] = []  # unnamed, but younger than the grace period: a live attempt's, maybe
     removed_incomplete: list[str] = []
     if grace_s is not None:
         named = set()
@@ -253,6 +256,8 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
                 if not dry_run:
                     run_store.delete(key)
                 removed_shards.append(key)
+            elif key not in named:
+                kept_shards.append(key)
         if not dry_run:
             removed_incomplete = run_store.remove_incomplete("", older_than_s=grace_s)
 
@@ -269,6 +274,7 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
         "queued": sorted(view.queued),
         "running": sorted(view.running),
         "orphaned_deliveries": sorted(view.orphaned),
+        "kept_shards": kept_shards,
         "lost": [{"batch": b.batch, "why": why[b.batch]} for b in lost],
         "enqueued": enqueued,
         "parked": [{"batch": p.batch, "reason": p.reason, "cause": p.cause, "refused_by": p.refused_by}

@@ -450,3 +450,29 @@ def test_an_option_argparse_refuses_is_one_line_and_a_pointer_to_help_not_the_us
     assert exit_.value.code == 2 and "usage:" not in err
     assert err.splitlines() == [f"python -m producer run: error: {err.splitlines()[0].split('error: ', 1)[1]}",
                                 "(`python -m producer run --help` lists every option)"] and said in err
+
+
+def test_reconcile_says_which_unnamed_shard_it_keeps_for_the_grace_period_and_removes_it_after(small_run, tmp_path):
+    """A shard no marker names (a dead attempt's, or one still being written): ``reconcile`` keeps it while
+    it is younger than ``--grace`` and says so with the shard and how to remove it now, instead of "nothing
+    to do" (a new user could not tell why the README's abandoned shard was still there); with ``--grace 0``
+    it is removed and said."""
+    import shutil
+
+    from jobfixtures import run_here
+    from smallrun import copy_run
+
+    run_dir = copy_run(small_run, tmp_path)
+    some = sorted((run_dir / "shards").glob("*.safetensors"))[0]
+    orphan = some.with_name(some.name.split("-")[0] + "-deadbeef0000.safetensors")
+    shutil.copyfile(some, orphan)
+    env = clean_env(cache_dir=small_run["env"]["HSX_CACHE_DIR"], state_dir=tmp_path / "state")
+    kept = run_here(["reconcile", str(run_dir)], env)
+    said = " ".join((kept.stdout + kept.stderr).split())
+    assert kept.returncode == 0 and "nothing to do" not in said, said
+    assert (f"kept 1 shard no marker names, younger than --grace 3600 s (an attempt may still be writing it): "
+            f"shards/{orphan.name}; a later reconcile removes it (`--grace 0`: now)") in said, said
+    assert orphan.exists()
+    removed = run_here(["reconcile", str(run_dir), "--grace", "0"], env)
+    assert f"removed shards/{orphan.name} (no marker names it)" in removed.stdout, removed.stdout + removed.stderr
+    assert not orphan.exists()
