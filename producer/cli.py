@@ -800,7 +800,9 @@ def cmd_reconcile(args, settings: Settings) -> int:
         out.print_json(json.dumps(report))
         return 0
     # on an idle embedded broker a message waits for no worker: said as such, then how to redo it (below)
-    verb = "would enqueue" if args.dry_run else "enqueued, for no worker yet," if idle_embedded else "enqueued"
+    verb = ("would enqueue" if args.dry_run
+            else "enqueued on this machine's embedded broker (no worker runs on it now, see below)" if idle_embedded
+            else "enqueued")
     answered = (f"({plural(len(report['workers']), 'live worker')} on the broker)" if report.get("workers_asked", True)
                 else "(workers not looked at: no batch is left to run)")
     out.print(f"reconcile {report['run_id']}: {report['batches_done']}/{report['batches_total']} "

@@ -112,5 +112,5 @@ def test_reconcile_on_an_idle_embedded_broker_says_no_worker_takes_the_batches_a
     store.delete(marker_key(victim))
     proc = run_here(["reconcile", str(run_dir)], env)
     said = " ".join(proc.stdout.split())
-    assert proc.returncode == 0 and f"enqueued, for no worker yet, {victim}" in said, said
+    assert proc.returncode == 0 and f"enqueued on this machine's embedded broker (no worker runs on it now, see below) {victim}" in said, said
     assert "no worker takes these now" in said and "`producer run` command again" in said, said
