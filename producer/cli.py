@@ -675,10 +675,17 @@ def cmd_verify(args, settings: Settings) -> int:
     for key in report["orphans"][:10]:
         out.print(f"[yellow]orphan[/] {key}", highlight=False)
     problems = report["problems"]
-    for p in problems[:50]:
+    # batches not extracted yet are one line, not one each (a partial run's dozens said the same thing)
+    not_done = [p["batch"] for p in problems if p["kind"] == "not_done"]
+    others = [p for p in problems if p["kind"] != "not_done"]
+    for p in others[:50]:
         out.print(f"[red]bad[/] {p['batch']} {p['kind']}: {p['detail']}", highlight=False)
-    if len(problems) > 50:
-        out.print(f"... and {len(problems) - 50} more {noun(len(problems) - 50, 'problem')} (--json lists them all)")
+    if len(others) > 50:
+        out.print(f"... and {len(others) - 50} more {noun(len(others) - 50, 'problem')} (--json lists them all)")
+    if not_done:
+        out.print(f"[red]bad[/] not_done: {plural(len(not_done), 'batch')} without a marker, not extracted yet: "
+                  + ", ".join(not_done[:10]) + (" ..." if len(not_done) > 10 else "")
+                  + "; run the same `producer run` / `enqueue` again", highlight=False, soft_wrap=True)
     if problems:
         batches = problem_batches(report)
         out.print(f"[red]verify FAILED[/]: {plural(len(problems), 'problem')} in {plural(len(batches), 'batch')}: "

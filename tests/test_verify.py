@@ -269,3 +269,20 @@ def test_verify_reports_the_hashing_time_apart_from_the_recompute(small_run, mon
     hashed = re.search(r"hashed\W+[\d.,]+ [MG]B in ([\d.]+) s", proc.stdout)
     assert hashed and float(hashed.group(1)) < 1.0, proc.stdout
     assert "worst 0.10x the tolerance (rtol 0.01) in 1.5 s (model load 1.2 s)" in proc.stdout, proc.stdout
+
+
+def test_verify_says_the_batches_not_extracted_yet_in_one_line(small_run, tmp_path):
+    """A partial run: its batches without a marker are one ``not_done`` line naming them, not a line each
+    (a new user's partial run printed 50 identical lines); other problems keep a line each."""
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    names = sorted(b["batch"] for b in json.loads(store.read("plan/batches.json")))
+    for batch in names[1:]:
+        store.delete(marker_key(batch))
+    proc = run_here(["verify", str(run_dir)], small_run["env"])
+    said = proc.stdout
+    assert proc.returncode == 1, said
+    lines = [line for line in said.splitlines() if "not_done" in line]
+    assert len(lines) == 1 and f"not_done: {len(names) - 1} batches without a marker, not extracted yet: " in \
+        " ".join(said.split()), said
+    assert all(b in " ".join(said.split()) for b in names[1:4])
