@@ -140,6 +140,7 @@ def progress_table(status: dict) -> Table:
                       else "- (a rate needs two batches done)")
             if state in ("stalled", "cancelled") and status.get("overall_tokens_per_s"):
                 recent = "none now (nothing runs it)"  # the recent window would only decay as the stop ages
+                samples_s = ""  # the recent samples/s decays the same way: only the overall rate means anything
             t.add_row("rate", f"{recent}{samples_s}, {_rate(status['overall_tokens_per_s'], unit)} overall")
         if state == "done":
             t.add_row("eta", "done")

@@ -204,14 +204,14 @@ def test_the_overall_rate_leaves_out_a_stop_and_a_stopped_run_shows_no_current_r
     assert busy_span(overlapping) == pytest.approx(120.0)
     status = {"run_id": "r", "address": "file:///r", "model": "m", "state": "stalled", "planned": True, "batches_total": 4,
               "batches_done": 2, "batches_failed": 0, "samples_total": 8, "samples_done": 4, "samples_stored": 4, "samples_quarantined": 0, "samples_skipped": 0, "tokens_total": 400,
-              "tokens_done": 200, "tokens_per_s": 3.0, "samples_per_s": None, "overall_tokens_per_s": 50.0,
+              "tokens_done": 200, "tokens_per_s": 3.0, "samples_per_s": 0.1, "overall_tokens_per_s": 50.0,
               "rate_window_s": 7200.0, "eta_s": None, "skipped": {}, "broker": None, "failures": {}, "workers": [],
               "stalled_reason": "stopped", "restart": "run it again"}
     out = Console(record=True, width=200)
     out.print(status_view(status))
     text = out.export_text()
     assert "none now (nothing runs it), 50 tok/s overall" in " ".join(text.split()), text
-    assert "over the last" not in text
+    assert "over the last" not in text and "samples/s" not in text, "no decaying recent rate of samples either"
 
 
 def test_a_worker_of_this_host_whose_process_is_gone_is_lost_at_once_and_shows_only_its_undone_batches(small_run, tmp_path):
