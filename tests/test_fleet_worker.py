@@ -194,6 +194,7 @@ def test_a_full_store_pauses_the_worker_with_its_batch_in_hand_and_it_resumes_wh
         filler.unlink()
         wait_done(run_store, 120)
         assert_complete(run_store)
+        wait_until(lambda: worker.log().count("batch done") >= len(batches), 10, "the last batch's log line")
         log = worker.log()
         assert log.count("batch done") == len(batches), "a batch ran its forward more than once"
         assert "the store has room again; resumed after" in log
@@ -217,6 +218,8 @@ def test_a_write_that_meets_a_full_disk_waits_and_is_written_from_the_host_buffe
     wait_done(run_store, 120)
     line = wait_log(worker, "this worker pauses until there is room")
     assert "store full at" in line and str(tmp_path / "out") in line, line
+    # the marker is written before the "batch done" line: the last line may come a moment after wait_done
+    wait_until(lambda: worker.log().count("batch done") >= len(batches), 10, "the last batch's log line")
     log = worker.log()
     assert "retrying through the queue" not in log and not run_store.list("failures/")
     assert log.count("batch done") == len(batches)
