@@ -60,8 +60,8 @@ from typing import Iterator
 from hsx.errors import BadConfig, FidelityError, HsxError
 from hsx.layout import FAILURES_PREFIX, names_under
 from hsx.plan import planned_batches, planning_failed, read_planning_record
-from hsx.reader import (_IterableDataset, _final_names, _open_run, local_shard, marker_problem, quarantined_ids,
-                         read_markers, read_sample)
+from hsx.reader import (_IterableDataset, _final_names, _open_run, certified_rows, marker_problem, read_markers,
+                         read_sample)
 from hsx.records import Marker, done_batches
 from hsx.runconfig import load_run
 from hsx.store import MissingKey, Store
@@ -305,21 +305,11 @@ class LiveHiddenStatesDataset(_IterableDataset):
     def _rows(self, batch: str, start: int) -> Iterator[tuple[int, bool, dict]]:
         """``(row, last, sample)`` for the shard rows of ``batch`` from ``start`` on (quarantined left out);
         ``last`` marks the batch's last returned row."""
-        from safetensors import safe_open
-
-        marker = self._marker(batch)
-        key = marker.shard.key
         check = self.verify if self.verify is not None else self.store.location.is_s3
-        skip = quarantined_ids(marker)
-        with local_shard(self.store, key, expect=marker.shard if check else None, tmp_dir=self.tmp_dir) as path:
-            with safe_open(str(path), framework="pt") as f:
-                sample_index_N = f.get_tensor("sample_index").tolist()
-                cu_N1 = f.get_tensor("cu_seqlens").tolist()
-                rows = [j for j in range(start, len(sample_index_N)) if sample_index_N[j] not in skip]
-                for n, j in enumerate(rows):
-                    sample = read_sample(f, cu_N1[j], cu_N1[j + 1], self.finals, dequant_dtype=self.dequant_dtype,
-                                         raw=self.raw)
-                    yield j, n == len(rows) - 1, {"sample_index": int(sample_index_N[j]), "batch": batch, **sample}
+        with certified_rows(self.store, self._marker(batch), check=check, tmp_dir=self.tmp_dir, start=start) as (f, rows):
+            for n, (j, sample, a, b) in enumerate(rows):
+                sample_dict = read_sample(f, a, b, self.finals, dequant_dtype=self.dequant_dtype, raw=self.raw)
+                yield j, n == len(rows) - 1, {"sample_index": sample, "batch": batch, **sample_dict}
 
     def __iter__(self) -> Iterator[dict]:
         import torch.utils.data

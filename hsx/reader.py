@@ -145,6 +145,29 @@ def local_shard(run_store: Store, key: str, *, expect: ShardRef | None = None, t
             tmp.unlink(missing_ok=True)
 
 
+@contextmanager
+def certified_rows(run_store: Store, marker: Marker, *, check: bool, tmp_dir: Path | None = None,
+                   start: int = 0) -> Iterator[tuple[object, list[tuple[int, int, int, int]]]]:
+    """The shard ``marker`` certifies, open for the block: ``(f, rows)``, ``f`` a ``safe_open(...,
+    framework="pt")`` handle and ``rows`` its ``(row, sample_index, start, end)`` from row ``start`` on, in
+    shard row order, quarantined samples left out (``start``/``end``: token offsets, ``cu_seqlens``).
+    ``check`` hashes the shard against the marker first (:func:`local_shard`'s ``expect``).
+
+    Raises:
+        hsx.errors.FidelityError: ``check`` and the bytes differ from the marker's.
+        hsx.store.MissingKey: the shard is absent.
+    """
+    from safetensors import safe_open
+
+    skip = quarantined_ids(marker)
+    with local_shard(run_store, marker.shard.key, expect=marker.shard if check else None, tmp_dir=tmp_dir) as path:
+        with safe_open(str(path), framework="pt") as f:
+            sample_index_N = f.get_tensor("sample_index").tolist()
+            cu_N1 = f.get_tensor("cu_seqlens").tolist()
+            yield f, [(j, int(sample_index_N[j]), cu_N1[j], cu_N1[j + 1])
+                      for j in range(start, len(sample_index_N)) if sample_index_N[j] not in skip]
+
+
 def shard_index(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """``(sample_index_N, cu_seqlens_N1)`` of a shard, read without touching its hidden states."""
     from safetensors import safe_open
@@ -421,21 +444,11 @@ class IterableHiddenStatesDataset(_IterableDataset):
 
     def iter_batch(self, batch: str) -> Iterator[dict]:
         """The samples of one certified batch, in shard row order (quarantined ones left out)."""
-        from safetensors import safe_open
-
-        marker = self.markers[batch]
-        key = marker.shard.key
         check = self.verify if self.verify is not None else self.store.location.is_s3
-        skip = quarantined_ids(marker)
-        with local_shard(self.store, key, expect=marker.shard if check else None, tmp_dir=self.tmp_dir) as path:
-            with safe_open(str(path), framework="pt") as f:
-                sample_index_N = f.get_tensor("sample_index").tolist()
-                cu_N1 = f.get_tensor("cu_seqlens").tolist()
-                for j, sample in enumerate(sample_index_N):
-                    if sample in skip:
-                        continue
-                    yield {"sample_index": int(sample), **read_sample(f, cu_N1[j], cu_N1[j + 1], self.finals,
-                                                                      dequant_dtype=self.dequant_dtype, raw=self.raw)}
+        with certified_rows(self.store, self.markers[batch], check=check, tmp_dir=self.tmp_dir) as (f, rows):
+            for _, sample, a, b in rows:
+                yield {"sample_index": sample, **read_sample(f, a, b, self.finals, dequant_dtype=self.dequant_dtype,
+                                                             raw=self.raw)}
 
     def __iter__(self) -> Iterator[dict]:
         for batch in self.batches():
