@@ -16,7 +16,10 @@ memory figures are the loading process's own:
 
 Loaders: ``worker`` is the path users run (``workers.target.load_target``: hash, load straight to
 the device through pinned buffers (``workers/loading.py``), warm-up, memory probe);
-``worker_transformers`` the same with ``HSX_FAST_LOAD=false`` (transformers' own loader: a memory
+``streamed`` is ``workers.loading.load_streamed`` alone (no identity, no warm-up) and
+``streamed_copying`` the same with transformers' loading loop as it comes (a converter deep copy per
+checkpoint tensor: ``workers.loading._converters_reused``, the comparison for an MoE checkpoint);
+``worker_transformers`` the same as ``worker`` with ``HSX_FAST_LOAD=false`` (transformers' own loader: a memory
 map per file, a copy per tensor); ``files`` and ``instanttensor`` are the ceilings of the same
 bytes to the same device with no model (our reader alone; InstantTensor, when installed); ``plain`` is the load without a device map followed by
 ``model.to(device)`` (what the worker did before issue 20: the whole model in host memory first);
@@ -67,8 +70,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-LOADERS = ("worker", "worker_transformers", "streamed", "plain", "read", "files", "instanttensor", "switch",
-           "switch_warm_up")
+LOADERS = ("worker", "worker_transformers", "streamed", "streamed_copying", "plain", "read", "files", "instanttensor",
+           "switch", "switch_warm_up")
 
 
 def proc_status() -> dict[str, int]:
@@ -177,15 +180,17 @@ def child(args) -> dict:
     import_s = time.time() - process_start_epoch()  # interpreter start and imports, before any model work
     with AnonPeak() as anon:
         t0 = time.perf_counter()
-        if args.loader == "streamed":  # workers.loading.load_streamed alone: no identity, no warm-up
+        if args.loader in ("streamed", "streamed_copying"):  # workers.loading.load_streamed alone: no identity, no warm-up
             from workers import loading
             from workers.target import _set_load_threads, load_device_map, pick_device
 
             device = pick_device(settings)
             _set_load_threads(settings.load_threads)
             with StackSampler() as sampler:
+                # streamed_copying: transformers' loop with a converter copy per tensor, as it comes
                 model = loading.load_streamed(str(path), device=device, dtype=torch.bfloat16,
-                                              device_map=load_device_map(device))
+                                              device_map=load_device_map(device),
+                                              reuse_converters=args.loader == "streamed")
             _sync(device)
             record.update(load_s=round(time.perf_counter() - t0, 3), streamed=dict(loading.last_load),
                           where_threads_were=sampler.top(20))
@@ -229,7 +234,7 @@ def child(args) -> dict:
             _sync(device)
             record["load_s"] = round(time.perf_counter() - t0, 3)
     status = proc_status()
-    if args.loader.startswith(("worker", "switch")) or args.loader == "streamed":
+    if args.loader.startswith(("worker", "switch", "streamed")):
         record["file_check"] = check_against_files(model, path, every=args.check_every)
     params = [p for p in model.parameters()]
     record.update(

@@ -150,6 +150,50 @@ def test_the_streamed_loader_gives_the_model_transformers_loads_from_a_sharded_c
     assert [k for k in want if not torch.equal(want[k], got[k])] == []
 
 
+def test_transformers_loop_copies_a_converter_once_per_target_not_once_per_expert_tensor(tmp_path):
+    """transformers deep-copies an MoE converter for every expert tensor and keeps one copy per fused
+    parameter (``workers.loading._converters_reused``): the loader hands a dropped copy out again, so
+    the copies made are one per fused target, and the model is the one made with a copy per tensor."""
+    import copy
+
+    import transformers.core_model_loading as cml
+
+    from workers import loading
+
+    tiny_model("qwen3-next").save_pretrained(tmp_path, max_shard_size="200KB")
+    cpu = torch.device("cpu")
+    plain = _state(loading.load_streamed(str(tmp_path), device=cpu, dtype=torch.float32, device_map={"": cpu},
+                                         reuse_converters=False))
+    assert loading.last_load["converter_copies"] is None
+    reused = _state(loading.load_streamed(str(tmp_path), device=cpu, dtype=torch.float32, device_map={"": cpu}))
+    counts = loading.last_load["converter_copies"]
+    expert_tensors = [k for f in loading.checkpoint_files(tmp_path) for k in load_file(f) if ".experts." in k]
+    fused = [k for k in reused if ".experts." in k]  # gate_up_proj and down_proj of each MoE layer
+    assert counts["copies"] + counts["reused"] == len(expert_tensors)
+    # one copy per fused parameter, plus one per converter (gate_up, down) dropped in the first layer
+    assert len(fused) <= counts["copies"] <= len(fused) + 2
+    assert reused.keys() == plain.keys() and [k for k in plain if not torch.equal(plain[k], reused[k])] == []
+    assert cml.deepcopy is copy.deepcopy  # put back
+
+
+def test_a_transformers_whose_loading_loop_differs_keeps_its_own_converter_copies(tmp_path, monkeypatch):
+    import copy
+
+    import transformers.core_model_loading as cml
+
+    from workers import loading
+
+    monkeypatch.setattr(loading, "_CONVERTER_COPY_LINES", loading._CONVERTER_COPY_LINES + ("a line it lacks",))
+    tiny_model("qwen3-next").save_pretrained(tmp_path)
+    seen = []
+    monkeypatch.setattr(cml, "deepcopy", lambda obj, memo=None: seen.append(obj) or copy.deepcopy(obj, memo))
+    cpu = torch.device("cpu")
+    loading.load_streamed(str(tmp_path), device=cpu, dtype=torch.float32, device_map={"": cpu})
+    assert loading.last_load["converter_copies"] is None
+    expert_tensors = [k for f in loading.checkpoint_files(tmp_path) for k in load_file(f) if ".experts." in k]
+    assert len(seen) == len(expert_tensors)  # one per expert tensor, as transformers does it
+
+
 def test_the_streamed_loader_skips_transformers_one_segment_warm_up_unless_asked(tmp_path, monkeypatch):
     """transformers' ``caching_allocator_warmup`` reserves the whole model as one CUDA segment, which a
     small live tensor can keep after the model is released (``load_streamed``'s docstring): the

@@ -468,6 +468,72 @@ def _allocator_warm_up(enabled: bool):
         modeling_utils.caching_allocator_warmup = warm_up
 
 
+#: The lines of ``transformers.core_model_loading.convert_and_load_state_dict_in_model`` that
+#: :func:`_converters_reused` relies on (transformers 5.x): a copy of the pattern's template converter
+#: per checkpoint tensor, kept only for a target key's first tensor, and every kept copy given its
+#: tensor before the loop makes the next copy.
+_CONVERTER_COPY_LINES = (
+    "new_converter = deepcopy(pattern_to_converter[source_pattern])",
+    "mapping = param_name_to_load.setdefault(renamed_key, new_converter)",
+    "mapping.add_tensor(renamed_key, original_key, source_pattern, future_or_tensor)",
+)
+
+
+@contextlib.contextmanager
+def _converters_reused(enabled: bool = True):
+    """For the ``with`` block, transformers' loading loop makes a new copy of a weight converter
+    only when it keeps the last one it made.
+
+    ``convert_and_load_state_dict_in_model`` (transformers 5.24-5.25, ``core_model_loading.py``)
+    deep-copies the matching ``WeightConverter`` for every checkpoint tensor and keeps the copy only
+    for the first tensor of each target key (``dict.setdefault``): an MoE checkpoint's 512 experts
+    x 3 projections per layer (and as many FP8 scales) make one ~50-object deep copy each, about
+    150 us of the loading loop's thread per tensor, holding the GIL that the loading threads need
+    (BENCHMARKS.md, "Loading a target": 49k tensors of a 16-layer FP8 Qwen3-Next). Here a copy that
+    was not kept (no tensor added to it: ``layer_targets`` and ``collected_tensors`` empty) is handed
+    out again for the next tensor of the same template; it is then what a new deep copy would be
+    (nothing touches a copy the loop dropped), with the template's ``_was_used`` brought over. A
+    kept copy has its tensor added before the next copy is asked for, so it is never handed out
+    twice. Applied only where the function's source holds :data:`_CONVERTER_COPY_LINES`; any other
+    transformers is left as it is (logged at debug).
+    """
+    import inspect
+
+    import transformers.core_model_loading as cml
+
+    try:
+        source = inspect.getsource(cml.convert_and_load_state_dict_in_model)
+    except (AttributeError, OSError, TypeError):
+        source = ""
+    if not enabled or not all(line in source for line in _CONVERTER_COPY_LINES) or not hasattr(cml, "WeightTransform"):
+        if enabled:
+            log.debug("transformers' loading loop is not the one _converters_reused knows: its converter copies are left alone")
+        yield None
+        return
+    deepcopy = cml.deepcopy
+    spares: dict[int, tuple] = {}  # id(template) -> (template, its last copy)
+    counts = {"copies": 0, "reused": 0}
+
+    def copy_or_reuse(obj, memo=None):
+        if memo is not None or not isinstance(obj, cml.WeightTransform):
+            return deepcopy(obj, memo)
+        spare = spares.get(id(obj))
+        if spare is not None and spare[0] is obj and not spare[1].layer_targets and not spare[1].collected_tensors:
+            spare[1]._was_used = obj._was_used
+            counts["reused"] += 1
+            return spare[1]
+        fresh = deepcopy(obj)
+        spares[id(obj)] = (obj, fresh)
+        counts["copies"] += 1
+        return fresh
+
+    cml.deepcopy = copy_or_reuse
+    try:
+        yield counts
+    finally:
+        cml.deepcopy = deepcopy
+
+
 def _kept_dtypes(path: str, dtype: torch.dtype, device: torch.device, kwargs: dict) -> set[str]:
     """The safetensors dtypes whose tensors become parameters as stored (:meth:`StreamedCheckpoint.prefetch`)
     when the checkpoint at ``path`` loads in ``dtype`` on ``device`` with ``kwargs``: the load's own
@@ -493,7 +559,7 @@ def _kept_dtypes(path: str, dtype: torch.dtype, device: torch.device, kwargs: di
 
 def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device_map: dict,
                   trust_remote_code: bool = False, allocator_warm_up: bool = False, prefetch_threads: int = 4,
-                  **kwargs) -> torch.nn.Module:
+                  reuse_converters: bool = True, **kwargs) -> torch.nn.Module:
     """``AutoModelForCausalLM`` of the local checkpoint ``path`` with its weights read by
     :class:`StreamedCheckpoint` onto ``device`` (module docstring); the rest as ``from_pretrained``
     does it: the config, the generation config and ``kwargs`` (e.g. a ``quantization_config``)
@@ -509,6 +575,9 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
 
     ``prefetch_threads`` (0: none) start reading the tensors kept as stored
     (:meth:`StreamedCheckpoint.prefetch`) before the config is read and the model's code imported.
+
+    ``reuse_converters`` (on by default) spares transformers' loading loop a deep copy per checkpoint
+    tensor (:func:`_converters_reused`; off: the comparison ``bench/load.py --loader streamed_copying``).
 
     Returns:
         the model in eval mode, every parameter on the device map's devices.
@@ -537,7 +606,7 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
         # from here transformers' own pool reads ahead; what the model will not ask for is let go now
         ckpt.stop_prefetch(list(getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or ()))
         prefetched_by_then = ckpt.prefetched_bytes
-        with _allocator_warm_up(allocator_warm_up):
+        with _allocator_warm_up(allocator_warm_up), _converters_reused(reuse_converters) as converter_copies:
             model = model_class.from_pretrained(None, config=config, state_dict=dict(ckpt.tensors), dtype=dtype,
                                                 device_map=device_map, **kwargs)
     t1 = time.perf_counter()
@@ -548,7 +617,8 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
                      from_pretrained_s=round(t1 - t0, 3), read_s=round(read_s, 3),
                      before_first_read_s=round((ckpt.first_read or t1) - t0, 3),
                      after_last_read_s=round(t1 - (ckpt.last_read or t1), 3),
-                     prefetched_before_from_pretrained=prefetched_by_then, prefetched=ckpt.prefetched_bytes)
+                     prefetched_before_from_pretrained=prefetched_by_then, prefetched=ckpt.prefetched_bytes,
+                     converter_copies=converter_copies)
     # before_first_read_s is negative when the read-ahead began before from_pretrained (during the import)
     log.info("read %.1f GB of safetensors in %.1f s (%.1f GB/s; %.1f GB of it read ahead while the model's code was "
              "imported, %.1f s), from_pretrained %.1f s (%.1f s after the last read)",
