@@ -3,7 +3,8 @@
 # on an H200 (over 100 GB of GPU memory, or `next48`) the 48-layer FP8 Qwen3-Next row; on an H100 (`auto`,
 # or `next16`) the 16-layer bf16 Qwen3-Next row (issue 20's 0.768 row, not run since the warm-up and fp8-step
 # changes); `load` and `switch`: the 27B's load, read-ahead, switch and cold start (measured 2026-12-06, seventh
-# session). Run as: bash bench/device_call.sh [auto|next48|next16|load|switch], carrying .whl
+# session); `moeload`: the 16-layer FP8 MoE's load with and without transformers' converter copy per tensor. Run as:
+# bash bench/device_call.sh [auto|next48|next16|moeload|load|switch], carrying .whl
 # (../shared/gpu/fetch-wheels.sh .whl) and .benchdata (python bench/e2e_throughput.py --make-dataset
 # .benchdata/e2e-sharegpt.parquet); results under $OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -17,6 +18,13 @@ if [ "$MODE" = next48 ] || { [ "$MODE" = auto ] && [ "$MEM" -gt 100000 ]; }; the
   echo "rc=$?" >> $OUT/next48fp8.out
   mkdir -p $OUT/logs; cp /tmp/e2e48/cache-disk/logs/*.log $OUT/logs/ 2>/dev/null
   tail -30 $OUT/next48fp8.out
+elif [ "$MODE" = moeload ]; then
+  # the MoE load: transformers' loop with a converter copy per expert tensor (streamed_copying) against one per fused
+  # parameter (streamed, what workers run since the eighth session), and our reader alone (files), 16-layer FP8 Qwen3-Next
+  [ -f /dev/shm/n16fp8/config.json ] || { timeout 240 python bench/load.py --build tests/data/configs/qwen3-next-80b-a3b-thinking.json --layers 16 --fp8 --dest /dev/shm/n16fp8 > $OUT/build16fp8.out 2>&1; echo "build rc=$?" >> $OUT/build16fp8.out; tail -3 $OUT/build16fp8.out; }
+  timeout 300 python bench/load.py /dev/shm/n16fp8 --loader streamed_copying,streamed,files --cache-dir /tmp/hc --child-timeout-s 120 --json $OUT/moeload16fp8.json > $OUT/moeload16fp8.out 2>&1; echo "rc=$?" >> $OUT/moeload16fp8.out
+  python3 -c "import json; d = json.load(open('$OUT/moeload16fp8.json')); [print(k, r.get('load_s'), (r.get('streamed') or {}).get('from_pretrained_s'), (r.get('streamed') or {}).get('read_s'), (r.get('streamed') or {}).get('converter_copies'), r.get('file_check')) for k, r in d['loads'].items()]"
+  tail -5 $OUT/moeload16fp8.out
 elif [ "$MODE" = next16 ] || [ "$MODE" = auto ]; then
   rm -rf /dev/shm/ck* /dev/shm/hsx-store
   timeout 560 python bench/e2e_throughput.py --shape qwen3-next-80b-a3b --num-layers 16 --dataset .benchdata/e2e-sharegpt.parquet --limit 2500 --stores disk:/dev/shm/hsx-store --store-dtype fp8 --checkpoint-dir /dev/shm/ck16 --workdir /tmp/e2e16 --plan-ceiling --shared-triton-cache --timeout-s 400 --deadline-s 540 --min-window-s 10 --ceiling-s 3 --bandwidth-gb 2 --json $OUT/next16bf16.json > $OUT/next16bf16.out 2>&1
