@@ -18,7 +18,7 @@ Loaders: ``worker`` is the path users run (``workers.target.load_target``: hash,
 the device through pinned buffers (``workers/loading.py``), warm-up, memory probe);
 ``streamed`` is ``workers.loading.load_streamed`` alone (no identity, no warm-up) and
 ``streamed_copying`` the same with transformers' loading loop as it comes (a converter deep copy per
-checkpoint tensor: ``workers.loading._converters_reused``, the comparison for an MoE checkpoint);
+checkpoint tensor: ``workers.loading.converters_reused``, the comparison for an MoE checkpoint);
 ``worker_transformers`` the same as ``worker`` with ``HSX_FAST_LOAD=false`` (transformers' own loader: a memory
 map per file, a copy per tensor); ``files`` and ``instanttensor`` are the ceilings of the same
 bytes to the same device with no model (our reader alone; InstantTensor, when installed); ``plain`` is the load without a device map followed by

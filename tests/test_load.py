@@ -152,7 +152,7 @@ def test_the_streamed_loader_gives_the_model_transformers_loads_from_a_sharded_c
 
 def test_transformers_loop_copies_a_converter_once_per_target_not_once_per_expert_tensor(tmp_path):
     """transformers deep-copies an MoE converter for every expert tensor and keeps one copy per fused
-    parameter (``workers.loading._converters_reused``): the loader hands a dropped copy out again, so
+    parameter (``workers.loading.converters_reused``): the loader hands a dropped copy out again, so
     the copies made are one per fused target, and the model is the one made with a copy per tensor."""
     import copy
 

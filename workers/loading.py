@@ -469,7 +469,7 @@ def _allocator_warm_up(enabled: bool):
 
 
 #: The lines of ``transformers.core_model_loading.convert_and_load_state_dict_in_model`` that
-#: :func:`_converters_reused` relies on (transformers 5.x): a copy of the pattern's template converter
+#: :func:`converters_reused` relies on (transformers 5.x): a copy of the pattern's template converter
 #: per checkpoint tensor, kept only for a target key's first tensor, and every kept copy given its
 #: tensor before the loop makes the next copy.
 _CONVERTER_COPY_LINES = (
@@ -480,7 +480,7 @@ _CONVERTER_COPY_LINES = (
 
 
 @contextlib.contextmanager
-def _converters_reused(enabled: bool = True):
+def converters_reused(enabled: bool = True):
     """For the ``with`` block, transformers' loading loop makes a new copy of a weight converter
     only when it keeps the last one it made.
 
@@ -495,7 +495,12 @@ def _converters_reused(enabled: bool = True):
     (nothing touches a copy the loop dropped), with the template's ``_was_used`` brought over. A
     kept copy has its tensor added before the next copy is asked for, so it is never handed out
     twice. Applied only where the function's source holds :data:`_CONVERTER_COPY_LINES`; any other
-    transformers is left as it is (logged at debug).
+    transformers is left as it is (logged at debug). Every load of a worker runs under it: this
+    loader, transformers' own (``HSX_FAST_LOAD=false``, the CPU) and the tensor-parallel group's
+    (``workers/parallel.py``).
+
+    Yields:
+        ``{"copies": n, "reused": n}``, counted while the block runs; None where it is not applied.
     """
     import inspect
 
@@ -507,7 +512,7 @@ def _converters_reused(enabled: bool = True):
         source = ""
     if not enabled or not all(line in source for line in _CONVERTER_COPY_LINES) or not hasattr(cml, "WeightTransform"):
         if enabled:
-            log.debug("transformers' loading loop is not the one _converters_reused knows: its converter copies are left alone")
+            log.debug("transformers' loading loop is not the one converters_reused knows: its converter copies are left alone")
         yield None
         return
     deepcopy = cml.deepcopy
@@ -577,7 +582,7 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
     (:meth:`StreamedCheckpoint.prefetch`) before the config is read and the model's code imported.
 
     ``reuse_converters`` (on by default) spares transformers' loading loop a deep copy per checkpoint
-    tensor (:func:`_converters_reused`; off: the comparison ``bench/load.py --loader streamed_copying``).
+    tensor (:func:`converters_reused`; off: the comparison ``bench/load.py --loader streamed_copying``).
 
     Returns:
         the model in eval mode, every parameter on the device map's devices.
@@ -606,7 +611,7 @@ def load_streamed(path: str, *, device: torch.device, dtype: torch.dtype, device
         # from here transformers' own pool reads ahead; what the model will not ask for is let go now
         ckpt.stop_prefetch(list(getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or ()))
         prefetched_by_then = ckpt.prefetched_bytes
-        with _allocator_warm_up(allocator_warm_up), _converters_reused(reuse_converters) as converter_copies:
+        with _allocator_warm_up(allocator_warm_up), converters_reused(reuse_converters) as converter_copies:
             model = model_class.from_pretrained(None, config=config, state_dict=dict(ckpt.tensors), dtype=dtype,
                                                 device_map=device_map, **kwargs)
     t1 = time.perf_counter()

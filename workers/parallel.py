@@ -102,8 +102,11 @@ def load_tensor_parallel(path, *, dtype: torch.dtype, use_safetensors: bool = Tr
     hub = hub_kwargs(path)  # a hub id: its cache looked at once, no retries of an unreachable hub
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **hub)
     check_group_size(config, dist.get_world_size())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto", use_safetensors=use_safetensors,
-                                                 trust_remote_code=trust_remote_code, **hub)
+    from workers.loading import converters_reused
+
+    with converters_reused():  # an MoE's converter copy per expert tensor (workers/loading.py)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto", use_safetensors=use_safetensors,
+                                                     trust_remote_code=trust_remote_code, **hub)
     model.requires_grad_(False)
     return model.eval()
 

@@ -346,15 +346,16 @@ def load_target(name: str, settings: Settings) -> Target:
                               "own loader instead (HSX_FAST_LOAD=false skips the streamed loader)", local)
                 torch.cuda.empty_cache()
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(
-                path,
-                dtype=dtype,
-                use_safetensors=use_safetensors,
-                trust_remote_code=settings.trust_remote_code,
-                device_map=load_device_map(device),  # straight to the device, one tensor at a time (load_device_map)
-                **hub_kwargs(path),  # a hub id: its cache, read alone when the hub cannot be reached (no retries)
-                **quantized.load_kwargs(info, device, path),  # FP8 on the CPU: dequantised while loading
-            )
+            with loading.converters_reused():  # an MoE's converter copy per expert tensor (workers/loading.py)
+                model = AutoModelForCausalLM.from_pretrained(
+                    path,
+                    dtype=dtype,
+                    use_safetensors=use_safetensors,
+                    trust_remote_code=settings.trust_remote_code,
+                    device_map=load_device_map(device),  # straight to the device, one tensor at a time (load_device_map)
+                    **hub_kwargs(path),  # a hub id: its cache, read alone when the hub cannot be reached (no retries)
+                    **quantized.load_kwargs(info, device, path),  # FP8 on the CPU: dequantised while loading
+                )
     faults.hooks().at_load()  # HSX_FAULTS=die_load (tests): dies here, as the OOM killer kills a loading worker
     after = model_info(name, settings.cache_dir, trust_remote_code=settings.trust_remote_code)
     if after.revision != info.revision:
