@@ -1,12 +1,20 @@
 """Enqueueing: one Celery task per planned batch that has no marker yet, on the ``gpu`` queue.
 
 Messages carry ids only (the run's store URL and the batch name); the worker reads the batch
-from the plan. A batch that is queued (a message of it waits in the broker's queue), running (a
-live worker's presence lists it: ``hsx/fleet.py``) or parked (a worker could not serve it) is not
-sent again, so a second ``enqueue`` of a run still in progress sends only what is lost
-(``producer/fleetview.py``'s ``broker_view`` decides). A duplicate that slips through a race (a
-message claimed between the looks) is still harmless: the second delivery finds the marker and
-does nothing.
+from the plan. A batch that is done (its marker), queued (a message of it waits in the broker's
+queue), running (a live worker's presence lists it: ``hsx/fleet.py``, or a delivery of it was
+claimed a moment ago and its worker has not listed it yet) or parked (a worker could not serve it)
+is not sent again, so a second ``enqueue`` of a run still in progress sends only what is lost
+(:func:`where_batches_are` decides).
+
+A batch moves forward through queue, claim, presence, marker, ack, and each look reads those places
+in that order, the markers last: a batch that moves while it is looked at is met again further on,
+never missed (reading the markers first sent a batch that finished between the looks again). A
+claim no live worker lists is either a delivery of the last second, which its worker lists within
+its presence's write gap, or a dead consumer's (lost): it is looked at again
+:data:`UNLISTED_CONFIRM_S` later, as is every batch found nowhere while the run has batches in
+flight (a message between the queue and the claims, or put back by a reclaimer, at the first
+look). A duplicate that still slips through is harmless: the second delivery finds the marker.
 
 Before anything is planned, :func:`check_output` compares the ``--output`` with the store roots
 the live workers on the broker serve (their presences) and with ``HSX_STORE_URL`` /
@@ -19,12 +27,13 @@ removes ``cancelled.json`` before it sends the first batch, and stops the planni
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from hsx.access import allowed_roots, normalise
 from hsx.broker import redis_client
 from hsx.errors import BadConfig, RunCancelled
-from hsx.fleet import register_runs
+from hsx.fleet import broker_time, read_parked, read_presences, register_runs
 from hsx.queue import send_batches
 from hsx.records import BatchSummary, Cancelled, done_batches
 from hsx.store import mask_url
@@ -108,39 +117,122 @@ class EnqueueResult:
     """The ``cancelled.json`` this enqueue removed (the run had been cancelled), as JSON; else None."""
 
 
+#: seconds between the two looks at a claim that no live worker lists: a live worker lists each
+#: delivery in its presence within one write gap (1 s, ``workers/heartbeat.py`` MIN_WRITE_GAP_S);
+#: three gaps, as ``workers/lease.py`` gives a dead worker's unlisted claims.
+UNLISTED_CONFIRM_S = 3.0
+
+
+@dataclass
+class Look:
+    """Where a run's batches stood at one look: the broker's places, then the markers."""
+
+    state: dict[str, str] = field(default_factory=dict)
+    """``{batch: "done" | "running" | "queued" | "unlisted" | "parked"}``; a batch found nowhere (or
+    claimed only by dead workers) is absent. One state a batch, the first of that order it is in."""
+    unlisted: dict[str, set[str]] = field(default_factory=dict)
+    """``{batch: delivery tags}`` of its claims that no presence lists."""
+
+    def active(self) -> bool:
+        """Whether any batch of the run was in the broker's hands (queued, running or claimed)."""
+        return any(s in ("running", "queued", "unlisted") for s in self.state.values())
+
+
+def look(settings: Settings, client, run_url: str, run_store) -> Look:
+    """One look at where the batches of ``run_url`` are: the queue, the live workers' presences, the
+    claims (delivered, not acknowledged), the parked messages, and last the markers.
+
+    A batch only moves forward through that order (queued, claimed, listed, marker written, acked),
+    so one that moves during the look is met in a later place. Raises whatever redis raises when
+    the broker does not answer.
+    """
+    from hsx.brokerlayout import claims, queued_of
+    from producer.fleetview import gone_here
+
+    queued = queued_of(client, settings.queue, run_url).get(run_url, {})
+    now = broker_time(client)
+    everyone = read_presences(client, settings.queue)
+    live = [p for p in everyone if p.live(now, settings.lease_s) and not gone_here(p)]
+    running = {t.batch for p in live for t in p.tasks if t.run_url == run_url and t.batch}
+    unlisted: dict[str, set[str]] = {}
+    for c in claims(client):
+        if c.run_url != run_url:
+            continue
+        listing = [p for p in everyone if p.holds(task_id=c.task_id, run_url=c.run_url, batch=c.batch)]
+        if any(p in live for p in listing):
+            running.add(c.batch)  # listed by its task id alone
+        elif not listing:  # a dead worker's (listed, not live) claim is lost: sent again, as always
+            unlisted.setdefault(c.batch, set()).add(c.tag)
+    parked = {p.batch for p in read_parked(client, settings.queue, run_url)}
+    done = done_batches(run_store)  # last: a batch that finished during the look is seen here
+    out = Look(unlisted=unlisted)
+    for kind, names in (("parked", parked), ("unlisted", unlisted), ("queued", queued), ("running", running),
+                        ("done", done)):
+        out.state.update(dict.fromkeys(names, kind))  # later kinds win: done over running over queued...
+    return out
+
+
+def where_batches_are(settings: Settings, broker_url: str, run_url: str, run_store, batches: list[str],
+                      confirm_s: float | None = None) -> dict[str, str]:
+    """``{batch: "done" | "queued" | "running" | "parked"}`` for those of ``batches`` that need no
+    message now; the others are lost (or never sent) and need one.
+
+    A second :func:`look`, ``confirm_s`` (default :data:`UNLISTED_CONFIRM_S`) seconds later when a
+    claim nobody listed was seen, is taken of the batches the first found nowhere or unlisted, if the
+    run had any batch in flight: an unlisted claim still there with the same delivery tag is a dead
+    consumer's (lost); a batch claimed anew, or listed, queued or done by then, is not sent.
+    """
+    client = redis_client(broker_url)
+    first = look(settings, client, run_url, run_store)
+    where = {b: first.state[b] for b in batches if first.state.get(b) not in (None, "unlisted")}
+    doubtful = [b for b in batches if b not in where]
+    if not doubtful or not first.active():
+        return where
+    if any(first.state.get(b) == "unlisted" for b in doubtful):
+        time.sleep(UNLISTED_CONFIRM_S if confirm_s is None else confirm_s)
+    second = look(settings, client, run_url, run_store)
+    for b in doubtful:
+        state = second.state.get(b)
+        if state == "unlisted":  # the same delivery, unlisted both times: its consumer is gone
+            state = None if second.unlisted[b] & first.unlisted.get(b, set()) else "running"
+        if state is not None:
+            where[b] = state
+    return where
+
+
 def enqueue_batches(planned, settings: Settings, broker_url: str, progress=None, *, skip_in_flight: bool = True,
                     batches: list[BatchSummary] | None = None) -> EnqueueResult:
     """Send one task per batch of ``planned`` (a :class:`producer.planner.PlannedRun`, or a
     :class:`producer.planner.PlanJob` with ``batches``: a window's) that has no marker and, with
-    ``skip_in_flight``, is neither queued, running nor parked on the broker.
+    ``skip_in_flight``, is neither queued, running nor parked on the broker
+    (:func:`where_batches_are`). Each batch lands in exactly one of the result's ``already_done``,
+    ``in_flight`` and ``enqueued``.
 
-    Reading the broker costs no wait: the queue's messages, kombu's claims and the workers'
-    presences (no ``inspect`` round trip). Raises whatever redis raises when the broker does not
-    answer.
+    Reading the broker costs no ``inspect`` round trip: the queue's messages, kombu's claims and the
+    workers' presences; it waits :data:`UNLISTED_CONFIRM_S` only when a claim of the run was
+    listed by no worker. Raises whatever redis raises when the broker does not answer.
     """
-    from producer.fleetview import broker_view
-
     batches = planned.batches if batches is None else batches
     if not batches:
         return EnqueueResult()
-    done = done_batches(planned.run_store)
     result = EnqueueResult()
+    names = [b.batch for b in batches]
+    where = dict.fromkeys(done_batches(planned.run_store), "done")  # a marker stays: no look needed for those
+    left = [b for b in names if b not in where]
+    if left and skip_in_flight:  # reconcile (False) looked at the broker itself
+        where.update(where_batches_are(settings, broker_url, planned.run_url, planned.run_store, left))
     todo = []
-    for b in batches:
-        (result.already_done if b.batch in done else todo).append(b.batch)
-    by_name = {b.batch: b for b in batches}
-    if todo and skip_in_flight:
-        view = broker_view(settings, broker_url, planned.run_url)
-        for batch in todo:
-            if batch in view.queued:
-                result.in_flight[batch] = "queued"
-            elif batch in view.running:
-                result.in_flight[batch] = "running"
-            elif batch in view.parked:
-                result.in_flight[batch] = "parked"
-        todo = [b for b in todo if b not in result.in_flight]
+    for batch in names:
+        state = where.get(batch)
+        if state == "done":
+            result.already_done.append(batch)
+        elif state is not None:
+            result.in_flight[batch] = state
+        else:
+            todo.append(batch)
     if not todo:
         return result
+    by_name = {b.batch: b for b in batches}
     task = progress.add_task("enqueueing", total=len(todo)) if progress else None
     register_runs(redis_client(broker_url), settings.queue, [planned.run_url])
     sent = send_batches(settings, broker_url, planned.run_url, planned.config.run_id, [by_name[b] for b in todo],
