@@ -524,9 +524,9 @@ class PlanJob:
                     rid = outcome.claimed
                     if rid is None:
                         window.skips.add(outcome.skip)
-                    elif rid in seen:
-                        window.skips.add(BadRecord(rid, "duplicate_id",
-                                                   f"id {rid!r} belongs to an earlier usable record of this source"))
+                    elif rid in seen:  # its line, as every other skip's example has (a JSON-lines record's)
+                        window.skips.add(BadRecord(rid, "duplicate_id", f"id {rid!r} belongs to an earlier usable "
+                                                   "record of this source", getattr(_raw, "lineno", None)))
                     else:
                         seen.add(rid)
                         for name in outcome.fixes:

@@ -55,6 +55,25 @@ def test_a_file_of_pathological_records_finishes_with_each_skip_counted(tmp_path
     assert sorted(samples) == sorted([f"good-{i}" for i in range(6)] + ["lead", "bing"])
 
 
+def test_every_skipped_example_of_a_jsonl_file_names_its_line_a_duplicate_id_too(tmp_path, tiny_cache):
+    """The plan's skipped examples give each record's line, ``<id> (line N): ...``, whatever the reason:
+    the duplicate id included (it was ``good-0: id ...`` with no line, unlike every other reason)."""
+    from plans import plan_options, plan_settings
+    from producer.planner import plan_run
+
+    lines = [json.dumps(_good(i)) for i in range(3)]
+    lines += [json.dumps({"id": "zero-turns", "conversations": []}), "",       # a blank line: lines are not records
+              json.dumps(_good(1)), json.dumps({"id": "only-user", "conversations": [{"from": "human", "value": "hi"}]})]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    planned = plan_run(plan_options(tmp_path / "out", dataset=data, num_proc=1), plan_settings(tiny_cache))
+    examples = planned.stats["skipped"]["examples"]
+    assert set(examples) == {"duplicate_id", "no_turns", "no_assistant_turn"}, examples
+    assert examples["duplicate_id"] == ["good-1 (line 6): id 'good-1' belongs to an earlier usable record of this source"]
+    assert examples["no_turns"][0].startswith("zero-turns (line 4): ") and examples["no_assistant_turn"][0].startswith(
+        "only-user (line 7): "), examples
+
+
 def _refused(proc, *needles: str) -> None:
     assert proc.returncode == 2, f"expected a refusal, got exit {proc.returncode}\n{proc.stderr[-2000:]}"
     flat = " ".join(proc.stderr.split())  # rich wraps long lines at the terminal width
