@@ -4,7 +4,8 @@ worker`` children and a real valkey broker on a TCP port with a password (``TcpB
 A worker that dies is logged with how it died and restarted after a doubling wait; one that keeps
 dying ends the launcher with exit 1; a worker that exits 0 by itself is not restarted; a stop
 (SIGTERM) ends everything without restarts; and a bad setting, a missing broker URL or a broker
-that does not answer is refused before any worker starts. The restart waits are set to a tenth
+that does not answer is refused before any worker starts. Two launchers on one host and broker give
+their workers different node names, and the second warns about a GPU the first pins. The restart waits are set to a tenth
 of a second so that the tests take seconds.
 """
 
@@ -219,6 +220,50 @@ def _refused_before_start(proc: subprocess.CompletedProcess) -> str:
 def run_launcher(env: dict[str, str], timeout_s: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "workers", "--count", "1"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout_s)
+
+
+def _two_launchers(tmp_path, env, launchers) -> tuple[Launcher, Launcher]:
+    """A launcher of one worker, then a second once the first's worker is started (its name taken)."""
+    started = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        launcher = Launcher(tmp_path / name, env, "--count", "1")
+        launchers.append(launcher)
+        wait_until(launcher.children, 30, f"the {name} launcher's worker to start")
+        started.append(launcher)
+    return started[0], started[1]
+
+
+def test_two_launchers_on_one_host_and_broker_give_their_workers_different_node_names(tmp_path, launcher_env, launchers):
+    """The first launcher's worker is cpu0@host, the second's cpu0-1@host, which the second says, naming the
+    first's pid; CPU workers share the host without a warning. Once the first and its worker are gone,
+    a third launcher's worker is cpu0 again. (Both were cpu0@host: `celery inspect` heard one of them.)"""
+    (tmp_path / "tmp").mkdir()
+    env = {**launcher_env(), "TMPDIR": str(tmp_path / "tmp")}  # lock files of this test's own
+    first, second = _two_launchers(tmp_path, env, launchers)
+    assert list(first.children()) == ["cpu0"] and list(second.children()) == ["cpu0-1"], (first.log(), second.log())
+    host = socket.gethostname()
+    assert (f"worker name cpu0@{host} is taken on this host by launcher pid {first.proc.pid} (same broker): "
+            f"this one is cpu0-1@{host}") in second.log(), second.log()
+    assert "GPU" not in second.log()
+    first.close()
+    (tmp_path / "third").mkdir()
+    third = Launcher(tmp_path / "third", env, "--count", "1")
+    launchers.append(third)
+    assert list(wait_until(third.children, 30, "the third launcher's worker to start")) == ["cpu0"], third.log()
+
+
+def test_a_gpu_another_launcher_of_the_host_pins_is_warned_about_naming_that_launcher(tmp_path, launcher_env, launchers):
+    """Two launchers given CUDA_VISIBLE_DEVICES=0: the second's worker is gpu0-1, and the second warns
+    that GPU 0 is used by the first (its pid and worker), with the fix."""
+    (tmp_path / "tmp").mkdir()
+    env = {**launcher_env(device=None), "TMPDIR": str(tmp_path / "tmp"), "CUDA_VISIBLE_DEVICES": "0"}
+    first, second = _two_launchers(tmp_path, env, launchers)
+    assert list(first.children()) == ["gpu0"] and list(second.children()) == ["gpu0-1"], (first.log(), second.log())
+    said = " ".join(second.log().split())
+    assert (f"GPU 0 is already used by another launcher on this host: launcher pid {first.proc.pid} (its worker gpu0); "
+            "worker gpu0-1 loads a model on it too") in said, said
+    assert "give each its own GPUs (CUDA_VISIBLE_DEVICES)" in said and "GPU 0 is already" not in first.log()
 
 
 def test_a_bad_setting_is_refused_with_variable_value_and_rule_before_any_worker(launcher_env):

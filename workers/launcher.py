@@ -31,6 +31,12 @@ however it dies, SIGKILL included (Linux ``PR_SET_PDEATHSIG``, :func:`die_with_p
 crash of the launcher's own loop stops its workers (SIGTERM, then SIGKILL after the grace period)
 before the launcher exits with the error.
 
+Several launchers may run on one host: each worker's Celery node name (``cpu0@host``) is unique
+among the launchers of the host that use the same broker (:class:`HostLocks`): the first takes
+``cpu0``, the next ``cpu0-1``, and so on, so that ``celery inspect`` and ``status`` tell them apart.
+A GPU that another launcher of the host already pins is warned about, naming that launcher's pid
+(both would load the model on it); CPU workers share the host freely.
+
 A worker of a group (``HSX_GPUS_PER_WORKER`` > 1) starts its own K-1 follower ranks
 (``workers/group.py``); when one of them dies, the worker fails the batches it holds as
 transient and exits with code 75, and is restarted here, group and all, like any other death.
@@ -38,9 +44,12 @@ transient and exits with code 75, and is restarted here, group and all, like any
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -425,13 +434,17 @@ class WorkerSlot:
     """SIGTERM sent to the current process (sent once: Celery's warm shutdown needs it once)."""
     ready_said: bool = False
     """The current process's ready event was written (its ready file seen)."""
+    gpus: tuple[str, ...] = ()
+    """The GPU ids it is pinned to (its CUDA_VISIBLE_DEVICES); () for a CPU worker."""
+    keep_fds: tuple[int, ...] = ()
+    """Lock files it inherits (:class:`HostLocks`): its name and GPUs stay taken while it lives."""
 
     def start(self) -> None:
         """Start the process. Raises OSError when it cannot be started (fork or exec failed)."""
         self.restart_at = None
         self.terminated = False
         self.ready_said = False
-        self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=die_with_parent())
+        self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=die_with_parent(), pass_fds=self.keep_fds)
         self.started_at = time.monotonic()
 
     def terminate(self) -> None:
@@ -500,8 +513,195 @@ def plan_slots(settings: Settings, env: dict[str, str], count: int | None, logle
             name = f"cpu{i}" + (f"x{per_worker}" if per_worker > 1 else "")
             if per_worker > 1:
                 child_env["HSX_GPUS_PER_WORKER"] = str(per_worker)
-        slots.append(WorkerSlot(name, child_env, worker_command(settings, name, loglevel)))
+        slots.append(WorkerSlot(name, child_env, worker_command(settings, name, loglevel),
+                                gpus=tuple(groups[i % len(groups)]) if groups else ()))
     return slots, gpus
+
+
+def locks_dir() -> Path:
+    """The directory of this host's launcher locks (:class:`HostLocks`), one per user:
+    ``<temp dir>/hsx-<uid>/launchers`` (the temp dir is ``TMPDIR``'s, else ``/tmp``).
+
+    Raises:
+        OSError: it cannot be created.
+    """
+    path = Path(tempfile.gettempdir()) / f"hsx-{os.getuid()}" / "launchers"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+class HostLocks:
+    """The host-local locks of one launcher: its workers' Celery node names and the GPUs it pins.
+
+    A lock is ``flock`` on a file of :func:`locks_dir` that holds ``{"pid", "worker"}``. The kernel
+    releases it when every process holding the file open is gone: the launcher and the children it
+    passes it to (:attr:`WorkerSlot.keep_fds`), so a worker of a killed launcher that is still
+    finishing its batch keeps its name and GPU taken. No file is ever stale: a lock held by nobody
+    is free.
+
+    A node name is locked per broker (``broker_url``, password left out) and host name: Celery
+    names clash only among the workers of one broker, so launchers on other brokers (each
+    ``producer run`` has its own) keep ``cpu0``. A GPU is marked per launcher (one file each, named
+    by its pid), so that every launcher sees every other that uses it.
+    """
+
+    #: suffixes tried after a name that is taken: ``cpu0-1`` ... ``cpu0-999``.
+    MAX_SUFFIX = 999
+
+    def __init__(self, broker_url: str | None, directory: Path | None = None):
+        from hsx.storeurl import mask_url
+
+        self.dir = directory or locks_dir()
+        self.broker = hashlib.sha256(f"{socket.gethostname()} {mask_url(broker_url or '')}".encode()).hexdigest()[:12]
+        self.fds: dict[int, Path] = {}
+        """Every lock held: fd -> its file."""
+        self._gpu_fds: dict[str, int] = {}
+
+    def node_name(self, name: str) -> tuple[str, int, dict | None]:
+        """The first of ``name``, ``name-1``, ``name-2``... that no other launcher of this host and
+        broker holds, locked: ``(name, lock fd, the holder of name, or None when it was free)``.
+
+        Raises:
+            BadConfig: every suffix up to :attr:`MAX_SUFFIX` is taken.
+        """
+        first_holder = None
+        k = 0
+        while k <= self.MAX_SUFFIX:
+            candidate = name if k == 0 else f"{name}-{k}"
+            path = self.dir / f"node.{self.broker}.{candidate}.lock"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            if _lock(fd):
+                if not _same_file(fd, path):  # its holder removed it as it let go: take the path anew
+                    os.close(fd)
+                    continue
+                _say(fd, candidate)
+                self.fds[fd] = path
+                return candidate, fd, first_holder
+            if k == 0:
+                first_holder = _holder(fd)
+            os.close(fd)
+            k += 1
+        raise BadConfig(f"worker names {name} to {name}-{self.MAX_SUFFIX} are all taken on this host by other launchers "
+                        f"of the same broker (lock files in {self.dir}); fix: stop some of them")
+
+    def pin_gpu(self, gpu: str, worker: str) -> tuple[int, list[dict]]:
+        """Mark GPU ``gpu`` as used by this launcher (once, whatever the number of its workers on it):
+        ``(lock fd, the other launchers of this host that use it: [{"pid", "worker"}])``."""
+        if gpu in self._gpu_fds:
+            return self._gpu_fds[gpu], []
+        prefix = f"gpu.{re.sub(r'[^A-Za-z0-9-]', '_', gpu)}."
+        others = []
+        for path in sorted(self.dir.glob(prefix + "*.lock")):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:  # removed by another launcher's look
+                continue
+            try:
+                if not _lock(fd):
+                    others.append(_holder(fd))
+                elif _same_file(fd, path):
+                    path.unlink()  # its launcher and workers are gone
+            finally:
+                os.close(fd)
+        while True:  # a file of its own (never one a dead launcher left): every launcher that uses the GPU is seen
+            path = self.dir / f"{prefix}{os.getpid()}-{os.urandom(4).hex()}.lock"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            if _lock(fd) and _same_file(fd, path):  # not removed by another's look before the lock
+                break
+            os.close(fd)
+        _say(fd, worker)
+        self.fds[fd] = path
+        self._gpu_fds[gpu] = fd
+        return fd, others
+
+    def sweep(self) -> None:
+        """Remove the node-name files nobody holds (a launcher killed outright leaves its own)."""
+        for path in self.dir.glob("node.*.lock"):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                if _lock(fd) and _same_file(fd, path):
+                    path.unlink()
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        """Let go of every lock and remove its file (called once the workers are gone): a name of a
+        broker that is gone leaves no file behind. Another launcher that opened the file meanwhile
+        sees that it was removed (:func:`_same_file`) and takes the path anew."""
+        for fd, path in self.fds.items():
+            try:
+                if _same_file(fd, path):
+                    path.unlink()
+            except OSError:
+                pass
+            os.close(fd)
+        self.fds.clear()
+        self._gpu_fds.clear()
+
+
+def _lock(fd: int) -> bool:
+    """Take ``fd``'s exclusive lock if nobody holds it; False when somebody does."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not removed, nor made anew, since)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _say(fd: int, worker: str) -> None:
+    """Write who holds the lock of ``fd``: this launcher's pid and the worker name."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "worker": worker}).encode(), 0)
+
+
+def _holder(fd: int) -> dict:
+    """Who holds the lock of ``fd`` (:func:`_say`); ``{}`` when it has not said yet."""
+    try:
+        fields = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return fields if isinstance(fields, dict) else {}
+
+
+def claim_host_locks(slots: list[WorkerSlot], locks: HostLocks, settings: Settings, loglevel: str) -> None:
+    """Give each of ``slots`` a node name no other launcher of this host and broker holds (renaming
+    ``cpu0`` to ``cpu0-1`` when it is taken, said at INFO), and warn about each GPU another launcher
+    of this host already pins. The slots' ``keep_fds`` get their locks.
+
+    Raises:
+        BadConfig: from :meth:`HostLocks.node_name`.
+    """
+    host = socket.gethostname()
+    warned: set[str] = set()
+    locks.sweep()
+    for slot in slots:
+        name, fd, holder = locks.node_name(slot.name)
+        if name != slot.name:
+            log.info("worker name %s@%s is taken on this host by launcher pid %s (same broker): this one is %s@%s",
+                     slot.name, host, (holder or {}).get("pid", "?"), name, host)
+            slot.name, slot.cmd = name, worker_command(settings, name, loglevel)
+        fds = [fd]
+        for gpu in slot.gpus:
+            gpu_fd, others = locks.pin_gpu(gpu, name)
+            fds.append(gpu_fd)
+            if others and gpu not in warned:
+                warned.add(gpu)
+                who = ", ".join(f"launcher pid {o.get('pid', '?')} (its worker {o.get('worker', '?')})" for o in others)
+                log.warning("GPU %s is already used by another launcher on this host: %s; worker %s loads a model on it "
+                            "too, and the two share its memory and compute (out of memory, or each at half speed); fix: "
+                            "stop the other launcher, or give each its own GPUs (CUDA_VISIBLE_DEVICES)", gpu, who, name)
+        slot.keep_fds = tuple(fds)
 
 
 def launch(settings: Settings, *, count: int | None = None, loglevel: str = "INFO", grace_s: float = 600.0,
@@ -566,6 +766,12 @@ def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: i
 
     marking: list[threading.Thread] = []
     slots, gpus = plan_slots(settings, env, count, loglevel)
+    locks = None
+    try:
+        locks = HostLocks(settings.broker_url)
+        claim_host_locks(slots, locks, settings, loglevel)
+    except OSError as exc:  # no temp dir to lock in: names as planned (they may clash with another launcher's)
+        log.warning("worker names and GPUs not checked against other launchers of this host: %s", exc)
     state = {"stopping_at": None, "signals": 0, "gave_up": False}
     was_parent = exit_with_parent == os.getppid()
 
@@ -675,6 +881,8 @@ def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: i
         raise
     for t in marking:
         t.join(MARK_TIMEOUT_S)
+    if locks is not None:
+        locks.close()
     return 1 if state["gave_up"] else 0
 
 
