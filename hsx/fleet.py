@@ -70,6 +70,14 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def worker_label(node: str | None, host: str | None, pid: int | None) -> str:
+    """How every view names a worker process: its Celery node name and pid (``cpu0@vm pid 7197``), or
+    its host and pid when the node name is not known (``vm pid 7197``: a record in the store names no
+    node). The pid keeps apart the processes of one node name (two ``python -m workers`` on a host)."""
+    who = node or host or "?"
+    return f"{who} pid {pid}" if pid is not None else who
+
+
 class HeldTask(BaseModel):
     """A task a worker process holds: received (prefetched, or waiting for its retry countdown) or running."""
 
@@ -116,6 +124,11 @@ class Presence(BaseModel):
     def live(self, now: float, lease_s: float) -> bool:
         """Whether the process counts as alive at broker time ``now``: not stopped, written within ``lease_s``."""
         return self.state != "stopped" and now - self.stamp <= lease_s
+
+    @property
+    def label(self) -> str:
+        """:func:`worker_label` of this process."""
+        return worker_label(self.node, self.host, self.pid)
 
     def holds(self, task_id: str | None = None, run_url: str | None = None, batch: str | None = None) -> bool:
         """Whether it lists the task ``task_id``, or a task of batch ``batch`` of ``run_url``."""
@@ -252,4 +265,4 @@ def elect(client, queue: str, me: str, ttl_s: float) -> bool:
 __all__ = ["Presence", "HeldTask", "Parked", "broker_time", "write_presence", "remove_presence", "read_presences",
            "live_presences", "prune_presences", "park", "read_parked", "take_parked", "register_runs", "known_runs",
            "forget_run", "elect", "workers_key", "parked_key", "runs_key", "unaccounted_key", "healer_key",
-           "batch_field"]
+           "batch_field", "worker_label"]

@@ -63,6 +63,7 @@ from hsx.records import (BatchSummary, Cancelled, Marker, Planning, PlanWindow, 
                          read_heartbeats)
 from hsx.runconfig import load_run
 from hsx.store import MissingKey, Store, mask_url
+from producer.words import plural
 
 #: Seconds of recent markers the current rate (and the ETA) is measured over (at least the last
 #: RATE_MIN_MARKERS markers, whenever they came).
@@ -188,21 +189,33 @@ class BrokerProbe:
         return out
 
     def poll(self, run_url: str | None = None) -> dict:
-        """``{"url", "queue_name", "queue", "now", "presences", "parked", "workers"}``, or
-        ``{"url", "queue_name", "error"}`` when the broker does not answer. ``now``: the broker's
-        clock; ``presences``: the live workers' (``producer/fleetview.py``), as JSON; ``parked``: the
-        parked messages of ``run_url`` as JSON (none without it); ``workers``: the ``gpu_stats`` replies."""
-        from hsx.fleet import read_parked
-        from producer.fleetview import alive_presences
+        """``{"url", "queue_name", "queue", "now", "presences", "gone", "parked", "not_held", "workers"}``,
+        or ``{"url", "queue_name", "error"}`` when the broker does not answer. ``now``: the broker's
+        clock; ``presences``: the live workers' (``producer/fleetview.py``), as JSON; ``gone``: the
+        presences of workers dead (stale or stopped) within the last hour, as JSON; ``parked``: the
+        parked messages of ``run_url`` as JSON (none without it); ``not_held``: the claims of
+        ``run_url`` no live worker holds (:func:`producer.fleetview.not_held`; null without it);
+        ``workers``: the ``gpu_stats`` replies."""
+        from hsx.brokerlayout import claims
+        from hsx.fleet import broker_time, read_parked, read_presences
+        from producer.fleetview import FLEET_FORGET_S, gone_here, not_held, unheld_claims
 
-        out = {"url": mask_url(self.broker_url), "queue_name": self.settings.queue}
+        settings, client = self.settings, self.client
+        out = {"url": mask_url(self.broker_url), "queue_name": settings.queue}
         try:
-            out["queue"] = queue_length(self.broker_url, self.settings.queue, self.client)
-            now, live = alive_presences(self.client, self.settings.queue, self.settings.lease_s)
+            out["queue"] = queue_length(self.broker_url, settings.queue, client)
+            # the claims before the presences: a delivery made in between is listed by then (fleetview)
+            found = [c for c in claims(client) if c.run_url == run_url] if run_url else []
+            now = broker_time(client)
+            everyone = read_presences(client, settings.queue)
+            live = [p for p in everyone if p.live(now, settings.lease_s) and not gone_here(p)]
+            alive = {p.worker for p in live}
             out["now"] = now
             out["presences"] = [p.model_dump() for p in live]
-            out["parked"] = ([p.model_dump() for p in read_parked(self.client, self.settings.queue, run_url)]
+            out["gone"] = [p.model_dump() for p in everyone if p.worker not in alive and now - p.stamp <= FLEET_FORGET_S]
+            out["parked"] = ([p.model_dump() for p in read_parked(client, settings.queue, run_url)]
                              if run_url else [])
+            out["not_held"] = not_held(unheld_claims(found, everyone, alive), now, settings) if run_url else None
             out["workers"] = self.workers()
         except Exception as exc:
             out["error"] = f"{exc.__class__.__name__}: {exc}"
@@ -286,12 +299,16 @@ class RunWatch:
         probe: a :class:`BrokerProbe` for worker GPU stats and the queue; None: store only.
         broker: the run's broker as :func:`run_broker` tells it (``"embedded"``, a masked URL, or
             None: not known); the ``restart`` advice of a stalled run depends on it.
+        settings: the lease, heartbeat and S3 settings status reads; None: the probe's, else
+            ``get_settings()``.
     """
 
-    def __init__(self, run_store: Store, probe: BrokerProbe | None = None, broker: str | None = None):
+    def __init__(self, run_store: Store, probe: BrokerProbe | None = None, broker: str | None = None,
+                 settings=None):
         self.run_store = run_store
         self.probe = probe
         self.broker = broker
+        self._settings = settings if settings is not None else probe.settings if probe is not None else None
         self.embedded_live: bool | None = None
         """Whether an embedded broker of a ``producer run`` answers on this machine (None: not asked,
         ``--no-broker``): for a run on the embedded broker that no worker took, queued or stalled."""
@@ -305,6 +322,15 @@ class RunWatch:
         self._window_cache: dict[str, PlanWindow] = {}  # a window record is written once: read once
         self.stats: Stats | None = None
         self.markers: dict[str, dict] = {}
+
+    @property
+    def settings(self):
+        """The settings the lease times and the start command are read from (see the class doc)."""
+        if self._settings is None:
+            from settings import get_settings
+
+            self._settings = get_settings()
+        return self._settings
 
     def _read_marker(self, batch: str) -> dict | None:
         try:
@@ -430,7 +456,14 @@ class RunWatch:
         # While windows keep coming, idle workers wait for the next one: no stall (PLANNING_STALL_GRACE_S).
         quiet_planner = (state == "planning" and len(done) < total and planning["updated_age_s"] is not None
                          and planning["updated_age_s"] > PLANNING_STALL_GRACE_S)
-        if (state == "running" or quiet_planner) and (workers or parked) \
+        # A lost worker's batches come back by themselves once its lease ends, if a live worker is there
+        # to put them back and take them: until then the run waits, it is not stalled.
+        lease_wait = [{"worker": w["label"], "batches": [b for b, _ in w["_held"] if b not in done],
+                       "back_in_s": w["reclaim_in_s"]} for w in workers
+                      if (w.get("reclaim_in_s") or 0) > 0 and any(b not in done for b, _ in w["_held"])]
+        if parked or not any(w["online"] for w in workers):  # parked batches need a fix; no live worker, a start
+            lease_wait = []
+        if (state == "running" or quiet_planner) and (workers or parked) and not lease_wait \
                 and not any(self._works_on_it(w, now) for w in workers):
             # Workers reported (or parked its messages), but no live one works on the run now: no ETA.
             planning_now = state == "planning"
@@ -449,6 +482,23 @@ class RunWatch:
             resume = ("run the same `python -m producer run` / `enqueue` command again (the same dataset and "
                       "options give the same run id): it removes cancelled.json and enqueues every batch without a marker"
                       + self._planned_by())
+        if state in ("failed", "cancelled"):
+            # Nothing runs it: no ETA, and no current rate (the recent window would only decay); the
+            # overall rate stays, as the rate it ran at.
+            eta = None
+            rate.update(tokens_per_s=None, samples_per_s=None, rate_window_s=None)
+            if generated:
+                generated["generated_tokens_per_s"] = None
+        if state not in ("running", "planning"):
+            lease_wait = []
+        for w in workers:
+            w.pop("_held", None)
+        broker_out = None
+        if broker is not None:
+            broker_out = {k: v for k, v in broker.items() if k not in ("workers", "presences", "gone", "parked", "now")}
+            if broker_out.get("not_held") is not None:  # of those claims, the batches done since: nothing is redone
+                broker_out["not_held"] = dict(broker_out["not_held"], done=sum(
+                    1 for _run, b in broker_out["not_held"]["batches"] if b in done))
         if self.stats is not None:
             skipped = self.stats.skipped.counts
         else:  # a plan still written: its windows' counts so far (each window counts its own records)
@@ -488,8 +538,8 @@ class RunWatch:
             **generated,
             "eta_s": eta,
             "workers": workers,
-            "broker": None if broker is None else {k: v for k, v in broker.items()
-                                                   if k not in ("workers", "presences", "parked", "now")},
+            "broker": broker_out,
+            "lease_wait": lease_wait or None,
             "parked": parked,
             "batches_parked": None if parked is None else sum(len(g["batches"]) for g in parked),
             "cancelled": cancelled.model_dump(exclude={"schema_version"}) if cancelled is not None else None,
@@ -537,7 +587,7 @@ class RunWatch:
             parts.append(f"{len(loading)} still loading the target after {longest / 60:.0f} min (stuck? see the "
                          "worker's log)")
         if lost:
-            parts.append(f"{len(lost)} lost (no heartbeat): " + ", ".join(f"{w['host']}-{w['pid']}" for w in lost))
+            parts.append(f"{len(lost)} lost (no heartbeat): " + ", ".join(w["label"] + self._lease_note(w) for w in lost))
         restarting = self.broker == "embedded" and self.embedded_live and not planning
         if idle:
             known = [w for w in idle if w["online"]]
@@ -551,7 +601,8 @@ class RunWatch:
             parts.append(f"{len(stopped)} worker{'s' if len(stopped) != 1 else ''} stopped (the process exited)")
         if not parts:
             parts.append("every worker that served it has stopped")
-        restart = self._restart(parked[0]["fix"] if parked else None, planning)
+        restart = self._restart(parked[0]["fix"] if parked else None, planning,
+                                serving=sum(1 for w in workers if w["online"]))
         why = "no worker is working on the run: " + "; ".join(parts)
         if self.broker == "embedded" and self.embedded_live is False:  # its workers were that command's own
             why = ("the `python -m producer run` that ran it is not running on this machine (stopped by a Ctrl-C, or "
@@ -566,6 +617,23 @@ class RunWatch:
         if planning:
             why += " (the planner still writes the plan)"
         return why, restart
+
+    def _lease_note(self, w: dict) -> str:
+        """`` (its 2 batches come back by themselves when its lease ends, in about 1m10s)`` for a lost
+        row whose undone batches wait for its lease; `` (its lease ended: ...)`` once they are due;
+        else ``""``."""
+        from producer.statusview import fmt_duration
+
+        back = w.get("reclaim_in_s")
+        if back is None:
+            return ""
+        left = sum(1 for b, _ in w.get("_held", []) if b not in self.markers)
+        n = plural(left, "batch")
+        if back > 0:
+            verb = "comes back by itself" if left == 1 else "come back by themselves"
+            return f" (its {n} {verb} when its lease ends, in about {fmt_duration(back)})"
+        return (f" (its lease ended: its {n} {'was' if left == 1 else 'were'} due back {fmt_duration(-back)} ago; if "
+                "neither queued nor running, reconcile)")
 
     def _not_taken(self, broker: dict | None) -> tuple[str, str]:
         """(why no batch of the run was taken, the command that starts workers for it) when no worker
@@ -586,21 +654,48 @@ class RunWatch:
         waiting = ""
         if asked and (broker.get("queue") or {}).get("waiting") is not None:
             waiting = f" ({broker['queue']['waiting']:,} messages wait on '{broker.get('queue_name')}', all runs)"
-        start = f"HSX_BROKER_URL={self.broker or 'redis://...'} HSX_STORE_URL={root} python -m workers"
+        start = self._worker_command(root)
         reason = "queued: no worker has taken a batch of the run yet" + waiting
         if self.broker:
-            return reason, f"start workers on the run's broker that serve its store: `{start}`"
-        return reason, (f"start workers on the broker it was enqueued on, serving its store: `{start}`; or, for a "
+            return reason, f"start workers on the run's broker that serve its store: {start}"
+        return reason, (f"start workers on the broker it was enqueued on, serving its store: {start}; or, for a "
                         "`python -m producer run`, run the same command again")
+
+    def _worker_command(self, root: str) -> str:
+        """The command that starts a worker for this run, in backquotes (then a note on the S3 keys):
+        ``python -m workers`` with the run's broker (masked), its store root, for an S3 store the
+        endpoint and region status itself uses and placeholders for the keys (a secret is never
+        printed), and the run's model as ``HSX_MODEL``."""
+        import shlex
+
+        env = [f"HSX_BROKER_URL={self.broker or 'redis://...'}", f"HSX_STORE_URL={shlex.quote(root)}"]
+        note = ""
+        if root.startswith("s3://"):
+            settings = self.settings
+            if settings.s3_endpoint_url:
+                env.append(f"HSX_S3_ENDPOINT_URL={mask_url(settings.s3_endpoint_url)}")
+            if settings.s3_region:
+                env.append(f"HSX_S3_REGION={settings.s3_region}")
+            env += ["HSX_S3_ACCESS_KEY_ID=<access key id>", "HSX_S3_SECRET_ACCESS_KEY=<secret access key>"]
+            note = " (the S3 keys: yours, or leave them out for the AWS_* variables or a profile)"
+        env.append(f"HSX_MODEL={shlex.quote(self.config.model_name)}")
+        return f"`{' '.join(env)} python -m workers`{note}"
 
     def _planned_by(self) -> str:
         """``; it was: `<the command that planned the run>``` (plan/stats.json), or "" when not recorded."""
         command = getattr(self.stats, "command", None)
         return f"; it was: `{command}`" if command else ""
 
-    def _restart(self, fix_first: str | None = None, planning: bool = False) -> str:
+    def _restart(self, fix_first: str | None = None, planning: bool = False, serving: int = 0) -> str:
         """The command that restarts a stalled run, for the broker it was run on; ``fix_first``: what
-        its parked messages need first."""
+        its parked messages need first; ``serving``: live workers that serve the run (none: the advice
+        is to start some; else only the fix, and reconcile)."""
+        if serving and self.broker != "embedded":  # workers are there: starting more fixes nothing
+            live = f"{plural(serving, 'live worker')} {'serves' if serving == 1 else 'serve'} the run: start no other"
+            if fix_first:
+                return f"for the parked batches: {fix_first} ({live})"
+            return (f"{live}; `python -m producer reconcile {self.run_store.url}` if batches are neither queued nor "
+                    "running")
         first = f"for the parked batches: {fix_first}; then " if fix_first else ""
         rerun = "run the same `python -m producer run` command again"
         if planning and self.broker == "embedded":  # the run's own workers are gone, its planner is not
@@ -663,7 +758,14 @@ class RunWatch:
 
     def _workers(self, now: float, broker: dict | None) -> list[dict]:
         """One row per worker process, merged by (host, pid) from markers, heartbeat files, presences
-        and gpu_stats replies."""
+        and gpu_stats replies.
+
+        A dead row (``lost``, ``stopped``) runs nothing: its ``running`` is empty and the batches it
+        listed last are ``held_at_death`` (``b000052 (forward)``, ``; done since`` once the batch has
+        its marker). A ``lost`` row (no heartbeat; its launcher did not see it die) that held
+        batches still without a marker has ``reclaim_in_s``: seconds until a live worker has put
+        them back, once its lease ends (its presence's broker stamp, else its record's last
+        heartbeat, plus ``HSX_LEASE_S`` and the looks of :func:`producer.fleetview.reclaim_grace_s`)."""
         rows: dict[tuple, dict] = {}
 
         def row(host, pid) -> dict:
@@ -728,8 +830,7 @@ class RunWatch:
             if h.state == "stopped" and h.exit:
                 r["state"] = "lost"  # python -m workers found it dead (killed, non-zero exit) and marked its record
                 r["exit"] = h.exit  # how, when (loading, serving) and the likely cause (workers/launcher.py describe_death)
-            if not r["online"]:  # of a dead worker's batches, those done since by another delivery are not its
-                r["running"] = [shown for shown, b in zip(r["running"], h.batches) if b.batch not in self.markers]
+            r["_held"] = [(b.batch, b.phase) for b in h.batches]
 
         self._merge_presences(broker, row, rows)
 
@@ -751,7 +852,38 @@ class RunWatch:
             if r["last_heartbeat"] is None:
                 r["last_heartbeat"] = reply.get("at")
                 r["heartbeat_age_s"] = 0.0
+        self._mark_dead(broker, rows)
         return sorted(rows.values(), key=lambda r: (str(r["host"]), str(r["name"]), r["pid"] or 0))
+
+    def _mark_dead(self, broker: dict | None, rows: dict) -> None:
+        """Every row's ``label`` (:func:`hsx.fleet.worker_label`; a dead row's node name from its last
+        presence), and a dead row's ``held_at_death`` and ``reclaim_in_s`` (see :meth:`_workers`)."""
+        from hsx.fleet import Presence, worker_label
+        from producer.fleetview import reclaim_grace_s
+
+        last_seen = {}  # a lost worker's last presence: still "live" by the lease for a while, then gone
+        if broker and "error" not in broker:
+            for raw in [*(broker.get("gone") or []), *(broker.get("presences") or [])]:
+                p = Presence.model_validate(raw)
+                last_seen[(p.host, p.pid)] = p
+        settings = self.settings
+        for key, r in rows.items():
+            r.setdefault("_held", [])
+            r["held_at_death"], r["reclaim_in_s"] = [], None
+            dead = last_seen.get(key)
+            if r["online"] is False and r["state"] in ("lost", "stopped"):
+                r["name"] = r["name"] or (dead.node if dead is not None else None)
+                r["running"] = []
+                r["held_at_death"] = [f"{b} ({phase}{'; done since' if b in self.markers else ''})" if phase else
+                                      f"{b}{' (done since)' if b in self.markers else ''}" for b, phase in r["_held"]]
+                undone = [b for b, _ in r["_held"] if b not in self.markers]
+                if r["state"] == "lost" and not r.get("exit") and undone:  # no launcher put them back: the lease does
+                    grace = settings.lease_s + reclaim_grace_s(settings)
+                    if dead is not None and dead.state != "stopped" and broker.get("now"):
+                        r["reclaim_in_s"] = round(dead.stamp + grace - broker["now"], 1)
+                    elif r["heartbeat_age_s"] is not None:
+                        r["reclaim_in_s"] = round(grace - r["heartbeat_age_s"], 1)
+            r["label"] = worker_label(r["name"], r["host"], r["pid"])
 
     def _merge_presences(self, broker: dict | None, row, rows: dict) -> None:
         """Merge the live workers' presences (``broker["presences"]``) into the rows: a presence

@@ -89,13 +89,18 @@ def progress_table(status: dict) -> Table:
         queued = state == "queued"
         t.add_row("waiting" if queued else "stalled", Text(status["stalled_reason"], style="yellow"))
         t.add_row("to start" if queued else "to restart", Text(status.get("restart") or ""))
+    for w in status.get("lease_wait") or []:
+        back = f"in about {fmt_duration(w['back_in_s'])}" if w.get("back_in_s") else "soon"
+        t.add_row("reclaim", Text(f"{w['worker']} (lost) held {plural(len(w['batches']), 'batch')} of the run: a live "
+                                  f"worker puts them back on the queue when its lease (HSX_LEASE_S) ends, {back}; "
+                                  "nothing to do", style="yellow"))
     for g in status.get("parked") or []:
-        t.add_row("parked", Text(f"{plural(len(g['batches']), 'batch')}: {g['reason'][:400]}", style="yellow"))
+        # the reason whole (the worker bounds it): cut at a fixed length it ended mid-word
+        t.add_row("parked", Text(f"{plural(len(g['batches']), 'batch')}: {g['reason']}", style="yellow"))
         t.add_row("fix", Text(g["fix"]))
     for r in status.get("workers") or []:
         if r.get("paused") and r.get("online"):
-            who = r.get("name") or f"{r.get('host')}-{r.get('pid')}"
-            t.add_row("paused", Text(f"{who}: paused: {r['paused']}", style="yellow"))
+            t.add_row("paused", Text(f"{_who(r)}: paused: {r['paused']}", style="yellow"))
     t.add_row("address", Text(status["address"]))
     t.add_row("model", Text(status["model"]))
     streaming = status.get("planning") is not None  # the plan is still written: totals are so far
@@ -138,13 +143,13 @@ def progress_table(status: dict) -> Table:
             window = status.get("rate_window_s")
             recent = (f"{_rate(status['tokens_per_s'], unit)} over the last {fmt_duration(window)}" if window
                       else "- (a rate needs two batches done)")
-            if state in ("stalled", "cancelled") and status.get("overall_tokens_per_s"):
+            if state in ("stalled", "cancelled", "failed") and status.get("overall_tokens_per_s"):
                 recent = "none now (nothing runs it)"  # the recent window would only decay as the stop ages
                 samples_s = ""  # the recent samples/s decays the same way: only the overall rate means anything
             t.add_row("rate", f"{recent}{samples_s}, {_rate(status['overall_tokens_per_s'], unit)} overall")
         if state == "done":
             t.add_row("eta", "done")
-        elif state != "plan_failed":
+        elif state not in ("plan_failed", "failed", "cancelled"):  # nothing will finish them: no time to give
             t.add_row("eta", fmt_duration(status["eta_s"]) + (" (planning and extraction)" if streaming else ""))
     if status["skipped"]:
         t.add_row("skipped", ", ".join(f"{k} {v:,}" for k, v in status["skipped"].items()) + " (at planning)")
@@ -156,6 +161,9 @@ def progress_table(status: dict) -> Table:
             q = broker.get("queue") or {}
             t.add_row("queue", f"{q.get('waiting', 0):,} waiting, {q.get('claimed', 0):,} claimed on '{broker['queue_name']}' "
                                f"(all runs on {broker['url']})")
+            nh = broker.get("not_held") or {}
+            if nh.get("count"):
+                t.add_row("claims", Text("of this run, " + not_held_text(nh, done=nh.get("done")), style="yellow"))
     t.add_row("failures", Text(str(status["batches_failed"]), style="red" if status["batches_failed"] else ""))
     return t
 
@@ -167,6 +175,20 @@ def progress_table(status: dict) -> Table:
 #: (why it is paused, how it died) a line under the table, where it has the full width.
 WORKER_COLUMNS = (("worker", "left"), ("device", "left"), ("batch", "left"), ("tok/s", "right"),
                   ("batches", "right"), ("heartbeat", "left"))
+
+
+def _who(r: dict) -> str:
+    """A worker row's name: :func:`hsx.fleet.worker_label` (``cpu0@vm pid 7197``), as every view names it."""
+    from hsx.fleet import worker_label
+
+    return r.get("label") or worker_label(r.get("name"), r.get("host"), r.get("pid"))
+
+
+def _batch_cell(r: dict) -> str:
+    """The batches a worker runs, one a line; for a dead one, those it held when it died, said so."""
+    if r.get("held_at_death"):
+        return "when it died:\n" + "\n".join(r["held_at_death"])
+    return "\n".join(map(str, r.get("running") or [])) or "-"
 
 
 def _device_cell(r: dict) -> str:
@@ -202,14 +224,14 @@ def workers_table(status: dict) -> RenderableType:
         t.add_column(name, justify=justify, min_width=len(name), overflow="fold")
     notes: list[Text] = []
     for r in rows:
-        who = r.get("name") or f"{r.get('host')}:{r.get('pid')}"
+        who = _who(r)
         beat = "-" if r.get("heartbeat_age_s") is None else f"{fmt_duration(r['heartbeat_age_s'])} ago"
         if r.get("state") == "loading" and r.get("loading_s") is not None:
             beat = f"loading the target ({fmt_duration(r['loading_s'])}), {beat}"
         elif r.get("state"):
             beat = f"{r['state']}, {beat}"
         style = "dim" if r.get("online") is False else ""
-        t.add_row(who, _device_cell(r), "\n".join(map(str, r.get("running") or [])) or "-",
+        t.add_row(who, _device_cell(r), _batch_cell(r),
                   _rate(r.get("generated_tokens_per_s" if "generated_tokens_per_s" in r else "tokens_per_s"), ""),
                   f"{r.get('batches_done', 0):,}", beat, style=style)
         if r.get("paused"):
@@ -236,6 +258,40 @@ def failures_table(status: dict, limit: int = 20) -> Table | None:
     return t
 
 
+def not_held_text(nh: dict, done: int | None = None) -> str:
+    """What the claims no live worker holds are, and what brings each kind back (``not_held`` of
+    ``producer/fleetview.py``); ``done``: how many of them are of batches whose marker exists."""
+    parts = []
+    for w in nh["lost_workers"]:
+        when = f"in about {fmt_duration(w['back_in_s'])}" if w["back_in_s"] > 0 else "now (its lease has ended)"
+        parts.append(f"{w['claims']:,} of lost worker {w['label']}: a live worker puts them back when its lease "
+                     f"(HSX_LEASE_S) ends, {when}")
+    if nh["stopped"]:
+        parts.append(f"{nh['stopped']:,} of workers that stopped: a live worker puts them back at its next look")
+    if nh["unlisted"]:
+        parts.append(f"{nh['unlisted']:,} listed by no worker (acks lost when the broker restarted, or a worker that "
+                     "died as it took them): a live worker that serves the run puts them back, or drops those whose "
+                     f"batch is done, {fmt_duration(nh['lease_s'])} (HSX_LEASE_S) after it first sees them")
+    if done:
+        parts.append(f"{done:,} of them {'is' if done == 1 else 'are'} of batches already done: nothing is redone")
+    if nh.get("visibility_at"):
+        first, last = nh["visibility_at"], nh.get("visibility_last_at") or nh["visibility_at"]
+        parts.append(f"with no live worker, the broker's visibility timeout (HSX_VISIBILITY_TIMEOUT_S, "
+                     f"{fmt_duration(nh['visibility_timeout_s'])}) returns them to the queue at "
+                     + (first if first == last else f"{first} to {last}") + " (the delivering workers' clocks)")
+    return f"{nh['count']:,} claimed by no live worker: " + "; ".join(parts)
+
+
+def _held_at_death(w: dict) -> str:
+    """A dead worker's last listed tasks: not held now; each put back or finished since, unless still claimed."""
+    tasks = w.get("held_at_death") or []
+    if not tasks:
+        return "-"
+    shown = [f"{t['run_url'].rstrip('/').rsplit('/', 1)[-1]}/{t['batch']} ({t['phase']}"
+             + (", still claimed)" if t.get("still_claimed") else ", put back or done since)") for t in tasks[:6]]
+    return "when it died:\n" + "\n".join(shown) + (" ..." if len(tasks) > 6 else "")
+
+
 def fleet_view(fleet: dict) -> RenderableType:
     """``status`` without a run: the broker's queue, every worker (live, and gone within the hour)
     with its roots, model, state and the tasks it holds, the runs with messages, the parked messages."""
@@ -251,14 +307,18 @@ def fleet_view(fleet: dict) -> RenderableType:
     head.add_row("workers", f"{len(live):,} live" + (f", {len(fleet['workers']) - len(live):,} gone in the last hour"
                                                    if len(fleet["workers"]) > len(live) else ""))
     head.add_row("queue", f"'{b['queue_name']}': {q.get('waiting', 0):,} waiting, {q.get('claimed', 0):,} claimed")
+    nh = b.get("not_held") or {}
+    if nh.get("count"):
+        head.add_row("not held", Text(not_held_text(nh), style="yellow"))
     parked_n = sum(p["batches"] for p in fleet["parked"])
     head.add_row("parked", Text(f"{plural(parked_n, 'batch')} of {plural(len(fleet['parked']), 'run')}",
                                 style="yellow" if parked_n else ""))
     head.add_row("at", fleet.get("at") or "-")
     parts: list[RenderableType] = [head]
+    lost_back = {w["worker"]: w["back_in_s"] for w in nh.get("lost_workers") or []}
     if fleet["workers"]:
         t = Table(title="workers", title_justify="left")
-        for name in ("worker", "node", "roots", "model", "state", "tasks", "seen"):
+        for name in ("worker", "roots", "model", "state", "tasks", "seen"):
             t.add_column(name, min_width=len(name), overflow="fold")  # whole headers, no "…" at 80 columns
         for w in fleet["workers"]:
             state = w["state"]
@@ -267,10 +327,18 @@ def fleet_view(fleet: dict) -> RenderableType:
                                                            else "")
             elif state == "loading" and w.get("loading_s") is not None:
                 state = f"loading the target (for {fmt_duration(w['loading_s'])})"
-            tasks = ", ".join(f"{t['run_url'].rstrip('/').rsplit('/', 1)[-1]}/{t['batch']} ({t['phase']})"
-                              for t in w["tasks"][:6]) + (" ..." if len(w["tasks"]) > 6 else "")
+            elif state == "lost" and w["worker"] in lost_back:
+                back = lost_back[w["worker"]]
+                state = ("lost: its claims are put back " + (f"in about {fmt_duration(back)}" if back > 0 else "now")
+                         + " (its lease)")
+            if w["live"]:
+                tasks = ", ".join(f"{t['run_url'].rstrip('/').rsplit('/', 1)[-1]}/{t['batch']} ({t['phase']})"
+                                  for t in w["tasks"][:6]) + (" ..." if len(w["tasks"]) > 6 else "")
+            else:
+                tasks = _held_at_death(w)
             style = "" if w["live"] else "dim"
-            t.add_row(w["worker"], w.get("node") or "-", "\n".join(w.get("roots") or []) or "-", w.get("model") or "(the run's)",
+            who = w.get("label") or w["worker"]
+            t.add_row(who, "\n".join(w.get("roots") or []) or "-", w.get("model") or "(the run's)",
                       Text(state, style="yellow" if w["state"] == "paused" else ""), tasks or "-",
                       f"{fmt_duration(w['age_s'])} ago", style=style)
         parts.append(t)
@@ -278,11 +346,18 @@ def fleet_view(fleet: dict) -> RenderableType:
         parts.append(Text("no worker has written its presence on this broker in the last hour", style="dim"))
     if fleet["runs"]:
         t = Table(title="runs", title_justify="left")
-        for name, justify in (("run", "left"), ("queued", "right"), ("held", "right"), ("parked", "right")):
+        columns = [("run", "left"), ("queued", "right"), ("held", "right"), ("parked", "right")]
+        not_held_col = any(r.get("not_held") for r in fleet["runs"])
+        if not_held_col:
+            columns.append(("not held", "right"))
+        for name, justify in columns:
             t.add_column(name, justify=justify)
         for r in fleet["runs"][:50]:
-            t.add_row(r["address"], f"{r['queued']:,}", f"{r['held']:,}",
-                      Text(f"{r['parked']:,}", style="yellow" if r["parked"] else ""))
+            cells = [r["address"], f"{r['queued']:,}", f"{r['held']:,}",
+                     Text(f"{r['parked']:,}", style="yellow" if r["parked"] else "")]
+            if not_held_col:
+                cells.append(Text(f"{r.get('not_held', 0):,}", style="yellow" if r.get("not_held") else ""))
+            t.add_row(*cells)
         if len(fleet["runs"]) > 50:
             t.caption = f"... and {len(fleet['runs']) - 50} more (--json lists them all)"
         parts.append(t)
@@ -291,7 +366,8 @@ def fleet_view(fleet: dict) -> RenderableType:
         t.add_column(style="bold")
         t.add_column()
         for g in p["groups"]:
-            t.add_row("parked", Text(f"{plural(len(g['batches']), 'batch')}: {g['reason'][:400]}", style="yellow"))
+            # the reason whole (the worker bounds it): cut at a fixed length it ended mid-word
+            t.add_row("parked", Text(f"{plural(len(g['batches']), 'batch')}: {g['reason']}", style="yellow"))
             t.add_row("by", ", ".join(g["refused_by"]) or "-")
             t.add_row("fix", g["fix"])
         parts.append(t)

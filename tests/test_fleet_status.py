@@ -245,3 +245,92 @@ def test_a_worker_loading_its_target_is_shown_loading_and_the_run_is_not_called_
         stuck["stalled_reason"], stuck["stalled_reason"]
     cluster.enqueue_all(run_store)
     wait_done(run_store)
+
+
+# --- what a new user's multi-node run with faults showed in the fleet view ---------------------------
+
+#: a kombu consumer that takes N messages and is SIGKILLed holding them: claims no worker lists (as
+#: deliveries whose acks a broker's kill -9 lost)
+TAKE_AND_DIE = """
+import os, signal, sys
+from kombu import Connection
+with Connection(sys.argv[1]) as conn:
+    q = conn.SimpleQueue(sys.argv[2])
+    for _ in range(int(sys.argv[3])):
+        print(q.get(timeout=10).headers["id"], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_fleet_view_of_a_broker_that_does_not_answer_says_so_and_exits_2():
+    """A new user's ``status`` (no run) with the broker down ended in a redis traceback, exit 1. It says the broker
+    does not answer, with the URL (password masked), the error and what to check, and exits 2 as the CLI's other
+    errors do; ``--json`` the same."""
+    from jobfixtures import free_port
+
+    url = f"redis://:fleet-secret@127.0.0.1:{free_port()}/0"
+    for args in (["status"], ["status", "--json"]):
+        proc = run_here(args, clean_env(broker_url=url))
+        said = _said(proc)
+        assert proc.returncode == 2, said
+        for needed in (f"broker redis://:***@{url.split('@')[1]} does not answer (ConnectionError:",
+                       "HSX_BROKER_URL names its host, port and password"):
+            assert needed in said, f"{needed!r} not in: {said}"
+        assert "fleet-secret" not in said and "Traceback" not in said, said
+
+
+def test_the_fleet_view_says_which_claims_no_live_worker_holds_and_lists_no_dead_workers_tasks_as_current(
+        client, broker, tmp_path):
+    """Claims whose acks were lost (a consumer died holding them: listed by no presence), one of them listed by a
+    lost worker (its presence stamped 30 s ago, its lease running); a stopped worker that listed a batch; a live
+    idle worker. The fleet (JSON and view) says how many claims no live worker holds, per run and in all, what
+    returns each kind (the lost worker's lease, in about how long; a live worker's lease check; the visibility
+    timeout, at what time) instead of a bare count; the stopped worker holds no tasks (``held_at_death``, shown
+    as when it died and no longer claimed); every worker is named by its Celery node and pid."""
+    import subprocess
+    import sys
+
+    from hsx.fleet import broker_time, workers_key
+    from hsx.queue import send_batches
+    from hsx.records import BatchSummary
+
+    settings = Settings(_env_file=None, broker_url=broker.url, queue="gpu")
+    run_url = "file:///data/out/sharegpt-0123456789ab"
+    send_batches(settings, broker.url, run_url, "sharegpt-0123456789ab",
+                 [BatchSummary(batch=b, num_samples=1, num_tokens=8) for b in ("b000001", "b000002")])
+    out = subprocess.run([sys.executable, "-c", TAKE_AND_DIE, broker.url, "gpu", "2"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == -9, out.stderr
+    now = broker_time(client)
+
+    def put(p: Presence, age_s: float) -> None:
+        client.hset(workers_key("gpu"), p.worker, p.model_copy(update={"stamp": now - age_s, "started": now - 900})
+                    .model_dump_json())
+
+    put(Presence(worker="nodeA-1", host="nodeA", pid=1, node="cpu0@nodeA", roots=["/data/out"]), 1)
+    put(Presence(worker="nodeL-6", host="nodeL", pid=6, node="cpu0@nodeL", roots=["/data/out"], state="working",
+                 tasks=[HeldTask(task_id="", run_url=run_url, batch="b000002", phase="forward")]), 150)
+    put(Presence(worker="nodeS-5", host="nodeS", pid=5, node="cpu0@nodeS", roots=["/data/out"], state="stopped",
+                 tasks=[HeldTask(task_id="gone-task", run_url=run_url, batch="b000052", phase="forward")]), 600)
+    env = clean_env(broker_url=broker.url) | {"COLUMNS": "200"}
+
+    fleet = json.loads(run_here(["status", "--json"], env).stdout)
+    nh = fleet["broker"]["not_held"]
+    assert fleet["broker"]["queue"]["claimed"] == nh["count"] == 2 and nh["unlisted"] == 1, nh
+    (lost,) = nh["lost_workers"]
+    assert lost["label"] == "cpu0@nodeL pid 6" and lost["claims"] == 1 and -35 < lost["back_in_s"] < 5, lost
+    assert nh["visibility_at"].endswith("Z"), nh
+    (run,) = [r for r in fleet["runs"] if r["address"] == run_url]
+    assert run["not_held"] == 2 and run["held"] == 0, run
+    rows = {w["worker"]: w for w in fleet["workers"]}
+    assert rows["nodeS-5"]["tasks"] == [] and rows["nodeS-5"]["held_at_death"][0]["batch"] == "b000052", rows["nodeS-5"]
+    assert rows["nodeS-5"]["held_at_death"][0]["still_claimed"] is False
+    assert rows["nodeA-1"]["label"] == "cpu0@nodeA pid 1" and rows["nodeA-1"]["live"], rows["nodeA-1"]
+
+    view = _said(run_here(["status"], env))
+    for said in ("'gpu': 0 waiting, 2 claimed", "2 claimed by no live worker: 1 of lost worker cpu0@nodeL pid 6: a "
+                 "live worker puts them back when its lease (HSX_LEASE_S) ends", "1 listed by no worker",
+                 f"returns them to the queue at {nh['visibility_at'][:13]}", "cpu0@nodeA pid 1", "cpu0@nodeS pid 5",
+                 "when it died:", "b000052 (forward, put back or done since)", "b000002 (forward, still claimed)"):
+        assert said in view, f"{said!r} not in the view: {view}"
+    assert "b000052 (forward) " not in view + " ", "a dead worker's batch is not shown as one it holds"

@@ -214,10 +214,11 @@ def test_the_overall_rate_leaves_out_a_stop_and_a_stopped_run_shows_no_current_r
     assert "over the last" not in text and "samples/s" not in text, "no decaying recent rate of samples either"
 
 
-def test_a_worker_of_this_host_whose_process_is_gone_is_lost_at_once_and_shows_only_its_undone_batches(small_run, tmp_path):
+def test_a_worker_of_this_host_whose_process_is_gone_is_lost_at_once_and_runs_nothing(small_run, tmp_path):
     """A fresh record (heartbeat 1 s ago) of a process of this host and PID namespace that no longer exists:
-    ``lost`` now, not three heartbeats later, and of the batches it listed only those still without a marker are
-    shown. The same record from another PID namespace (a container on the host's network) stays online."""
+    ``lost`` now, not three heartbeats later. It runs nothing: the batches it listed are ``held_at_death``, the one
+    certified since marked ``done since``, and the undone one comes back when its lease ends (``reclaim_in_s``,
+    said in the stall). The same record from another PID namespace (a container on the host's network) stays online."""
     import socket
     import subprocess
     import sys
@@ -243,8 +244,11 @@ def test_a_worker_of_this_host_whose_process_is_gone_is_lost_at_once_and_shows_o
     status = RunWatch(store).poll(now=now)
     (row,) = [r for r in status["workers"] if r["pid"] == child.pid]
     assert row["state"] == "lost" and row["online"] is False, row
-    assert row["running"] == [f"{undone} (waiting_gpu)"], row
-    assert status["state"] == "stalled", status["state"]
+    assert row["running"] == [] and row["held_at_death"] == [f"{done} (forward; done since)",
+                                                              f"{undone} (waiting_gpu)"], row
+    assert 0 < row["reclaim_in_s"] <= 120 + 30, row  # the default lease, and the looks that confirm it
+    assert status["state"] == "stalled", status["state"]  # no live worker is there to put it back
+    assert "its 1 batch comes back by itself when its lease ends, in about" in status["stalled_reason"]
     store.write(f"workers/{socket.gethostname()}-{child.pid}.json", json.dumps({
         **json.loads(store.read(f"workers/{socket.gethostname()}-{child.pid}.json")), "pid_ns": "pid:[1]"}).encode())
     (row,) = [r for r in RunWatch(store).poll(now=now)["workers"] if r["pid"] == child.pid]
@@ -294,7 +298,8 @@ def test_a_run_no_worker_has_taken_is_queued_with_the_command_that_starts_worker
     assert status["state"] == "queued" and status["eta_s"] is None
     assert status["stalled_reason"].startswith("queued: no worker has taken a batch of the run yet")
     assert status["restart"] == ("start workers on the run's broker that serve its store: "
-                                 f"`HSX_BROKER_URL=redis://:***@head:6379/0 HSX_STORE_URL={root} python -m workers`")
+                                 f"`HSX_BROKER_URL=redis://:***@head:6379/0 HSX_STORE_URL={root} HSX_MODEL=tiny-qwen3.5 "
+                                 "python -m workers`")
     unknown = RunWatch(store).poll()
     assert unknown["state"] == "queued" and "HSX_BROKER_URL=redis://... " in unknown["restart"]
     out = Console(record=True, width=200)
@@ -511,3 +516,229 @@ def test_a_producer_run_killed_with_sigkill_is_not_said_to_be_restarting_its_wor
             os.kill(server_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+# --- what a new user's multi-node run with faults showed (a lost node, a broker restart) -------------
+
+QUEUE = "gpu"
+#: a kombu consumer that takes N messages and is SIGKILLed holding them: claims whose ack never comes
+#: (as deliveries whose acks a broker's kill -9 lost), listed by no worker's presence
+TAKE_AND_DIE = """
+import os, signal, sys
+from kombu import Connection
+with Connection(sys.argv[1]) as conn:
+    q = conn.SimpleQueue(sys.argv[2])
+    for _ in range(int(sys.argv[3])):
+        print(q.get(timeout=10).headers["id"], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _settings(broker_url: str):
+    from settings import Settings
+
+    return Settings(_env_file=None, broker_url=broker_url, queue=QUEUE, inspect_timeout_s=0.2)
+
+
+def _claims_nobody_lists(broker_url: str, run_url: str, batches: list[str]) -> list[str]:
+    """Send ``batches`` of ``run_url`` with Celery, and have a consumer die holding them; their task ids."""
+    import subprocess
+    import sys
+
+    from hsx.queue import send_batches
+    from hsx.records import BatchSummary
+
+    send_batches(_settings(broker_url), broker_url, run_url, run_url.rsplit("/", 1)[-1],
+                 [BatchSummary(batch=b, num_samples=1, num_tokens=8) for b in batches])
+    out = subprocess.run([sys.executable, "-c", TAKE_AND_DIE, broker_url, QUEUE, str(len(batches))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == -9, out.stderr
+    return out.stdout.split()
+
+
+def _probed(store, broker_url: str) -> RunWatch:
+    """``status``'s watch of the run with the broker asked (presences, claims, parked messages)."""
+    from hsx.store import mask_url
+    from producer.status import BrokerProbe
+
+    return RunWatch(store, BrokerProbe(_settings(broker_url), broker_url), broker=mask_url(broker_url))
+
+
+def _view(status: dict, width: int = 200) -> str:
+    out = Console(record=True, width=width)
+    out.print(status_view(status))
+    return " ".join(out.export_text().split())
+
+
+def _presence(client, stamp_age_s: float = 0.0, **fields):
+    """Write a presence as its worker would, stamped ``stamp_age_s`` seconds ago by the broker's clock."""
+    from hsx.fleet import Presence, broker_time, workers_key
+
+    p = Presence(**fields)
+    p = p.model_copy(update={"stamp": broker_time(client) - stamp_age_s, "started": broker_time(client) - 600})
+    client.hset(workers_key(QUEUE), p.worker, p.model_dump_json())
+    return p
+
+
+@pytest.mark.parametrize("end", ["failed", "cancelled"])
+def test_a_failed_or_cancelled_run_has_no_eta_and_no_current_rate(small_run, tmp_path, end):
+    """A new user's failed run showed ``eta 5m47s`` and ``rate 2 tok/s over the last 16m54s``: nothing runs a
+    failed or cancelled run, so ``eta_s``, ``tokens_per_s``, ``samples_per_s`` and ``rate_window_s`` are null and
+    the view says no rate now and gives no ETA; the overall rate (the one it ran at) stays."""
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    last = read_batch_list(store)[-1].batch
+    store.delete(marker_key(last))
+    for key in store.list(WORKERS_PREFIX):
+        store.delete(key)
+    if end == "failed":
+        store.write(f"failures/{last}.json", json.dumps({"batch": last, "error": "FidelityError: all NaN",
+                                                          "host": "node7", "at": _utc(time.time())}).encode())
+    else:
+        store.write("cancelled.json", json.dumps({"schema_version": 1, "by": "me@here", "at": _utc(time.time())}).encode())
+    watch = RunWatch(store)
+    watch.poll()
+    late = max(m["end"] for m in watch.markers.values()) + 1000  # 16 min after its last batch
+    status = watch.poll(now=late)
+    assert status["state"] == end, status["state"]
+    for key in ("eta_s", "tokens_per_s", "samples_per_s", "rate_window_s"):
+        assert status[key] is None, (key, status[key])
+    assert status["overall_tokens_per_s"] > 0
+    text = _view(status)
+    assert "none now (nothing runs it)" in text and "over the last" not in text, text
+    assert " eta " not in f" {text} ", text
+
+
+def test_a_parked_reason_is_shown_whole_and_live_workers_are_not_told_to_be_started(small_run, tmp_path, client, broker):
+    """A run whose last batch two live workers (serving its root) parked as unreadable: the reason is given
+    whole, not cut mid-word at 400 characters, and ``to restart`` gives the fix and says the live workers serve
+    the run, instead of "start workers on the broker" (a new user had 2 live workers there)."""
+    from hsx.fleet import Parked, park
+
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    last = read_batch_list(store)[-1].batch
+    store.delete(marker_key(last))
+    for key in store.list(WORKERS_PREFIX):
+        store.delete(key)
+    for n in (1, 3):
+        _presence(client, worker=f"node{n}-{n}", host=f"node{n}", pid=n, node=f"cpu0@node{n}", roots=[str(tmp_path)])
+    reason = ("RunFormatError: run.json of " + store.url + " cannot be read by this worker: " + "it names a format "
+              "this hsx does not know; " * 20 + "update hsx on the workers and restart them; nothing was written")
+    assert len(reason) > 600
+    park(client, QUEUE, Parked(run_url=store.url, batch=last, reason=reason, cause="unreadable",
+                               refused_by=["node1-1", "node3-3"]))
+    status = _probed(store, broker.url).poll()
+    assert status["state"] == "stalled", status
+    assert status["restart"].startswith("for the parked batches: fix what the reason names on the workers"), \
+        status["restart"]
+    assert "2 live workers serve the run: start no other" in status["restart"], status["restart"]
+    assert "start workers on" not in status["restart"], status["restart"]
+    assert reason in _view(status), "the reason whole"
+
+
+def test_a_lost_workers_batches_wait_for_its_lease_without_a_stall_or_reconcile_advice(small_run, tmp_path, client, broker):
+    """A node lost (launcher and worker killed) while it held the run's last batch; another worker lives, idle.
+    Until the lost worker's lease ends the batch comes back by itself: the run is ``running`` (not ``stalled``
+    with reconcile advice), ``lease_wait`` and the view say when; the lost row runs nothing and shows what it held
+    when it died (``done since`` for the batch certified since). Both workers are named alike, Celery node and
+    pid, in every row and message. Once the lease and its looks have passed and the batch is still not back,
+    the run is stalled, the lost worker's lease said ended, and with a live worker there the advice is
+    reconcile, not to start workers."""
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    batches = [b.batch for b in read_batch_list(store)]
+    done, last = batches[0], batches[-1]
+    store.delete(marker_key(last))
+    for key in store.list(WORKERS_PREFIX):
+        store.delete(key)
+
+    def lost_for(age_s: float) -> dict:
+        from hsx.fleet import HeldTask
+
+        store.write("workers/nodeB-2.json", json.dumps({
+            "host": "nodeB", "pid": 2, "device": "cpu", "state": "working", "heartbeat_s": 5.0,
+            "batches": [{"batch": done, "phase": "writing", "since": _utc(time.time() - age_s - 5)},
+                        {"batch": last, "phase": "forward", "since": _utc(time.time() - age_s - 5)}],
+            "updated_at": _utc(time.time() - age_s)}).encode())
+        _presence(client, stamp_age_s=age_s, worker="nodeB-2", host="nodeB", pid=2, node="cpu0@nodeB",
+                  roots=[str(tmp_path)], state="working",
+                  tasks=[HeldTask(task_id="t-last", run_url=store.url, batch=last, phase="forward")])
+        _presence(client, worker="nodeA-1", host="nodeA", pid=1, node="cpu0@nodeA", roots=[str(tmp_path)])
+        return _probed(store, broker.url).poll()
+
+    status = lost_for(30)
+    assert status["state"] == "running" and status["stalled_reason"] is None, status["stalled_reason"]
+    (wait,) = status["lease_wait"]
+    assert wait["worker"] == "cpu0@nodeB pid 2" and wait["batches"] == [last], wait
+    assert 100 <= wait["back_in_s"] <= 125, wait  # lease 120 s + looks 30 s, less the 30 s since its last stamp
+    rows = {r["pid"]: r for r in status["workers"]}
+    assert rows[2]["state"] == "lost" and rows[2]["running"] == [], rows[2]
+    assert rows[2]["held_at_death"] == [f"{done} (writing; done since)", f"{last} (forward)"], rows[2]
+    assert {rows[1]["label"], rows[2]["label"]} == {"cpu0@nodeA pid 1", "cpu0@nodeB pid 2"}
+    text = _view(status)
+    for said in ("cpu0@nodeB pid 2 (lost) held 1 batch of the run: a live worker puts them back on the queue when "
+                 "its lease (HSX_LEASE_S) ends, in about", "nothing to do", "when it died:",
+                 f"{done} (writing; done since)", "cpu0@nodeA pid 1"):
+        assert said in text, f"{said!r} not in the view: {text}"
+    assert "reconcile" not in text and "stalled" not in text, text
+
+    expired = lost_for(300)
+    assert expired["state"] == "stalled" and expired["lease_wait"] is None, expired
+    assert "1 lost (no heartbeat): cpu0@nodeB pid 2 (its lease ended" in expired["stalled_reason"], \
+        expired["stalled_reason"]
+    assert expired["restart"].startswith("1 live worker serves the run: start no other; `python -m producer "
+                                         f"reconcile {store.url}`"), expired["restart"]
+
+
+def test_claims_no_live_worker_holds_are_said_with_what_returns_them_and_that_their_batches_are_done(
+        small_run, tmp_path, client, broker):
+    """After a broker's kill -9 and restart, a done run's view said ``0 waiting, 12 claimed`` with every run's
+    ``held`` 0: deliveries whose acks were lost. ``status`` of the run says how many of its claims no live worker
+    holds, that their batches are already done (nothing is redone), what puts them back (a live worker's lease
+    check, else the broker's visibility timeout, at a time it names). Real claims: Celery sent the messages and a
+    kombu consumer died holding them."""
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    batches = [b.batch for b in read_batch_list(store)][:3]
+    _claims_nobody_lists(broker.url, store.url, batches)
+    status = _probed(store, broker.url).poll()
+    assert status["state"] == "done"
+    nh = status["broker"]["not_held"]
+    assert nh["count"] == nh["unlisted"] == nh["done"] == 3 and nh["lost_workers"] == [], nh
+    assert sorted(b for _, b in nh["batches"]) == sorted(batches) and nh["visibility_at"].endswith("Z"), nh
+    text = _view(status)
+    for said in ("3 claimed on 'gpu'", "of this run, 3 claimed by no live worker: 3 listed by no worker",
+                 "3 of them are of batches already done: nothing is redone",
+                 f"returns them to the queue at {nh['visibility_at'][:13]}"):
+        assert said in text, f"{said!r} not in the view: {text}"
+
+
+def test_the_start_command_of_a_queued_run_on_s3_has_its_s3_settings_and_model_and_no_secret(small_run, tmp_path,
+                                                                                              s3_bucket):
+    """A queued run on S3: the command ``status`` gives to start workers names the broker (masked), the store root,
+    the S3 endpoint and region status itself uses, placeholders for the keys, and the run's model as
+    ``HSX_MODEL``; neither key is printed."""
+    import shutil
+
+    from smallrun import upload_run
+
+    run_dir, _local = _untaken_run(small_run, tmp_path)
+    shutil.rmtree(run_dir / "shards", ignore_errors=True)
+    store = open_store(f"{s3_bucket.url}/runs/{run_dir.name}", s3_bucket.settings)
+    upload_run(run_dir, store)
+    server = s3_bucket.server
+    env = {**small_run["env"], "HSX_BROKER_URL": "redis://:brokerpw@head:6391/0",
+           "HSX_S3_ENDPOINT_URL": server.endpoint_url, "HSX_S3_REGION": server.region,
+           "HSX_S3_ACCESS_KEY_ID": server.access_key, "HSX_S3_SECRET_ACCESS_KEY": server.secret_key}
+    proc = run_here(["status", store.url, "--json", "--no-broker"], env)
+    status = json.loads(proc.stdout)
+    assert status["state"] == "queued", status
+    assert (f"`HSX_BROKER_URL=redis://:***@head:6391/0 HSX_STORE_URL={s3_bucket.url}/runs "
+            f"HSX_S3_ENDPOINT_URL={server.endpoint_url} HSX_S3_REGION={server.region} "
+            "HSX_S3_ACCESS_KEY_ID=<access key id> HSX_S3_SECRET_ACCESS_KEY=<secret access key> "
+            "HSX_MODEL=tiny-qwen3.5 python -m workers`") in status["restart"], status["restart"]
+    said = proc.stdout + proc.stderr + run_here(["status", store.url, "--no-broker"], env).stdout
+    assert server.secret_key not in said and "brokerpw" not in said
+    if server.access_key != server.secret_key:
+        assert server.access_key not in said
