@@ -14,7 +14,7 @@ MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 MODE=${1:-auto}
 if [ "$MODE" = next48 ] || { [ "$MODE" = auto ] && [ "$MEM" -gt 100000 ]; }; then
   rm -rf /dev/shm/ck* /root/hsx-store
-  timeout 560 python bench/e2e_throughput.py --shape qwen3-next-80b-a3b --weights fp8 --dataset .benchdata/e2e-sharegpt.parquet --limit 1500 --stores disk:/root/hsx-store --store-dtype fp8 --checkpoint-dir /dev/shm/ck48fp8 --workdir /tmp/e2e48 --shared-triton-cache --timeout-s 400 --deadline-s 545 --min-window-s 10 --ceiling-s 3 --json $OUT/next48fp8.json > $OUT/next48fp8.out 2>&1
+  timeout 560 python bench/e2e_throughput.py --shape qwen3-next-80b-a3b --weights fp8 --dataset .benchdata/e2e-sharegpt.parquet --limit 1500 --stores disk:/root/hsx-store --store-dtype fp8 --checkpoint-dir /dev/shm/ck48fp8 --workdir /tmp/e2e48 --plan-ceiling-after-run --shared-triton-cache --timeout-s 400 --deadline-s 545 --min-window-s 10 --ceiling-s 3 --json $OUT/next48fp8.json > $OUT/next48fp8.out 2>&1
   echo "rc=$?" >> $OUT/next48fp8.out
   mkdir -p $OUT/logs; cp /tmp/e2e48/cache-disk/logs/*.log $OUT/logs/ 2>/dev/null
   tail -30 $OUT/next48fp8.out

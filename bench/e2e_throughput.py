@@ -323,6 +323,19 @@ def build_streamed_model(config, device: torch.device, dest: Path, *, fp8: bool 
         if f.is_file() and f.suffix in (".json", ".txt", ".model") and f.name != "config.json":
             shutil.copy(f, dest / f.name)
     save_s = time.perf_counter() - t0
+    model = load_checkpoint(dest, device, fp8=fp8)
+    print(f"{'fp8' if fp8 else 'bf16'} checkpoint {dest}: written in {save_s:.1f} s, loaded in {time.perf_counter() - t0 - save_s:.1f} s", flush=True)
+    return model, save_s
+
+
+def load_checkpoint(dest: Path, device: torch.device, *, fp8: bool):
+    """The model of the checkpoint at ``dest`` as a worker loads it (FP8: float8 weights on CUDA, with
+    transformers' FP8 kernel or, where it cannot be fetched, the plain-torch matmuls of
+    ``workers/quantized.py``; dequantised on the CPU), in eval mode, no gradients."""
+    import transformers
+
+    from workers import quantized
+
     kwargs = {}
     if device.type == "cuda" and fp8:
         try:
@@ -346,8 +359,7 @@ def build_streamed_model(config, device: torch.device, dest: Path, *, fp8: bool 
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(dest, dtype=dtype, device_map={"": device}, **kwargs).eval()
     model.requires_grad_(False)
-    print(f"{'fp8' if fp8 else 'bf16'} checkpoint {dest}: written in {save_s:.1f} s, loaded in {time.perf_counter() - t0 - save_s:.1f} s", flush=True)
-    return model, save_s
+    return model
 
 
 def writes_tensors(config, device: torch.device) -> bool:
@@ -632,10 +644,12 @@ CROSSINGS = {
 
 def run_timeout(args, bench_t0: float) -> float:
     """Seconds the next run may take: ``--timeout-s``, cut so that the bench ends within ``--deadline-s``
-    (60 s kept for stopping the run, the S3 view and writing the row)."""
+    (60 s kept for stopping the run, the S3 view and writing the row, plus ``args.reserve_s``: the
+    model's second load of ``--plan-ceiling-after-run``)."""
     if not args.deadline_s:
         return args.timeout_s
-    return max(30.0, min(args.timeout_s, args.deadline_s - (time.monotonic() - bench_t0) - 60.0))
+    keep = 60.0 + getattr(args, "reserve_s", 0.0)
+    return max(30.0, min(args.timeout_s, args.deadline_s - (time.monotonic() - bench_t0) - keep))
 
 
 def run_producer(dataset: Path, checkpoint: Path, store_url: str, env: dict, *, limit: int | None, view,
@@ -845,6 +859,10 @@ def main() -> None:
     ap.add_argument("--plan-ceiling", action="store_true",
                     help="keep the bench's model on the GPU during the run (it must fit twice) and, after it, measure "
                          "the plain forward over the steady window's own batches (ceiling_plan_batches_*)")
+    ap.add_argument("--plan-ceiling-after-run", action="store_true",
+                    help="as --plan-ceiling for a target that does not fit the GPU twice: the bench's model is let go "
+                         "before the run and loaded again from the checkpoint (as a worker loads it) once the run's "
+                         "workers have exited")
     ap.add_argument("--shared-triton-cache", action="store_true",
                     help="the workers use this process's TRITON_CACHE_DIR (warm: its ceilings compiled the kernels), "
                          "not a cold one of their own; the row's start is then warm_start_s")
@@ -895,7 +913,9 @@ def main() -> None:
     if not streamed:
         save_s = save_checkpoint(model, ckpt)
     hidden = config.hidden_size
-    kept_model = model if args.plan_ceiling else None
+    kept_model = model if args.plan_ceiling and not args.plan_ceiling_after_run else None
+    # the second load of --plan-ceiling-after-run, kept out of the run's time: the first one's, and a margin
+    args.reserve_s = (1.2 * max(build_s - save_s, 0.0) + 30.0) if args.plan_ceiling_after_run else 0.0
     del model
     gc.collect()
     bench_reserved = None
@@ -988,6 +1008,11 @@ def main() -> None:
                      "window_s": round(a1 - a0, 1), "tok_s": round(a_tokens / (a1 - a0)) if a1 > a0 else None}
             after_markers = [m for m in run["markers"].values() if a0 < (m.finished_unix or 0) <= a1]
         plan_ceiling = None
+        if kept_model is None and args.plan_ceiling_after_run and in_window and kind == "disk":
+            t_reload = time.perf_counter()  # the run's workers have exited: the GPU is free for the model again
+            kept_model = load_checkpoint(ckpt, device, fp8=args.weights == "fp8")
+            run_rows_as_sequences(kept_model)
+            print(f"reloaded {ckpt} for the same-work ceiling in {time.perf_counter() - t_reload:.1f} s", flush=True)
         if kept_model is not None and in_window and kind == "disk":  # (an S3 server is stopped by now)
             from hsx.plan import read_batch
             from hsx.store import open_store
@@ -1005,6 +1030,7 @@ def main() -> None:
             # outran a device call's limit and its row was lost).
             fitted = fit_to_deadline(in_window, ceiling_same, args, bench_t0)
             plan_ceiling = same_work(fitted)
+            plan_ceiling["model_reloaded_after_run"] = bool(args.plan_ceiling_after_run)
             if len(fitted) < len(in_window):
                 sub = w_tokens_over(fitted, w0)
                 plan_ceiling["window_cut_to_fit_deadline"] = sub
@@ -1013,6 +1039,11 @@ def main() -> None:
             if after is not None and after["tok_s"] and after_markers:
                 after["ceiling_plan_batches"] = same_work(after_markers)
                 after["over_plan_batches_forward"] = round(after["tok_s"] / after["ceiling_plan_batches"]["tok_s"], 3)
+        if args.plan_ceiling_after_run and kept_model is not None:  # the next store's run needs the GPU again
+            kept_model = None
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         trace = None
         if trace_dir is not None:
             import worker_trace
