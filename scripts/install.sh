@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install the project into it. Usage: scripts/install.sh [extras]
-#   extras: "" (default, to run jobs), "dev" (tests), "gpu" (CUDA kernels: fla, causal-conv1d, nvidia-ml-py),
-#   "parquet", "sharegpt", or several joined by commas ("dev,gpu"). Safe to run again: it only adds what is missing.
+#   extras: "" (default, to run jobs), "dev" (tests), "gpu" (CUDA kernels: fla, nvidia-ml-py; then causal-conv1d
+#   if it can be had), "parquet", "sharegpt", or several joined by commas ("dev,gpu"). Safe to run again: it only
+#   adds what is missing. HSX_NO_CAUSAL_CONV1D=1 skips causal-conv1d (optional: the torch path runs without it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,3 +22,16 @@ if [ -n "$extras" ]; then
 else
   python -m pip install -q -e .
 fi
+case ",$extras," in
+  *,gpu,*)
+    # optional, and apart from the gpu extra: a prebuilt wheel when one matches this torch/CUDA, else a source build
+    # (nvcc, 18+ minutes for sm_90) that may fail; without it transformers runs the short convolution in torch
+    if [ -z "${HSX_NO_CAUSAL_CONV1D:-}" ] && ! python -c "import causal_conv1d" 2>/dev/null; then
+      echo "installing causal-conv1d (optional; a source build can take 20 minutes: HSX_NO_CAUSAL_CONV1D=1 skips it)"
+      python -m pip install -q setuptools wheel packaging ninja
+      python -m pip install -q --no-build-isolation "causal-conv1d>=1.5" \
+        || echo "causal-conv1d not installed (no prebuilt wheel for this torch/CUDA, and no build): the workers run" \
+                "the short convolution in torch (correct, a little slower) and say so at start"
+    fi
+    ;;
+esac
