@@ -19,6 +19,8 @@ the device through pinned buffers (``workers/loading.py``), warm-up, memory prob
 ``streamed`` is ``workers.loading.load_streamed`` alone (no identity, no warm-up) and
 ``streamed_copying`` the same with transformers' loading loop as it comes (a converter deep copy per
 checkpoint tensor: ``workers.loading.converters_reused``, the comparison for an MoE checkpoint);
+``streamed_spans_64k`` with only tensors up to 64 KiB read together (``workers.loading.Span``: an
+MoE's 1-2 MB expert tensors each read alone, by the thread that asks for it);
 ``worker_transformers`` the same as ``worker`` with ``HSX_FAST_LOAD=false`` (transformers' own loader: a memory
 map per file, a copy per tensor); ``files`` and ``instanttensor`` are the ceilings of the same
 bytes to the same device with no model (our reader alone; InstantTensor, when installed); ``plain`` is the load without a device map followed by
@@ -70,8 +72,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-LOADERS = ("worker", "worker_transformers", "streamed", "streamed_copying", "plain", "read", "files", "instanttensor",
-           "switch", "switch_warm_up")
+LOADERS = ("worker", "worker_transformers", "streamed", "streamed_copying", "streamed_spans_64k", "plain", "read", "files",
+           "instanttensor", "switch", "switch_warm_up")
 
 
 def proc_status() -> dict[str, int]:
@@ -180,8 +182,11 @@ def child(args) -> dict:
     import_s = time.time() - process_start_epoch()  # interpreter start and imports, before any model work
     with AnonPeak() as anon:
         t0 = time.perf_counter()
-        if args.loader in ("streamed", "streamed_copying"):  # workers.loading.load_streamed alone: no identity, no warm-up
+        if args.loader.startswith("streamed"):  # workers.loading.load_streamed alone: no identity, no warm-up
             from workers import loading
+
+            if args.loader == "streamed_spans_64k":  # only tensors up to 64 KiB share a read (an MoE's experts alone)
+                loading.SMALL_BYTES = 64 << 10
             from workers.target import _set_load_threads, load_device_map, pick_device
 
             device = pick_device(settings)
@@ -190,7 +195,7 @@ def child(args) -> dict:
                 # streamed_copying: transformers' loop with a converter copy per tensor, as it comes
                 model = loading.load_streamed(str(path), device=device, dtype=torch.bfloat16,
                                               device_map=load_device_map(device),
-                                              reuse_converters=args.loader == "streamed")
+                                              reuse_converters=args.loader != "streamed_copying")
             _sync(device)
             record.update(load_s=round(time.perf_counter() - t0, 3), streamed=dict(loading.last_load),
                           where_threads_were=sampler.top(20))
