@@ -20,8 +20,8 @@ if [ "$MODE" = next48 ] || { [ "$MODE" = auto ] && [ "$MEM" -gt 100000 ]; }; the
   tail -30 $OUT/next48fp8.out
 elif [ "$MODE" = moeload ]; then
   # the MoE load: the worker's loader (streamed), the same with only tensors up to 64 KiB read together (streamed_spans_64k:
-  # each 1-MB expert alone) and our reader alone (files), 16-layer FP8 Qwen3-Next; (was: streamed_copying against one per fused
-  # parameter (streamed, what workers run since the eighth session), and our reader alone (files), 16-layer FP8 Qwen3-Next
+  # each 1-MB expert alone) and our reader alone (files), 16-layer FP8 Qwen3-Next (streamed_copying: measured on the
+  # 48-layer one, BENCHMARKS.md "Eighth session")
   [ -f /dev/shm/n16fp8/config.json ] || { timeout 240 python bench/load.py --build tests/data/configs/qwen3-next-80b-a3b-thinking.json --layers 16 --fp8 --dest /dev/shm/n16fp8 > $OUT/build16fp8.out 2>&1; echo "build rc=$?" >> $OUT/build16fp8.out; tail -3 $OUT/build16fp8.out; }
   timeout 300 python bench/load.py /dev/shm/n16fp8 --loader streamed,streamed_spans_64k,files --cache-dir /tmp/hc --child-timeout-s 120 --json $OUT/moeload16fp8.json > $OUT/moeload16fp8.out 2>&1; echo "rc=$?" >> $OUT/moeload16fp8.out
   python3 -c "import json; d = json.load(open('$OUT/moeload16fp8.json')); [print(k, r.get('load_s'), (r.get('streamed') or {}).get('from_pretrained_s'), (r.get('streamed') or {}).get('read_s'), (r.get('streamed') or {}).get('converter_copies'), r.get('file_check')) for k, r in d['loads'].items()]"
