@@ -28,6 +28,12 @@ from producer.words import plural
 #: presences not written for this long (seconds of broker time) are left out of the fleet view.
 FLEET_FORGET_S = 3600.0
 
+#: Seconds after its delivery (on the clock of the worker that took it: kombu's ``unacked_index``) during
+#: which a claim no presence lists is not counted as unheld: a live worker lists a delivery in its
+#: presence within a write gap or so (1 s, ``workers/heartbeat.py`` MIN_WRITE_GAP_S), later on a busy
+#: host; a healthy run always has a few such claims (seen in 5 of 5 looks on a 2-core host, 2026-12-06).
+UNLISTED_GRACE_S = 10.0
+
 
 def gone_here(p: Presence) -> bool:
     """Whether ``p`` is a process of this host that no longer exists (checked by pid, here only)."""
@@ -74,13 +80,19 @@ class Unheld:
     holders: tuple[Presence, ...] = ()
 
 
-def unheld_claims(found: list[Claim], presences: list[Presence], alive: set[str]) -> list[Unheld]:
+def unheld_claims(found: list[Claim], presences: list[Presence], alive: set[str], *,
+                  local_now: float | None = None, grace_s: float = UNLISTED_GRACE_S) -> list[Unheld]:
     """The claims of ``found`` that no presence of ``alive`` (live workers' names) lists, by task id
-    or by run and batch."""
+    or by run and batch; a claim no presence lists at all that was delivered less than ``grace_s``
+    seconds before ``local_now`` (default: this machine's clock) is left out: its worker has not
+    listed it yet (:data:`UNLISTED_GRACE_S`)."""
+    local_now = time.time() if local_now is None else local_now
     out = []
     for c in found:
         listing = tuple(p for p in presences if p.holds(task_id=c.task_id, run_url=c.run_url, batch=c.batch))
         if any(p.worker in alive for p in listing):
+            continue
+        if not listing and c.delivered_at is not None and local_now - c.delivered_at < grace_s:
             continue
         why = "stopped" if any(p.state == "stopped" for p in listing) else "lost" if listing else "unlisted"
         out.append(Unheld(c, why, listing))
