@@ -17,6 +17,8 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 extras=${1:-}
+# setuptools warns, at every editable install, that folders named like the packages may shadow them: they are them
+export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable installation"
 if [ -n "$extras" ]; then
   python -m pip install -q -e ".[$extras]"
 else
