@@ -690,6 +690,10 @@ def cmd_verify(args, settings: Settings) -> int:
         batches = problem_batches(report)
         out.print(f"[red]verify FAILED[/]: {plural(len(problems), 'problem')} in {plural(len(batches), 'batch')}: "
                   + ", ".join(batches[:20]) + (" ..." if len(batches) > 20 else ""), highlight=False)
+        if others:  # the table's counts are the markers'; these batches' data is not what they certify
+            out.print(f"fix: `python -m producer reconcile {report['address']} --repair` (drops the bad batches' markers "
+                      "and sends them again), let them be redone (on one machine: the same `producer run` again), then "
+                      "verify again", highlight=False, soft_wrap=True)
         if report.get("unverified"):
             out.print(f"[yellow]unverified[/] {plural(len(report['unverified']), 'batch')}: the store did not answer; "
                       "nothing is known to be wrong with them (reconcile --repair leaves them alone): verify again",
@@ -856,7 +860,8 @@ def cmd_reconcile(args, settings: Settings) -> int:
                   "removes it (`--grace 0`: now)", highlight=False, soft_wrap=True)
     if not (report["lost"] or report["removed_shards"] or report["removed_incomplete"] or report["repaired"]
             or report.get("cleared_claims") or report.get("parked") or kept):
-        out.print("nothing to do")
+        out.print("nothing to do" + ("" if args.repair else " (shards are not hashed without --repair: "
+                                     "`python -m producer verify` checks them)"))
     return 0
 
 

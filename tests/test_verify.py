@@ -77,6 +77,11 @@ def test_an_altered_shard_fails_with_exit_1_naming_its_batch(small_run, tmp_path
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "verify FAILED" in proc.stdout and victim in proc.stdout and "shard_altered" in proc.stdout
     assert "Traceback" not in proc.stderr
+    said = " ".join(proc.stdout.split())
+    assert "fix: `python -m producer reconcile " in said and " --repair` (drops the bad batches' markers" in said, said
+    # plain reconcile does not hash shards: it says so, and where they are checked
+    plain = run_here(["reconcile", str(run_dir)], small_run["env"])
+    assert "shards are not hashed without --repair" in " ".join(plain.stdout.split()), plain.stdout
 
 
 def test_a_removed_shard_is_named(small_run, tmp_path):
