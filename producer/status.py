@@ -482,7 +482,7 @@ class RunWatch:
             resume = ("run the same `python -m producer run` / `enqueue` command again (the same dataset and "
                       "options give the same run id): it removes cancelled.json and enqueues every batch without a marker"
                       + self._planned_by())
-        if state in ("failed", "cancelled"):
+        if state in ("failed", "cancelled", "plan_failed"):
             # Nothing runs it: no ETA, and no current rate (the recent window would only decay); the
             # overall rate stays, as the rate it ran at.
             eta = None

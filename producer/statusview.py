@@ -105,7 +105,7 @@ def progress_table(status: dict) -> Table:
     t.add_row("model", Text(status["model"]))
     streaming = status.get("planning") is not None  # the plan is still written: totals are so far
     if state == "plan_failed":
-        t.add_row("progress", Text(f"planning did not finish: {status.get('plan_error')}",
+        t.add_row("planning", Text(f"did not finish: {status.get('plan_error')}",
                                    style="yellow" if stopped else "red"))
         command = (status.get("planner") or {}).get("command") or "the same `python -m producer run` / `enqueue` command"
         windows = (status.get("planning") or {}).get("windows")
@@ -143,7 +143,7 @@ def progress_table(status: dict) -> Table:
             window = status.get("rate_window_s")
             recent = (f"{_rate(status['tokens_per_s'], unit)} over the last {fmt_duration(window)}" if window
                       else "- (a rate needs two batches done)")
-            if state in ("stalled", "cancelled", "failed") and status.get("overall_tokens_per_s"):
+            if state in ("stalled", "cancelled", "failed", "plan_failed") and status.get("overall_tokens_per_s"):
                 recent = "none now (nothing runs it)"  # the recent window would only decay as the stop ages
                 samples_s = ""  # the recent samples/s decays the same way: only the overall rate means anything
             t.add_row("rate", f"{recent}{samples_s}, {_rate(status['overall_tokens_per_s'], unit)} overall")

@@ -78,7 +78,9 @@ def test_a_plan_that_fails_while_written_is_reported_by_status_and_the_same_comm
     assert said in status["plan_error"]
     assert status["planner"]["command"] == COMMAND
     text = _render(status)
-    assert "planning did not finish" in text and said in text
+    assert "did not finish" in text and said in text
+    assert text.count("progress") <= 1, text  # the batches' bar only; the stop has a row of its own
+    assert status["tokens_per_s"] is None and status["eta_s"] is None and "over the last" not in text, text
     assert f"run {COMMAND} again" in text
     # a Ctrl-C is a stop the same command resumes; an error stays an error
     assert ("stopped by you: resumable" in text) == isinstance(exc, KeyboardInterrupt)
