@@ -73,10 +73,11 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from hsx.errors import StoreError
+from hsx.errors import BadConfig, StoreError
 from hsx.fp8 import E4M3_REL_ERR
 from hsx.layout import (PLAN_WINDOWS_PREFIX, SAMPLES_JSONL, SHARDS_PREFIX, batch_plan_key, marker_key,
                         names_under, window_key, window_samples_key)
@@ -623,12 +624,59 @@ def _compare(got, want, rtol: float) -> tuple[bool, float, float]:
     return ratio <= 1.0, ratio, float(diff.max()) if diff.numel() else 0.0
 
 
+def available_bytes(device) -> int:
+    """Bytes a model loaded on ``device`` may take: the free memory of a CUDA device
+    (``torch.cuda.mem_get_info``), else the host's ``MemAvailable`` (``/proc/meminfo``; 0 where it
+    cannot be read, which refuses nothing: see :func:`fp32_fits`)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def fp32_fits(path: str, device, *, trust_remote_code: bool) -> None:
+    """Refuse a recompute whose fp32 model cannot fit ``device``, before it loads: the parameters
+    counted on the meta device from the checkpoint's config, 4 bytes each, against
+    :func:`available_bytes` less a tenth for the activations (a 27B target is 108 GB in fp32:
+    more than an H100 or H200 holds).
+
+    Raises:
+        BadConfig: naming the model's fp32 size, the memory there is, and what to do.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    free = available_bytes(device)
+    if not free:
+        return
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    need = 4 * sum(p.numel() for p in meta.parameters())
+    if need > 0.9 * free:
+        where = f"GPU {device}" if device.type == "cuda" else "this host"
+        raise BadConfig(f"verify --recompute runs the target in fp32 (the reference the stored states are compared "
+                        f"with): {fmt_bytes(need)} for {path}, and {where} has {fmt_bytes(free)} free; run it where "
+                        "that fits (HSX_DEVICE=cpu uses host memory; a GPU with more free memory), or leave out "
+                        "--recompute (the hashes, the token echo and the sample count are checked without it)")
+
+
 def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str, Marker, int, int, int]], settings, *,
                       rtol: float | None = None, progress=None) -> tuple[dict, list[Problem]]:
     """Recompute ``picks`` (batch, marker, sample, start, end) per sample on the reference path.
 
-    Returns (summary, problems). Loads the run's model in fp32 on the CPU (refuses when the
-    checkpoint's identity differs from run.json's ``model``).
+    Returns (summary, problems). Loads the run's model in fp32 on the GPU, else the CPU (a problem
+    when the checkpoint's identity differs from run.json's ``model``).
+
+    Raises:
+        BadConfig: the fp32 model does not fit the device's free memory (:func:`fp32_fits`).
     """
     import torch
     from safetensors import safe_open
@@ -649,13 +697,15 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
         return summary, problems
     t0 = time.perf_counter()
     path = resolve_model_path(config.model_name, settings.cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 use_safetensors=safetensors_only(path, settings.allow_pickle_checkpoints),
-                                                 trust_remote_code=settings.trust_remote_code)
     # fp32 on the GPU when there is one: with fla installed, the CPU path of a GDN model would call
     # its Triton kernels on host tensors and fail.
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model.to(device).eval().requires_grad_(False)
+    fp32_fits(path, device, trust_remote_code=settings.trust_remote_code)
+    # straight to the device, a tensor at a time: no whole copy in host memory first
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map={"": device},
+                                                 use_safetensors=safetensors_only(path, settings.allow_pickle_checkpoints),
+                                                 trust_remote_code=settings.trust_remote_code)
+    model.eval().requires_grad_(False)
     summary["device"] = str(device)
     summary["load_s"] = round(time.perf_counter() - t0, 2)
     layer_ids = list(config.layers.layer_ids)

@@ -10,9 +10,12 @@ import dataclasses
 import json
 import time
 
+import pytest
+
 from jobfixtures import run_here
 from smallrun import copy_run, quarantine_first_sample, upload_run
 
+from hsx.errors import BadConfig
 from hsx.layout import marker_key
 from hsx.plan import batch_key, read_batch
 from hsx.records import Marker
@@ -47,6 +50,25 @@ def test_verify_passes_on_the_jobs_output_and_recomputed_samples_match(small_run
     assert len(rec["samples"]) == 3 and rec["rtol"] == 1e-2
     assert rec["values_compared"] > 3 * 64 * 5 * 50, "the recompute must have compared real values"
     assert 0 < rec["worst_ratio"] <= 1.0, rec
+
+
+def test_a_recompute_whose_fp32_model_does_not_fit_is_refused_before_it_loads(small_run, monkeypatch):
+    """``--recompute`` runs the target in fp32: a 27B is 108 GB, more than an H200 holds. Where the fp32 model
+    does not fit the device's free memory the recompute is refused before loading, naming both sizes and what
+    to do (it loaded the whole model into host memory, then ran out on the GPU)."""
+    import transformers
+
+    from producer import verify
+    from settings import Settings
+
+    loads = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loads.append(a) or pytest.fail("loaded")))
+    monkeypatch.setattr(verify, "available_bytes", lambda device: 100_000)  # 100 kB free
+    with pytest.raises(BadConfig, match=r"runs the target in fp32 .*: [0-9.]+ MB for .*has 0.1 MB free.*leave out --recompute"):
+        verify_run(open_store(small_run["address"]), recompute=1, settings=Settings(_env_file=None,
+                                                                                   cache_dir=small_run["cache"]))
+    assert loads == []
 
 
 def test_recompute_catches_an_off_by_one_layer_id(small_run):
