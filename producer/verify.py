@@ -701,6 +701,9 @@ def recompute_samples(run_store: Store, config: RunConfig, picks: list[tuple[str
     # its Triton kernels on host tensors and fail.
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     fp32_fits(path, device, trust_remote_code=settings.trust_remote_code)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # verify draws its own progress
     # straight to the device, a tensor at a time: no whole copy in host memory first
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map={"": device},
                                                  use_safetensors=safetensors_only(path, settings.allow_pickle_checkpoints),
