@@ -4,12 +4,11 @@ kombu upgrade that moves a queue list, a priority key or the claims fails here, 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
 
+from deadclaims import take_and_die
 from hsx.brokerlayout import (UNACKED_INDEX_KEY, Claim, Lengths, claims, declare_queue, decode_message, drop_claims, is_claimed, lengths,
                               messages_by_run, queue_keys, queued_of, remove_queued, restore_claim, waiting)
 from hsx.queue import EXTRACT_TASK, make_celery, send_batches
@@ -19,17 +18,6 @@ from settings import Settings
 pytestmark = pytest.mark.timeout(120)
 
 QUEUE = "gpu"
-
-TAKE_AND_DIE = """
-import os, signal, sys
-from kombu import Connection
-with Connection(sys.argv[1]) as conn:
-    q = conn.SimpleQueue(sys.argv[2])
-    for _ in range(int(sys.argv[3])):
-        print(q.get(timeout=10).headers["id"], flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)  # dies holding the deliveries, unacknowledged
-"""
-
 
 @pytest.fixture
 def settings(broker):
@@ -51,10 +39,7 @@ def _send_task(settings, broker, name: str, args: list, task_id: str, priority: 
 
 def _take_and_die(broker, count: int) -> list[str]:
     """A kombu consumer that takes ``count`` messages and is SIGKILLed holding them; their task ids."""
-    out = subprocess.run([sys.executable, "-c", TAKE_AND_DIE, broker.url, QUEUE, str(count)], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == -9, out.stderr
-    return out.stdout.split()
+    return take_and_die(broker.url, QUEUE, count)
 
 
 def test_the_queue_s_lists_are_its_name_then_one_per_priority_step(client, settings, broker):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from deadclaims import age_claims, take_and_die
 from clusters import assert_complete, copy_plan, wait_done
 from jobfixtures import clean_env, python_popen, run_here, wait_until
 
@@ -249,19 +250,6 @@ def test_a_worker_loading_its_target_is_shown_loading_and_the_run_is_not_called_
 
 # --- what a new user's multi-node run with faults showed in the fleet view ---------------------------
 
-#: a kombu consumer that takes N messages and is SIGKILLed holding them: claims no worker lists (as
-#: deliveries whose acks a broker's kill -9 lost)
-TAKE_AND_DIE = """
-import os, signal, sys
-from kombu import Connection
-with Connection(sys.argv[1]) as conn:
-    q = conn.SimpleQueue(sys.argv[2])
-    for _ in range(int(sys.argv[3])):
-        print(q.get(timeout=10).headers["id"], flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
 def test_the_fleet_view_of_a_broker_that_does_not_answer_says_so_and_exits_2():
     """A new user's ``status`` (no run) with the broker down ended in a redis traceback, exit 1. It says the broker
     does not answer, with the URL (password masked), the error and what to check, and exits 2 as the CLI's other
@@ -287,9 +275,6 @@ def test_the_fleet_view_says_which_claims_no_live_worker_holds_and_lists_no_dead
     returns each kind (the lost worker's lease, in about how long; a live worker's lease check; the visibility
     timeout, at what time) instead of a bare count; the stopped worker holds no tasks (``held_at_death``, shown
     as when it died and no longer claimed); every worker is named by its Celery node and pid."""
-    import subprocess
-    import sys
-
     from hsx.fleet import broker_time, workers_key
     from hsx.queue import send_batches
     from hsx.records import BatchSummary
@@ -298,13 +283,8 @@ def test_the_fleet_view_says_which_claims_no_live_worker_holds_and_lists_no_dead
     run_url = "file:///data/out/sharegpt-0123456789ab"
     send_batches(settings, broker.url, run_url, "sharegpt-0123456789ab",
                  [BatchSummary(batch=b, num_samples=1, num_tokens=8) for b in ("b000001", "b000002")])
-    out = subprocess.run([sys.executable, "-c", TAKE_AND_DIE, broker.url, "gpu", "2"], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == -9, out.stderr
-    from hsx.brokerlayout import UNACKED_INDEX_KEY
-
-    for tag, t in client.zrange(UNACKED_INDEX_KEY, 0, -1, withscores=True):  # acks lost a minute ago, not a fresh
-        client.zadd(UNACKED_INDEX_KEY, {tag: t - 60})                          # delivery its worker lists in a second
+    take_and_die(broker.url, "gpu", 2)
+    age_claims(broker.url, 60)  # acks lost a minute ago, not a fresh delivery its worker lists in a second
     now = broker_time(client)
 
     def put(p: Presence, age_s: float) -> None:

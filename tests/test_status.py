@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 
 from rich.console import Console
 
+from deadclaims import age_claims, take_and_die
 from jobfixtures import run_here
 from smallrun import copy_run, quarantine_first_sample
 
@@ -521,17 +522,6 @@ def test_a_producer_run_killed_with_sigkill_is_not_said_to_be_restarting_its_wor
 # --- what a new user's multi-node run with faults showed (a lost node, a broker restart) -------------
 
 QUEUE = "gpu"
-#: a kombu consumer that takes N messages and is SIGKILLed holding them: claims whose ack never comes
-#: (as deliveries whose acks a broker's kill -9 lost), listed by no worker's presence
-TAKE_AND_DIE = """
-import os, signal, sys
-from kombu import Connection
-with Connection(sys.argv[1]) as conn:
-    q = conn.SimpleQueue(sys.argv[2])
-    for _ in range(int(sys.argv[3])):
-        print(q.get(timeout=10).headers["id"], flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-"""
 
 
 def _settings(broker_url: str):
@@ -542,31 +532,15 @@ def _settings(broker_url: str):
 
 def _claims_nobody_lists(broker_url: str, run_url: str, batches: list[str], age_s: float = 60.0) -> list[str]:
     """Send ``batches`` of ``run_url`` with Celery, and have a consumer die holding them, ``age_s`` seconds ago
-    (:func:`_age_claims`); their task ids."""
-    import subprocess
-    import sys
-
+    (``deadclaims.age_claims``); their task ids."""
     from hsx.queue import send_batches
     from hsx.records import BatchSummary
 
     send_batches(_settings(broker_url), broker_url, run_url, run_url.rsplit("/", 1)[-1],
                  [BatchSummary(batch=b, num_samples=1, num_tokens=8) for b in batches])
-    out = subprocess.run([sys.executable, "-c", TAKE_AND_DIE, broker_url, QUEUE, str(len(batches))],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == -9, out.stderr
-    _age_claims(broker_url, age_s)
-    return out.stdout.split()
-
-
-def _age_claims(broker_url: str, seconds: float) -> None:
-    """Move every claim's delivery time (kombu's ``unacked_index``) ``seconds`` into the past: an ack lost
-    a while ago, past the grace a fresh delivery gets before its worker lists it."""
-    from hsx.broker import redis_client
-    from hsx.brokerlayout import UNACKED_INDEX_KEY
-
-    client = redis_client(broker_url)
-    for tag, t in client.zrange(UNACKED_INDEX_KEY, 0, -1, withscores=True):
-        client.zadd(UNACKED_INDEX_KEY, {tag: t - seconds})
+    ids = take_and_die(broker_url, QUEUE, len(batches))
+    age_claims(broker_url, age_s)
+    return ids
 
 
 def _probed(store, broker_url: str) -> RunWatch:
@@ -736,7 +710,7 @@ def test_a_claim_delivered_seconds_ago_that_no_worker_lists_yet_is_no_alarm(smal
     batches = [b.batch for b in read_batch_list(store)][:2]
     _claims_nobody_lists(broker.url, store.url, batches, age_s=0.0)
     assert _probed(store, broker.url).poll()["broker"]["not_held"]["count"] == 0
-    _age_claims(broker.url, 30.0)
+    age_claims(broker.url, 30.0)
     assert _probed(store, broker.url).poll()["broker"]["not_held"]["count"] == 2
 
 
