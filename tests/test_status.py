@@ -72,15 +72,22 @@ def test_status_counts_quarantine_failures_and_paused_workers_from_the_store(sma
         assert expected in text, f"{expected!r} not in the view:\n{text}"
 
 
-def test_a_run_whose_every_worker_went_quiet_is_stalled_not_running(small_run, tmp_path):
-    """Batches left and no failure, but the only worker's heartbeat is stale (stopped, killed): state
-    ``stalled``, no ETA; once a worker reports again it is ``running``."""
+def _one_batch_left(small_run, tmp_path):
+    """A copy of the small run with its last batch's marker removed and no worker record (the shared
+    worker's own may still be fresh): ``(run_dir, store, that batch)``."""
     run_dir = copy_run(small_run, tmp_path)
     store = open_store(str(run_dir))
     last = read_batch_list(store)[-1].batch
     store.delete(marker_key(last))
-    for key in store.list(WORKERS_PREFIX):  # the shared worker's own record may still be fresh
+    for key in store.list(WORKERS_PREFIX):
         store.delete(key)
+    return run_dir, store, last
+
+
+def test_a_run_whose_every_worker_went_quiet_is_stalled_not_running(small_run, tmp_path):
+    """Batches left and no failure, but the only worker's heartbeat is stale (stopped, killed): state
+    ``stalled``, no ETA; once a worker reports again it is ``running``."""
+    run_dir, store, last = _one_batch_left(small_run, tmp_path)
     now = float(int(time.time()))
     record = {"host": "node9", "pid": 43, "device": "cpu", "state": "working", "heartbeat_s": 5.0,
               "batches": [{"batch": last, "phase": "forward", "since": _utc(now - 90)}], "updated_at": _utc(now - 80)}
@@ -93,12 +100,7 @@ def test_a_run_whose_every_worker_went_quiet_is_stalled_not_running(small_run, t
 
 def _stalled_run(small_run, tmp_path, *, idle: bool = False):
     """A copy of the small run with one batch left and its only worker quiet (or idle long ago)."""
-    run_dir = copy_run(small_run, tmp_path)
-    store = open_store(str(run_dir))
-    last = read_batch_list(store)[-1].batch
-    store.delete(marker_key(last))
-    for key in store.list(WORKERS_PREFIX):
-        store.delete(key)
+    run_dir, store, last = _one_batch_left(small_run, tmp_path)
     now = float(int(time.time()))
     record = {"state": "idle" if idle else "working", "updated_at": _utc(now - 80)}
     store.write("workers/node9-43.json", json.dumps({"host": "node9", "pid": 43, "device": "cpu", "heartbeat_s": 5.0,
@@ -572,12 +574,7 @@ def test_a_failed_or_cancelled_run_has_no_eta_and_no_current_rate(small_run, tmp
     """A new user's failed run showed ``eta 5m47s`` and ``rate 2 tok/s over the last 16m54s``: nothing runs a
     failed or cancelled run, so ``eta_s``, ``tokens_per_s``, ``samples_per_s`` and ``rate_window_s`` are null and
     the view says no rate now and gives no ETA; the overall rate (the one it ran at) stays."""
-    run_dir = copy_run(small_run, tmp_path)
-    store = open_store(str(run_dir))
-    last = read_batch_list(store)[-1].batch
-    store.delete(marker_key(last))
-    for key in store.list(WORKERS_PREFIX):
-        store.delete(key)
+    run_dir, store, last = _one_batch_left(small_run, tmp_path)
     if end == "failed":
         store.write(f"failures/{last}.json", json.dumps({"batch": last, "error": "FidelityError: all NaN",
                                                           "host": "node7", "at": _utc(time.time())}).encode())
@@ -602,12 +599,7 @@ def test_a_parked_reason_is_shown_whole_and_live_workers_are_not_told_to_be_star
     the run, instead of "start workers on the broker" (a new user had 2 live workers there)."""
     from hsx.fleet import Parked, park
 
-    run_dir = copy_run(small_run, tmp_path)
-    store = open_store(str(run_dir))
-    last = read_batch_list(store)[-1].batch
-    store.delete(marker_key(last))
-    for key in store.list(WORKERS_PREFIX):
-        store.delete(key)
+    run_dir, store, last = _one_batch_left(small_run, tmp_path)
     for n in (1, 3):
         _presence(client, worker=f"node{n}-{n}", host=f"node{n}", pid=n, node=f"cpu0@node{n}", roots=[str(tmp_path)])
     reason = ("RunFormatError: run.json of " + store.url + " cannot be read by this worker: " + "it names a format "
