@@ -147,21 +147,21 @@ def look(settings: Settings, client, run_url: str, run_store) -> Look:
     the broker does not answer.
     """
     from hsx.brokerlayout import claims, queued_of
-    from producer.fleetview import gone_here
+    from producer.fleetview import gone_here, unheld_claims
 
     queued = queued_of(client, settings.queue, run_url).get(run_url, {})
     now = broker_time(client)
     everyone = read_presences(client, settings.queue)
-    live = [p for p in everyone if p.live(now, settings.lease_s) and not gone_here(p)]
-    running = {t.batch for p in live for t in p.tasks if t.run_url == run_url and t.batch}
+    alive = {p.worker for p in everyone if p.live(now, settings.lease_s) and not gone_here(p)}
+    running = {t.batch for p in everyone if p.worker in alive for t in p.tasks if t.run_url == run_url and t.batch}
+    found = [c for c in claims(client) if c.run_url == run_url]
+    # every claim, even one delivered a moment ago: the second look, not a clock, tells a fresh one from a dead one's
+    unheld = {u.claim.tag: u.why for u in unheld_claims(found, everyone, alive, grace_s=0.0)}
     unlisted: dict[str, set[str]] = {}
-    for c in claims(client):
-        if c.run_url != run_url:
-            continue
-        listing = [p for p in everyone if p.holds(task_id=c.task_id, run_url=c.run_url, batch=c.batch)]
-        if any(p in live for p in listing):
-            running.add(c.batch)  # listed by its task id alone
-        elif not listing:  # a dead worker's (listed, not live) claim is lost: sent again, as always
+    for c in found:
+        if c.tag not in unheld:
+            running.add(c.batch)  # a live worker lists it (by its task id alone, perhaps)
+        elif unheld[c.tag] == "unlisted":  # a dead worker's (listed, not live) claim is lost: sent again, as always
             unlisted.setdefault(c.batch, set()).add(c.tag)
     parked = {p.batch for p in read_parked(client, settings.queue, run_url)}
     done = done_batches(run_store)  # last: a batch that finished during the look is seen here
