@@ -110,6 +110,10 @@ def _wait_s3_ready(endpoint_url: str, timeout_s: float, alive=lambda: True) -> N
     raise RuntimeError(f"S3 server at {endpoint_url} not ready after {timeout_s:.0f} s: {last!r}")
 
 
+#: Volumes one ``weed mini`` may create: the suite makes a bucket per S3 test (hundreds per server).
+SEAWEED_MAX_VOLUMES = 4000
+
+
 class SeaweedServer:
     """``weed mini`` on loopback with fixed free ports, data under ``data_dir``."""
 
@@ -147,6 +151,10 @@ class SeaweedServer:
             "-master.telemetry=false", f"-master.port={p['master']}", f"-volume.port={p['volume']}",
             f"-filer.port={p['filer']}", f"-s3.port={p['s3']}", f"-admin.port={p['admin']}",
             "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            # Each bucket is a collection with volumes of its own; mini's default cap (free disk / volume
+            # size) ran out after 76 buckets on one server (500 "no free volumes left"), fewer on a fuller
+            # disk. Volumes are not preallocated, so a high cap costs no disk.
+            f"-volume.max={SEAWEED_MAX_VOLUMES}",
         ]
         self.data_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()

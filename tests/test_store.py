@@ -610,3 +610,28 @@ def test_importing_the_store_does_not_import_boto3():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "False"
+
+
+def test_a_test_s3_server_takes_writes_in_more_buckets_than_the_suite_makes(tmp_path):
+    """Every S3 test gets a bucket of its own, and a SeaweedFS bucket is a collection with volumes of its
+    own: a fresh ``weed mini`` as the suite starts it takes a write in each of 160 new buckets (its
+    default volume cap, free disk / volume size, ran out after 76 on an 80 GB-free disk: HTTP 500)."""
+    from bench.servers import SeaweedServer, s3_client, weed_binary
+
+    binary = weed_binary()
+    if not binary:
+        pytest.skip("SeaweedFS (weed) is not installed")
+    server = SeaweedServer(binary, tmp_path / "data")
+    server.start()
+    try:
+        client = s3_client(server.endpoint_url)
+
+        def bucket_and_write(i: int) -> None:
+            client.create_bucket(Bucket=f"many-{i:03d}")
+            client.put_object(Bucket=f"many-{i:03d}", Key="k", Body=b"x" * 1000)
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(bucket_and_write, range(160)))
+        assert client.get_object(Bucket="many-159", Key="k")["Body"].read() == b"x" * 1000
+    finally:
+        server.stop()
