@@ -332,8 +332,9 @@ def fleet_view(fleet: dict) -> RenderableType:
                 state = ("lost: its claims are put back " + (f"in about {fmt_duration(back)}" if back > 0 else "now")
                          + " (its lease)")
             if w["live"]:
-                tasks = ", ".join(f"{t['run_url'].rstrip('/').rsplit('/', 1)[-1]}/{t['batch']} ({t['phase']})"
-                                  for t in w["tasks"][:6]) + (" ..." if len(w["tasks"]) > 6 else "")
+                # a line each: joined by commas, a narrow terminal folded ``run/b000007`` in its middle
+                tasks = "\n".join(f"{t['run_url'].rstrip('/').rsplit('/', 1)[-1]}/{t['batch']} ({t['phase']})"
+                                   for t in w["tasks"][:6]) + ("\n..." if len(w["tasks"]) > 6 else "")
             else:
                 tasks = _held_at_death(w)
             style = "" if w["live"] else "dim"
