@@ -184,16 +184,20 @@ def parked_fix(cause: str, run_url: str, model: str | None = None) -> str:
             f"{again}")
 
 
-def parked_groups(entries: list[Parked], run_url: str, model: str | None = None) -> list[dict]:
+def parked_groups(entries: list[Parked], run_url: str, model: str | None = None,
+                  presences: list[Presence] = ()) -> list[dict]:
     """A run's parked messages grouped by cause and reason: ``[{"cause", "reason", "batches",
-    "refused_by", "times", "fix"}]``, the biggest group first."""
+    "refused_by", "times", "fix"}]``, the biggest group first. ``refused_by`` names each worker as
+    every view does (:attr:`hsx.fleet.Presence.label`, ``cpu0@host pid 7``) where ``presences`` has
+    it, else by the ``<host>-<pid>`` it parked under."""
+    labels = {p.worker: p.label for p in presences}
     groups: dict[tuple[str, str], dict] = {}
     for p in entries:
         g = groups.setdefault((p.cause, p.reason), {"cause": p.cause, "reason": p.reason, "batches": [],
                                                     "refused_by": [], "times": 0,
                                                     "fix": parked_fix(p.cause, run_url, model)})
         g["batches"].append(p.batch)
-        g["refused_by"] = list(dict.fromkeys([*g["refused_by"], *p.refused_by]))
+        g["refused_by"] = list(dict.fromkeys([*g["refused_by"], *(labels.get(w, w) for w in p.refused_by)]))
         g["times"] += p.times
     return sorted(groups.values(), key=lambda g: (-len(g["batches"]), g["reason"]))
 
@@ -336,7 +340,7 @@ def _fleet_status(client, settings, broker_url: str) -> dict:
                    "not_held": not_held(unheld, now, settings)},
         "workers": workers,
         "runs": busy + [r for r in runs if r not in busy],
-        "parked": [{"run_url": url, "batches": len(items), "groups": parked_groups(items, url)}
+        "parked": [{"run_url": url, "batches": len(items), "groups": parked_groups(items, url, presences=everyone)}
                    for url, items in sorted(by_run.items())],
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
     }

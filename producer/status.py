@@ -447,11 +447,12 @@ class RunWatch:
         workers = self._workers(now, broker)
         parked = None
         if broker is not None and "error" not in broker:
-            from hsx.fleet import Parked
+            from hsx.fleet import Parked, Presence
             from producer.fleetview import parked_groups
 
             entries = [Parked.model_validate(p) for p in broker.get("parked") or [] if p.get("batch") not in done]
-            parked = parked_groups(entries, store.url, self.config.model_name)
+            known = [Presence.model_validate(p) for p in [*(broker.get("presences") or []), *(broker.get("gone") or [])]]
+            parked = parked_groups(entries, store.url, self.config.model_name, presences=known)
         stalled_reason = restart = None
         # While windows keep coming, idle workers wait for the next one: no stall (PLANNING_STALL_GRACE_S).
         quiet_planner = (state == "planning" and len(done) < total and planning["updated_age_s"] is not None

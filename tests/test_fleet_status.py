@@ -82,6 +82,8 @@ def test_enqueue_outside_the_served_roots_is_refused_forced_messages_park_status
     assert status["batches_parked"] == len(names), status["parked"]
     (group,) = status["parked"]
     assert group["reason"].startswith("NotServed: ") and sorted(group["batches"]) == names, group
+    (refuser,) = group["refused_by"]  # named as every view names a worker
+    assert refuser.startswith("w0@") and " pid " in refuser, group["refused_by"]
     for needed in (f"start a worker that serves {other}", f"python -m producer reconcile {run_store.url}",
                    f"python -m producer cancel {run_store.url}"):
         assert needed in group["fix"], group["fix"]
@@ -95,6 +97,7 @@ def test_enqueue_outside_the_served_roots_is_refused_forced_messages_park_status
     assert worker["state"] == "idle" and worker["node"].startswith("w0@"), worker
     (parked,) = fleet["parked"]
     assert parked["run_url"] == run_store.url and parked["batches"] == len(names)
+    assert parked["groups"][0]["refused_by"] == [worker["label"]], parked
     assert any(r["address"] == run_store.url and r["parked"] == len(names) for r in fleet["runs"]), fleet["runs"]
     fleet_view = _said(run_here(["status"], env))
     assert "w0@" in fleet_view and f"parked: {run_store.url}" in fleet_view and "NotServed" in fleet_view, fleet_view
