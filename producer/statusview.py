@@ -241,6 +241,10 @@ def workers_table(status: dict) -> RenderableType:
     return Group(t, *notes) if notes else t
 
 
+#: Characters of a failed batch's error that the failures table shows (``status --json`` has all of it).
+FAILURE_CHARS = 300
+
+
 def failures_table(status: dict, limit: int = 20) -> Table | None:
     """The batches that failed and have no marker, with the last error of each; None when there are none."""
     failures = status["failures"]
@@ -252,7 +256,10 @@ def failures_table(status: dict, limit: int = 20) -> Table | None:
     t.add_column("at", no_wrap=True)
     t.add_column("reason", style="red")
     for batch, f in sorted(failures.items())[:limit]:
-        t.add_row(batch, str(f.get("host", "-")), str(f.get("at", "-")), Text(str(f.get("error", "?"))[:300]))
+        error = str(f.get("error", "?"))
+        if len(error) > FAILURE_CHARS:  # said as cut: an error that simply stopped read as the whole of it
+            error = error[:FAILURE_CHARS] + " ... (cut; --json has it whole)"
+        t.add_row(batch, str(f.get("host", "-")), str(f.get("at", "-")), Text(error))
     if len(failures) > limit:
         t.caption = f"... and {len(failures) - limit} more (--json lists them all)"
     return t

@@ -734,3 +734,18 @@ def test_the_start_command_of_a_queued_run_on_s3_has_its_s3_settings_and_model_a
     assert server.secret_key not in said and "brokerpw" not in said
     if server.access_key != server.secret_key:
         assert server.access_key not in said
+
+
+def test_the_failures_table_shows_a_short_error_whole_and_says_where_it_cut_a_long_one():
+    """A failed batch's error is shown whole up to 300 characters; a longer one ends in a note that it was
+    cut and that ``--json`` has it whole (cut silently, it read as the whole error)."""
+    from producer.statusview import FAILURE_CHARS, failures_table
+
+    long_error = "RuntimeError: " + "x" * 1000 + " END"
+    table = failures_table({"failures": {"b000001": {"host": "h", "at": "t", "error": "ValueError: short"},
+                                         "b000002": {"host": "h", "at": "t", "error": long_error}}})
+    console = Console(width=4000, record=True)
+    console.print(table)
+    said = console.export_text()
+    assert "ValueError: short" in said and "short ..." not in said
+    assert long_error[:FAILURE_CHARS] + " ... (cut; --json has it whole)" in said and " END" not in said
