@@ -176,7 +176,7 @@ def store(request, tmp_path):
 #: fill the end of the run instead of a 40-second file started last running alone on two cores.
 #: xdist's own reorder (by number of tests only) put most of these last: 1 to 4 tests each.
 LONG_FILES = {
-    "test_recovery.py": 89, "test_leases.py": 74, "test_regenerate.py": 74, "test_group.py": 63, "test_store.py": 61,
+    "test_recovery.py": 89, "test_model_families.py": 56, "test_leases.py": 74, "test_regenerate.py": 74, "test_group.py": 63, "test_store.py": 61,
     "test_run_lifecycle.py": 55, "test_bench.py": 46, "test_fleet_status.py": 42, "test_cancel.py": 41,
     "test_lease_clocks.py": 39, "test_sources.py": 38, "test_bench_task_overhead.py": 38, "test_e2e_bench.py": 36,
     "test_streamed_plan_readers.py": 31, "test_cli_messages.py": 30, "test_model_identity.py": 26,

@@ -1,7 +1,9 @@
-"""The capture path (workers/capture.py) on tiny random models of the four target families.
+"""The capture path (workers/capture.py) on tiny random models of ten target families.
 
 Each model is built from its real config (tests/tinymodels.py): Llama-3.1, Qwen3, Qwen3.5
-(Gated DeltaNet + gated attention) and Qwen3-Next (Gated DeltaNet + MoE). One right-padded
+(Gated DeltaNet + gated attention), Qwen3-Next (Gated DeltaNet + MoE), and the MoE models Qwen3-30B-A3B,
+gpt-oss-20b (sliding window, sinks), DeepSeek-V3 (latent attention), Mixtral, MiniMax-M2.5 and GLM-5
+(sparse attention; its top-k above the row length, tinymodels says why). One right-padded
 batch with lengths from 3 to 700 is captured once per model and checked against a per-sample,
 unpadded ``output_hidden_states`` forward of the same model.
 """
