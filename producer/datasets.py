@@ -84,6 +84,9 @@ ROLE_MAP = {
     "tool": "tool",
     "function": "tool",
     "ipython": "tool",
+    "observation": "tool",  # LLaMA-Factory's ShareGPT form: a tool's result
+    "function_call": "assistant",  # LLaMA-Factory's ShareGPT form: its value is the call, read into tool_calls
+    "developer": "system",  # OpenAI's system role for its reasoning models; chat templates know only system
 }
 
 #: Optional message keys kept as given (after role and content). ``name`` and ``tool_call_id``
@@ -537,11 +540,13 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *
     if not isinstance(raw, dict):
         raise BadRecord(fallback_id, "not_an_object", f"a JSON {type(raw).__name__}")
     own_id = raw.get("id")
-    if isinstance(own_id, str) or (isinstance(own_id, int) and not isinstance(own_id, bool)):
+    if (isinstance(own_id, str) and own_id.strip()) or (isinstance(own_id, int) and not isinstance(own_id, bool)):
         rid = str(own_id)
     else:
         rid = fallback_id
-        if own_id is not None:  # an id that is an object, a list, a float or a bool: its position stands for it
+        if isinstance(own_id, str):  # "" or blank: a column of empty ids would keep one record of all
+            skips.fix("id_empty")
+        elif own_id is not None:  # an id that is an object, a list, a float or a bool: its position stands for it
             skips.fix("id_not_a_string_or_integer")
     _check_text(rid, rid, "id")
 
@@ -595,6 +600,17 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *
         if supervised is not None:
             supervised = moved(supervised)
         unfinished = moved(unfinished)
+    system = raw.get("system")
+    if isinstance(system, str) and not _is_blank(system):  # LLaMA-Factory's ShareGPT form: the system prompt beside the turns
+        _check_text(rid, system, "system")
+        if messages[0]["role"] == "system":  # the turns' own system prompt is the one rendered
+            skips.fix("system_field_ignored_for_system_turn")
+        else:
+            messages.insert(0, {"role": "system", "content": system})
+            skips.fix("system_field_used")
+            if supervised is not None:  # the record's turn indices count its own turns
+                supervised = frozenset(i + 1 for i in supervised)
+            unfinished = frozenset(i + 1 for i in unfinished)
     return Conversation(record_id=rid, messages=tuple(messages), tools=tools, supervised_turns=supervised,
                         unfinished_turns=unfinished)
 
@@ -719,13 +735,17 @@ def _normalise_turn(rid: str, i: int, turn: Any, role_key: str, content_key: str
     if norm_role is None:
         raise BadRecord(rid, "unknown_role", f"turn {i} role {role!r}; known roles: {', '.join(ROLE_MAP)}")
     other_key = "content" if content_key == "value" else "value"
+    tool_calls = turn.get("tool_calls")
     if content_key in turn:
         content = turn[content_key]
     elif other_key in turn:
         content = turn[other_key]
+    elif norm_role == "assistant" and tool_calls:
+        content = None  # OpenAI's form leaves content out of a turn that only calls tools
     else:
         raise BadRecord(rid, "bad_turn", f"turn {i} ({role}) has no {content_key!r}")
-    tool_calls = turn.get("tool_calls")
+    if role.strip().lower() == "function_call":
+        tool_calls, content = _function_call(rid, i, content), ""
 
     if content is None:
         if norm_role == "assistant" and tool_calls:
@@ -753,7 +773,24 @@ def _normalise_turn(rid: str, i: int, turn: Any, role_key: str, content_key: str
             if isinstance(value, str):
                 _check_text(rid, value, f"turn {i} {key}")
             msg[key] = value
+    if tool_calls and "tool_calls" not in msg:  # read from a function_call turn's value
+        msg["tool_calls"] = tool_calls
     return msg
+
+
+def _function_call(rid: str, i: int, value: Any) -> list[dict]:
+    """A LLaMA-Factory ``function_call`` turn's value (a JSON object ``{"name", "arguments"}``, or a
+    list of them, as a string or as is) as OpenAI ``tool_calls``, what chat templates render."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise BadRecord(rid, "bad_turn", f"turn {i} (function_call) value is not JSON: {err}") from None
+    calls = value if isinstance(value, list) else [value]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise BadRecord(rid, "bad_turn", f"turn {i} (function_call) value is not a call object with a 'name' "
+                        "(or a list of them)")
+    return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls]
 
 
 def _join_text_parts(rid: str, i: int, role: str, parts: list) -> str:

@@ -341,3 +341,45 @@ def test_text_records_are_used_only_when_allowed(tmp_path):
     recs = list(iter_conversations(path, skips, allow_text=True))
     assert recs[0] == TextRecord("t", "Hello world.") and isinstance(recs[1], Conversation)
     assert skips.counts == {"empty_turn": 1, "bad_turn": 1}
+
+
+def test_llama_factory_sharegpt_records_keep_their_system_prompt_and_tool_turns(tmp_path):
+    """LLaMA-Factory's ShareGPT form: a record-level ``system`` string is the system prompt (unless the
+    turns open with their own), ``function_call`` turns are the assistant's tool calls and
+    ``observation`` turns the tools' results; OpenAI's ``developer`` role is the system role."""
+    call = {"name": "get_time", "arguments": {"tz": "UTC"}}
+    rec = {"id": "lf", "system": "You are a pirate.", "hsx_supervised_turns": [3], "conversations": [
+        {"from": "human", "value": "time?"},
+        {"from": "function_call", "value": json.dumps(call)},
+        {"from": "observation", "value": "12:00"},
+        {"from": "gpt", "value": "Noon, matey."},
+    ]}
+    own_system = {"id": "own", "system": "ignored", "messages": [
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}]}
+    skips = SkipCounter()
+    lf, own = iter_conversations(str(_write_lines(tmp_path / "lf.jsonl", [rec, own_system])), skips)
+    assert lf.messages == (
+        {"role": "system", "content": "You are a pirate."},
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+        {"role": "tool", "content": "12:00"},
+        {"role": "assistant", "content": "Noon, matey."},
+    )
+    assert lf.supervised_turns == {4}, "the record's turn indices move with the system prompt put before them"
+    assert own.messages[0] == {"role": "system", "content": "Be brief."}
+    assert skips.total == 0 and skips.fixes == {"system_field_used": 1, "system_field_ignored_for_system_turn": 1}
+
+
+def test_an_assistant_turn_that_only_calls_tools_may_leave_content_out_and_an_empty_id_is_no_id(tmp_path):
+    """OpenAI's form leaves ``content`` out of a turn with ``tool_calls``: kept, as with ``content: null``.
+    An id that is "" or blank stands for no id (a column of empty ids would keep one record of them)."""
+    call = [{"type": "function", "function": {"name": "f", "arguments": {}}}]
+    recs = [{"id": "", "messages": [{"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": call},
+                                    {"role": "tool", "content": "done"}, {"role": "assistant", "content": "ok"}]},
+            {"id": " ", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
+    skips = SkipCounter()
+    first, second = iter_conversations(str(_write_lines(tmp_path / "e.jsonl", recs)), skips)
+    assert first.messages[1] == {"role": "assistant", "content": "", "tool_calls": call}
+    assert (first.record_id, second.record_id) == ("e.jsonl:0", "e.jsonl:1")
+    assert skips.total == 0 and skips.fixes == {"id_empty": 2}
