@@ -553,7 +553,7 @@ def ceiling_worker(data: str, offset: int, count: int, cache_dir: str) -> dict:
                 line = f.readline()
                 try:
                     raw = json.loads(line)
-                    yield _normalise(raw, f"{name}:{k}", set(), SkipCounter())
+                    yield _normalise(raw, f"{name}:{k}", SkipCounter())
                 except (BadRecord, ValueError):
                     rejected[0] += 1
 

@@ -592,6 +592,9 @@ class SampleRow(Record):
     supervised_tokens: int
     truncated: bool = False
     batch: str
+    scope: str | None = None
+    """The file (``<split>`` of a Hugging Face dataset) the record was read from, within which its id is
+    unique (``producer.datasets.IdClaims``); None in plans made before it was recorded."""
 
     @staticmethod
     def read_all(store: Store) -> list["SampleRow"]:
@@ -670,6 +673,8 @@ class PlanWindow(Record):
     """Ids that records of this window claimed (they passed the record checks) but that became no
     sample (too long, no supervised tokens, template error): with the samples' ids, what a resumed
     plan needs to skip a later record with the same id as ``duplicate_id``, as one pass would."""
+    claimed_scopes: list[str | None] = Field(default_factory=list)
+    """The scope (file) of each of ``claimed_ids`` (empty in plans made before it was recorded)."""
     last: bool = False
     """The dataset ended (or ``--limit`` was reached) in this window."""
 

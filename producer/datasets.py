@@ -31,8 +31,10 @@ one Python object, and its truncated last record is ignored and reported
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import logging
+import sys
 import unicodedata
 from dataclasses import dataclass, field
 from importlib import resources
@@ -290,13 +292,14 @@ def iter_conversations(
     Chat records come out as :class:`Conversation`, pre-tokenised ones as
     :class:`PretokenisedRecord`, plain-text ones as :class:`TextRecord` when ``allow_text`` is set
     (else they are skipped as ``text_not_allowed``). ``limit`` stops after that many records have
-    been yielded. A usable record whose id is that of an earlier usable record of this source is
-    skipped as ``duplicate_id`` (ids of skipped records are not reserved).
+    been yielded. A usable record whose id is that of an earlier usable record of its file is
+    skipped as ``duplicate_id``; one whose id a record of another file has is renamed (:class:`IdClaims`;
+    ids of skipped records are not reserved).
     Raises BadDataset when the source cannot be read at all (see :func:`dataset_files`).
     """
     if limit is not None and limit <= 0:
         return
-    seen: set[str] = set()
+    claims = IdClaims()
     yielded = 0
     for path in dataset_files(source):
         for index, raw in enumerate(iter_raw_records(path, skips, lazy=True)):
@@ -306,7 +309,11 @@ def iter_conversations(
             try:
                 if isinstance(raw, BadRecord):  # a line that did not parse
                     raise raw
-                conv = _normalise(raw, fallback_id, seen, skips, allow_text=allow_text)
+                conv = _normalise(raw, fallback_id, skips, allow_text=allow_text)
+                rid = claims.claim(conv.record_id, id_scope(fallback_id))
+                if rid != conv.record_id:
+                    skips.fix(IdClaims.SCOPED_FIX)
+                    conv = dataclasses.replace(conv, record_id=rid)
             except BadRecord as err:
                 skips.add(err.at_line(line))
                 continue
@@ -532,7 +539,7 @@ def _iter_parquet(path: Path, opener=_open_binary) -> Iterator[Any]:
 # Normalisation
 
 
-def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *, allow_text: bool = False) -> Record:
+def _normalise(raw: Any, fallback_id: str, skips: SkipCounter, *, allow_text: bool = False) -> Record:
     """A Record from one parsed record; raises BadRecord with a code of SKIP_REASONS.
 
     Repairs of a record that is kept are counted in ``skips.fixes``.
@@ -557,13 +564,9 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *
     elif "conversations" in raw:
         turns, role_key, content_key = raw["conversations"], "from", "value"
     elif "input_ids" in raw or "loss_mask" in raw:
-        record = _pretokenised(rid, raw)
-        _claim_id(rid, seen)
-        return record
+        return _pretokenised(rid, raw)
     elif "text" in raw:
-        record = _text_record(rid, raw["text"], allow_text)
-        _claim_id(rid, seen)
-        return record
+        return _text_record(rid, raw["text"], allow_text)
     else:
         turns, role_key, content_key = None, "from", "value"
     if not isinstance(turns, list) or not turns:
@@ -589,7 +592,6 @@ def _normalise(raw: Any, fallback_id: str, seen: set[str], skips: SkipCounter, *
                         f"{plural(len(messages), 'turn')}, roles {_role_summary(messages)}")
     supervised = _supervised_turns(rid, raw.get(SUPERVISED_TURNS_KEY), messages)
     unfinished = _unfinished_turns(rid, raw.get(UNFINISHED_TURNS_KEY), messages, supervised)
-    _claim_id(rid, seen)
     if drop > first:
         del messages[first:drop]
         skips.fix("leading_assistant_dropped")
@@ -650,12 +652,65 @@ def _unfinished_turns(rid: str, value: Any, messages: list[dict], supervised: fr
     return frozenset(value)
 
 
-def _claim_id(rid: str, seen: set[str]) -> None:
-    # Only ids of kept records count: in ShareGPT V3 all 123 repeated ids are an empty record
-    # followed by a real one with the same id, and the real one must not be lost.
-    if rid in seen:
-        raise BadRecord(rid, "duplicate_id", f"id {rid!r} belongs to an earlier usable record of this source")
-    seen.add(rid)
+def id_scope(fallback_id: str) -> str:
+    """The part of a dataset a record was read from, from its fallback id ``<file name>:<index>``
+    (``<split>:<index>`` for a Hugging Face dataset): the scope within which its own id is unique."""
+    return fallback_id.rpartition(":")[0]
+
+
+class IdClaims:
+    """The record ids claimed so far in one pass over a source, each with the scope (file) of the record
+    that claimed it. Only usable records claim an id: in ShareGPT V3 all 123 repeated ids are an empty
+    record followed by a real one with the same id, and the real one must not be lost.
+
+    Ids are unique within a file: a later usable record of the same file with a claimed id is a
+    ``duplicate_id``. Across the files of a directory they need not be (shards that each number their
+    records from 0): a record whose id a record of another file claimed is named ``<file>/<id>``
+    (counted as the repair ``id_scoped_by_file``), so that every sample's record id stays unique and no
+    file is lost. A claim whose scope is not known (a plan resumed from windows written before scopes
+    were recorded) is treated as one of the same file, as that code did.
+    """
+
+    SCOPED_FIX = "id_scoped_by_file"
+
+    def __init__(self):
+        self._scope: dict[str, str | None] = {}
+
+    def __len__(self) -> int:
+        return len(self._scope)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._scope
+
+    def note(self, rid: str, scope: str | None) -> None:
+        """Record an id claimed earlier (rebuilding the claims of a resumed plan)."""
+        self._scope.setdefault(rid, sys.intern(scope) if scope is not None else None)
+
+    def claim(self, rid: str, scope: str | None, line: int | None = None) -> str:
+        """Claim ``rid`` for a usable record read from ``scope``; returns the id the record gets
+        (``rid``, or ``<scope>/<rid>`` where another file claimed ``rid``).
+
+        Raises:
+            BadRecord: ``duplicate_id``, naming where the earlier record came from.
+        """
+        if scope is not None:
+            scope = sys.intern(scope)  # one string per file, not one per record, in a million-record claim map
+        owner = self._scope.get(rid, _UNCLAIMED)
+        if owner is _UNCLAIMED:
+            self._scope[rid] = scope
+            return rid
+        if owner is None or owner == scope:
+            raise BadRecord(rid, "duplicate_id", f"id {rid!r} belongs to an earlier usable record of "
+                            + (f"this file ({scope})" if scope else "this source"), line)
+        scoped = f"{scope}/{rid}"
+        if scoped in self._scope:
+            raise BadRecord(rid, "duplicate_id", f"id {rid!r} belongs to an earlier usable record of this file "
+                            f"({scope}; as {scoped!r}: {owner} has a record with id {rid!r} too)", line)
+        self._scope[scoped] = scope
+        return scoped
+
+
+_UNCLAIMED = object()
 
 
 def _normalise_tools(rid: str, tools: Any) -> tuple[dict, ...] | None:

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from itertools import islice
+from itertools import islice, zip_longest
 from pathlib import Path
 
 import numpy as np
@@ -42,8 +42,8 @@ from hsx.runconfig import (DatasetOptions, LayersConfig, ModelConfig, RunConfig,
 from hsx.shard import Final, StoreDtype
 from hsx.store import Store, exists, open_store
 from producer.batching import cut_batches
-from producer.datasets import (EXAMPLES_PER_REASON, Conversation, SkipCounter, _normalise, dataset_files,
-                               iter_conversations, parse_raw)
+from producer.datasets import (EXAMPLES_PER_REASON, Conversation, IdClaims, SkipCounter, _normalise, dataset_files,
+                               id_scope, iter_conversations, parse_raw)
 from producer.masks import (ADDED_TOKENS_IN_CONTENT, MIN_CONSECUTIVE_SUPERVISED, OVER_LENGTH_POLICIES,
                             SPECIAL_TOKENS_IN_CONTENT)
 from producer.sources import Source, SourceOptions, open_source
@@ -420,6 +420,9 @@ class _Window:
     masks: list = field(default_factory=list)
     truncated: list = field(default_factory=list)
     claimed_ids: list = field(default_factory=list)
+    #: the scope (:func:`producer.datasets.id_scope`) of each of ``record_ids`` and ``claimed_ids``
+    scopes: list = field(default_factory=list)
+    claimed_scopes: list = field(default_factory=list)
     skips: SkipCounter = field(default_factory=SkipCounter)
     #: ``(fallback id, raw record)`` of each sample, when the job keeps them (:attr:`PlanJob.keep_records`).
     raws: list = field(default_factory=list)
@@ -496,10 +499,12 @@ class PlanJob:
         """Read the dataset after the windows already written, tokenise, publish each window."""
         store, config = self.run_store, self.config
         done = self.windows
-        seen: set[str] = set()
+        seen = IdClaims()
         for w in done:  # rebuild the duplicate-id check of one pass over the dataset
-            seen.update(str(r.record_id) for r in SampleRow.read_window(store, w.name))
-            seen.update(w.claimed_ids)
+            for r in SampleRow.read_window(store, w.name):
+                seen.note(str(r.record_id), r.scope)
+            for rid, scope in zip_longest(w.claimed_ids, w.claimed_scopes[:len(w.claimed_ids)]):
+                seen.note(rid, scope)
         records_read = done[-1].records_read if done else 0
         source_skips = SkipCounter()  # what the readers note about whole files (a truncated JSON array)
         raw = self.source.raw_records(source_skips)
@@ -521,22 +526,28 @@ class PlanJob:
             with Tokenisers(self.spec, self.num_proc, chat=self.chat) as pool:
                 for (_fid, _raw), outcome in pool.map(items):
                     records_read += 1
-                    rid = outcome.claimed
-                    if rid is None:
+                    rid, scope = None, id_scope(_fid)
+                    if outcome.claimed is None:
                         window.skips.add(outcome.skip)
-                    elif rid in seen:  # its line, as every other skip's example has (a JSON-lines record's)
-                        window.skips.add(BadRecord(rid, "duplicate_id", f"id {rid!r} belongs to an earlier usable "
-                                                   "record of this source", getattr(_raw, "lineno", None)))
                     else:
-                        seen.add(rid)
-                        for name in outcome.fixes:
-                            window.skips.fix(name)
+                        try:  # its line, as every other skip's example has (a JSON-lines record's)
+                            rid = seen.claim(outcome.claimed, scope, getattr(_raw, "lineno", None))
+                        except BadRecord as dup:
+                            window.skips.add(dup)
+                        else:
+                            if rid != outcome.claimed:
+                                window.skips.fix(IdClaims.SCOPED_FIX)
+                            for name in outcome.fixes:
+                                window.skips.fix(name)
+                    if rid is not None:
                         if outcome.sample is None:
                             window.skips.add(outcome.skip)
                             window.claimed_ids.append(rid)
+                            window.claimed_scopes.append(scope)
                         else:
                             ids_S, mask_S, truncated = outcome.sample
                             window.record_ids.append(rid)
+                            window.scopes.append(scope)
                             window.ids.append(ids_S)
                             window.masks.append(mask_S)
                             window.truncated.append(truncated)
@@ -725,7 +736,9 @@ class RegenPlanJob(PlanJob):
             lines = []
             for sample_index in plan.sample_index_N.tolist():
                 fallback_id, raw = window.raws[int(sample_index) - window.first_sample]
-                record = _normalise(parse_raw(raw), fallback_id, set(), SkipCounter())
+                record = _normalise(parse_raw(raw), fallback_id, SkipCounter())
+                # the id the plan gave it (another file's record may have had its own id: IdClaims)
+                record = dataclasses.replace(record, record_id=window.record_ids[int(sample_index) - window.first_sample])
                 if not isinstance(record, Conversation):
                     raise BadDataset(f"record {record.record_id}: a pre-tokenised record has no conversation to answer "
                                      "again; regenerate a dataset of conversations (ShareGPT / OpenAI messages)")
@@ -795,14 +808,15 @@ def _cut_window(window: _Window, config: RunConfig, records_read: int, last: boo
     supervised = [int(m.sum()) for m in window.masks]
     rows = [SampleRow(sample_index=window.first_sample + i, record_id=window.record_ids[i], num_tokens=int(lengths_N[i]),
                       supervised_tokens=supervised[i], truncated=bool(window.truncated[i]),
-                      batch=batch_id(int(batch_of[i])))
+                      batch=batch_id(int(batch_of[i])), scope=window.scopes[i])
             for i in range(len(lengths_N))]
     record = PlanWindow(
         window=window.index, first_sample=window.first_sample, num_samples=len(lengths_N),
         first_batch=window.first_batch, batches=[p.summary() for p in plans],
         tokens=int(lengths_N.sum()), supervised_tokens=sum(supervised), truncated_samples=int(sum(window.truncated)),
         padded_tokens=sum(int(lengths_N[g].max()) * len(g) for g in groups), records_read=records_read,
-        skipped=SkipCounts(**window.skips.as_dict()), claimed_ids=window.claimed_ids, last=last,
+        skipped=SkipCounts(**window.skips.as_dict()), claimed_ids=window.claimed_ids,
+        claimed_scopes=window.claimed_scopes, last=last,
     )
     return record, plans, rows
 

@@ -239,7 +239,7 @@ def encode_chunk(items: list[tuple[str, object]], chat=None, allow_text: bool | 
             continue
         local = SkipCounter()
         try:
-            record = _normalise(raw, fallback_id, set(), local, allow_text=allow_text)
+            record = _normalise(raw, fallback_id, local, allow_text=allow_text)
         except BadRecord as err:
             out[k] = Outcome(None, None, err.at_line(lines[k]))
             continue

@@ -69,7 +69,7 @@ def test_every_skipped_example_of_a_jsonl_file_names_its_line_a_duplicate_id_too
     planned = plan_run(plan_options(tmp_path / "out", dataset=data, num_proc=1), plan_settings(tiny_cache))
     examples = planned.stats["skipped"]["examples"]
     assert set(examples) == {"duplicate_id", "no_turns", "no_assistant_turn"}, examples
-    assert examples["duplicate_id"] == ["good-1 (line 6): id 'good-1' belongs to an earlier usable record of this source"]
+    assert examples["duplicate_id"] == ["good-1 (line 6): id 'good-1' belongs to an earlier usable record of this file (chats.jsonl)"]
     assert examples["no_turns"][0].startswith("zero-turns (line 4): ") and examples["no_assistant_turn"][0].startswith(
         "only-user (line 7): "), examples
 

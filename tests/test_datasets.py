@@ -383,3 +383,17 @@ def test_an_assistant_turn_that_only_calls_tools_may_leave_content_out_and_an_em
     assert first.messages[1] == {"role": "assistant", "content": "", "tool_calls": call}
     assert (first.record_id, second.record_id) == ("e.jsonl:0", "e.jsonl:1")
     assert skips.total == 0 and skips.fixes == {"id_empty": 2}
+
+
+def test_ids_are_unique_within_a_file_and_a_directory_s_files_may_repeat_each_other_s(tmp_path):
+    """Two shards that each number their records from 0: the second's records keep their content under
+    ``<file>/<id>``; a repeat inside one file is still a duplicate_id, named with its file."""
+    (tmp_path / "d").mkdir()
+    _write_lines(tmp_path / "d" / "a.jsonl", [_sg(i, ("human", f"a{i}"), ("gpt", "x")) for i in range(3)])
+    _write_lines(tmp_path / "d" / "b.jsonl", [_sg(i, ("human", f"b{i}"), ("gpt", "y")) for i in (0, 1, 7, 1)])
+    skips = SkipCounter()
+    convs = list(iter_conversations(str(tmp_path / "d"), skips))
+    assert [c.record_id for c in convs] == ["0", "1", "2", "b.jsonl/0", "b.jsonl/1", "7"]
+    assert [c.messages[0]["content"] for c in convs] == ["a0", "a1", "a2", "b0", "b1", "b7"]
+    assert skips.counts == {"duplicate_id": 1} and skips.fixes == {"id_scoped_by_file": 2}
+    assert "this file (b.jsonl" in skips.examples["duplicate_id"][0]

@@ -65,3 +65,54 @@ def test_a_plan_killed_between_windows_resumes_after_them_and_plans_every_sample
     assert len(ids) == len(set(ids)) == resumed.stats["samples"]
     in_batches = sorted(int(i) for b in resumed.batches for i in read_batch(store, b.batch).sample_index_N)
     assert in_batches == list(range(resumed.stats["samples"]))
+
+
+_KILL_DIR_AFTER_WINDOWS = _KILL_AFTER_WINDOWS.replace(
+    'dataset="sharegpt", model="tiny-qwen3.5", output=sys.argv[1], limit=400,',
+    'dataset=sys.argv[4], model="tiny-qwen3.5", output=sys.argv[1],')
+
+
+def _numbered_shards(root) -> None:
+    """Three JSON-lines files that each number their records from 0 (a sharded export): a.jsonl 0-59,
+    b.jsonl 0-119 with id 3 again at its end, c.jsonl 0-79."""
+    import json
+
+    root.mkdir()
+    for name, n in (("a", 60), ("b", 120), ("c", 80)):
+        ids = list(range(n)) + ([3] if name == "b" else [])
+        lines = [json.dumps({"id": i, "messages": [{"role": "user", "content": f"{name} question {k} of {n}"},
+                                                   {"role": "assistant", "content": f"answer {k} from file {name}"}]})
+                 for k, i in enumerate(ids)]
+        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_a_directory_whose_files_number_their_records_from_0_keeps_every_file_through_a_resume(tmp_path, tiny_cache,
+                                                                                               monkeypatch):
+    """Ids are unique within a file, not across a directory's files: a record whose id another file's record
+    has is named ``<file>/<id>`` (repair ``id_scoped_by_file``), a repeat within one file is a duplicate_id
+    naming the file. A plan killed after its first window (which ends inside b.jsonl) resumes to the plan of
+    one uninterrupted pass: the ids each file claimed before the kill are known as that file's."""
+    from producer import planner
+
+    monkeypatch.setattr(planner, "PLAN_WINDOWS", SMALL_WINDOWS)
+    data = tmp_path / "shards"
+    _numbered_shards(data)
+    out = tmp_path / "killed"
+    proc = run_python(["-c", _KILL_DIR_AFTER_WINDOWS, str(out), str(tiny_cache), "1", str(data)], clean_env(),
+                      timeout_s=300)
+    assert proc.returncode == -9, proc.stderr
+    (run_dir,) = [p.parent for p in out.glob("*/run.json")]
+    assert [w.name for w in read_windows(open_store(str(run_dir)))] == ["w000000"]
+    resumed = plan_run(_opts(out, data, num_proc=1), _settings(tiny_cache))
+    whole = plan_run(_opts(tmp_path / "whole", data, num_proc=1), _settings(tiny_cache))
+    assert _plan_files(run_dir) == _plan_files(tmp_path / "whole" / whole.config.run_id)
+
+    ids = [str(r.record_id) for r in SampleRow.read_all(open_store(str(run_dir)))]
+    assert len(ids) == len(set(ids)) == 60 + 120 + 80 == whole.stats["samples"]
+    assert ids[:3] == ["0", "1", "2"] and ids[60:63] == ["b.jsonl/0", "b.jsonl/1", "b.jsonl/2"]
+    assert ids[120:122] == ["60", "61"] and ids[180:182] == ["c.jsonl/0", "c.jsonl/1"]
+    skipped = whole.stats["skipped"]
+    assert skipped["counts"] == {"duplicate_id": 1} and skipped["fixes"]["id_scoped_by_file"] == 60 + 80
+    (example,) = skipped["examples"]["duplicate_id"]
+    assert example == "3 (line 121): id '3' belongs to an earlier usable record of this file (b.jsonl; as 'b.jsonl/3': " \
+                      "a.jsonl has a record with id '3' too)", example
