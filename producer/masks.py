@@ -537,8 +537,8 @@ class ChatTokeniser:
 
     def _check_length(self, rid: str, num_tokens: int) -> None:
         if self.over_length == "drop" and num_tokens > self.max_length:
-            raise BadRecord(rid, "too_long", f"{num_tokens} tokens > max_length={self.max_length} "
-                            "(dropped: over_length='drop'; the default truncates)")
+            raise BadRecord(rid, "too_long", f"{num_tokens} tokens > --max-length {self.max_length} "
+                            "(dropped: --drop-long; without it the sample is truncated)")
 
     def _sample(self, rid: str, ids_S: np.ndarray, loss_mask_S: np.ndarray) -> TokenisedSample:
         """Truncate at ``max_length`` and check the supervised tokens: the rules shared by all forms."""
@@ -581,8 +581,8 @@ class ChatTokeniser:
             raise BadRecord(conv.record_id, "too_long",
                             f"its render has {len(full):,} characters, so more than {len(full) // bound:,} tokens "
                             f"(no token covers more than {bound} characters with this tokenizer) > "
-                            f"max_length={self.max_length} (dropped before tokenising: over_length='drop'; the "
-                            "default truncates)")
+                            f"--max-length {self.max_length} (dropped before tokenising: --drop-long; without it "
+                            "the sample is truncated)")
         return _Prepared(conv.record_id, messages, tools, esc, full, conv.supervised_turns, conv.unfinished_turns)
 
     def _escape(self, value: Any, esc: "_ContentEscape") -> Any:

@@ -477,7 +477,7 @@ def test_a_pretokenised_record_is_used_as_is_under_the_same_length_and_supervisi
     assert cut.truncated and cut.input_ids.tolist() == ids[:8].tolist() and cut.loss_mask.tolist() == mask[:8].tolist()
     with pytest.raises(BadRecord) as info:
         ChatTokeniser(qwen3_tokenizer, max_length=8, over_length="drop").encode(rec)
-    assert info.value.reason == "too_long" and "20 tokens > max_length=8" in info.value.detail
+    assert info.value.reason == "too_long" and "20 tokens > --max-length 8" in info.value.detail
     with pytest.raises(BadRecord) as info:
         ChatTokeniser(qwen3_tokenizer, max_length=6).encode(rec)  # one supervised token left
     assert info.value.reason == "no_supervised_tokens"
@@ -574,8 +574,8 @@ def test_a_20000_token_conversation_is_truncated_to_4096_or_dropped_and_counted_
     rids, ids, masks, truncated = tokenise_dataset(opts, chat_drop, skips)
     assert rids == ["short"] and truncated == [False]
     assert skips.counts == {"too_long": 1}
-    assert skips.examples["too_long"] == [f"long: {full.num_tokens} tokens > max_length=4096 (dropped: "
-                                          "over_length='drop'; the default truncates)"]
+    assert skips.examples["too_long"] == [f"long: {full.num_tokens} tokens > --max-length 4096 (dropped: "
+                                          "--drop-long; without it the sample is truncated)"]
 
 
 def test_drop_long_skips_a_huge_record_without_tokenising_it_and_a_long_one_after(qwen3_tokenizer):
@@ -593,7 +593,7 @@ def test_drop_long_skips_a_huge_record_without_tokenising_it_and_a_long_one_afte
     long = _conv("long", ("user", "Summarise this."), ("assistant", "one two three " * 20))
     with pytest.raises(BadRecord) as info:
         chat.encode(long)
-    assert info.value.reason == "too_long" and "tokens > max_length=16 (dropped: " in info.value.detail
+    assert info.value.reason == "too_long" and "tokens > --max-length 16 (dropped: " in info.value.detail
     kept = ChatTokeniser(qwen3_tokenizer, max_length=16).encode(huge)  # the default truncates it
     assert kept.truncated and kept.num_tokens == 16
 
