@@ -69,6 +69,7 @@ SKIP_REASONS = (
     "bad_tools",
     "bad_pretokenised",
     "text_not_allowed",
+    "unknown_hsx_key",
 )
 
 #: Source role name -> normalised role. ShareGPT exports also carry ``chatgpt``, ``bing`` and
@@ -146,6 +147,8 @@ SUPERVISED_TURNS_KEY = "hsx_supervised_turns"
 #: length limit: the model never ended the turn). Their end-of-turn token, which the chat template
 #: adds, is not supervised (loss mask 0), nor anything the template renders between the reply and it.
 UNFINISHED_TURNS_KEY = "hsx_unfinished_turns"
+#: The record keys hsx reads that change how a record is masked; any other ``hsx_`` key is refused.
+HSX_RECORD_KEYS = (SUPERVISED_TURNS_KEY, UNFINISHED_TURNS_KEY)
 
 
 @dataclass(frozen=True, eq=False)
@@ -556,6 +559,10 @@ def _normalise(raw: Any, fallback_id: str, skips: SkipCounter, *, allow_text: bo
         elif own_id is not None:  # an id that is an object, a list, a float or a bool: its position stands for it
             skips.fix("id_not_a_string_or_integer")
     _check_text(rid, rid, "id")
+    unknown = sorted(k for k in raw if isinstance(k, str) and k.startswith("hsx_") and k not in HSX_RECORD_KEYS)
+    if unknown:  # a misspelt hsx_supervised_turns would change the loss mask with no word
+        raise BadRecord(rid, "unknown_hsx_key", f"{unknown[0]!r} is not a key hsx reads (it reads "
+                        f"{', '.join(HSX_RECORD_KEYS)}): fix its spelling or remove it")
 
     if "messages" in raw:
         turns, role_key, content_key = raw["messages"], "role", "content"

@@ -397,3 +397,18 @@ def test_ids_are_unique_within_a_file_and_a_directory_s_files_may_repeat_each_ot
     assert [c.messages[0]["content"] for c in convs] == ["a0", "a1", "a2", "b0", "b1", "b7"]
     assert skips.counts == {"duplicate_id": 1} and skips.fixes == {"id_scoped_by_file": 2}
     assert "this file (b.jsonl" in skips.examples["duplicate_id"][0]
+
+
+def test_a_misspelt_hsx_key_skips_its_record_naming_the_keys_hsx_reads(tmp_path):
+    """``hsx_supervised_turn`` (singular) would leave every assistant turn supervised with no word: the
+    record is skipped as ``unknown_hsx_key``, naming the key and the ones hsx reads; the others are kept."""
+    good = {"id": "ok", "hsx_supervised_turns": [1], "messages": [{"role": "user", "content": "q"},
+                                                                 {"role": "assistant", "content": "a"}]}
+    typo = dict(good, id="typo", hsx_supervised_turn=[1])
+    del typo["hsx_supervised_turns"]
+    skips = SkipCounter()
+    (kept,) = iter_conversations(str(_write_lines(tmp_path / "k.jsonl", [good, typo])), skips)
+    assert kept.record_id == "ok" and skips.counts == {"unknown_hsx_key": 1}
+    assert skips.examples["unknown_hsx_key"] == [
+        "typo (line 2): 'hsx_supervised_turn' is not a key hsx reads (it reads hsx_supervised_turns, "
+        "hsx_unfinished_turns): fix its spelling or remove it"]
