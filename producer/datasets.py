@@ -535,7 +535,36 @@ def _iter_parquet(path: Path, opener=_open_binary) -> Iterator[Any]:
     with opener(path) as f:
         pf = pq.ParquetFile(f)
         for batch in pf.iter_batches(batch_size=1024):
-            yield from batch.to_pylist()
+            for row in batch.to_pylist():
+                yield without_arrow_nulls(row)
+
+
+def without_arrow_nulls(row: Any) -> Any:
+    """A record read through Arrow (Parquet, the ``datasets`` library), less the nulls Arrow put in its
+    tool schemas and tool calls: a column of structs holds the union of every record's keys, so one
+    record's ``tools`` gains ``"query": null`` for another record's parameter, and the chat template
+    renders it into the prompt (seen: 370 tokens from JSON lines, 379 from Parquet of the same two
+    records). Keys whose value is null are dropped from the dicts inside ``tools`` and each turn's
+    ``tool_calls`` (a null a JSON record gave there cannot be told apart; lists keep their items).
+    Changes ``row`` in place and returns it."""
+    if not isinstance(row, dict):
+        return row
+    if isinstance(row.get("tools"), list):
+        row["tools"] = [_drop_nulls(t) for t in row["tools"]]
+    for key in ("messages", "conversations"):
+        turns = row.get(key)
+        for turn in turns if isinstance(turns, list) else ():
+            if isinstance(turn, dict) and isinstance(turn.get("tool_calls"), list):
+                turn["tool_calls"] = [_drop_nulls(c) for c in turn["tool_calls"]]
+    return row
+
+
+def _drop_nulls(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _drop_nulls(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_drop_nulls(v) for v in x]
+    return x
 
 
 # --------------------------------------------------------------------------------------------

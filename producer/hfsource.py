@@ -56,7 +56,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from hsx.errors import BadConfig, BadDataset
-from producer.datasets import SHAREGPT, SUPPORTED_SUFFIXES, SkipCounter
+from producer.datasets import SHAREGPT, SUPPORTED_SUFFIXES, SkipCounter, without_arrow_nulls
 from producer.selection import choose_positions, describe_order
 from producer.sourcebase import (BLOCK_BYTES, DatasetChanged, RawItem, Source, SourceOptions, _num_blocks,
                                  _read_block)
@@ -279,7 +279,7 @@ class _HfSource(Source):
                                  f"{type(exc).__name__}: {str(exc)[:500]}; fix the data files (or give a split "
                                  "that reads) and run again") from exc
             n += 1
-            yield row
+            yield without_arrow_nulls(row)
 
 
 # --------------------------------------------------------------------------------------------

@@ -412,3 +412,27 @@ def test_a_misspelt_hsx_key_skips_its_record_naming_the_keys_hsx_reads(tmp_path)
     assert skips.examples["unknown_hsx_key"] == [
         "typo (line 2): 'hsx_supervised_turn' is not a key hsx reads (it reads hsx_supervised_turns, "
         "hsx_unfinished_turns): fix its spelling or remove it"]
+
+
+def test_a_parquet_file_gives_the_tool_schemas_and_calls_its_json_lines_give(tmp_path):
+    """Arrow stores a column of structs with every record's keys, null where a record had none: read
+    back, one record's tool schema held another's parameter as ``null`` and the template rendered it.
+    The records of a Parquet file equal those of the same JSON lines."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def record(rid, param, args):
+        tool = {"type": "function", "function": {"name": f"f_{param}", "parameters": {
+            "type": "object", "properties": {param: {"type": "string"}}}}}
+        return {"id": rid, "tools": [tool], "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                "name": f"f_{param}", "arguments": args}}]},
+            {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "done"}]}
+
+    recs = [record("a", "city", {"city": "Paris"}), record("b", "query", {"query": "x"})]
+    pq.write_table(pa.Table.from_pylist(recs), tmp_path / "t.parquet")
+    from_parquet = list(iter_conversations(str(tmp_path / "t.parquet"), SkipCounter()))
+    from_lines = list(iter_conversations(str(_write_lines(tmp_path / "t.jsonl", recs)), SkipCounter()))
+    assert [(c.record_id, c.messages, c.tools) for c in from_parquet] == \
+        [(c.record_id, c.messages, c.tools) for c in from_lines]
