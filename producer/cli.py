@@ -269,8 +269,9 @@ def _plan_table(title: str | None, report: dict) -> Table:
             more = sum(counts.values()) > len(first)  # skipped records not shown here
             t.add_row("e.g.", "\n".join(first) + (f"\n(more in {report['address'].rstrip('/')}/plan/stats.json, "
                                                    "skipped.examples)" if more else ""))
-        for k, v in sorted(skipped.get("fixes", {}).items()):
-            t.add_row("repaired", f"{k} {v:,}")
+        fixes = skipped.get("fixes") or {}
+        if fixes:  # one row, as skipped is (records kept after a repair)
+            t.add_row("repaired", ", ".join(f"{k} {v:,}" for k, v in sorted(fixes.items())))
         for path, nbytes in sorted(skipped.get("truncated_bytes", {}).items()):
             t.add_row("ignored", f"{nbytes:,} trailing bytes of {path} (incomplete last record)")
     ignored = report.get("dataset_ignored") or []

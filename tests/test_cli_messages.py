@@ -67,6 +67,15 @@ def test_the_run_table_shows_one_example_per_skip_reason_and_points_to_the_rest_
     assert "(more in file:///r/plan/stats.json, skipped.examples)" in " ".join(_text(_plan_table("run", report)).split())
 
 
+def test_the_run_table_says_every_repair_in_one_row_as_it_says_the_skips():
+    report = {"run_id": "r", "address": "file:///r", "batches_already_done": 0, "batches_enqueued": 1,
+              "plan": {"batches": 1, "samples": 1, "skipped": {"counts": {}, "fixes": {"b_fix": 2, "a_fix": 1}}}}
+    rows = [line for line in _text(_plan_table("run", report)).splitlines() if "repaired" in line]
+    assert len(rows) == 1 and "a_fix 1, b_fix 2" in rows[0], rows
+    report["plan"]["skipped"]["fixes"] = {}
+    assert "repaired" not in _text(_plan_table("run", report))
+
+
 @pytest.mark.parametrize("width", [80, 100, 160])
 def test_each_progress_line_fits_the_terminal_with_its_count_and_times_whole(width, monkeypatch):
     """At 80 columns a 40-wide bar had rich cut every column (``7…``, ``0:00:…``): the count, the
