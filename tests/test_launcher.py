@@ -327,3 +327,24 @@ def test_the_status_record_of_a_dead_worker_is_marked_stopped_with_how_it_ended(
     assert after["updated_at"] == before["updated_at"] and after["exited_at"] >= before["updated_at"]
     assert not runs.exists()
     assert mark_dead_worker(runs, socket.gethostname(), os.getpid(), "killed by SIGKILL", settings) == []
+
+
+def test_a_hung_worker_is_killed_when_its_lease_ends_and_restarted(tmp_path, launcher_env, launchers):
+    """A worker that is alive but writes no heartbeat (SIGSTOP: every thread stopped) holds its batches
+    for ever where no other worker reclaims them. The launcher watches each child's beat file and, once
+    it is older than the lease (HSX_LEASE_S), kills the child, says why, and restarts it like any death."""
+    launcher = Launcher(tmp_path, launcher_env(lease_s=4), "--count", "1")
+    launchers.append(launcher)
+    wait_until(lambda: launcher.ready_count("cpu0"), START_S, "cpu0 ready")
+    victim = launcher.children()["cpu0"]
+    time.sleep(2)  # its beats are written: a worker stopped before its first one is not judged
+    victim.suspend()
+    wait_until(lambda: launcher.children().get("cpu0", victim).pid != victim.pid, 20, "cpu0 killed and restarted")
+    log = launcher.log()
+    assert re.search(rf"worker cpu0 \(pid {victim.pid}\) wrote no heartbeat for \d+ s \(HSX_LEASE_S 4\): hung; "
+                     "killing it", log), log[-3000:]
+    assert re.search(rf"worker cpu0 \(pid {victim.pid}\) killed by this launcher: no heartbeat for \d+ s .*hung.* "
+                     r"restarting it in 0\.1 s", log), log[-3000:]
+    wait_until(lambda: launcher.ready_count("cpu0") == 2, START_S, "the restarted cpu0 ready")
+    time.sleep(6)  # a working worker beats: it is not killed again
+    assert launcher.log().count("wrote no heartbeat") == 1

@@ -54,6 +54,11 @@ RATE_HISTORY = 256
 RUNS_DIR_ENV = "HSX_WORKER_RUNS_DIR"
 
 
+#: ``<HSX_WORKER_RUNS_DIR>/<pid>.beat``: touched by the presence thread about once a second, so that the
+#: launcher can tell a child that is alive but hung (SIGSTOP, stuck holding the GIL) from a working one.
+BEAT_SUFFIX = ".beat"
+
+
 def runs_dir() -> Path | None:
     """The directory of :data:`RUNS_DIR_ENV`, or None outside a launcher's child."""
     value = os.environ.get(RUNS_DIR_ENV)
@@ -377,10 +382,18 @@ class Heartbeat:
 
     def _presence_loop(self) -> None:
         """The presence's own thread: it holds the leases, so a store write that hangs (an S3 outage
-        under boto's retries, a full disk) must never delay it."""
+        under boto's retries, a full disk) must never delay it. It also touches the launcher's beat
+        file (:data:`BEAT_SUFFIX`)."""
+        listed = runs_dir()
+        beat = listed / f"{os.getpid()}{BEAT_SUFFIX}" if listed is not None else None
         while True:
             self._presence_wake.wait(min(self.interval_s, 1.0))
             self._presence_wake.clear()
+            if beat is not None:
+                try:
+                    beat.touch()
+                except OSError:  # the launcher's directory went away: it judges no hang then
+                    pass
             time.sleep(MIN_WRITE_GAP_S / 4)
             if self._presence_due():
                 self.write_presence()

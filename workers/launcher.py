@@ -66,7 +66,7 @@ from hsx.cliparse import Parser
 from hsx.errors import BadConfig
 from hsx.processes import describe_exit, pid_alive
 from settings import Settings, get_settings
-from workers.heartbeat import RUNS_DIR_ENV
+from workers.heartbeat import BEAT_SUFFIX, RUNS_DIR_ENV
 from workers.heartbeat import runs_dir as listed_runs_dir
 
 log = logging.getLogger("workers.launcher")
@@ -438,12 +438,15 @@ class WorkerSlot:
     """The GPU ids it is pinned to (its CUDA_VISIBLE_DEVICES); () for a CPU worker."""
     keep_fds: tuple[int, ...] = ()
     """Lock files it inherits (:class:`HostLocks`): its name and GPUs stay taken while it lives."""
+    hung_s: float | None = None
+    """Seconds without a beat after which this launcher killed the current process (None: it did not)."""
 
     def start(self) -> None:
         """Start the process. Raises OSError when it cannot be started (fork or exec failed)."""
         self.restart_at = None
         self.terminated = False
         self.ready_said = False
+        self.hung_s = None
         self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=die_with_parent(), pass_fds=self.keep_fds)
         self.started_at = time.monotonic()
 
@@ -797,8 +800,13 @@ def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: i
     def exited(slot: WorkerSlot, now: float) -> None:
         proc, slot.proc = slot.proc, None
         ready = runs_dir / f"{proc.pid}{READY_SUFFIX}"
-        how = describe_exit(proc.returncode) if proc.returncode == 0 else describe_death(proc.returncode, ready.exists() or not settings.model, settings)
+        if slot.hung_s is not None:
+            how = (f"killed by this launcher: no heartbeat for {slot.hung_s:.0f} s (HSX_LEASE_S {settings.lease_s:g}), "
+                   "hung: stopped (SIGSTOP), or stuck where its heartbeat thread cannot run")
+        else:
+            how = describe_exit(proc.returncode) if proc.returncode == 0 else describe_death(proc.returncode, ready.exists() or not settings.model, settings)
         ready.unlink(missing_ok=True)
+        (runs_dir / f"{proc.pid}{BEAT_SUFFIX}").unlink(missing_ok=True)
         if proc.returncode != 0:  # it could not write its last status record: write it for it (store I/O: a thread)
             t = threading.Thread(target=mark_dead_worker, name=f"mark-{proc.pid}", daemon=True,
                                  args=(runs_dir / f"{proc.pid}.runs", socket.gethostname(), proc.pid, how, settings))
@@ -858,6 +866,16 @@ def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: i
                 elif (slot.proc is not None and not slot.ready_said and settings.model
                       and (runs_dir / f"{slot.proc.pid}{READY_SUFFIX}").exists()):
                     ready(slot, now)
+                elif slot.proc is not None and slot.hung_s is None and state["stopping_at"] is None:
+                    silent_s = beat_age_s(runs_dir, slot.proc.pid)
+                    if silent_s is not None and silent_s > settings.lease_s:
+                        # Alive but silent past its lease: the fleet counts it lost, and with no other
+                        # worker its batches would wait for it for ever. Killed, it is restarted and its
+                        # batches put back as for any death.
+                        slot.hung_s = silent_s
+                        log.error("worker %s (pid %d) wrote no heartbeat for %.0f s (HSX_LEASE_S %g): hung; killing it",
+                                  slot.name, slot.proc.pid, silent_s, settings.lease_s)
+                        slot.proc.kill()
                 if slot.restart_at is not None and now >= slot.restart_at and state["stopping_at"] is None:
                     start(slot, now)
                     if slot.proc is not None:
@@ -884,6 +902,15 @@ def _supervise(settings: Settings, env: dict[str, str], runs_dir: Path, count: i
     if locks is not None:
         locks.close()
     return 1 if state["gave_up"] else 0
+
+
+def beat_age_s(runs_dir: Path, pid: int) -> float | None:
+    """Seconds since worker ``pid`` last touched its beat file (``workers/heartbeat.py``
+    :data:`~workers.heartbeat.BEAT_SUFFIX`), by this host's clock; None before its first beat."""
+    try:
+        return time.time() - (runs_dir / f"{pid}{BEAT_SUFFIX}").stat().st_mtime
+    except OSError:
+        return None
 
 
 def stop_children(slots: list[WorkerSlot], grace_s: float) -> None:
