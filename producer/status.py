@@ -56,13 +56,13 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hsx.layout import PLAN_WINDOWS_PREFIX, names_under
+from hsx.layout import PLAN_WINDOWS_PREFIX, marker_key, names_under
 from hsx.processes import pid_alive, pid_namespace
 from hsx.plan import plan_complete, planning_failed, read_batch_list, read_planning_record
 from hsx.records import (BatchSummary, Cancelled, Marker, Planning, PlanWindow, Stats, WorkerStatus, done_batches, read_failures,
                          read_heartbeats)
 from hsx.runconfig import load_run
-from hsx.store import MissingKey, Store, mask_url
+from hsx.store import MissingKey, Store, exists, mask_url
 from producer.words import plural
 
 #: Seconds of recent markers the current rate (and the ETA) is measured over (at least the last
@@ -415,10 +415,13 @@ class RunWatch:
         for gone in set(self.markers) - done:  # a marker deleted to rerun its batch
             del self.markers[gone]
         new = sorted(done - set(self.markers))
+        unreadable: list[str] = []  # markers that exist but do not parse: counted done, their shards not certified
         with ThreadPoolExecutor(16) as pool:
             for batch, m in zip(new, pool.map(self._read_marker, new)):
                 if m is not None:
                     self.markers[batch] = m
+                elif exists(store, marker_key(batch)):  # not deleted since the listing: damaged
+                    unreadable.append(batch)
         failures = read_failures(store, done)
 
         total = len(by_name)
@@ -534,6 +537,7 @@ class RunWatch:
             "worker_seconds": round(sum(m["seconds"] for m in self.markers.values()), 3),
             "batch_seconds_max": round(max((m["seconds"] for m in self.markers.values()), default=0.0), 3),
             "bytes_stored": sum(m["bytes"] for m in self.markers.values()),
+            "markers_unreadable": unreadable,
             **rate,
             "regenerate": self.regenerate,
             **generated,

@@ -85,6 +85,13 @@ def progress_table(status: dict) -> Table:
             "; running batches finish"
         t.add_row("cancelled", Text(f"by {cancelled.get('by')} at {cancelled.get('at')}{now}", style="yellow"))
         t.add_row("to resume", Text(status.get("resume") or ""))
+    bad = status.get("markers_unreadable") or []
+    if bad:  # counted done (their batches are not sent again), but nothing certifies their shards
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5:,} more" if len(bad) > 5 else "")
+        run = status["address"]
+        t.add_row("damaged", Text(f"{plural(len(bad), 'marker')} that do not parse ({shown}): counted done, their "
+                                  f"shards not certified; python -m producer verify {run}, then python -m producer "
+                                  f"reconcile {run} --repair and the same run command", style="red"))
     if status.get("stalled_reason"):
         queued = state == "queued"
         t.add_row("waiting" if queued else "stalled", Text(status["stalled_reason"], style="yellow"))

@@ -749,3 +749,24 @@ def test_the_failures_table_shows_a_short_error_whole_and_says_where_it_cut_a_lo
     said = console.export_text()
     assert "ValueError: short" in said and "short ..." not in said
     assert long_error[:FAILURE_CHARS] + " ... (cut; --json has it whole)" in said and " END" not in said
+
+
+def test_a_marker_that_does_not_parse_is_named_as_damaged_with_the_commands_that_repair_it(small_run, tmp_path):
+    """A cut or emptied marker file: its batch is still counted done (workers skip it: its marker exists), but
+    status names it, says its shard is not certified, and gives verify, then reconcile --repair."""
+    run_dir = copy_run(small_run, tmp_path)
+    store = open_store(str(run_dir))
+    batches = [b.batch for b in read_batch_list(store)]
+    store.write(marker_key(batches[0]), b'{"batch": "b0000')
+    store.write(marker_key(batches[-1]), b"")
+    status = RunWatch(store).poll()
+    assert status["markers_unreadable"] == [batches[0], batches[-1]]
+    assert status["batches_done"] == len(batches)
+    out = Console(record=True, width=300)
+    out.print(status_view(status))
+    text = " ".join(out.export_text().split())
+    assert f"2 markers that do not parse ({batches[0]}, {batches[-1]})" in text, text
+    assert f"python -m producer verify {status['address']}, then python -m producer reconcile" in text, text
+    store.write(marker_key(batches[0]), store.read(marker_key(batches[1])).replace(
+        batches[1].encode(), batches[0].encode()))  # rewritten whole (any parseable marker): no longer named
+    assert RunWatch(store).poll()["markers_unreadable"] == [batches[-1]]
