@@ -840,6 +840,11 @@ class RunWatch:
         self._merge_presences(broker, row, rows)
 
         for name, reply in ((broker or {}).get("workers") or {}).items():
+            if (reply.get("host"), reply.get("pid")) not in rows and not any(
+                    x.get("run_id") == self.config.run_id for x in reply.get("running") or []):
+                # every worker on the broker answers inspect: one that neither serves this run (its records and
+                # presence say) nor runs a batch of it is another run's, and must not count as serving this one
+                continue
             r = row(reply.get("host"), reply.get("pid"))
             r["sources"].append("inspect")
             r["name"] = name

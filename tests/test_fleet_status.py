@@ -321,3 +321,23 @@ def test_the_fleet_view_says_which_claims_no_live_worker_holds_and_lists_no_dead
                  "when it died:", "b000052 (forward, put back or done since)", "b000002 (forward, still claimed)"):
         assert said in view, f"{said!r} not in the view: {view}"
     assert "b000052 (forward) " not in view + " ", "a dead worker's batch is not shown as one it holds"
+
+
+@pytest.mark.timeout(180)
+def test_a_run_enqueued_on_a_queue_no_worker_serves_is_queued_with_the_start_command_not_served(template, cluster,
+                                                                                                tmp_path):
+    """A live worker on the broker serves queue ``gpu`` and ``out``; a run enqueued on queue ``idleq`` into
+    ``other``: every worker answers inspect, but this one neither serves the run nor runs a batch of it, so
+    status says ``queued`` with the command that starts a worker for it, never "live workers serve the run"."""
+    cluster.worker("w0", **FAST)
+    other = tmp_path / "other"
+    env = clean_env(broker_url=cluster.broker.url, cache_dir=cluster.cache, state_dir=tmp_path / "state",
+                    heartbeat_s=1, queue="idleq", store_url=str(other))
+    report = json.loads(run_here(["enqueue", *JOB, "--output", str(other), "--json"], env).stdout)
+    wait_until(lambda: any(w["live"] for w in json.loads(run_here(["status", "--json"], clean_env(
+        broker_url=cluster.broker.url, cache_dir=cluster.cache)).stdout)["workers"]), 60, "the worker's presence")
+    status = json.loads(run_here(["status", report["address"], "--json"], env).stdout)
+    assert status["state"] == "queued", (status["state"], status["stalled_reason"], status["workers"])
+    assert status["workers"] == [], status["workers"]
+    assert "start no other" not in (status["restart"] or "") and "python -m workers" in status["restart"], \
+        status["restart"]
