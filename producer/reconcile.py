@@ -214,6 +214,15 @@ def reconcile_run(run_store: Store, settings: Settings, broker_url: str | None, 
             why[name] = "failed: " + failures[name].error[:200]
         else:
             why[name] = "not queued, not running and not parked"
+    if broker_url and lost:
+        # One view reads presences before claims and markers first: a delivery made, or a batch finished,
+        # while it read looked lost (seen: "its worker died" of a batch a live worker had just taken).
+        # Enqueue's look decides, as for every message sent: markers last, a second look at unlisted claims.
+        from producer.enqueue import where_batches_are
+
+        found = where_batches_are(settings, broker_url, run_url, run_store, [b.batch for b in lost])
+        lost = [b for b in lost if b.batch not in found]
+        why = {name: text for name, text in why.items() if name not in found}
     cleared: list[str] = []
     if broker_url:
         cleared = clear_finished_claims(broker_url, run_url, done, dry_run=dry_run)
