@@ -154,18 +154,25 @@ def certified_rows(run_store: Store, marker: Marker, *, check: bool, tmp_dir: Pa
     ``check`` hashes the shard against the marker first (:func:`local_shard`'s ``expect``).
 
     Raises:
-        hsx.errors.FidelityError: ``check`` and the bytes differ from the marker's.
-        hsx.store.MissingKey: the shard is absent.
+        hsx.errors.FidelityError: ``check`` and the bytes differ from the marker's, or the shard is absent
+            (every reader says it so, with the command that finds the rest: ``verify``).
     """
     from safetensors import safe_open
 
     skip = quarantined_ids(marker)
+    if run_store.size(marker.shard.key) is None:  # one stat / HEAD: said as every reader says it, not a bare OSError
+        raise _missing_shard(run_store, marker)
     with local_shard(run_store, marker.shard.key, expect=marker.shard if check else None, tmp_dir=tmp_dir) as path:
         with safe_open(str(path), framework="pt") as f:
             sample_index_N = f.get_tensor("sample_index").tolist()
             cu_N1 = f.get_tensor("cu_seqlens").tolist()
             yield f, [(j, int(sample_index_N[j]), cu_N1[j], cu_N1[j + 1])
                       for j in range(start, len(sample_index_N)) if sample_index_N[j] not in skip]
+
+
+def _missing_shard(run_store: Store, marker: Marker) -> FidelityError:
+    return FidelityError(f"batch {marker.batch}: shard {marker.shard.key} is missing from {run_store.url}; "
+                         "run `python -m producer verify` (then `reconcile --repair` and the run command again)")
 
 
 def shard_index(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -315,7 +322,7 @@ class HiddenStatesDataset(_Dataset):
         for batch, marker in markers.items():
             path = store.local_path(marker.shard.key)
             if path is None or not path.is_file():
-                raise FidelityError(f"batch {batch}: shard {marker.shard.key} is missing; run `python -m producer verify`")
+                raise _missing_shard(store, marker)
             skip = quarantined_ids(marker)
             sample_index_N, cu_N1 = shard_index(path)
             shard_id = len(paths)

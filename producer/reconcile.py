@@ -141,7 +141,9 @@ def repair_bad_batches(run_store: Store, settings: Settings | None = None) -> di
         key = marker.shard.key if marker is not None else None
         if key:
             run_store.delete(key)
-        log.warning("repair: batch %s had %s; removed its marker and shard %s", batch, ", ".join(bad[batch]), key)
+        log.warning("repair: batch %s had %s; removed its marker%s", batch, ", ".join(bad[batch]),
+                    f" and shard {key}" if key else " (it did not parse: its shard, named by no marker now, is removed "
+                    "by a later reconcile once older than the grace period)")
     return bad
 
 

@@ -97,6 +97,18 @@ def test_the_map_style_dataset_with_verify_refuses_a_shard_altered_after_its_mar
     assert len(HiddenStatesDataset(str(run_dir))) == small_run["report"]["plan"]["samples"]
 
 
+@pytest.mark.parametrize("reader", [HiddenStatesDataset, IterableHiddenStatesDataset])
+def test_a_missing_shard_is_a_fidelity_error_naming_its_batch_and_verify_in_every_reader(reader, small_run, tmp_path):
+    """A shard deleted after its marker: both readers say which batch and shard, and what to run
+    (the iterable one raised a bare FileNotFoundError)."""
+    run_dir = copy_run(small_run, tmp_path)
+    (shard,) = (run_dir / "shards").glob("b000001-*.safetensors")
+    shard.unlink()
+    with pytest.raises(FidelityError, match=rf"batch b000001: shard shards/{shard.name} is missing from .*"
+                                            r"python -m producer verify"):
+        list(reader(str(run_dir)))
+
+
 def test_iterable_dataset_streams_the_same_samples_and_splits_shards_between_ranks(small_run):
     """Shard by shard, every stored sample once, equal to the shards; ranks get disjoint shards covering the run."""
     ref = read_samples(open_store(small_run["address"]))
