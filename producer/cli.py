@@ -16,7 +16,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from hsx.cliparse import Parser
-from hsx.errors import BadSettings, HsxError
+from hsx.errors import BadSettings, FidelityError, HsxError
 from hsx.layout import RUN_JSON
 from hsx.shard import Final, StoreDtype
 from hsx.store import MissingKey, exists, mask_url, open_store
@@ -727,14 +727,16 @@ def cmd_export(args, settings: Settings) -> int:
         with progress_factory() as progress:
             report = export_run(run_store, args.format, target, group_size=args.group_size, partial=args.partial,
                                 settings=settings, progress=progress)
-    except MissingKey as exc:
+    except (MissingKey, FidelityError) as exc:
         remove_partial()
-        if not exists(run_store, "run.json"):
+        if isinstance(exc, MissingKey) and not exists(run_store, "run.json"):
             console.print(_no_run_message(args.run_address, run_store), highlight=False)
             return 2
-        # the run is there, a file its markers name is not (a shard deleted or lost since it was certified)
+        # the run is there, a file its markers name is not (a shard deleted or lost since it was certified), or
+        # not as its marker says
         left = f"{target} removed" if created else f"{target} emptied again"
-        console.print(f"export stopped: {exc}, a file the run's markers name; nothing of the export is left ({left}). "
+        what = f"{exc}, a file the run's markers name" if isinstance(exc, MissingKey) else str(exc).split("; run `")[0]
+        console.print(f"export stopped: {what}; nothing of the export is left ({left}). "
                       f"`python -m producer verify {run_store.url}` lists every missing or altered shard; "
                       f"`python -m producer reconcile {run_store.url} --repair` drops their markers, and the run's "
                       "command run again extracts those batches again", highlight=False)

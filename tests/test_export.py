@@ -407,7 +407,8 @@ def test_an_export_that_meets_a_missing_shard_says_which_and_leaves_nothing(smal
     proc = run_here(["export", str(run_dir), "--format", "specforge-dflash", str(target)], small_run["env"])
     said = " ".join(proc.stderr.split() + proc.stdout.split())
     assert proc.returncode == 1, said
-    assert f"export stopped: '{'shards/' + shards[-1].name}' not found in" in said, said
-    assert "a file the run's markers name; nothing of the export is left" in said and "no run.json" not in said, said
+    assert f"export stopped: batch {shards[-1].name.split('-')[0]}: shard {'shards/' + shards[-1].name} is missing " \
+           "from" in said, said
+    assert "; nothing of the export is left" in said and "no run.json" not in said, said
     assert "producer verify" in said and "reconcile" in said and "--repair" in said, said
     assert not target.exists()
