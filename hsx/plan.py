@@ -26,6 +26,8 @@ Each batch file holds (legend: T = tokens in the batch, N = samples in the batch
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -60,6 +62,19 @@ def batch_key(batch: str) -> str:
     return batch_plan_key(batch)
 
 
+#: The plan file's metadata key holding :meth:`BatchPlan.tensors_sha256`.
+PLAN_SHA256_KEY = "tensors_sha256"
+
+
+def _metadata(data: bytes) -> dict:
+    """The ``__metadata__`` of safetensors bytes (its header: 8 bytes of length, then JSON); {} if unreadable."""
+    try:
+        n = int.from_bytes(data[:8], "little")
+        return json.loads(data[8:8 + n]).get("__metadata__") or {}
+    except (ValueError, AttributeError):
+        return {}
+
+
 @dataclass
 class BatchPlan:
     """One batch as planned: concatenated samples (no padding). See the module docstring for shapes."""
@@ -82,16 +97,32 @@ class BatchPlan:
     def lengths_N(self) -> np.ndarray:
         return np.diff(self.cu_seqlens_N1)
 
+    def _stored(self) -> dict[str, np.ndarray]:
+        return {
+            "input_ids": self.input_ids_T.astype(np.int32, copy=False),
+            "loss_mask": self.loss_mask_T.astype(np.uint8, copy=False),
+            "cu_seqlens": self.cu_seqlens_N1.astype(np.int64, copy=False),
+            "sample_index": self.sample_index_N.astype(np.int64, copy=False),
+        }
+
+    def tensors_sha256(self) -> str:
+        """sha256 of the four tensors' bytes as stored (int32 ``input_ids``, uint8 ``loss_mask``, int64
+        ``cu_seqlens`` and ``sample_index``, little-endian, in that order): what the file's metadata
+        records at planning, so that a changed token id or mask byte is found when the batch is read."""
+        h = hashlib.sha256()
+        for a in self._stored().values():
+            h.update(np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).data)
+        return h.hexdigest()
+
     def to_bytes(self) -> bytes:
-        return st_save(
-            {
-                "input_ids": self.input_ids_T.astype(np.int32, copy=False),
-                "loss_mask": self.loss_mask_T.astype(np.uint8, copy=False),
-                "cu_seqlens": self.cu_seqlens_N1.astype(np.int64, copy=False),
-                "sample_index": self.sample_index_N.astype(np.int64, copy=False),
-            },
-            metadata={"batch": self.batch},
-        )
+        data = st_save(self._stored(), metadata={"batch": self.batch, PLAN_SHA256_KEY: self.tensors_sha256()})
+        # safetensors writes the metadata in a hash map's order, which differs between processes: the header
+        # again with sorted keys, so that one plan is the same bytes however often it is written (a resumed
+        # plan equals one pass). The data offsets count from the header's end: unchanged.
+        n = int.from_bytes(data[:8], "little")
+        head = json.dumps(json.loads(data[8:8 + n]), separators=(",", ":"), sort_keys=True).encode()
+        head += b" " * (-len(head) % 8)
+        return len(head).to_bytes(8, "little") + head + data[8 + n:]
 
     @classmethod
     def from_bytes(cls, batch: str, data: bytes) -> "BatchPlan":
@@ -113,6 +144,11 @@ class BatchPlan:
         problem = plan.problem()
         if problem:
             raise BadPlan(f"plan of batch {batch}: {problem}; the file was damaged after planning: plan the run "
+                          "again into a new output")
+        recorded = _metadata(data).get(PLAN_SHA256_KEY)  # plans written before it was recorded have none
+        if recorded is not None and recorded != plan.tensors_sha256():
+            raise BadPlan(f"plan of batch {batch}: its tensors do not hash to the sha256 recorded when it was planned "
+                          f"({recorded[:16]}...): a token id, mask byte or offset changed after planning; plan the run "
                           "again into a new output")
         return plan
 
