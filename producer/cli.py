@@ -1031,7 +1031,11 @@ def main(argv: list[str] | None = None) -> int:
         return {"enqueue": cmd_enqueue, "run": cmd_run, "status": cmd_status, "flower": cmd_flower, "verify": cmd_verify, "export": cmd_export,
                 "vocab-counts": cmd_vocab_counts, "reconcile": cmd_reconcile, "cancel": cmd_cancel}[args.command](args, settings)
     except HsxError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        from hsx.errors import StoreFull
+
+        fix = ("; free space on the store (or give another --output), then run the same command again: what was "
+               "written is kept" if isinstance(exc, StoreFull) else "")
+        console.print(f"[red]error:[/] {exc}{fix}", highlight=False)
         return 2
     except BrokenPipeError:
         # The reader of stdout left (`status --json | head`): not an error of ours. Point stdout at

@@ -854,8 +854,13 @@ def no_usable_record_message(dataset: str, skips: SkipCounter) -> str:
 
 
 def _describe(exc: BaseException) -> str:
+    from hsx.errors import StoreFull
+
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (Ctrl-C or SIGTERM) while planning; the same command resumes after the last window written"
+    if isinstance(exc, StoreFull):  # what to do, as status says it
+        return (f"{exc.__class__.__name__}: {str(exc)[:500]}; free space on the store, then run the same command: "
+                "the plan resumes after the last window written")
     return f"{exc.__class__.__name__}: {str(exc)[:500]}"
 
 
