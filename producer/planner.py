@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from itertools import islice, zip_longest
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -503,7 +503,7 @@ class PlanJob:
         for w in done:  # rebuild the duplicate-id check of one pass over the dataset
             for r in SampleRow.read_window(store, w.name):
                 seen.note(str(r.record_id), r.scope)
-            for rid, scope in zip_longest(w.claimed_ids, w.claimed_scopes[:len(w.claimed_ids)]):
+            for rid, scope in zip(w.claimed_ids, w.claimed_scopes or [None] * len(w.claimed_ids)):  # none: older plans
                 seen.note(rid, scope)
         records_read = done[-1].records_read if done else 0
         source_skips = SkipCounter()  # what the readers note about whole files (a truncated JSON array)
