@@ -550,7 +550,7 @@ class ChatTokeniser:
         if not np.any(loss_mask_S[1:] & loss_mask_S[:-1]):
             raise BadRecord(rid, "no_supervised_tokens",
                             f"{int(loss_mask_S.sum())} supervised tokens in {ids_S.shape[0]}"
-                            + (f" after truncation at max_length={self.max_length}" if truncated else "")
+                            + (f" after truncation at --max-length {self.max_length}" if truncated else "")
                             + f"; need {MIN_CONSECUTIVE_SUPERVISED} consecutive")
         return TokenisedSample(record_id=rid, input_ids=ids_S, loss_mask=loss_mask_S, truncated=truncated)
 
