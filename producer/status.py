@@ -465,7 +465,9 @@ class RunWatch:
         lease_wait = [{"worker": w["label"], "batches": [b for b, _ in w["_held"] if b not in done],
                        "back_in_s": w["reclaim_in_s"]} for w in workers
                       if (w.get("reclaim_in_s") or 0) > 0 and any(b not in done for b, _ in w["_held"])]
-        if parked or not any(w["online"] for w in workers):  # parked batches need a fix; no live worker, a start
+        if parked or not any(w["online"] for w in workers) or (self.broker == "embedded" and self.embedded_live is False):
+            # parked batches need a fix; no live worker, a start; a `producer run` gone with its broker and workers
+            # (a double Ctrl-C): nothing puts them back but the same command again
             lease_wait = []
         if (state == "running" or quiet_planner) and (workers or parked) and not lease_wait \
                 and not any(self._works_on_it(w, now) for w in workers):
@@ -634,6 +636,8 @@ class RunWatch:
             return ""
         left = sum(1 for b, _ in w.get("_held", []) if b not in self.markers)
         n = plural(left, "batch")
+        if self.broker == "embedded" and self.embedded_live is False:  # no worker and no broker left to put them back
+            return f" (it held {n}: the same `python -m producer run` command again enqueues {'it' if left == 1 else 'them'})"
         if back > 0:
             verb = "comes back by itself" if left == 1 else "come back by themselves"
             return f" (its {n} {verb} when its lease ends, in about {fmt_duration(back)})"

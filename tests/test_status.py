@@ -770,3 +770,22 @@ def test_a_marker_that_does_not_parse_is_named_as_damaged_with_the_commands_that
     store.write(marker_key(batches[0]), store.read(marker_key(batches[1])).replace(
         batches[1].encode(), batches[0].encode()))  # rewritten whole (any parseable marker): no longer named
     assert RunWatch(store).poll()["markers_unreadable"] == [batches[-1]]
+
+
+def test_a_lost_worker_of_a_producer_run_that_is_gone_is_not_said_to_give_its_batches_back_by_its_lease(small_run,
+                                                                                                       tmp_path):
+    """A double Ctrl-C: the `producer run`, its broker and its workers are gone. The lost worker's batch waits
+    for that command again, not for a lease no live worker will act on."""
+    run_dir, store, last = _one_batch_left(small_run, tmp_path)
+    now = float(int(time.time()))
+    store.write("workers/node9-43.json", json.dumps({
+        "host": "node9", "pid": 43, "device": "cpu", "state": "working", "heartbeat_s": 5.0,
+        "batches": [{"batch": last, "phase": "forward", "since": _utc(now - 20)}],
+        "updated_at": _utc(now - 40)}).encode())  # stale (lost), its lease (120 s) not ended
+    watch = RunWatch(store, broker="embedded")
+    said = watch.poll(now=now)["stalled_reason"]
+    assert "when its lease ends" in said, said  # as far as status knows, that command may still run
+    watch.embedded_live = False
+    said = watch.poll(now=now)["stalled_reason"]
+    assert "it held 1 batch: the same `python -m producer run` command again enqueues it" in said, said
+    assert "lease" not in said, said
