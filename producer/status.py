@@ -497,6 +497,9 @@ class RunWatch:
                 generated["generated_tokens_per_s"] = None
         if state not in ("running", "planning"):
             lease_wait = []
+        online = [w for w in workers if w["online"]]
+        if eta is not None and online and all(w.get("paused") for w in online):
+            eta = None  # every live worker waits (a full store, a full spool): the recent rate says nothing of the rest
         for w in workers:
             w.pop("_held", None)
         broker_out = None

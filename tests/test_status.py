@@ -789,3 +789,21 @@ def test_a_lost_worker_of_a_producer_run_that_is_gone_is_not_said_to_give_its_ba
     said = watch.poll(now=now)["stalled_reason"]
     assert "it held 1 batch: the same `python -m producer run` command again enqueues it" in said, said
     assert "lease" not in said, said
+
+
+def test_a_run_whose_every_live_worker_is_paused_has_no_eta(small_run, tmp_path):
+    """The store full: the only live worker waits with the batch in hand. The recent rate says nothing of
+    when the rest is done, so no ETA (the pause itself is said); once it works again, an ETA."""
+    run_dir, store, last = _one_batch_left(small_run, tmp_path)
+    now = float(int(time.time()))
+    record = {"host": "node7", "pid": 41, "device": "cpu", "state": "paused", "heartbeat_s": 5.0,
+              "paused_reason": "store full at /data (2 MiB free)", "paused_since": _utc(now - 30),
+              "batches": [{"batch": last, "phase": "paused", "since": _utc(now - 30)}], "updated_at": _utc(now - 1)}
+    store.write("workers/node7-41.json", json.dumps(record).encode())
+    status = RunWatch(store).poll(now=now)
+    assert status["state"] == "running" and status["eta_s"] is None, (status["state"], status["eta_s"])
+    assert status["workers"][0]["paused"].startswith("store full")
+    working = {**record, "state": "working", "paused_reason": None, "paused_since": None,
+               "batches": [{"batch": last, "phase": "forward", "since": _utc(now - 1)}]}
+    store.write("workers/node7-41.json", json.dumps(working).encode())
+    assert RunWatch(store).poll(now=now)["eta_s"] is not None
