@@ -691,7 +691,12 @@ def cmd_verify(args, settings: Settings) -> int:
         batches = problem_batches(report)
         out.print(f"[red]verify FAILED[/]: {plural(len(problems), 'problem')} in {plural(len(batches), 'batch')}: "
                   + ", ".join(batches[:20]) + (" ..." if len(batches) > 20 else ""), highlight=False)
-        if others:  # the table's counts are the markers'; these batches' data is not what they certify
+        plan_bad = [p for p in others if p["kind"] in ("plan_unreadable", "plan_missing", "plan_mismatch")]
+        if plan_bad:  # redoing the batch reads the same damaged plan: only a new plan helps
+            out.print("fix: the plan itself is damaged (plan_*): redoing its batches reads it again and fails; plan "
+                      "the run again into a new --output (the same command with another --output)", highlight=False,
+                      soft_wrap=True)
+        if len(plan_bad) < len(others):  # the table's counts are the markers'; these batches' data is not what they certify
             out.print(f"fix: `python -m producer reconcile {report['address']} --repair` (drops the bad batches' markers "
                       "and sends them again), let them be redone (on one machine: the same `producer run` again), then "
                       "verify again", highlight=False, soft_wrap=True)

@@ -77,7 +77,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hsx.errors import BadConfig, StoreError
+from hsx.errors import BadConfig, BadPlan, StoreError
 from hsx.fp8 import E4M3_REL_ERR
 from hsx.layout import (PLAN_WINDOWS_PREFIX, SAMPLES_JSONL, SHARDS_PREFIX, batch_plan_key, marker_key,
                         names_under, window_key, window_samples_key)
@@ -243,6 +243,8 @@ def _check_batch(run_store: Store, config: RunConfig, config_sha: str, batch: st
         except StoreError as exc:
             res.certified = own_batch and marker.config_sha256 == config_sha
             return unverified(batch_plan_key(batch), exc)
+        except BadPlan as exc:  # the bytes are not the planned ones: a problem of this batch, the others still checked
+            problem("plan_unreadable", f"{batch_plan_key(batch)}: {exc}")
     plan_samples = [] if plan is None else plan.sample_index_N.tolist()
 
     shard = marker.shard  # a marker without one does not read (RecordFormatError: marker_unreadable)
@@ -880,6 +882,9 @@ def verify_run(run_store: Store, *, recompute: int = 0, seed: int | None = None,
         report["recompute"] = summary
         problems.extend(rproblems)
 
+    # a damaged plan file is met twice (the plan's own check, and the batch's against its shard): said once
+    once = {(p.batch, p.kind) for p in problems if p.kind == "plan_unreadable" and p.batch != "-" and p.window}
+    problems = [p for p in problems if p.window or p.kind != "plan_unreadable" or (p.batch, p.kind) not in once]
     report["unverified"] = sorted({p.batch for p in problems if p.kind == UNVERIFIED and p.batch != "-"})
     report["problems"] = [asdict(p) for p in problems]
     report["ok"] = not problems

@@ -62,3 +62,23 @@ def test_verify_names_a_plan_file_whose_token_id_changed_after_planning(small_ru
     said = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode != 0, said
     assert "b000001" in said and "do not hash to the sha256 recorded when it was planned" in said, said
+
+
+def test_verify_reports_a_damaged_plan_of_a_done_batch_as_a_problem_and_checks_the_others(small_run, tmp_path):
+    """The batch still has its marker: verify does not stop at it (it exited 2 with no report), it lists it as
+    ``plan_unreadable``, checks every other batch, exits 1, and says that only a new plan helps."""
+    import json as _json
+
+    run_dir = copy_run(small_run, tmp_path)
+    path = run_dir / "plan" / "batches" / "b000001.safetensors"
+    data = path.read_bytes()
+    tensors = load(data)
+    ids = tensors["input_ids"].copy()
+    ids[-1] += 1
+    path.write_bytes(save({**tensors, "input_ids": ids}, metadata=_metadata(data)))
+    proc = run_here(["verify", str(run_dir), "--json"], small_run["env"])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = _json.loads(proc.stdout)
+    assert [(p["batch"], p["kind"]) for p in report["problems"]] == [("b000001", "plan_unreadable")], report["problems"]
+    said = " ".join(run_here(["verify", str(run_dir)], small_run["env"]).stdout.split())
+    assert "plan the run again into a new --output" in said and "reconcile" not in said.split("verify FAILED")[1], said
