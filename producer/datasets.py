@@ -313,7 +313,7 @@ def iter_conversations(
                 if isinstance(raw, BadRecord):  # a line that did not parse
                     raise raw
                 conv = _normalise(raw, fallback_id, skips, allow_text=allow_text)
-                rid = claims.claim(conv.record_id, id_scope(fallback_id))
+                rid = claims.claim(conv.record_id, id_scope(fallback_id), generated=conv.record_id == fallback_id)
                 if rid != conv.record_id:
                     skips.fix(IdClaims.SCOPED_FIX)
                     conv = dataclasses.replace(conv, record_id=rid)
@@ -588,7 +588,7 @@ def _normalise(raw: Any, fallback_id: str, skips: SkipCounter, *, allow_text: bo
         elif own_id is not None:  # an id that is an object, a list, a float or a bool: its position stands for it
             skips.fix("id_not_a_string_or_integer")
     _check_text(rid, rid, "id")
-    unknown = sorted(k for k in raw if isinstance(k, str) and k.startswith("hsx_") and k not in HSX_RECORD_KEYS)
+    unknown = sorted(k for k in raw if isinstance(k, str) and k.lower().startswith("hsx_") and k not in HSX_RECORD_KEYS)
     if unknown:  # a misspelt hsx_supervised_turns would change the loss mask with no word
         raise BadRecord(rid, "unknown_hsx_key", f"{unknown[0]!r} is not a key hsx reads (it reads "
                         f"{', '.join(HSX_RECORD_KEYS)}): fix its spelling or remove it")
@@ -696,54 +696,76 @@ def id_scope(fallback_id: str) -> str:
 
 class IdClaims:
     """The record ids claimed so far in one pass over a source, each with the scope (file) of the record
-    that claimed it. Only usable records claim an id: in ShareGPT V3 all 123 repeated ids are an empty
-    record followed by a real one with the same id, and the real one must not be lost.
+    that claimed it and how (its own id, a name given to it here, or its generated ``<file>:<index>``).
+    Only usable records claim an id: in ShareGPT V3 all 123 repeated ids are an empty record followed
+    by a real one with the same id, and the real one must not be lost.
 
-    Ids are unique within a file: a later usable record of the same file with a claimed id is a
+    Ids are unique within a file: a later usable record of the same file with the same own id is a
     ``duplicate_id``. Across the files of a directory they need not be (shards that each number their
-    records from 0): a record whose id a record of another file claimed is named ``<file>/<id>``
-    (counted as the repair ``id_scoped_by_file``), so that every sample's record id stays unique and no
-    file is lost. A claim whose scope is not known (a plan resumed from windows written before scopes
-    were recorded) is treated as one of the same file, as that code did.
+    records from 0): a record whose id is already taken otherwise (by another file's record, by a name
+    given here, by a generated id) is named ``<file>/<id>``, or ``<file>/<id>#2``, ``#3``... if that is
+    taken too (counted as the repair ``id_scoped_by_file``), so that every sample's record id is unique
+    and no record is lost. A claim whose scope is not known (a plan resumed from windows written before
+    scopes were recorded) is treated as one of the same file, as that code did. "Earlier" is the order
+    records are read in: with ``--shuffle`` / ``--sample``, that order.
     """
 
     SCOPED_FIX = "id_scoped_by_file"
+    _OWN, _GIVEN, _GENERATED = "own", "given", "generated"
 
     def __init__(self):
-        self._scope: dict[str, str | None] = {}
+        self._claims: dict[str, str | None] = {}  # id -> "<scope>\0<how>" (interned: one string per file and kind)
 
     def __len__(self) -> int:
-        return len(self._scope)
+        return len(self._claims)
 
     def __contains__(self, rid: str) -> bool:
-        return rid in self._scope
+        return rid in self._claims
+
+    @staticmethod
+    def _value(scope: str | None, how: str) -> str | None:
+        return None if scope is None else sys.intern(f"{scope}\0{how}")
+
+    @staticmethod
+    def _split(value: str | None) -> tuple[str | None, str]:
+        if value is None:
+            return None, IdClaims._OWN
+        scope, _, how = value.partition("\0")
+        return scope, how
 
     def note(self, rid: str, scope: str | None) -> None:
-        """Record an id claimed earlier (rebuilding the claims of a resumed plan)."""
-        self._scope.setdefault(rid, sys.intern(scope) if scope is not None else None)
+        """Record an id claimed earlier (rebuilding the claims of a resumed plan; how it was claimed is
+        read off its shape: ``<scope>/...`` a name given here, ``<scope>:...`` a generated one)."""
+        how = (self._GIVEN if scope is not None and rid.startswith(f"{scope}/") else
+               self._GENERATED if scope is not None and rid.startswith(f"{scope}:") else self._OWN)
+        self._claims.setdefault(rid, self._value(scope, how))
 
-    def claim(self, rid: str, scope: str | None, line: int | None = None) -> str:
-        """Claim ``rid`` for a usable record read from ``scope``; returns the id the record gets
-        (``rid``, or ``<scope>/<rid>`` where another file claimed ``rid``).
+    def claim(self, rid: str, scope: str | None, line: int | None = None, *, generated: bool = False) -> str:
+        """Claim ``rid`` for a usable record read from ``scope`` (``generated``: ``rid`` is its
+        ``<file>:<index>``, it has no id of its own); returns the id the record gets.
 
         Raises:
-            BadRecord: ``duplicate_id``, naming where the earlier record came from.
+            BadRecord: ``duplicate_id``: an earlier record of the same file had the same own id.
         """
-        if scope is not None:
-            scope = sys.intern(scope)  # one string per file, not one per record, in a million-record claim map
-        owner = self._scope.get(rid, _UNCLAIMED)
-        if owner is _UNCLAIMED:
-            self._scope[rid] = scope
+        held = self._claims.get(rid, _UNCLAIMED)
+        if held is _UNCLAIMED:
+            self._claims[rid] = self._value(scope, self._GENERATED if generated else self._OWN)
             return rid
-        if owner is None or owner == scope:
+        owner, how = self._split(held)
+        if not generated and how == self._OWN and (owner is None or owner == scope):
             raise BadRecord(rid, "duplicate_id", f"id {rid!r} belongs to an earlier usable record of "
                             + (f"this file ({scope})" if scope else "this source"), line)
-        scoped = f"{scope}/{rid}"
-        if scoped in self._scope:
-            raise BadRecord(rid, "duplicate_id", f"id {rid!r} belongs to an earlier usable record of this file "
-                            f"({scope}; as {scoped!r}: {owner} has a record with id {rid!r} too)", line)
-        self._scope[scoped] = scope
-        return scoped
+        base = f"{scope}/{rid}"
+        name, n = base, 1
+        while name in self._claims:
+            owner, how = self._split(self._claims[name])
+            if not generated and how == self._GIVEN and owner == scope:  # this file's earlier record of that id
+                raise BadRecord(rid, "duplicate_id", f"id {rid!r} belongs to an earlier usable record of this "
+                                f"file ({scope}; named {name!r}: another file has a record with id {rid!r} too)", line)
+            n += 1
+            name = f"{base}#{n}"
+        self._claims[name] = self._value(scope, self._GIVEN)
+        return name
 
 
 _UNCLAIMED = object()

@@ -531,7 +531,8 @@ class PlanJob:
                         window.skips.add(outcome.skip)
                     else:
                         try:  # its line, as every other skip's example has (a JSON-lines record's)
-                            rid = seen.claim(outcome.claimed, scope, getattr(_raw, "lineno", None))
+                            rid = seen.claim(outcome.claimed, scope, getattr(_raw, "lineno", None),
+                                             generated=outcome.claimed == _fid)
                         except BadRecord as dup:
                             window.skips.add(dup)
                         else:

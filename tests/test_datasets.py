@@ -406,12 +406,15 @@ def test_a_misspelt_hsx_key_skips_its_record_naming_the_keys_hsx_reads(tmp_path)
                                                                  {"role": "assistant", "content": "a"}]}
     typo = dict(good, id="typo", hsx_supervised_turn=[1])
     del typo["hsx_supervised_turns"]
+    upper = dict(good, id="upper", HSX_supervised_turns=[1])
+    del upper["hsx_supervised_turns"]
     skips = SkipCounter()
-    (kept,) = iter_conversations(str(_write_lines(tmp_path / "k.jsonl", [good, typo])), skips)
-    assert kept.record_id == "ok" and skips.counts == {"unknown_hsx_key": 1}
-    assert skips.examples["unknown_hsx_key"] == [
+    (kept,) = iter_conversations(str(_write_lines(tmp_path / "k.jsonl", [good, typo, upper])), skips)
+    assert kept.record_id == "ok" and skips.counts == {"unknown_hsx_key": 2}
+    assert skips.examples["unknown_hsx_key"][0] == (
         "typo (line 2): 'hsx_supervised_turn' is not a key hsx reads (it reads hsx_supervised_turns, "
-        "hsx_unfinished_turns): fix its spelling or remove it"]
+        "hsx_unfinished_turns): fix its spelling or remove it")
+    assert skips.examples["unknown_hsx_key"][1].startswith("upper (line 3): 'HSX_supervised_turns' is not a key")
 
 
 def test_a_parquet_file_gives_the_tool_schemas_and_calls_its_json_lines_give(tmp_path):
@@ -436,3 +439,24 @@ def test_a_parquet_file_gives_the_tool_schemas_and_calls_its_json_lines_give(tmp
     from_lines = list(iter_conversations(str(_write_lines(tmp_path / "t.jsonl", recs)), SkipCounter()))
     assert [(c.record_id, c.messages, c.tools) for c in from_parquet] == \
         [(c.record_id, c.messages, c.tools) for c in from_lines]
+
+
+def test_a_name_given_to_a_record_never_takes_another_record_s_id_and_generated_ids_are_never_dropped(tmp_path):
+    """The three collisions a new user built: a later record whose own id is the name given to an earlier one
+    (``b.jsonl/0``), a name already taken by another file's own id, and an own id equal to a generated
+    ``<file>:<index>``. Each record is kept under a name no other record has."""
+    def rec(rid, text):
+        out = {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]}
+        return out if rid is None else {"id": rid, **out}
+
+    (tmp_path / "d").mkdir()
+    _write_lines(tmp_path / "d" / "a.jsonl", [rec(0, "a0"), rec("b.jsonl/1", "a-literal"), rec("a.jsonl:3", "a-own"),
+                                              rec(None, "a-no-id"), rec(1, "a1")])
+    _write_lines(tmp_path / "d" / "b.jsonl", [rec(0, "b0"), rec("b.jsonl/0", "b-literal"), rec(1, "b1"),
+                                              rec(1, "b1-again")])
+    skips = SkipCounter()
+    convs = list(iter_conversations(str(tmp_path / "d"), skips))
+    ids = {c.messages[0]["content"]: c.record_id for c in convs}
+    assert ids == {"a0": "0", "a-literal": "b.jsonl/1", "a-own": "a.jsonl:3", "a-no-id": "a.jsonl/a.jsonl:3",
+                   "a1": "1", "b0": "b.jsonl/0", "b-literal": "b.jsonl/b.jsonl/0", "b1": "b.jsonl/1#2"}, ids
+    assert skips.counts == {"duplicate_id": 1} and skips.examples["duplicate_id"][0].startswith("1 (line 4)")

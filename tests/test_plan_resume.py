@@ -114,5 +114,5 @@ def test_a_directory_whose_files_number_their_records_from_0_keeps_every_file_th
     skipped = whole.stats["skipped"]
     assert skipped["counts"] == {"duplicate_id": 1} and skipped["fixes"]["id_scoped_by_file"] == 60 + 80
     (example,) = skipped["examples"]["duplicate_id"]
-    assert example == "3 (line 121): id '3' belongs to an earlier usable record of this file (b.jsonl; as 'b.jsonl/3': " \
-                      "a.jsonl has a record with id '3' too)", example
+    assert example == "3 (line 121): id '3' belongs to an earlier usable record of this file (b.jsonl; named " \
+                      "'b.jsonl/3': another file has a record with id '3' too)", example
